@@ -1,0 +1,59 @@
+"""Atomic outputs: everything megatron-vlm writes goes to a temporary sibling and is renamed at the end.
+
+A crash, a bad input or Ctrl-C never leaves an output directory (or file) that looks complete but is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+class OutputExistsError(FileExistsError):
+    pass
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike, overwrite: bool = False, what: str = "output directory"):
+    """Yield a fresh temporary directory next to ``final``; rename it to ``final`` when the block succeeds.
+
+    ``final`` must not exist unless ``overwrite`` (then it is replaced only after the new one is complete).
+    On any exception the temporary directory is removed and ``final`` is untouched.
+    """
+    final = Path(final).absolute()
+    if final.exists() and not overwrite:
+        raise OutputExistsError(f"{what} {final} already exists; remove it or pass --overwrite")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and an atomic rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

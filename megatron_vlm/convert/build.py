@@ -1,0 +1,162 @@
+"""Build an HF ``LlavaForConditionalGeneration`` directory from an HF causal LM and an HF vision encoder.
+
+The result loads with ``LlavaForConditionalGeneration.from_pretrained`` and ``AutoProcessor.from_pretrained``:
+safetensors weights, a tokenizer with the image token (and a pad token), the vision encoder's image
+processor, and the chat template of :mod:`megatron_vlm.tokenizer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from megatron_vlm.atomic import atomic_dir
+from megatron_vlm.spec import SUPPORTED_TEXT, SUPPORTED_VISION, UnsupportedArchitectureError
+from megatron_vlm.tokenizer import DEFAULT_IMAGE_TOKEN, add_vlm_tokens, default_chat_template
+
+log = logging.getLogger(__name__)
+
+
+def _vision_family(vision_dir: Path) -> str:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(vision_dir))
+    family = cfg.model_type.replace("_vision_model", "")
+    if family not in SUPPORTED_VISION:
+        raise UnsupportedArchitectureError(
+            f"vision model {vision_dir} has model_type {cfg.model_type!r}; supported: "
+            f"{', '.join(SUPPORTED_VISION)} (vision-only or full dual-encoder checkpoints)"
+        )
+    return family
+
+
+def _load_vision(vision_dir: Path, family: str, dtype):
+    from transformers import CLIPVisionModel, SiglipVisionModel
+
+    cls = {"clip": CLIPVisionModel, "siglip": SiglipVisionModel}[family]
+    return cls.from_pretrained(str(vision_dir), dtype=dtype)
+
+
+def _load_image_processor(vision_dir: Path, vision_config):
+    from transformers import AutoImageProcessor, CLIPImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(str(vision_dir))
+    except (OSError, ValueError):
+        size = vision_config.image_size
+        log.warning("%s has no image processor config; using CLIPImageProcessor at %d px", vision_dir, size)
+        return CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+
+
+def build_llava(
+    text_model,
+    vision_model,
+    save_dir,
+    vocab_size_padding: int | None = None,
+    vision_feature_layer: int = -2,
+    vision_feature_select_strategy: str | None = None,
+    image_token: str = DEFAULT_IMAGE_TOKEN,
+    projector_bias: bool = True,
+    dtype: str = "auto",
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Path:
+    """Assemble and save the LLaVA directory; returns ``save_dir``.
+
+    ``vision_feature_select_strategy`` defaults to 'default' (drop CLS) for CLIP and 'full' for SigLIP.
+    """
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    text_dir, vision_dir, save_dir = Path(text_model), Path(vision_model), Path(save_dir)
+    for what, d in (("--text-model", text_dir), ("--vision-model", vision_dir)):
+        if not (d / "config.json").is_file():
+            raise FileNotFoundError(f"{what} {d} is not a Hugging Face model directory (no config.json)")
+    text_cfg = AutoConfig.from_pretrained(str(text_dir))
+    if text_cfg.model_type not in SUPPORTED_TEXT:
+        raise UnsupportedArchitectureError(
+            f"text model {text_dir} has model_type {text_cfg.model_type!r}; supported: {', '.join(SUPPORTED_TEXT)}"
+        )
+    family = _vision_family(vision_dir)
+    if vision_feature_select_strategy is None:
+        vision_feature_select_strategy = "default" if family == "clip" else "full"
+    if family == "siglip" and vision_feature_select_strategy == "default":
+        raise ValueError("SigLIP has no CLS token: use --vision-feature-select-strategy full")
+    torch_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+    log.info("loading text model %s", text_dir)
+    lm = AutoModelForCausalLM.from_pretrained(str(text_dir), dtype=torch_dtype or "auto")
+    log.info("loading vision model %s (%s)", vision_dir, family)
+    vit = _load_vision(vision_dir, family, torch_dtype or lm.dtype)
+    num_layers = vit.config.num_hidden_layers
+    if not -(num_layers + 1) <= vision_feature_layer < num_layers + 1:
+        raise ValueError(
+            f"--vision-feature-layer {vision_feature_layer} is out of range for a vision model with "
+            f"{num_layers} layers (valid: -{num_layers + 1}..{num_layers})"
+        )
+
+    tokenizer = AutoTokenizer.from_pretrained(str(text_dir))
+    add_vlm_tokens(tokenizer, image_token)
+    tokenizer.chat_template = default_chat_template(image_token)
+    vocab = len(tokenizer)
+    padded = vocab if not vocab_size_padding else int(math.ceil(vocab / vocab_size_padding) * vocab_size_padding)
+    torch.manual_seed(seed)
+    lm.resize_token_embeddings(vocab, pad_to_multiple_of=None)
+    if padded != vocab:
+        lm.resize_token_embeddings(padded)
+
+    image_processor = _load_image_processor(vision_dir, vit.config)
+    patches = (vit.config.image_size // vit.config.patch_size) ** 2
+    has_cls = family == "clip"
+    image_seq_length = patches + (1 if has_cls and vision_feature_select_strategy == "full" else 0)
+    text_config = lm.config
+    config = LlavaConfig(
+        vision_config=vit.config.to_dict(),
+        text_config=text_config.to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids(image_token),
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy=vision_feature_select_strategy,
+        vision_feature_layer=vision_feature_layer,
+        image_seq_length=image_seq_length,
+        multimodal_projector_bias=projector_bias,
+        tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+    )
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(lm.dtype)
+    model.model.language_model.load_state_dict(lm.model.state_dict())
+    if not config.tie_word_embeddings:
+        model.lm_head.load_state_dict(lm.lm_head.state_dict())
+    else:
+        model.tie_weights()
+    model.model.vision_tower.load_state_dict(vit.state_dict())
+    gen = model.generation_config
+    gen.pad_token_id = tokenizer.pad_token_id
+    gen.eos_token_id = tokenizer.eos_token_id
+    if tokenizer.bos_token_id is not None:
+        gen.bos_token_id = tokenizer.bos_token_id
+
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=vit.config.patch_size,
+        vision_feature_select_strategy=vision_feature_select_strategy,
+        chat_template=tokenizer.chat_template,
+        image_token=image_token,
+        num_additional_image_tokens=1 if has_cls else 0,
+    )
+    with atomic_dir(save_dir, overwrite=overwrite, what="--save-dir") as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        processor.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+    log.info("saved LLaVA (%s + %s, vocab %d padded to %d) to %s", text_cfg.model_type, family, vocab, padded, save_dir)
+    return save_dir

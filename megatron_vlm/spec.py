@@ -1,0 +1,307 @@
+"""The architecture spec: one dataclass that describes a LLaVA model, and the only place that derives
+Megatron configs from an HF config.
+
+``VLMSpec.from_hf(llava_config, tokenizer)`` reads an HF ``LlavaConfig``; ``spec.language_config(...)``,
+``spec.vision_config(...)``, ``spec.projection_config(...)`` and ``spec.llava_kwargs()`` give what
+megatron-core's ``LLaVAModel`` needs; ``spec.to_hf_config()`` goes back. The spec is saved as JSON next to
+every Megatron checkpoint (``SPEC_FILE``) so that a checkpoint alone tells what it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SPEC_FILE = "vlm_spec.json"
+SUPPORTED_TEXT = ("llama", "mistral", "qwen2")
+SUPPORTED_VISION = ("clip", "siglip")
+# Llama-3 rope scaling parameters that megatron-core's RotaryEmbedding hard-codes (only `factor` is free).
+_MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+class ParallelismError(ValueError):
+    pass
+
+
+@dataclass
+class VLMSpec:
+    # language model
+    text_family: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    norm_epsilon: float
+    rotary_base: float
+    max_position_embeddings: int
+    vocab_size: int  # rows of the HF embedding (tokenizer size, plus any padding build_llava added)
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    rope_scaling_factor: float | None = None  # Llama-3 scaling (megatron's fixed low/high/original params)
+    sliding_window: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    # vision encoder
+    vision_family: str = "clip"
+    vision_num_layers: int = 24  # layers of the HF vision tower
+    vision_hidden_size: int = 1024
+    vision_ffn_hidden_size: int = 4096
+    vision_num_attention_heads: int = 16
+    vision_norm_epsilon: float = 1e-5
+    vision_activation: str = "quick_gelu"
+    image_size: int = 336
+    patch_size: int = 14
+    vision_feature_layer: int = -2
+    vision_feature_select_strategy: str = "default"
+    # projector
+    projector_bias: bool = True
+    projector_activation: str = "gelu"
+    # tokens
+    image_token: str = "<image>"
+    image_token_id: int = -1
+    pad_token_id: int | None = None
+    # the HF configs this spec came from (for an exact reconstruction on export)
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    # ---- derived geometry -------------------------------------------------------------------------
+    @property
+    def padded_vocab_size(self) -> int:
+        d = self.make_vocab_size_divisible_by
+        return int(math.ceil(self.vocab_size / d) * d)
+
+    @property
+    def vit_num_layers(self) -> int:
+        """Layers the Megatron ViT runs: HF hidden_states[k] is the output of the first k layers."""
+        k = self.vision_feature_layer
+        return self.vision_num_layers + 1 + k if k < 0 else k
+
+    @property
+    def has_class_token(self) -> bool:
+        return self.vision_family == "clip"
+
+    @property
+    def drop_class_token(self) -> bool:
+        return self.has_class_token and self.vision_feature_select_strategy == "default"
+
+    @property
+    def num_image_tokens(self) -> int:
+        n = (self.image_size // self.patch_size) ** 2
+        return n + (1 if self.has_class_token and not self.drop_class_token else 0)
+
+    # ---- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, cfg, tokenizer=None) -> "VLMSpec":
+        """Build from an HF ``LlavaConfig`` (object or dict); ids come from ``tokenizer`` when given."""
+        from transformers import LlavaConfig
+
+        if isinstance(cfg, dict):
+            cfg = LlavaConfig(**cfg)
+        if getattr(cfg, "model_type", None) != "llava":
+            raise UnsupportedArchitectureError(
+                f"model_type {getattr(cfg, 'model_type', None)!r} is not 'llava'; build a LLaVA directory "
+                "first with convert/build_llava.py"
+            )
+        t, v = cfg.text_config, cfg.vision_config
+        if t.model_type not in SUPPORTED_TEXT:
+            raise UnsupportedArchitectureError(
+                f"language model type {t.model_type!r} is not supported; supported: {', '.join(SUPPORTED_TEXT)}"
+            )
+        vfam = v.model_type.replace("_vision_model", "")
+        if vfam not in SUPPORTED_VISION:
+            raise UnsupportedArchitectureError(
+                f"vision model type {v.model_type!r} is not supported; supported: {', '.join(SUPPORTED_VISION)}"
+            )
+        if not isinstance(cfg.vision_feature_layer, int):
+            raise UnsupportedArchitectureError(
+                f"vision_feature_layer={cfg.vision_feature_layer} (a list of layers) is not supported; use one layer"
+            )
+        if getattr(t, "hidden_act", "silu") != "silu":
+            raise UnsupportedArchitectureError(f"language hidden_act {t.hidden_act!r} is not supported (silu only)")
+        if getattr(t, "mlp_bias", False) or (t.model_type != "qwen2" and getattr(t, "attention_bias", False)):
+            raise UnsupportedArchitectureError("language models with MLP/attention output biases are not supported")
+        rope = _rope_parameters(t)
+        rope_factor = None
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "llama3":
+            for k, want in _MCORE_LLAMA3_ROPE.items():
+                if float(rope.get(k, want)) != want:
+                    raise UnsupportedArchitectureError(
+                        f"Llama-3 rope scaling with {k}={rope.get(k)} is not supported by megatron-core "
+                        f"(it fixes {k}={want})"
+                    )
+            rope_factor = float(rope["factor"])
+        elif rope_type not in ("default", None):
+            raise UnsupportedArchitectureError(f"rope scaling type {rope_type!r} is not supported (default, llama3)")
+        sliding = getattr(t, "sliding_window", None)
+        if t.model_type == "qwen2" and not getattr(t, "use_sliding_window", False):
+            sliding = None
+        vact = v.hidden_act
+        if vact not in ("quick_gelu", "gelu_pytorch_tanh", "gelu"):
+            raise UnsupportedArchitectureError(f"vision hidden_act {vact!r} is not supported")
+        if cfg.projector_hidden_act != "gelu":
+            raise UnsupportedArchitectureError(
+                f"projector_hidden_act {cfg.projector_hidden_act!r} is not supported (gelu only)"
+            )
+        strategy = cfg.vision_feature_select_strategy
+        if vfam == "siglip" and strategy != "full":
+            raise UnsupportedArchitectureError("SigLIP has no CLS token: vision_feature_select_strategy must be 'full'")
+        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+        spec = cls(
+            text_family=t.model_type,
+            num_layers=t.num_hidden_layers,
+            hidden_size=t.hidden_size,
+            ffn_hidden_size=t.intermediate_size,
+            num_attention_heads=t.num_attention_heads,
+            num_query_groups=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
+            kv_channels=head_dim,
+            norm_epsilon=t.rms_norm_eps,
+            rotary_base=float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))),
+            max_position_embeddings=t.max_position_embeddings,
+            vocab_size=t.vocab_size,
+            qkv_bias=t.model_type == "qwen2",
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False) or getattr(t, "tie_word_embeddings", False)),
+            rope_scaling_factor=rope_factor,
+            sliding_window=sliding,
+            vision_family=vfam,
+            vision_num_layers=v.num_hidden_layers,
+            vision_hidden_size=v.hidden_size,
+            vision_ffn_hidden_size=v.intermediate_size,
+            vision_num_attention_heads=v.num_attention_heads,
+            vision_norm_epsilon=v.layer_norm_eps,
+            vision_activation=vact,
+            image_size=v.image_size,
+            patch_size=v.patch_size,
+            vision_feature_layer=cfg.vision_feature_layer,
+            vision_feature_select_strategy=strategy,
+            projector_bias=bool(getattr(cfg, "multimodal_projector_bias", True)),
+            image_token_id=int(cfg.image_token_id),
+            pad_token_id=getattr(cfg, "pad_token_id", None),
+            hf_config=cfg.to_dict(),
+        )
+        if tokenizer is not None:
+            from megatron_vlm.tokenizer import image_token_of, special_token_ids
+
+            spec.image_token = image_token_of(tokenizer)
+            ids = special_token_ids(tokenizer, spec.image_token)
+            if ids.image != spec.image_token_id:
+                raise ValueError(
+                    f"tokenizer's {spec.image_token!r} id {ids.image} != config image_token_id {spec.image_token_id}"
+                )
+            spec.pad_token_id = ids.pad
+            if len(tokenizer) > spec.vocab_size:
+                raise ValueError(
+                    f"tokenizer has {len(tokenizer)} tokens but the embedding only {spec.vocab_size} rows; "
+                    "rebuild the model with convert/build_llava.py"
+                )
+        if not 1 <= spec.vit_num_layers <= spec.vision_num_layers:
+            raise UnsupportedArchitectureError(
+                f"vision_feature_layer={spec.vision_feature_layer} selects {spec.vit_num_layers} of "
+                f"{spec.vision_num_layers} vision layers; it must select at least one"
+            )
+        return spec
+
+    @classmethod
+    def from_hf_dir(cls, hf_dir) -> "VLMSpec":
+        from transformers import AutoConfig, AutoTokenizer
+
+        hf_dir = Path(hf_dir)
+        if not (hf_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
+        tok = AutoTokenizer.from_pretrained(str(hf_dir)) if (hf_dir / "tokenizer_config.json").exists() else None
+        return cls.from_hf(AutoConfig.from_pretrained(str(hf_dir)), tok)
+
+    def to_hf_config(self):
+        from transformers import LlavaConfig
+
+        return LlavaConfig(**self.hf_config)
+
+    # ---- persistence ------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "VLMSpec":
+        data = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def save(self, directory) -> Path:
+        from megatron_vlm.atomic import atomic_write_text
+
+        path = Path(directory) / SPEC_FILE
+        atomic_write_text(path, self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, directory) -> "VLMSpec":
+        path = Path(directory) / SPEC_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{directory} has no {SPEC_FILE}; it is not a megatron-vlm checkpoint "
+                "(convert one with convert/hf_to_megatron.py)"
+            )
+        return cls.from_json(path.read_text())
+
+    # ---- parallelism checks -----------------------------------------------------------------------
+    def check_parallelism(self, tp: int, pp: int, pp_layers: list[int] | None = None) -> list[int]:
+        """Validate TP/PP against the shapes; return the number of language layers per PP stage."""
+        if tp < 1 or pp < 1:
+            raise ParallelismError(f"--tp {tp} / --pp {pp} must be >= 1")
+        checks = [
+            ("num_attention_heads", self.num_attention_heads, "language model"),
+            ("num_query_groups (num_key_value_heads)", self.num_query_groups, "language model"),
+            ("ffn_hidden_size (intermediate_size)", self.ffn_hidden_size, "language model"),
+            ("num_attention_heads", self.vision_num_attention_heads, "vision model"),
+            ("ffn_hidden_size (intermediate_size)", self.vision_ffn_hidden_size, "vision model"),
+            ("hidden_size (projector)", self.hidden_size, "projector"),
+            ("padded vocab size", self.padded_vocab_size, "language model"),
+        ]
+        for name, value, where in checks:
+            if value % tp:
+                raise ParallelismError(
+                    f"tp={tp} does not divide {name}={value} of {where}; choose --tp from "
+                    f"{_divisors_pow2(value)}"
+                )
+        if pp_layers:
+            if len(pp_layers) != pp or sum(pp_layers) != self.num_layers or min(pp_layers) < 1:
+                raise ParallelismError(
+                    f"--pp-layers {','.join(map(str, pp_layers))} must give {pp} positive counts summing to "
+                    f"num_layers={self.num_layers}"
+                )
+            if pp > 2 and len(set(pp_layers[1:-1])) > 1:
+                raise ParallelismError(
+                    f"--pp-layers {','.join(map(str, pp_layers))}: megatron-core allows only the first and last "
+                    "stage to differ; middle stages need the same count"
+                )
+            return list(pp_layers)
+        if self.num_layers % pp:
+            raise ParallelismError(
+                f"pp={pp} does not divide num_layers={self.num_layers} of language model; choose --pp from "
+                f"{[d for d in range(1, self.num_layers + 1) if self.num_layers % d == 0]} or give an uneven "
+                "split with --pp-layers"
+            )
+        return [self.num_layers // pp] * pp
+
+
+def _divisors_pow2(n: int) -> list[int]:
+    return [d for d in (1, 2, 4, 8, 16) if n % d == 0]
+
+
+def _rope_parameters(text_config) -> dict:
+    """HF rope settings as one dict (transformers 5 ``rope_parameters`` or 4.x ``rope_scaling``)."""
+    params = dict(getattr(text_config, "rope_parameters", None) or {})
+    scaling = getattr(text_config, "rope_scaling", None)
+    if scaling:
+        params.update(scaling)
+    if "rope_theta" not in params and hasattr(text_config, "rope_theta"):
+        params["rope_theta"] = text_config.rope_theta
+    return params
