@@ -66,7 +66,7 @@ def text_config(family: str = "llama", vocab_size: int = 300, **overrides):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=16384,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
     )

@@ -1,0 +1,205 @@
+"""Megatron checkpoint layout and model weight I/O (torch_dist and legacy ``torch``).
+
+Layout (Megatron's)::
+
+    <dir>/latest_checkpointed_iteration.txt      "release" or an integer; written last
+    <dir>/release/ or <dir>/iter_0000100/
+        vlm_spec.json                             the architecture (megatron_vlm.spec)
+        ckpt_meta.json                            format, tp, pp, pp_layers, iteration, dtype
+        hf_extra.safetensors                      HF tensors the Megatron model does not hold
+        <torch_dist files>  or  mp_rank_XX[_YYY]/model_optim_rng.pt
+    <dir>/tokenizer/                              tokenizer + processor files (copied from the HF dir)
+
+An iteration directory is written under a temporary name and renamed when complete; the tracker is
+updated after the rename, so a crash never leaves a checkpoint that looks complete but is not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_vlm.atomic import atomic_write_text
+from megatron_vlm.spec import SPEC_FILE, VLMSpec
+
+TRACKER = "latest_checkpointed_iteration.txt"
+META = "ckpt_meta.json"
+EXTRA = "hf_extra.safetensors"
+TOKENIZER_DIR = "tokenizer"
+FORMATS = ("torch_dist", "torch")
+
+
+class CheckpointLayoutError(ValueError):
+    pass
+
+
+@dataclass
+class CheckpointMeta:
+    format: str
+    tp: int
+    pp: int
+    pp_layers: list[int]
+    iteration: int | str = "release"
+    dtype: str = "float32"
+    extra: dict = field(default_factory=dict)
+
+    def save(self, iter_dir) -> None:
+        atomic_write_text(Path(iter_dir) / META, json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, iter_dir) -> "CheckpointMeta":
+        path = Path(iter_dir) / META
+        if not path.is_file():
+            raise CheckpointLayoutError(f"{iter_dir} has no {META}; it was not written by megatron-vlm")
+        return cls(**json.loads(path.read_text()))
+
+
+def iter_dir_name(iteration: int | str) -> str:
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+
+
+def read_tracker(ckpt_dir) -> int | str | None:
+    path = Path(ckpt_dir) / TRACKER
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    if text == "release":
+        return "release"
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointLayoutError(f"{path} holds {text!r}; expected an iteration number or 'release'") from None
+
+
+def write_tracker(ckpt_dir, iteration: int | str) -> None:
+    atomic_write_text(Path(ckpt_dir) / TRACKER, str(iteration))
+
+
+def resolve_iteration_dir(ckpt_dir, iteration: int | str | None = None) -> Path:
+    """The iteration directory to read: ``iteration`` if given, else the tracker's."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointLayoutError(f"--megatron-dir {ckpt_dir} does not exist")
+    if (ckpt_dir / META).is_file():  # pointed directly at an iteration directory
+        return ckpt_dir
+    if iteration is None:
+        iteration = read_tracker(ckpt_dir)
+        if iteration is None:
+            found = sorted(p.name for p in ckpt_dir.iterdir() if p.name.startswith(("iter_", "release")))
+            hint = f"; it has {', '.join(found)}: pass --iteration" if found else ""
+            raise CheckpointLayoutError(f"{ckpt_dir} has no {TRACKER}, so it is not a finished checkpoint{hint}")
+    path = ckpt_dir / iter_dir_name(iteration)
+    if not path.is_dir():
+        raise CheckpointLayoutError(f"{path} does not exist (iteration {iteration} of {ckpt_dir})")
+    return path
+
+
+def list_iterations(ckpt_dir) -> list[int]:
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    its = []
+    for p in ckpt_dir.iterdir():
+        if p.name.startswith("iter_") and p.is_dir() and (p / META).is_file():
+            its.append(int(p.name[5:]))
+    return sorted(its)
+
+
+def write_side_files(iter_dir, spec: VLMSpec, extra: dict[str, torch.Tensor] | None) -> None:
+    """The spec and the HF-only tensors, which every iteration directory carries."""
+    from safetensors.torch import save_file
+
+    spec.save(iter_dir)
+    save_file({k: v.contiguous() for k, v in (extra or {}).items()}, str(Path(iter_dir) / EXTRA))
+
+
+def read_extra(iter_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = Path(iter_dir) / EXTRA
+    return load_file(str(path)) if path.is_file() else {}
+
+
+def copy_side_files(src_iter_dir, dst_iter_dir) -> None:
+    for name in (SPEC_FILE, EXTRA):
+        if (Path(src_iter_dir) / name).is_file():
+            shutil.copy2(Path(src_iter_dir) / name, Path(dst_iter_dir) / name)
+
+
+def copy_tokenizer(hf_dir, ckpt_dir) -> None:
+    """Copy tokenizer / processor / chat template files (not weights) into ``<ckpt_dir>/tokenizer``."""
+    dst = Path(ckpt_dir) / TOKENIZER_DIR
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in Path(hf_dir).iterdir():
+        if p.is_file() and not p.name.endswith((".safetensors", ".bin", ".pt")) and p.name != "model.safetensors.index.json":
+            shutil.copy2(p, dst / p.name)
+
+
+# ---- legacy `torch` format -----------------------------------------------------------------------
+def legacy_rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def legacy_rank_file(iter_dir, tp_rank: int, pp_rank: int, pp: int) -> Path:
+    return Path(iter_dir) / legacy_rank_dir(tp_rank, pp_rank, pp) / "model_optim_rng.pt"
+
+
+def save_legacy_rank(iter_dir, tp_rank, pp_rank, pp, state: dict, iteration) -> None:
+    path = legacy_rank_file(iter_dir, tp_rank, pp_rank, pp)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save({"model": state, "checkpoint_version": 3.0, "iteration": iteration}, tmp)
+    os.replace(tmp, path)
+
+
+def load_legacy_rank(iter_dir, tp_rank, pp_rank, pp, mmap: bool = True) -> dict:
+    path = legacy_rank_file(iter_dir, tp_rank, pp_rank, pp)
+    if not path.is_file():
+        raise CheckpointLayoutError(f"{path} is missing; the checkpoint is incomplete")
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+# ---- model weights in a running world --------------------------------------------------------------
+def check_meta(meta: CheckpointMeta, spec: VLMSpec, tp: int, pp: int, where) -> None:
+    if meta.format == "torch" and (meta.tp, meta.pp) != (tp, pp):
+        raise CheckpointLayoutError(
+            f"{where} is a legacy 'torch' checkpoint written at tp={meta.tp} pp={meta.pp}, which cannot be "
+            f"loaded at tp={tp} pp={pp}; use --tp {meta.tp} --pp {meta.pp}, or convert it to torch_dist "
+            "(which reshards on load)"
+        )
+
+
+def load_model_weights(model, iter_dir, strict: bool = True) -> CheckpointMeta:
+    """Load this rank's chunk ``model`` from ``iter_dir`` (torch_dist reshards to the current TP/PP)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    meta = CheckpointMeta.load(iter_dir)
+    spec = VLMSpec.load(iter_dir)
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    check_meta(meta, spec, tp, pp, iter_dir)
+    if meta.format == "torch_dist":
+        state = dist_checkpointing.load(model.sharded_state_dict(prefix="model."), str(iter_dir))
+        state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    else:
+        state = load_legacy_rank(iter_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp)["model"]
+    _check_vocab(state, spec)
+    model.load_state_dict(state, strict=strict)
+    return meta
+
+
+def _check_vocab(state: dict, spec: VLMSpec) -> None:
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    for key in ("language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight"):
+        t = state.get(key)
+        if t is not None and t.shape[0] * tp != spec.padded_vocab_size:
+            raise CheckpointLayoutError(
+                f"{key} has {t.shape[0] * tp} rows but the spec's padded vocab is {spec.padded_vocab_size}"
+            )

@@ -1,0 +1,252 @@
+"""Name and tensor-layout rules between HF LLaVA and megatron-core's LLaVAModel, and TP/PP split/merge.
+
+One ``Rule`` per Megatron tensor (tables below, one per family: llama-like text, CLIP/SigLIP vision,
+projector). A rule names the HF tensor(s) it is made of, how they are combined (``kind``) and how the
+result is split across tensor-parallel ranks (``split``):
+
+- ``copy``: the same tensor; ``qkv``: q/k/v fused per query group ``[q heads of g; k_g; v_g]`` for each g;
+  ``gated``: SwiGLU ``[gate; up]``; ``vocab``: embedding/output rows padded to the padded vocab
+  (trimmed on export); ``class_token``: ``[h] <-> [1, 1, h]``.
+- ``column`` (dim 0), ``row`` (dim 1), ``replicated``; ``gated`` tensors are split as
+  ``cat(gate.chunk(tp)[r], up.chunk(tp)[r])`` per rank.
+
+Megatron names here are those of a TP=1/PP=1 model's ``state_dict`` with the local layer spec and global
+layer numbers ("full" names); ``local_name`` renumbers language layers for a pipeline stage. HF names are
+the transformers-5 on-disk names (``canonical_hf_name`` reads other layouts). Tensors of the HF model that
+the Megatron model does not hold (vision layers after ``vision_feature_layer``, post layernorms, SigLIP's
+pooling head) are "extra": they travel with the checkpoint so the exported model is complete.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from megatron_vlm.spec import VLMSpec
+
+
+@dataclass(frozen=True)
+class Rule:
+    mcore: str
+    hf: tuple[str, ...]
+    kind: str = "copy"  # copy | qkv | gated | vocab | class_token
+    split: str = "replicated"  # column | row | replicated | gated
+    placement: str = "first"  # first | last | layer
+    layer: int | None = None  # global language layer (placement == "layer")
+    heads: int = 0  # qkv: attention heads
+    groups: int = 0  # qkv: query groups
+    head_dim: int = 0
+
+
+LM = "language_model.model."
+VT = "vision_tower."
+PROJ = "multi_modal_projector."
+LM_HEAD = "language_model.lm_head.weight"
+
+# Layouts transformers has written over time -> the transformers-5 on-disk layout.
+_HF_PREFIXES = [
+    ("model.language_model.", LM),
+    ("model.vision_tower.", VT),
+    ("model.multi_modal_projector.", PROJ),
+    ("lm_head.weight", LM_HEAD),
+    ("language_model.model.", LM),
+    ("language_model.lm_head.", "language_model.lm_head."),
+    ("vision_tower.vision_model.", VT),
+]
+
+
+def canonical_hf_name(name: str) -> str:
+    for old, new in _HF_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _language_rules(spec: VLMSpec) -> list[Rule]:
+    rules = [
+        Rule("language_model.embedding.word_embeddings.weight", (LM + "embed_tokens.weight",), "vocab", "column"),
+        Rule("language_model.decoder.final_layernorm.weight", (LM + "norm.weight",), placement="last"),
+    ]
+    if not spec.tie_word_embeddings:
+        rules.append(Rule("language_model.output_layer.weight", (LM_HEAD,), "vocab", "column", placement="last"))
+    qkv = dict(heads=spec.num_attention_heads, groups=spec.num_query_groups, head_dim=spec.kv_channels)
+    for i in range(spec.num_layers):
+        m, h = f"language_model.decoder.layers.{i}.", f"{LM}layers.{i}."
+        at = dict(placement="layer", layer=i)
+        rules += [
+            Rule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), **at),
+            Rule(m + "self_attention.linear_qkv.weight",
+                 tuple(h + f"self_attn.{x}_proj.weight" for x in "qkv"), "qkv", "column", **at, **qkv),
+            Rule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), split="row", **at),
+            Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), **at),
+            Rule(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                 "gated", "gated", **at),
+            Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), split="row", **at),
+        ]
+        if spec.qkv_bias:
+            rules.append(Rule(m + "self_attention.linear_qkv.bias",
+                              tuple(h + f"self_attn.{x}_proj.bias" for x in "qkv"), "qkv", "column", **at, **qkv))
+    return rules
+
+
+def _vision_rules(spec: VLMSpec) -> list[Rule]:
+    e, v = VT + "embeddings.", "vision_model."
+    rules = [
+        Rule(v + "conv1.weight", (e + "patch_embedding.weight",)),
+        Rule(v + "position_embeddings.weight", (e + "position_embedding.weight",)),
+    ]
+    if spec.vision_family == "clip":
+        rules += [
+            Rule(v + "class_token", (e + "class_embedding",), "class_token"),
+            Rule(v + "ln_pre.weight", (VT + "pre_layrnorm.weight",)),
+            Rule(v + "ln_pre.bias", (VT + "pre_layrnorm.bias",)),
+        ]
+    else:
+        rules.append(Rule(v + "conv1.bias", (e + "patch_embedding.bias",)))
+    heads = spec.vision_num_attention_heads
+    qkv = dict(heads=heads, groups=heads, head_dim=spec.vision_hidden_size // heads)
+    for i in range(spec.vit_num_layers):
+        m, h = f"{v}decoder.layers.{i}.", f"{VT}encoder.layers.{i}."
+        for p in ("weight", "bias"):
+            rules += [
+                Rule(m + f"input_layernorm.{p}", (h + f"layer_norm1.{p}",)),
+                Rule(m + f"self_attention.linear_qkv.{p}",
+                     tuple(h + f"self_attn.{x}_proj.{p}" for x in "qkv"), "qkv", "column", **qkv),
+                Rule(m + f"self_attention.linear_proj.{p}", (h + f"self_attn.out_proj.{p}",),
+                     split="row" if p == "weight" else "replicated"),
+                Rule(m + f"pre_mlp_layernorm.{p}", (h + f"layer_norm2.{p}",)),
+                Rule(m + f"mlp.linear_fc1.{p}", (h + f"mlp.fc1.{p}",), split="column"),
+                Rule(m + f"mlp.linear_fc2.{p}", (h + f"mlp.fc2.{p}",), split="row" if p == "weight" else "replicated"),
+            ]
+    return rules
+
+
+def _projector_rules(spec: VLMSpec) -> list[Rule]:
+    m = "vision_projection.encoder."
+    rules = [
+        Rule(m + "linear_fc1.weight", (PROJ + "linear_1.weight",), split="column"),
+        Rule(m + "linear_fc2.weight", (PROJ + "linear_2.weight",), split="row"),
+    ]
+    if spec.projector_bias:
+        rules += [
+            Rule(m + "linear_fc1.bias", (PROJ + "linear_1.bias",), split="column"),
+            Rule(m + "linear_fc2.bias", (PROJ + "linear_2.bias",)),
+        ]
+    return rules
+
+
+def rules(spec: VLMSpec) -> list[Rule]:
+    """Every tensor of the full Megatron LLaVAModel, with its HF source and layout rules."""
+    return _language_rules(spec) + _vision_rules(spec) + _projector_rules(spec)
+
+
+def extra_hf_names(spec: VLMSpec, hf_names) -> list[str]:
+    """HF tensors that no rule consumes (they travel next to the Megatron weights)."""
+    used = {h for r in rules(spec) for h in r.hf}
+    if spec.tie_word_embeddings:
+        used.add(LM_HEAD)
+    return sorted(n for n in hf_names if n not in used)
+
+
+# ---- HF <-> full Megatron tensors -------------------------------------------------------------------
+def to_mcore(rule: Rule, hf: list[torch.Tensor], spec: VLMSpec) -> torch.Tensor:
+    if rule.kind == "copy":
+        return hf[0]
+    if rule.kind == "class_token":
+        return hf[0].reshape(1, 1, -1)
+    if rule.kind == "vocab":
+        t = hf[0]
+        pad = spec.padded_vocab_size - t.shape[0]
+        if pad < 0:
+            raise ValueError(f"{rule.hf[0]} has {t.shape[0]} rows, more than the padded vocab {spec.padded_vocab_size}")
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+    if rule.kind == "gated":
+        return torch.cat(hf, dim=0)
+    if rule.kind == "qkv":
+        q, k, v = hf
+        g, hd = rule.groups, rule.head_dim
+        per = rule.heads // g
+        tail = q.shape[1:]
+        fused = torch.cat([q.reshape(g, per * hd, *tail), k.reshape(g, hd, *tail), v.reshape(g, hd, *tail)], dim=1)
+        return fused.reshape(-1, *tail)
+    raise ValueError(rule.kind)
+
+
+def to_hf(rule: Rule, full: torch.Tensor, spec: VLMSpec) -> list[torch.Tensor]:
+    if rule.kind == "copy":
+        return [full]
+    if rule.kind == "class_token":
+        return [full.reshape(-1)]
+    if rule.kind == "vocab":
+        return [full[: spec.vocab_size]]
+    if rule.kind == "gated":
+        return list(full.chunk(2, dim=0))
+    if rule.kind == "qkv":
+        g, hd = rule.groups, rule.head_dim
+        per = rule.heads // g
+        tail = full.shape[1:]
+        grouped = full.reshape(g, (per + 2) * hd, *tail)
+        q, k, v = grouped.split([per * hd, hd, hd], dim=1)
+        return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
+    raise ValueError(rule.kind)
+
+
+# ---- tensor parallel ---------------------------------------------------------------------------------
+def tp_shard(rule: Rule, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    if tp == 1 or rule.split == "replicated":
+        return full
+    if rule.split == "column":
+        return full.chunk(tp, dim=0)[rank]
+    if rule.split == "row":
+        return full.chunk(tp, dim=1)[rank]
+    if rule.split == "gated":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
+    raise ValueError(rule.split)
+
+
+def tp_merge(rule: Rule, shards: list[torch.Tensor]) -> torch.Tensor:
+    if len(shards) == 1 or rule.split == "replicated":
+        return shards[0]
+    if rule.split == "column":
+        return torch.cat(shards, dim=0)
+    if rule.split == "row":
+        return torch.cat(shards, dim=1)
+    if rule.split == "gated":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    raise ValueError(rule.split)
+
+
+# ---- pipeline parallel -------------------------------------------------------------------------------
+_LAYER = re.compile(r"^language_model\.decoder\.layers\.(\d+)\.")
+
+
+def stages_of(rule: Rule, spec: VLMSpec, layers_per_stage: list[int]) -> list[int]:
+    """The PP stages that hold ``rule``'s tensor (the output layer of tied embeddings lives on the last)."""
+    pp = len(layers_per_stage)
+    if rule.placement == "first":
+        stages = [0]
+        if rule.kind == "vocab" and spec.tie_word_embeddings and pp > 1:
+            stages.append(pp - 1)  # megatron keeps a copy of tied embeddings as the last stage's output layer
+        return stages
+    if rule.placement == "last":
+        return [pp - 1]
+    start = 0
+    for s, n in enumerate(layers_per_stage):
+        if start <= rule.layer < start + n:
+            return [s]
+        start += n
+    raise ValueError(f"layer {rule.layer} is beyond {sum(layers_per_stage)} layers")
+
+
+def local_name(rule: Rule, stage: int, layers_per_stage: list[int]) -> str:
+    """The name of ``rule``'s tensor in the state dict of pipeline stage ``stage``."""
+    if rule.placement == "layer":
+        offset = sum(layers_per_stage[:stage])
+        return _LAYER.sub(f"language_model.decoder.layers.{rule.layer - offset}.", rule.mcore)
+    if rule.kind == "vocab" and stage > 0 and rule.placement == "first":
+        return "language_model.output_layer.weight"  # tied copy on the last stage
+    return rule.mcore

@@ -1,0 +1,126 @@
+"""Megatron checkpoint (converted or from training; any iteration, either format, any TP/PP) -> HF LLaVA dir.
+
+torch_dist is read through megatron's ``dist_checkpointing`` into a TP=1/PP=1 model (resharding on load);
+legacy rank files are memory-mapped and merged tensor by tensor. Weights stream into safetensors shards;
+the HF-only tensors carried by the checkpoint are added back, so HF -> Megatron -> HF is lossless.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from megatron_vlm import checkpoint as ckpt
+from megatron_vlm.atomic import atomic_dir
+from megatron_vlm.convert import mapping
+from megatron_vlm.convert.hf_io import HFShardWriter
+from megatron_vlm.spec import VLMSpec
+
+log = logging.getLogger(__name__)
+
+
+def read_full_megatron_state(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta) -> dict[str, torch.Tensor]:
+    """Full (TP=1/PP=1, global layer numbers) Megatron tensors of an iteration directory."""
+    rules = mapping.rules(spec)
+    if meta.format == "torch":
+        files = {}
+        state = {}
+        for rule in rules:
+            stage = mapping.stages_of(rule, spec, meta.pp_layers)[0]
+            shards = []
+            for t in range(meta.tp):
+                key = (t, stage)
+                if key not in files:
+                    files[key] = ckpt.load_legacy_rank(iter_dir, t, stage, meta.pp)["model"]
+                name = mapping.local_name(rule, stage, meta.pp_layers)
+                if name not in files[key]:
+                    raise ckpt.CheckpointLayoutError(f"{name} is missing from rank file tp={t} pp={stage} of {iter_dir}")
+                shards.append(files[key][name])
+            state[rule.mcore] = mapping.tp_merge(rule, shards)
+        return state
+    from megatron.core import dist_checkpointing
+
+    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.runtime.session import single_process_world
+
+    dtype = getattr(torch, meta.dtype)
+    _check_dist_vocab(iter_dir, spec)
+    with single_process_world():
+        model = build_model(spec, ModelOptions(params_dtype=dtype, perform_initialization=False, seq_length=64))
+        loaded = dist_checkpointing.load(model.sharded_state_dict(prefix="model."), str(iter_dir))
+        state = {k[len("model."):]: v.cpu() for k, v in loaded.items() if k.startswith("model.") and torch.is_tensor(v)}
+        del model, loaded
+    return state
+
+
+def _check_dist_vocab(iter_dir, spec: VLMSpec) -> None:
+    """dist_checkpointing would load embeddings of another padded size without error: check it here."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(iter_dir))
+    for key, sh in meta.items():
+        if key.endswith(("word_embeddings.weight", "output_layer.weight")):
+            rows = sh.global_shape[0]
+            if rows != spec.padded_vocab_size:
+                raise ckpt.CheckpointLayoutError(
+                    f"{key} in {iter_dir} has {rows} rows but its spec says padded vocab {spec.padded_vocab_size}; "
+                    "the checkpoint and its vlm_spec.json do not belong together"
+                )
+
+
+def convert_megatron_to_hf(
+    megatron_dir,
+    hf_dir,
+    iteration: int | str | None = None,
+    tokenizer_dir=None,
+    tp: int | None = None,
+    pp: int | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    iter_dir = ckpt.resolve_iteration_dir(megatron_dir, iteration)
+    meta = ckpt.CheckpointMeta.load(iter_dir)
+    spec = VLMSpec.load(iter_dir)
+    for flag, given, have in (("--tp", tp, meta.tp), ("--pp", pp, meta.pp)):
+        if given is not None and given != have:
+            raise ckpt.CheckpointLayoutError(
+                f"{flag} {given} does not match the checkpoint {iter_dir} (written at tp={meta.tp} pp={meta.pp}); "
+                f"drop {flag} or pass {flag} {have}"
+            )
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir else Path(megatron_dir) / ckpt.TOKENIZER_DIR
+    if not tok_dir.is_dir():
+        raise FileNotFoundError(f"no tokenizer at {tok_dir}; pass --tokenizer-dir HF_DIR")
+    log.info("reading %s (%s, tp=%d pp=%d)", iter_dir, meta.format, meta.tp, meta.pp)
+    state = read_full_megatron_state(iter_dir, spec, meta)
+    extra = ckpt.read_extra(iter_dir)
+    with atomic_dir(hf_dir, overwrite=overwrite, what="--hf-dir") as tmp:
+        writer = HFShardWriter(tmp, max_shard_bytes)
+        for rule in tqdm(mapping.rules(spec), desc="writing HF tensors", unit="tensor"):
+            full = state.pop(rule.mcore)
+            for name, t in zip(rule.hf, mapping.to_hf(rule, full, spec)):
+                writer.add(name, t)
+        for name, t in extra.items():
+            writer.add(name, t)
+        writer.close()
+        _write_configs(spec, tmp, meta.dtype, tok_dir)
+    log.info("wrote HF LLaVA to %s", hf_dir)
+    return Path(hf_dir)
+
+
+def _write_configs(spec: VLMSpec, out_dir: Path, dtype: str, tok_dir: Path) -> None:
+    import shutil
+
+    from transformers import GenerationConfig
+
+    config = spec.to_hf_config()
+    config.dtype = dtype
+    config.save_pretrained(str(out_dir))
+    gen_src = tok_dir / "generation_config.json"
+    if gen_src.is_file():
+        GenerationConfig.from_pretrained(str(tok_dir)).save_pretrained(str(out_dir))
+    for p in tok_dir.iterdir():
+        if p.is_file() and p.name not in ("config.json", "generation_config.json"):
+            shutil.copy2(p, out_dir / p.name)

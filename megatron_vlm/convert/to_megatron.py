@@ -1,0 +1,100 @@
+"""HF LLaVA directory -> Megatron checkpoint (torch_dist or legacy ``torch``) at a chosen TP/PP.
+
+torch_dist: one process builds the TP=1/PP=1 megatron model (no random init), fills it tensor by tensor
+from the HF files and saves it with megatron's ``dist_checkpointing`` (which reshards on load to any
+TP/PP). legacy ``torch``: no model is built; each rank's file is assembled from the HF files and written
+one at a time, so memory stays near one rank's share.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from megatron_vlm import checkpoint as ckpt
+from megatron_vlm.atomic import atomic_dir
+from megatron_vlm.convert import mapping
+from megatron_vlm.convert.hf_io import HFReader
+from megatron_vlm.spec import VLMSpec
+
+log = logging.getLogger(__name__)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _full_tensor(rule, reader: HFReader, spec: VLMSpec, dtype) -> torch.Tensor:
+    return mapping.to_mcore(rule, [reader.get(h) for h in rule.hf], spec).to(dtype)
+
+
+def convert_hf_to_megatron(
+    hf_dir,
+    megatron_dir,
+    tp: int = 1,
+    pp: int = 1,
+    pp_layers: list[int] | None = None,
+    ckpt_format: str = "torch_dist",
+    dtype: str = "auto",
+    overwrite: bool = False,
+) -> Path:
+    if ckpt_format not in ckpt.FORMATS:
+        raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {ckpt.FORMATS}")
+    spec = VLMSpec.from_hf_dir(hf_dir)
+    layers = spec.check_parallelism(tp, pp, pp_layers)
+    reader = HFReader(hf_dir)
+    torch_dtype = reader.dtype() if dtype == "auto" else DTYPES[dtype]
+    rules = mapping.rules(spec)
+    missing = [h for r in rules for h in r.hf if h not in reader]
+    if missing:
+        raise ValueError(f"{hf_dir} lacks {len(missing)} tensors the spec needs, e.g. {missing[0]}")
+    extra = {n: reader.get(n) for n in mapping.extra_hf_names(spec, reader.names())}
+    meta = ckpt.CheckpointMeta(ckpt_format, tp, pp, layers, "release", str(torch_dtype).replace("torch.", ""))
+    with atomic_dir(megatron_dir, overwrite=overwrite, what="--megatron-dir") as tmp:
+        iter_dir = tmp / "release"
+        iter_dir.mkdir()
+        if ckpt_format == "torch":
+            _write_legacy(reader, spec, rules, iter_dir, tp, pp, layers, torch_dtype)
+        else:
+            _write_dist(reader, spec, rules, iter_dir, torch_dtype)
+        ckpt.write_side_files(iter_dir, spec, extra)
+        meta.save(iter_dir)
+        spec.save(tmp)
+        ckpt.copy_tokenizer(hf_dir, tmp)
+        ckpt.write_tracker(tmp, "release")
+    log.info("wrote %s checkpoint (tp=%d pp=%d, %s) to %s", ckpt_format, tp, pp, meta.dtype, megatron_dir)
+    return Path(megatron_dir)
+
+
+def _write_legacy(reader, spec, rules, iter_dir, tp, pp, layers, dtype) -> None:
+    ranks = [(p, t) for p in range(pp) for t in range(tp)]
+    for p, t in tqdm(ranks, desc="writing rank files", unit="rank"):
+        state = {}
+        for rule in rules:
+            if p not in mapping.stages_of(rule, spec, layers):
+                continue
+            full = _full_tensor(rule, reader, spec, dtype)
+            state[mapping.local_name(rule, p, layers)] = mapping.tp_shard(rule, full, tp, t).clone()
+            del full
+        ckpt.save_legacy_rank(iter_dir, t, p, pp, state, "release")
+        del state
+
+
+def _write_dist(reader, spec, rules, iter_dir, dtype) -> None:
+    from megatron.core import dist_checkpointing
+
+    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.runtime.session import single_process_world
+
+    with single_process_world():
+        model = build_model(spec, ModelOptions(params_dtype=dtype, perform_initialization=False, seq_length=64))
+        params = dict(model.state_dict(keep_vars=True))
+        with torch.no_grad():
+            for rule in tqdm(rules, desc="filling megatron model", unit="tensor"):
+                target = params[rule.mcore]
+                src = _full_tensor(rule, reader, spec, dtype)
+                if tuple(src.shape) != tuple(target.shape):
+                    raise ValueError(f"{rule.hf} -> {rule.mcore}: shape {tuple(src.shape)} != {tuple(target.shape)}")
+                target.copy_(src)
+        dist_checkpointing.save(model.sharded_state_dict(prefix="model."), str(iter_dir))
+        del model, params

@@ -1,0 +1,242 @@
+"""Build this rank's megatron-core ``LLaVAModel`` from a :class:`~megatron_vlm.spec.VLMSpec`.
+
+Owns: the three TransformerConfigs (language, vision, projector), the layer specs (Transformer Engine when
+importable and asked for, else megatron-core's local layers), the pipeline stage placement (vision encoder
+and projector on the first stage) and the fixes that make megatron's LLaVA numerically equal to HF LLaVA
+(bidirectional ViT attention, ViT cut at ``vision_feature_layer``, no SigLIP post-layernorm, model_type
+for the PP schedules).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_vlm.spec import VLMSpec
+
+
+def have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+
+        return True
+    except Exception:
+        return False
+
+
+@dataclass
+class ModelOptions:
+    """Run-time choices that are not part of the architecture."""
+
+    tp: int = 1
+    pp: int = 1
+    pp_layers: list[int] | None = None  # explicit (uneven) language layers per PP stage
+    seq_length: int = 2048  # combined text + image tokens
+    params_dtype: torch.dtype = torch.float32
+    bf16: bool = False
+    fp16: bool = False
+    use_te: bool = False
+    fp8: bool = False
+    init_method_std: float = 0.02
+    deterministic: bool = False
+    recompute: bool = False
+    perform_initialization: bool = True  # False when weights are loaded right after (conversion)
+
+
+def _activation(name: str):
+    from megatron.core.activations import quick_gelu
+
+    return {
+        "quick_gelu": quick_gelu,
+        "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+        "gelu": F.gelu,
+        "silu": F.silu,
+    }[name]
+
+
+def _common(opts: ModelOptions) -> dict:
+    return dict(
+        tensor_model_parallel_size=opts.tp,
+        params_dtype=opts.params_dtype,
+        bf16=opts.bf16,
+        fp16=opts.fp16,
+        pipeline_dtype=opts.params_dtype,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        init_method_std=opts.init_method_std,
+        deterministic_mode=opts.deterministic,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=opts.perform_initialization,
+    )
+
+
+def language_config(spec: VLMSpec, opts: ModelOptions):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    layers = spec.check_parallelism(opts.tp, opts.pp, opts.pp_layers)
+    kw = _common(opts)
+    if opts.pp > 1 and len(set(layers)) > 1:
+        kw.update(num_layers_in_first_pipeline_stage=layers[0], num_layers_in_last_pipeline_stage=layers[-1])
+    if opts.fp8:
+        kw.update(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_epsilon,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        pipeline_model_parallel_size=opts.pp,
+        recompute_granularity="full" if opts.recompute else None,
+        recompute_method="uniform" if opts.recompute else None,
+        recompute_num_layers=1 if opts.recompute else None,
+        **kw,
+    )
+
+
+def vision_config(spec: VLMSpec, opts: ModelOptions):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = _common(opts)
+    cfg = TransformerConfig(
+        num_layers=spec.vit_num_layers,
+        hidden_size=spec.vision_hidden_size,
+        ffn_hidden_size=spec.vision_ffn_hidden_size,
+        num_attention_heads=spec.vision_num_attention_heads,
+        num_query_groups=spec.vision_num_attention_heads,
+        kv_channels=spec.vision_hidden_size // spec.vision_num_attention_heads,
+        normalization="LayerNorm",
+        layernorm_epsilon=spec.vision_norm_epsilon,
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        gated_linear_unit=False,
+        activation_func=_activation(spec.vision_activation),
+        # The ViT lives entirely on the first pipeline stage: with pp>1 here it would build only a part.
+        pipeline_model_parallel_size=1,
+        **kw,
+    )
+    cfg.vision_model_type = spec.vision_family
+    return cfg
+
+
+def projection_config(spec: VLMSpec, opts: ModelOptions):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = _common(opts)
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,  # unused by the MLP; must divide by tp
+        add_bias_linear=spec.projector_bias,
+        gated_linear_unit=False,
+        activation_func=_activation(spec.projector_activation),
+        pipeline_model_parallel_size=1,
+        **kw,
+    )
+
+
+# Local-spec layer norm names -> the Transformer Engine fused names (checkpoint keys).
+LOCAL_TO_TE_KEYS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+
+def layer_specs(use_te: bool):
+    """(language, vision, projector) layer specs; the ViT attention is bidirectional like CLIP/SigLIP."""
+    from megatron.core.models.multimodal import llava_spec
+    from megatron.core.models.vision import vit_layer_specs
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+
+        language = llava_spec.decoder_model_with_transformer_engine_default_spec()
+        vision = vit_layer_specs.get_vit_layer_with_transformer_engine_spec()
+        projector = MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear)
+    else:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        language = llava_spec.decoder_model_with_local_default_spec()
+        vision = vit_layer_specs.get_vit_layer_with_local_spec()
+        projector = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    vision = copy.deepcopy(vision)
+    vision.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.no_mask}
+    if not use_te:
+        # Save local layer norms under the Transformer Engine names, as megatron's GPT local spec does, so
+        # a torch_dist checkpoint loads into either spec (convert on CPU, train with TE on GPU).
+        language = copy.deepcopy(language)
+        for layer_spec in (language, vision):
+            layer_spec.submodules.sharded_state_dict_keys_map = dict(LOCAL_TO_TE_KEYS)
+    return language, vision, projector
+
+
+def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = None, post_process: bool | None = None):
+    """Build the LLaVAModel chunk of this rank (megatron parallel_state must be initialised)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.multimodal.llava_model import LLaVAModel
+    from megatron.core.transformer.enums import ModelType
+
+    if opts.use_te and not have_te():
+        raise RuntimeError("Transformer Engine is not installed: it is required for --fp8 / TE layer specs")
+    if spec.sliding_window is not None and opts.seq_length > spec.sliding_window:
+        raise ValueError(
+            f"--seq-length {opts.seq_length} exceeds the model's sliding_window {spec.sliding_window}; "
+            "megatron-core's local attention has no sliding window: use a shorter --seq-length"
+        )
+    if spec.padded_vocab_size % opts.tp:
+        raise ValueError(f"padded vocab {spec.padded_vocab_size} is not divisible by tp={opts.tp}")
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=True)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=True)
+    lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te)
+    model = LLaVAModel(
+        language_transformer_config=language_config(spec, opts),
+        language_transformer_layer_spec=lang_spec,
+        language_vocab_size=spec.padded_vocab_size,
+        language_max_sequence_length=opts.seq_length,
+        vision_transformer_config=vision_config(spec, opts),
+        vision_transformer_layer_spec=vit_spec,
+        drop_vision_class_token=spec.drop_class_token,
+        vision_projection_config=projection_config(spec, opts),
+        vision_projection_layer_spec=proj_spec,
+        vision_projection_type="mlp",
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        language_position_embedding_type="rope",
+        language_rotary_base=spec.rotary_base,
+        language_rope_scaling=spec.rope_scaling_factor is not None,
+        language_rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+        pre_process=pre_process,
+        post_process=post_process,
+        add_encoder=pre_process,
+        add_decoder=True,
+        img_h=spec.image_size,
+        img_w=spec.image_size,
+        patch_dim=spec.patch_size,
+        image_token_index=spec.image_token_id,
+    )
+    if model.vision_model is not None and spec.vision_family == "siglip":
+        # HF LLaVA reads hidden_states[k], which SigLIP's post_layernorm never touches.
+        model.vision_model.ln_post = None
+    model.model_type = ModelType.encoder_or_decoder
+    return model

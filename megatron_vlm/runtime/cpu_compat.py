@@ -1,0 +1,96 @@
+"""Run megatron-core on a machine without a GPU (CPU tensors, gloo backend).
+
+megatron-core hard-codes CUDA in a few places: ``device=torch.cuda.current_device()`` / ``device="cuda"``
+factory calls, ``.cuda()`` calls, and the torch.cuda RNG functions its RNG tracker uses. ``enable()``
+makes the same code run on CPU:
+
+- a ``TorchFunctionMode`` that rewrites CUDA devices (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``,
+  integer device indices) to ``"cpu"`` in factory functions / ``Tensor.to``, and makes ``Tensor.cuda()``
+  a no-op;
+- CPU stand-ins for ``torch.cuda.current_device / synchronize / get_rng_state / set_rng_state /
+  manual_seed`` (the "CUDA" RNG state *is* the CPU default generator's state, so megatron's RNG tracker
+  forks/restores the generator that CPU ops really use) and for megatron's own ``_get/_set_cuda_rng_state``.
+
+It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine). Separately,
+``fix_norm_fallback()`` repairs CLIPViTModel's LayerNorm fallback without Transformer Engine
+(it defaults to ``torch.nn.LayerNorm``, which ``build_module`` cannot construct with a config); that fix
+is needed whenever TE is missing, on CPU or GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_MODE: "_CudaToCpuMode | None" = None
+
+
+def _is_cuda(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # an integer device index means a CUDA device in torch
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps every CUDA device argument to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def enable() -> bool:
+    """Install the CPU compatibility layer (idempotent). Returns True if it is active."""
+    global _MODE
+    if cuda_available():
+        raise RuntimeError("the CPU compatibility layer must not be used on a machine with CUDA")
+    fix_norm_fallback()
+    if _MODE is not None:
+        return True
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all (a no-op without CUDA): leave that alone.
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state().clone() if clone else torch.get_rng_state()
+    )
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    return True
+
+
+def is_enabled() -> bool:
+    return _MODE is not None
+
+
+def fix_norm_fallback() -> None:
+    """Make CLIPViTModel's default ln_pre/ln_post build without Transformer Engine (no-op with TE)."""
+    from megatron.core.models.vision import clip_vit_model
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    init = clip_vit_model.CLIPViTModel.__init__
+    defaults = init.__defaults__ or ()
+    if torch.nn.LayerNorm in defaults:
+        init.__defaults__ = tuple(WrappedTorchNorm if d is torch.nn.LayerNorm else d for d in defaults)
