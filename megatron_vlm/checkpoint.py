@@ -174,6 +174,14 @@ def check_meta(meta: CheckpointMeta, spec: VLMSpec, tp: int, pp: int, where) -> 
         )
 
 
+def save_model_weights(model, iter_dir) -> None:
+    """Save this rank's chunk with dist_checkpointing (collective over all ranks)."""
+    from megatron.core import dist_checkpointing
+
+    Path(iter_dir).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(prefix="model."), str(iter_dir))
+
+
 def load_model_weights(model, iter_dir, strict: bool = True) -> CheckpointMeta:
     """Load this rank's chunk ``model`` from ``iter_dir`` (torch_dist reshards to the current TP/PP)."""
     from megatron.core import dist_checkpointing

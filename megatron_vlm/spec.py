@@ -185,7 +185,7 @@ class VLMSpec:
             projector_bias=bool(getattr(cfg, "multimodal_projector_bias", True)),
             image_token_id=int(cfg.image_token_id),
             pad_token_id=getattr(cfg, "pad_token_id", None),
-            hf_config=cfg.to_dict(),
+            hf_config={k: v for k, v in cfg.to_dict().items() if k != "_name_or_path"},
         )
         if tokenizer is not None:
             from megatron_vlm.tokenizer import image_token_of, special_token_ids

@@ -60,7 +60,7 @@ _HF_PREFIXES = [
 def canonical_hf_name(name: str) -> str:
     for old, new in _HF_PREFIXES:
         if name.startswith(old):
-            return new + name[len(old):]
+            name = new + name[len(old):]
     return name
 
 

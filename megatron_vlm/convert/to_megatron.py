@@ -24,8 +24,12 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _cast(t: torch.Tensor, dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
 def _full_tensor(rule, reader: HFReader, spec: VLMSpec, dtype) -> torch.Tensor:
-    return mapping.to_mcore(rule, [reader.get(h) for h in rule.hf], spec).to(dtype)
+    return _cast(mapping.to_mcore(rule, [reader.get(h) for h in rule.hf], spec), dtype)
 
 
 def convert_hf_to_megatron(
@@ -48,7 +52,7 @@ def convert_hf_to_megatron(
     missing = [h for r in rules for h in r.hf if h not in reader]
     if missing:
         raise ValueError(f"{hf_dir} lacks {len(missing)} tensors the spec needs, e.g. {missing[0]}")
-    extra = {n: reader.get(n) for n in mapping.extra_hf_names(spec, reader.names())}
+    extra = {n: _cast(reader.get(n), torch_dtype) for n in mapping.extra_hf_names(spec, reader.names())}
     meta = ckpt.CheckpointMeta(ckpt_format, tp, pp, layers, "release", str(torch_dtype).replace("torch.", ""))
     with atomic_dir(megatron_dir, overwrite=overwrite, what="--megatron-dir") as tmp:
         iter_dir = tmp / "release"

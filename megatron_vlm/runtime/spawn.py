@@ -24,6 +24,12 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args, kwargs) -> 
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if not os.environ.get("MVLM_VERBOSE"):
+        import logging
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        logging.getLogger("megatron").setLevel(logging.ERROR)
     try:
         result = fn(*args, **kwargs)
         torch.save({"ok": True, "result": result}, Path(out_dir) / f"rank{rank}.pt")

@@ -1,0 +1,44 @@
+#!/usr/bin/env python
+"""Build an HF LLaVA directory from an HF causal LM and an HF vision encoder (CLIP or SigLIP)."""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_vlm.cli import run_cli, setup_logging  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--text-model", required=True, help="HF causal LM directory (llama, mistral, qwen2)")
+    p.add_argument("--vision-model", required=True, help="HF CLIP/SigLIP directory (vision-only or full model)")
+    p.add_argument("--save-dir", required=True, help="output LLaVA directory (must not exist unless --overwrite)")
+    p.add_argument("--vocab-size-padding", type=int, default=None,
+                   help="pad the embedding rows to a multiple of N (e.g. 64); the tokenizer is unchanged")
+    p.add_argument("--vision-feature-layer", type=int, default=-2,
+                   help="vision hidden state the projector reads (HF index; -2 = second to last layer)")
+    p.add_argument("--vision-feature-select-strategy", choices=["default", "full"], default=None,
+                   help="'default' drops the CLS token (CLIP), 'full' keeps all tokens (default: default for "
+                        "CLIP, full for SigLIP)")
+    p.add_argument("--image-token", default="<image>", help="image placeholder token added to the tokenizer")
+    p.add_argument("--no-projector-bias", action="store_true", help="projector linear layers without bias")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="weight dtype of the saved model (auto: the text model's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the projector initialisation")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --save-dir")
+    p.add_argument("-v", "--verbose", action="store_true")
+    a = p.parse_args(argv)
+    setup_logging(a.verbose)
+    from megatron_vlm.convert.build import build_llava
+
+    build_llava(a.text_model, a.vision_model, a.save_dir, vocab_size_padding=a.vocab_size_padding,
+                vision_feature_layer=a.vision_feature_layer,
+                vision_feature_select_strategy=a.vision_feature_select_strategy, image_token=a.image_token,
+                projector_bias=not a.no_projector_bias, dtype=a.dtype, seed=a.seed, overwrite=a.overwrite)
+    print(f"saved LLaVA model to {a.save_dir}")
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

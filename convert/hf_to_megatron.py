@@ -1,0 +1,47 @@
+#!/usr/bin/env python
+"""Convert an HF LLaVA directory into a Megatron checkpoint at a chosen TP/PP (torch_dist or legacy torch)."""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_vlm.cli import parse_pp_layers, run_cli, setup_logging  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--hf-dir", required=True, help="HF LlavaForConditionalGeneration directory")
+    p.add_argument("--megatron-dir", required=True, help="output checkpoint directory (must not exist)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--pp-layers", default=None,
+                   help="uneven language layers per PP stage, e.g. 3,1 (only first/last may differ)")
+    p.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="torch_dist (megatron dist_checkpointing, reshards on load) or legacy torch rank files")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="weight dtype in the checkpoint (auto: as stored in the HF files)")
+    p.add_argument("--verify", action="store_true",
+                   help="load the written checkpoint into a TPxPP Megatron model (TP*PP local processes) and "
+                        "compare fp32 logits with HF; exit non-zero above --tolerance")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference for --verify")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --megatron-dir")
+    p.add_argument("-v", "--verbose", action="store_true")
+    a = p.parse_args(argv)
+    setup_logging(a.verbose)
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+
+    convert_hf_to_megatron(a.hf_dir, a.megatron_dir, tp=a.tp, pp=a.pp, pp_layers=parse_pp_layers(a.pp_layers),
+                           ckpt_format=a.ckpt_format, dtype=a.dtype, overwrite=a.overwrite)
+    print(f"wrote {a.ckpt_format} checkpoint (tp={a.tp} pp={a.pp}) to {a.megatron_dir}")
+    if a.verify:
+        from megatron_vlm.convert.verify import verify_checkpoint
+
+        diff = verify_checkpoint(a.hf_dir, a.megatron_dir, a.tp, a.pp, tolerance=a.tolerance)
+        print(f"verify: max |logit diff| HF vs Megatron (fp32, tp={a.tp} pp={a.pp}) = {diff:.3g} "
+              f"<= {a.tolerance:g}: OK")
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny HF LLaVA directories built from configs (random weights, own tokenizers)."""
+
+import importlib.util
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore")
+
+# (text family, vision family, build options): the coverage matrix of the conversion tests.
+FAMILIES = {
+    "llama_clip": ("llama", "clip", {}),  # GQA, Llama-3 rope scaling, CLIP 'default' (drops CLS), layer -2
+    "mistral_clip_full": ("mistral", "clip", {"vision_feature_layer": -1, "vision_feature_select_strategy": "full"}),
+    "qwen2_siglip": ("qwen2", "siglip", {"vocab_size_padding": 64}),  # qkv bias, tied embeddings, no CLS
+}
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """name -> path of a tiny HF LLaVA directory made by the real build_llava."""
+    from megatron_vlm.testing.tiny import make_tiny_llava
+
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name, (text, vision, kw) in FAMILIES.items():
+        out[name] = make_tiny_llava(root / name, text, vision, **kw)
+    out["llama3_clip"] = make_tiny_llava(root / "llama3_clip", "llama", "clip",
+                                         text_overrides={"num_hidden_layers": 3})
+    return out
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def script(relpath: str):
+    """Import a command-line script (e.g. convert/hf_to_megatron.py) as a module to call its main()."""
+    path = ROOT / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

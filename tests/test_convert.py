@@ -1,0 +1,227 @@
+"""HF <-> Megatron conversion: logits at TP/PP, gradients at TP=2, exact round trips, resharding, controls."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_vlm.convert import mapping
+from megatron_vlm.convert.hf_io import HFReader
+from megatron_vlm.convert.to_hf import convert_megatron_to_hf
+from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+from megatron_vlm.convert.verify import (
+    VerificationError,
+    hf_logits,
+    max_logit_diff,
+    reference_batch,
+    verify_checkpoint,
+)
+from megatron_vlm.runtime.spawn import run_world
+from megatron_vlm.spec import VLMSpec
+from megatron_vlm.testing import worlds
+
+from .conftest import FAMILIES, script
+
+TOL = 1e-4
+PARALLEL = [(1, 1), (2, 1), (1, 2), (2, 2)]
+
+
+@pytest.fixture(scope="module")
+def converted(hf_models, tmp_path_factory):
+    """Each family converted once to torch_dist and once to legacy torch at TP2xPP2."""
+    root = tmp_path_factory.mktemp("meg")
+    out = {}
+    for name in FAMILIES:
+        out[(name, "torch_dist")] = convert_hf_to_megatron(hf_models[name], root / f"{name}_dist", tp=2, pp=2)
+        out[(name, "torch")] = convert_hf_to_megatron(hf_models[name], root / f"{name}_legacy", tp=2, pp=2,
+                                                      ckpt_format="torch")
+    out[("llama3_clip", "uneven")] = convert_hf_to_megatron(hf_models["llama3_clip"], root / "uneven", tp=1, pp=2,
+                                                            pp_layers=[2, 1], ckpt_format="torch")
+    return out
+
+
+@pytest.fixture(scope="module")
+def world_logits(hf_models, converted, tmp_path_factory):
+    """One 4-process world computes the Megatron logits of every (family, TP, PP) and resharding case."""
+    resaved = tmp_path_factory.mktemp("resaved") / "tp2"
+    jobs, keys = [], []
+    for name in FAMILIES:
+        for tp, pp in PARALLEL:
+            jobs.append({"megatron_dir": str(converted[(name, "torch_dist")]), "tp": tp, "pp": pp})
+            keys.append((name, "torch_dist", tp, pp))
+        jobs.append({"megatron_dir": str(converted[(name, "torch")]), "tp": 2, "pp": 2})
+        keys.append((name, "torch", 2, 2))
+    jobs.append({"megatron_dir": str(converted[("llama3_clip", "uneven")]), "tp": 1, "pp": 2, "pp_layers": [2, 1]})
+    keys.append(("llama3_clip", "uneven", 1, 2))
+    # torch_dist saved by a TP=2 model (megatron's multi-rank save), then loaded at TP=1 and at PP=2.
+    jobs.append({"megatron_dir": str(converted[("llama_clip", "torch_dist")]), "tp": 2, "pp": 1,
+                 "save_to": str(resaved)})
+    keys.append(("llama_clip", "saved_tp2", 2, 1))
+    jobs.append({"megatron_dir": str(resaved), "tp": 1, "pp": 1})
+    keys.append(("llama_clip", "resaved", 1, 1))
+    jobs.append({"megatron_dir": str(resaved), "tp": 1, "pp": 2})
+    keys.append(("llama_clip", "resaved", 1, 2))
+    batches = {}
+    results = {}
+    for name in list(FAMILIES) + ["llama3_clip"]:
+        spec = VLMSpec.from_hf_dir(hf_models[name])
+        batches[name] = reference_batch(spec)
+    # all families share text length and image size, so one batch layout per family runs in one world
+    by_family = {}
+    for key, job in zip(keys, jobs):
+        by_family.setdefault(key[0], []).append((key, job))
+    for name, items in by_family.items():
+        logits = run_world(worlds.logits_jobs, 4, [j for _, j in items], batches[name])[0]
+        for (key, _), lg in zip(items, logits):
+            results[key] = lg
+    return results, batches
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("tp,pp", PARALLEL)
+def test_logits_match_hf(name, tp, pp, hf_models, world_logits):
+    results, batches = world_logits
+    spec = VLMSpec.from_hf_dir(hf_models[name])
+    ref = hf_logits(hf_models[name], batches[name])
+    got = results[(name, "torch_dist", tp, pp)]
+    assert got.shape[1] >= ref.shape[1] and got.shape[2] == spec.padded_vocab_size
+    diff = max_logit_diff(ref, got[:, : ref.shape[1]], spec.vocab_size)
+    assert diff < TOL, f"{name} tp={tp} pp={pp}: max |logit diff| {diff}"
+    # the image sits at different positions in the two samples: both are checked above
+    assert batches[name].tokens[0].tolist().index(spec.image_token_id) != batches[name].tokens[1].tolist().index(
+        spec.image_token_id)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_legacy_format_logits(name, hf_models, world_logits):
+    results, batches = world_logits
+    spec = VLMSpec.from_hf_dir(hf_models[name])
+    ref = hf_logits(hf_models[name], batches[name])
+    assert max_logit_diff(ref, results[(name, "torch", 2, 2)], spec.vocab_size) < TOL
+
+
+def test_uneven_pipeline_split(hf_models, world_logits):
+    results, batches = world_logits
+    spec = VLMSpec.from_hf_dir(hf_models["llama3_clip"])
+    ref = hf_logits(hf_models["llama3_clip"], batches["llama3_clip"])
+    assert max_logit_diff(ref, results[("llama3_clip", "uneven", 1, 2)], spec.vocab_size) < TOL
+
+
+def test_torch_dist_saved_at_tp2_reshards_identically(world_logits):
+    """A checkpoint saved by a TP=2 model loads at TP=1 and at PP=2 with bitwise-identical logits to the
+    same layouts loaded from the original checkpoint (so the weights are identical)."""
+    results, _ = world_logits
+    for tp, pp in [(1, 1), (1, 2)]:
+        assert torch.equal(results[("llama_clip", "resaved", tp, pp)], results[("llama_clip", "torch_dist", tp, pp)])
+    tp2 = results[("llama_clip", "saved_tp2", 2, 1)]
+    assert (tp2 - results[("llama_clip", "resaved", 1, 1)]).abs().max() < 1e-5  # only reduction order differs
+
+
+def test_gradients_match_hf_at_tp2(hf_models, converted):
+    from transformers import LlavaForConditionalGeneration
+
+    name = "llama_clip"
+    spec = VLMSpec.from_hf_dir(hf_models[name])
+    batch = reference_batch(spec)
+    targets = torch.randint(0, spec.vocab_size, batch.hf_input_ids.shape, generator=torch.Generator().manual_seed(3))
+    got = run_world(worlds.grads_job, 2, str(converted[(name, "torch_dist")]), 2, batch, targets)[0]
+
+    model = LlavaForConditionalGeneration.from_pretrained(str(hf_models[name]), dtype=torch.float32)
+    logits = model(input_ids=batch.hf_input_ids, pixel_values=batch.images).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    assert abs(loss.item() - got["loss"]) < 1e-5
+    hf_grads = {mapping.canonical_hf_name(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
+    hf_grads = {_on_disk(n): g for n, g in hf_grads.items()}
+    checked = 0
+    for rule in mapping.rules(spec):
+        ref = mapping.to_mcore(rule, [hf_grads[h] for h in rule.hf], spec)
+        diff = (ref - got["grads"][rule.mcore]).abs().max().item()
+        scale = ref.abs().max().item() + 1e-8
+        assert diff <= 1e-4 * max(1.0, scale), f"grad of {rule.mcore} differs by {diff} (scale {scale})"
+        checked += 1
+    assert checked == len(mapping.rules(spec))
+
+
+def _on_disk(module_name: str) -> str:
+    """HF module parameter names (model.language_model.*) -> on-disk names used by the mapping."""
+    return mapping.canonical_hf_name(module_name)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_round_trip_is_exact(name, fmt, hf_models, converted, tmp_path):
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    out = convert_megatron_to_hf(converted[(name, fmt)], tmp_path / "hf")
+    a, b = HFReader(hf_models[name]), HFReader(out)
+    assert a.names() == b.names()
+    for n in a.names():
+        ta, tb = a.get(n), b.get(n)
+        assert ta.dtype == tb.dtype and torch.equal(ta, tb), n
+    assert LlavaConfig.from_pretrained(str(out)).to_dict()["text_config"]["vocab_size"] == VLMSpec.from_hf_dir(
+        hf_models[name]).vocab_size
+    LlavaForConditionalGeneration.from_pretrained(str(out))
+
+
+def test_round_trip_bf16_and_sharded(hf_models, tmp_path):
+    """--dtype bf16 then back: tensors equal the bf16 cast of the original; output in several shards."""
+    src = hf_models["llama_clip"]
+    meg = convert_hf_to_megatron(src, tmp_path / "m", tp=2, pp=1, dtype="bf16", ckpt_format="torch")
+    out = convert_megatron_to_hf(meg, tmp_path / "hf", max_shard_bytes=20_000)
+    assert (out / "model.safetensors.index.json").is_file()
+    a, b = HFReader(src), HFReader(out)
+    for n in a.names():
+        assert torch.equal(a.get(n).to(torch.bfloat16), b.get(n)), n
+
+
+def test_padding_is_recorded_and_trimmed(hf_models, converted):
+    spec = VLMSpec.load(converted[("llama_clip", "torch_dist")] / "release")
+    assert spec.vocab_size % 128 != 0 and spec.padded_vocab_size % 128 == 0
+    assert spec.padded_vocab_size > spec.vocab_size
+    qspec = VLMSpec.from_hf_dir(hf_models["qwen2_siglip"])
+    assert qspec.vocab_size % 64 == 0  # build_llava padded the HF embedding to a multiple of 64
+
+
+def test_extra_tensors_travel(hf_models, converted):
+    from megatron_vlm import checkpoint as ckpt
+
+    extra = ckpt.read_extra(converted[("qwen2_siglip", "torch_dist")] / "release")
+    assert any(k.startswith("vision_tower.head.") for k in extra)  # SigLIP pooling head
+    assert "vision_tower.post_layernorm.weight" in extra
+    assert any(".encoder.layers.2." in k for k in extra)  # layer after vision_feature_layer=-2
+    extra = ckpt.read_extra(converted[("mistral_clip_full", "torch_dist")] / "release")
+    assert not any(".encoder.layers." in k for k in extra)  # vision_feature_layer=-1 uses all layers
+
+
+def test_verify_cli_passes(hf_models, tmp_path, capsys):
+    script("convert/hf_to_megatron.py").main(["--hf-dir", str(hf_models["llama_clip"]), "--megatron-dir", str(tmp_path / "m"),
+                         "--tp", "2", "--verify"])
+    assert "verify: max |logit diff|" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("broken", ["qkv_plain_concat", "gate_up_swapped"])
+def test_negative_control_wrong_layout_fails_verification(broken, hf_models, tmp_path, monkeypatch):
+    """The logit check has teeth: a wrong QKV interleave or a swapped SwiGLU is caught."""
+    real = mapping.to_mcore
+
+    def wrong(rule, hf, spec):
+        if broken == "qkv_plain_concat" and rule.kind == "qkv" and rule.mcore.startswith("language_model"):
+            return torch.cat(hf, dim=0)
+        if broken == "gate_up_swapped" and rule.kind == "gated":
+            return torch.cat(hf[::-1], dim=0)
+        return real(rule, hf, spec)
+
+    monkeypatch.setattr(mapping, "to_mcore", wrong)
+    meg = convert_hf_to_megatron(hf_models["llama_clip"], tmp_path / "m", ckpt_format="torch")
+    monkeypatch.setattr(mapping, "to_mcore", real)
+    with pytest.raises(VerificationError, match="logits differ"):
+        verify_checkpoint(hf_models["llama_clip"], meg, tp=1, pp=1)
+
+
+def test_spec_json_round_trip(hf_models, converted):
+    spec = VLMSpec.from_hf_dir(hf_models["llama_clip"])
+    saved = VLMSpec.load(converted[("llama_clip", "torch_dist")])
+    assert saved.to_json() == spec.to_json()
+    assert VLMSpec.from_json(saved.to_json()) == saved
+    assert json.loads(saved.to_json())["rope_scaling_factor"] == 8.0

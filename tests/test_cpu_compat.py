@@ -1,0 +1,54 @@
+"""The CPU compatibility layer maps CUDA devices to CPU and backs megatron's RNG tracker with the CPU RNG."""
+
+import pytest
+import torch
+
+from megatron_vlm.runtime import cpu_compat
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compat():
+    if torch.cuda.is_available():
+        pytest.skip("the compatibility layer is for machines without CUDA")
+    cpu_compat.enable()
+
+
+def test_cuda_devices_become_cpu():
+    assert torch.zeros(3, device="cuda").device.type == "cpu"
+    assert torch.ones(2, device=torch.device("cuda", 0)).device.type == "cpu"
+    assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+    t = torch.arange(4)
+    assert t.cuda() is t
+    assert t.to("cuda").device.type == "cpu"
+    assert torch.arange(3).to(device="cuda:0").device.type == "cpu"
+
+
+def test_rng_tracker_forks_the_cpu_generator():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    tracker = CudaRNGStatesTracker()
+    torch.manual_seed(0)
+    tracker.add("model-parallel-rng", 1234)
+    before = torch.get_rng_state().clone()
+    with tracker.fork():
+        a = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), before)  # the default stream is restored
+    torch.manual_seed(1234)
+    assert torch.equal(a, torch.rand(4))  # the fork drew from the tracked seed
+    with tracker.fork():
+        b = torch.rand(4)
+    assert not torch.equal(a, b)  # and the tracked state advanced
+
+
+def test_refuses_on_a_cuda_machine(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="must not be used"):
+        cpu_compat.enable()
+
+
+def test_clip_norm_fallback_builds_without_te():
+    from megatron.core.models.vision import clip_vit_model
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    assert torch.nn.LayerNorm not in clip_vit_model.CLIPViTModel.__init__.__defaults__
+    assert WrappedTorchNorm in clip_vit_model.CLIPViTModel.__init__.__defaults__
