@@ -151,6 +151,7 @@ def test_every_field_has_a_flag_with_help():
     assert all(a.help for a in parser._actions)
 
 
-def test_request_dict_holds_only_changes():
-    c = TrainConfig.from_args(["--tp", "2", "--fp8"], resolve=False)
-    assert c.to_request_dict() == {"tp": 2, "fp8": True}
+def test_explicit_gpu_ids_beat_slurm_gpu_count():
+    c = TrainConfig.from_args(["--gpu-ids", "0,1", *REQ], env_defaults={"gpus": 8, "nodes": 1})
+    assert c.gpus == 2
+    assert TrainConfig.from_args(REQ, env_defaults={"gpus": 8}).gpus == 8

@@ -8,7 +8,12 @@
 - ``cfg.resolved()`` fills what the user left open (stage defaults, ``--debug`` shrinking, tensorboard dir,
   precision), makes paths absolute and validates; errors name the input and the fix.
 - ``cfg.to_yaml()`` / ``TrainConfig.from_yaml(path)`` write and read the resolved config. The launcher writes it
-  to ``<save_dir>/<name>/config.yaml`` and starts the trainer with ``--config`` pointing there.
+  to ``cfg.config_path`` (``<save_dir>/<name>/config.yaml``; node r > 0 of a multi-node run:
+  ``config.node<r>.yaml``) and starts the trainer with ``--config`` pointing there. ``cfg.run_dir``
+  (``<save_dir>/<name>``) is where the trainer saves checkpoints.
+
+Relative paths, on the command line or in a YAML file, are relative to the current directory; the resolved
+config holds absolute paths only.
 
 Precedence of a value: command line > YAML > environment (SLURM, device detection, passed by the launcher as
 ``env_defaults``) > ``--debug`` shrinking > stage default > field default. ``--debug`` is the exception: it
@@ -225,7 +230,8 @@ class TrainConfig:
 
     # ---- SLURM ----------------------------------------------------------------------------------------
     sbatch: str | None = _f(("--sbatch",), "Write a SLURM batch script to this path (one task per node "
-                            "running this launcher) instead of launching.", "path", None, "slurm",
+                            "running this launcher; its settings go to JOB.yaml beside it; --device defaults "
+                            "to cuda) instead of launching.", "path", None, "slurm",
                             metavar="JOB.sh")
     submit: bool = _f(("--submit",), "Submit the --sbatch script with sbatch.", "flag", False, "slurm")
     gpus_per_node: int | None = _f(("--gpus-per-node",), "GPUs to request per node in the --sbatch "
@@ -322,17 +328,14 @@ class TrainConfig:
         header = "# megatron-vlm training config (read with TrainConfig.from_yaml; 'derived' is informative)\n"
         return header + body + yaml.safe_dump({"derived": derived}, sort_keys=False)
 
-    def to_request_dict(self) -> dict[str, Any]:
-        """The fields that differ from their defaults (what a user asked for)."""
-        defaults = TrainConfig().to_dict()
-        return {k: v for k, v in self.to_dict().items() if v != defaults[k]}
-
     # ---- resolution and validation ------------------------------------------------------------------
     def resolved(self, env_defaults: dict[str, Any] | None = None) -> "TrainConfig":
         """A copy with open values filled in, paths absolute, and everything validated (``ConfigError``)."""
         cfg = dataclasses.replace(self)
         notes: list[str] = []
         for key, value in (env_defaults or {}).items():
+            if key == "gpus" and cfg.gpu_ids:  # explicit --gpu-ids decide the count
+                continue
             if getattr(cfg, key) is None and value is not None:
                 setattr(cfg, key, value)
         problems = _check_types_and_ranges(cfg)
@@ -556,8 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
         g = groups[m["group"]]
         kind, flags = m["kind"], m["flags"]
         kw: dict[str, Any] = dict(dest=f.name, help=_help(f))
-        if "metavar" in m:
-            kw["metavar"] = m["metavar"]
+        if "metavar" in m or kind in ("int", "float"):
+            kw["metavar"] = m.get("metavar", "N" if kind == "int" else "X")
         if kind == "bool":
             g.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         elif kind == "flag":
