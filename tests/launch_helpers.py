@@ -7,12 +7,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_vlm.spec import VLMSpec
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_PY = REPO / "train" / "run.py"
 STANDIN = Path(__file__).resolve().parent / "launch_standin.py"
 IMAGE_ID, PAD_ID = 301, 302
+
+
+@pytest.fixture(autouse=True)
+def no_slurm_env(monkeypatch):
+    """Tests run the launcher in-process: a CI job running under SLURM must not leak its job into them."""
+    for k in list(os.environ):
+        if k.startswith("SLURM_"):
+            monkeypatch.delenv(k)
 
 
 def tiny_spec(**overrides) -> VLMSpec:
