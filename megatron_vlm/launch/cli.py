@@ -1,0 +1,169 @@
+"""``train/run.py``: validate a training request, then start it (or print it, or write a SLURM job).
+
+Steps: parse (``TrainConfig.from_args``) -> fill from SLURM (``slurm``) -> resolve and validate the config ->
+file-system checks (``preflight.check_request``; spec vs --tp/--pp) -> ask the runtime that will train about
+GPUs, FP8 and the tokenizer (``probe``; inside the container when there is one) -> write the resolved config
+to ``<save_dir>/<name>/config.yaml`` (node r > 0: ``config.node<r>.yaml``) -> run torchrun, which starts
+``train/pretrain_vlm.py --config <that file>`` on every rank -> exit with torchrun's exit code.
+
+``--dry-run`` stops before writing and prints the resolved config and the command. ``--sbatch`` writes a
+batch script instead of launching. The environment variable ``MEGATRON_VLM_ENTRYPOINT`` replaces the trainer
+script (tests use a stand-in); it is not a user option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from megatron_vlm.launch import container, preflight, probe, process, sbatch, slurm
+from megatron_vlm.launch.torchrun import Command, rank_env, rendezvous_port, torchrun_command
+from megatron_vlm.training.config import ConfigError, TrainConfig
+
+ENTRYPOINT_ENV = "MEGATRON_VLM_ENTRYPOINT"
+DEFAULT_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _say(msg: str) -> None:
+    print(f"[train/run.py] {msg}", file=sys.stderr, flush=True)
+
+
+def entrypoint(repo_root: str) -> str:
+    return os.path.abspath(os.environ.get(ENTRYPOINT_ENV) or Path(repo_root) / "train" / "pretrain_vlm.py")
+
+
+def _fail_on(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems[0] if len(problems) == 1 else "\n".join(f"- {p}" for p in problems))
+
+
+def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Command | None, list[str]]:
+    """Everything up to (not including) writing and launching: the resolved config, this node's command
+    (None for --sbatch) and notes for the user. Raises ConfigError listing every problem found."""
+    notes: list[str] = []
+    request = TrainConfig.from_args(argv, resolve=False)
+    job = None if request.sbatch else slurm.detect_slurm()
+    env_defaults = slurm.defaults_from_slurm(job, request.nodes)
+    if job is not None:
+        notes.append(f"SLURM job {job.job_id}: " + ", ".join(f"{k}={v}" for k, v in env_defaults.items()
+                                                                  if v is not None and getattr(request, k) is None))
+    cfg = request.resolved(env_defaults)  # device still provisional ("cuda") when not given
+
+    problems = preflight.check_request(cfg)
+    try:
+        spec, source = preflight.load_spec(cfg)
+    except Exception as e:  # an unreadable spec or config.json: report it with the others
+        spec, source = None, ""
+        problems.append(f"cannot read the model architecture: {e}")
+    if spec is not None:
+        problems += preflight.check_spec(cfg, spec, source)
+    entry = entrypoint(repo_root)
+    if not Path(entry).is_file():
+        msg = f"trainer script {entry} not found"
+        if cfg.dry_run or cfg.sbatch:
+            notes.append(msg)
+        else:
+            problems.append(msg + "; run train/run.py from a complete megatron-vlm checkout")
+    _fail_on(problems)
+    if cfg.sbatch:
+        return cfg, None, notes
+
+    # Ask the runtime that will train: the container when there is one (not in a dry run: that would start it).
+    runtime = container.find_runtime(cfg, required=not cfg.dry_run) if cfg.container else None
+    in_container = cfg.container is not None and not cfg.dry_run
+    want_cuda = request.device != "cpu" and (in_container or cfg.container is None)
+    want_tok = (cfg.image_token_id is None or cfg.pad_token_id is None) and cfg.tokenizer_load_dir
+    facts: dict = {}
+    if want_cuda or want_tok:
+        env = rank_env(cfg)
+        if in_container:
+            prefix = container.wrap(Command(["python"], env), cfg, repo_root, runtime).argv
+        else:
+            prefix = [sys.executable]
+        full_env = {**os.environ, **env}
+        facts = probe.run_probe(prefix, full_env, repo_root, want_cuda, cfg.fp8 and want_cuda,
+                                cfg.tokenizer_load_dir if want_tok else None)
+    if request.device is None and "device_count" in facts:
+        device = "cuda" if facts["device_count"] > 0 else "cpu"
+        if device == "cpu":
+            notes.append("no CUDA GPU visible: running on CPU (gloo); pass --device cuda to insist")
+        cfg = dataclasses.replace(request).resolved({**env_defaults, "device": device})
+    if cfg.container and cfg.dry_run:
+        notes.append(f"dry run: GPU/FP8 checks run inside the {cfg.container} container at launch")
+
+    problems = preflight.check_hardware(cfg, facts) if "device_count" in facts else []
+    origin = "--image-token-id/--pad-token-id"
+    tok = facts.get("tokenizer")
+    if tok is not None:
+        if "error" in tok:
+            problems.append(f"cannot read the image/pad token ids from the tokenizer in {cfg.tokenizer_load_dir} "
+                            f"({tok['error']}); pass --image-token-id and --pad-token-id")
+        else:
+            origin = f"tokenizer in {cfg.tokenizer_load_dir}"
+            if cfg.image_token_id is None:
+                cfg.image_token_id = tok["image"]
+            if cfg.pad_token_id is None:
+                cfg.pad_token_id = tok["pad"]
+    if tok is None or "error" not in tok:
+        problems += preflight.check_token_ids(cfg, spec, source, origin)
+    _fail_on(problems)
+
+    cfg.master_port = rendezvous_port(cfg)  # recorded in the config: the port actually used
+    python = "python" if cfg.container else sys.executable
+    cmd = torchrun_command(cfg, str(cfg.config_path), entry, python=python, port=cfg.master_port)
+    if cfg.container:
+        cmd = container.wrap(cmd, cfg, repo_root, runtime)
+    notes = list(cfg.resolution_notes) + notes
+    return cfg, cmd, notes
+
+
+def main(argv: list[str] | None = None, repo_root: str | os.PathLike | None = None) -> int:
+    repo_root = str(Path(repo_root or DEFAULT_REPO_ROOT).resolve())
+    try:
+        cfg, cmd, notes = prepare(argv, repo_root)
+        for n in notes:
+            _say(f"note: {n}")
+        if cfg.sbatch:
+            return _sbatch(cfg, repo_root)
+        if cfg.dry_run:
+            print(f"# resolved config (dry run: not written; a launch writes it to {cfg.config_path})")
+            print(cfg.to_yaml().rstrip())
+            print(f"# command on node {cfg.node_rank} of {cfg.nodes} (dry run: not started)")
+            print(cmd.display())
+            return 0
+        from megatron_vlm.atomic import atomic_write_text
+
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(cfg.config_path, cfg.to_yaml())
+        _say(f"config: {cfg.config_path}")
+        _say(f"node {cfg.node_rank}/{cfg.nodes}: {cmd.display()}")
+        rc = process.run_forwarding_signals(cmd.argv, cmd.env)
+        if rc:
+            _say(f"training exited with code {rc}")
+        return rc
+    except (ConfigError, probe.ProbeError) as e:
+        text = str(e)
+        print("train/run.py: error:" + ("\n" if "\n" in text else " ") + text, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _sbatch(cfg: TrainConfig, repo_root: str) -> int:
+    if cfg.dry_run:
+        config = sbatch.job_config_path(cfg.sbatch)
+        print(f"# {config} (dry run: not written)")
+        print(sbatch.job_config(cfg).rstrip())
+        print(f"# {cfg.sbatch} (dry run: not written)")
+        print(sbatch.render_sbatch(cfg, config, repo_root, sys.executable).rstrip())
+        return 0
+    script, config = sbatch.write_job(cfg, repo_root, sys.executable)
+    _say(f"wrote {script} and {config}")
+    if cfg.submit:
+        print(sbatch.submit(script))
+    else:
+        _say(f"submit with: sbatch {script}")
+    return 0

@@ -1,0 +1,166 @@
+"""Checks before anything starts: paths, prepared data, the checkpoint and its spec, the hardware.
+
+Every check returns problems as strings that name the input and the fix; the launcher reports all of them
+at once (``ConfigError``) instead of failing on the first after minutes of start-up on a cluster.
+File-system checks (``check_request``) need only the config; hardware checks (``check_hardware``) take the
+facts ``probe`` gathered in the runtime that will train.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from megatron_vlm.spec import SPEC_FILE, ParallelismError, VLMSpec
+from megatron_vlm.training.config import TrainConfig
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+ENERGON_META = Path(".nv-meta") / "dataset.yaml"
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_data(data_path: str) -> list[str]:
+    """An energon dataset directory with ``.nv-meta/dataset.yaml``, or a metadataset ``.yaml`` file."""
+    if "://" in data_path:
+        return []  # remote (msc://, s3://): energon checks it when it opens it
+    p = Path(data_path)
+    if not p.exists():
+        return [f"--data-path {p}: no such file or directory"]
+    if p.is_file():
+        if p.suffix not in (".yaml", ".yml"):
+            return [f"--data-path {p}: a file must be an energon metadataset .yaml; give the dataset "
+                    "directory otherwise"]
+        import yaml
+
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            return [f"--data-path {p}: not valid YAML ({e})"]
+        if not isinstance(data, dict):
+            return [f"--data-path {p}: not an energon metadataset (expected a YAML mapping)"]
+        return []
+    if not (p / ENERGON_META).is_file():
+        return [f"--data-path {p} is not a prepared energon dataset (no {ENERGON_META}); prepare it with "
+                "data_prep/ (which runs `energon prepare`)"]
+    return []
+
+
+def read_tracker(ckpt_dir: Path) -> str:
+    """The iteration a Megatron checkpoint directory points at: an integer string or ``release``."""
+    return (ckpt_dir / TRACKER_FILE).read_text().strip()
+
+
+def check_checkpoint(ckpt_dir: str) -> list[str]:
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        return [f"--megatron-load-dir {d}: no such directory"]
+    problems = []
+    if not (d / SPEC_FILE).is_file():
+        problems.append(f"--megatron-load-dir {d} has no {SPEC_FILE}: not a megatron-vlm checkpoint; convert one "
+                        "with convert/hf_to_megatron.py (or pass --init to start from random weights)")
+    if not (d / TRACKER_FILE).is_file():
+        problems.append(f"--megatron-load-dir {d} has no {TRACKER_FILE}: the checkpoint is incomplete or not a "
+                        "Megatron checkpoint; point at the directory that holds it")
+        return problems
+    it = read_tracker(d)
+    if it == "release":
+        sub = "release"
+    elif re.fullmatch(r"\d+", it):
+        sub = f"iter_{int(it):07d}"
+    else:
+        return problems + [f"--megatron-load-dir {d}: {TRACKER_FILE} reads {it!r}, expected an iteration number "
+                           "or 'release'"]
+    if not (d / sub).is_dir():
+        problems.append(f"--megatron-load-dir {d}: {TRACKER_FILE} points at {sub}/, which does not exist")
+    return problems
+
+
+def load_spec(cfg: TrainConfig) -> tuple[VLMSpec | None, str]:
+    """The architecture the run will build, and where it came from ('' when unknown)."""
+    if cfg.megatron_load_dir and (Path(cfg.megatron_load_dir) / SPEC_FILE).is_file():
+        return VLMSpec.load(cfg.megatron_load_dir), str(Path(cfg.megatron_load_dir) / SPEC_FILE)
+    if cfg.init and cfg.tokenizer_load_dir and (Path(cfg.tokenizer_load_dir) / "config.json").is_file():
+        try:
+            return VLMSpec.from_hf_dir(cfg.tokenizer_load_dir), str(Path(cfg.tokenizer_load_dir) / "config.json")
+        except ImportError:  # a bare host that launches into a container: the trainer checks it
+            return None, ""
+    return None, ""
+
+
+def check_spec(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
+    problems = []
+    try:
+        spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers)
+    except ParallelismError as e:
+        problems.append(f"{e} (model: {source})")
+    if cfg.seq_length <= spec.num_image_tokens:
+        problems.append(f"--seq-length {cfg.seq_length} cannot hold the {spec.num_image_tokens} image tokens of one "
+                        f"image plus text (model: {source}); use a larger --seq-length")
+    return problems
+
+
+def check_token_ids(cfg: TrainConfig, spec: VLMSpec | None, source: str, origin: str) -> list[str]:
+    if spec is None:
+        return []
+    problems = []
+    if spec.image_token_id >= 0 and cfg.image_token_id != spec.image_token_id:
+        problems.append(f"image token id {cfg.image_token_id} ({origin}) differs from {spec.image_token_id} in "
+                        f"{source}: the tokenizer and the checkpoint come from different model directories")
+    if spec.pad_token_id is not None and cfg.pad_token_id != spec.pad_token_id:
+        problems.append(f"pad token id {cfg.pad_token_id} ({origin}) differs from {spec.pad_token_id} in "
+                        f"{source}: the tokenizer and the checkpoint come from different model directories")
+    return problems
+
+
+def check_request(cfg: TrainConfig) -> list[str]:
+    """File-system checks of a resolved config."""
+    problems: list[str] = []
+    if cfg.data_path:
+        problems += check_data(cfg.data_path)
+    tok = Path(cfg.tokenizer_load_dir) if cfg.tokenizer_load_dir else None
+    if tok is not None:
+        if not tok.is_dir():
+            problems.append(f"--tokenizer-load-dir {tok}: no such directory")
+        elif not any((tok / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")):
+            problems.append(f"--tokenizer-load-dir {tok} holds no tokenizer (tokenizer_config.json); give the "
+                            "LLaVA directory written by convert/build_llava.py")
+    if cfg.megatron_load_dir and not cfg.init:
+        problems += check_checkpoint(cfg.megatron_load_dir)
+    elif cfg.megatron_load_dir and not Path(cfg.megatron_load_dir).is_dir():
+        problems.append(f"--megatron-load-dir {cfg.megatron_load_dir}: no such directory")
+    if cfg.sif_path and not Path(cfg.sif_path).is_file():
+        problems.append(f"--sif-path {cfg.sif_path}: no such image file")
+    for b in cfg.bind:
+        src = Path(b.split(":")[0]).expanduser()
+        if not src.exists():
+            problems.append(f"--bind {b}: {src} does not exist")
+    run = cfg.run_dir
+    if run.exists() and not run.is_dir():
+        problems.append(f"--save-dir/--name: {run} exists and is not a directory")
+    return problems
+
+
+def check_hardware(cfg: TrainConfig, facts: dict) -> list[str]:
+    """GPU count and FP8 support, from ``probe`` facts of the runtime that will train."""
+    problems: list[str] = []
+    if cfg.device != "cuda":
+        return problems
+    n = facts.get("device_count", 0)
+    where = f" (torch {facts['torch']})" if "torch" in facts else ""
+    if n == 0:
+        problems.append(f"no CUDA GPU is visible{where}; run on a GPU node, or pass --device cpu")
+    elif n < cfg.gpus:
+        which = f" of --gpu-ids {','.join(map(str, cfg.gpu_ids))}" if cfg.gpu_ids else ""
+        problems.append(f"-g {cfg.gpus} but only {n} CUDA GPU(s){which} are visible{where}; lower -g"
+                        + (" or fix --gpu-ids" if cfg.gpu_ids else ""))
+    if cfg.fp8:
+        if not facts.get("transformer_engine"):
+            err = facts.get("transformer_engine_error", "")
+            problems.append(f"--fp8 needs Transformer Engine, which does not import here ({err}); use the NGC "
+                            "container from containers/ (--sif-path/--docker-image) or drop --fp8")
+        caps = [tuple(c) for c in facts.get("capabilities", [])[: cfg.gpus]]
+        old = [f"GPU {i} is sm_{a}{b}" for i, (a, b) in enumerate(caps) if (a, b) < FP8_MIN_CAPABILITY]
+        if old:
+            problems.append(f"--fp8 needs compute capability 8.9+ (Ada, Hopper or newer): {', '.join(old)}; "
+                            "drop --fp8")
+    return problems

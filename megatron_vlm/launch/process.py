@@ -1,0 +1,45 @@
+"""Running the launched command: signals go to the child, the child's exit status comes back.
+
+The child starts in its own session, so a terminal's Ctrl-C reaches it exactly once: through the launcher,
+which forwards SIGINT, SIGTERM and SIGHUP (torchrun passes them to every rank, and the trainer can save a
+checkpoint). The launcher's exit code is the child's; a child killed by signal N gives 128+N like a shell.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from typing import Mapping
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_forwarding_signals(argv: list[str], env_add: Mapping[str, str] | None = None,
+                           cwd: str | None = None) -> int:
+    """Run ``argv`` (a list; no shell) with ``env_add`` on top of our environment; return its exit code."""
+    env = dict(os.environ)
+    env.update(env_add or {})
+    started: list[subprocess.Popen] = []
+    pending: list[int] = []  # signals that arrived before the child existed
+
+    def forward(signum, _frame):
+        if not started:
+            pending.append(signum)
+        elif started[0].poll() is None:
+            started[0].send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    try:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True)
+        started.append(proc)
+        for signum in pending:
+            proc.send_signal(signum)
+        return exit_code(proc.wait())
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,92 @@
+"""The torchrun command line and the environment of the ranks, for one node.
+
+``torchrun_command(cfg, config_path, entrypoint)`` returns a ``Command``: an argument list (never a shell
+string) and the environment variables to add. One node: static rendezvous on 127.0.0.1 with a free port
+(picked by binding port 0) unless ``--master-port`` is given. Several nodes: static rendezvous at
+``master_addr:master_port`` with this node's ``--node_rank``. ``python -m torch.distributed.run`` is used
+instead of the ``torchrun`` script so that the ranks run under the same interpreter as the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from megatron_vlm.training.config import TrainConfig
+
+DEFAULT_MULTINODE_PORT = 29500
+# Seconds torchrun waits after forwarding SIGTERM/SIGINT before it SIGKILLs the ranks (torch >= 2.9 reads it;
+# older torch waits 30 s): the trainer's window to save a checkpoint on preemption.
+SHUTDOWN_GRACE_S = 120
+
+
+@dataclass
+class Command:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
+
+    def display(self) -> str:
+        """Shell-quoted, for printing only (the command is always run as an argument list)."""
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return (prefix + " " if prefix else "") + shlex.join(self.argv)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to port 0 and let the kernel choose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rendezvous_port(cfg: TrainConfig) -> int:
+    if cfg.master_port is not None:
+        return cfg.master_port
+    return free_port() if cfg.nodes == 1 else DEFAULT_MULTINODE_PORT
+
+
+def rank_env(cfg: TrainConfig, base_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment variables the ranks need on top of ``base_env`` (values the user set there win)."""
+    base = os.environ if base_env is None else base_env
+    env: dict[str, str] = {}
+
+    def setdefault(key: str, value: str) -> None:
+        if key not in base:
+            env[key] = value
+
+    if cfg.interface:
+        env["NCCL_SOCKET_IFNAME"] = cfg.interface
+        env["GLOO_SOCKET_IFNAME"] = cfg.interface
+    if cfg.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path runs only where CUDA is absent
+        setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.gpus)))
+    else:
+        if cfg.gpu_ids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.gpu_ids))
+        setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron's TP/SP communication overlap needs it
+    if cfg.deterministic:
+        setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        setdefault("NCCL_ALGO", "Ring")
+    setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))
+    setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def torchrun_command(cfg: TrainConfig, config_path: str, entrypoint: str, python: str = "python",
+                     port: int | None = None, base_env: Mapping[str, str] | None = None) -> Command:
+    """This node's command: torchrun starting ``entrypoint --config config_path`` once per GPU."""
+    port = port if port is not None else rendezvous_port(cfg)
+    argv = [
+        python, "-m", "torch.distributed.run",
+        "--nnodes", str(cfg.nodes),
+        "--node_rank", str(cfg.node_rank),
+        "--nproc_per_node", str(cfg.gpus),
+        "--rdzv_backend", "static",
+        "--master_addr", cfg.master_addr,
+        "--master_port", str(port),
+        "--max_restarts", "0",
+        entrypoint, "--config", str(config_path),
+    ]
+    return Command(argv, rank_env(cfg, base_env))

@@ -1,0 +1,157 @@
+"""TrainConfig: flags, YAML, stage defaults, derived values and validation messages."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from megatron_vlm.training.config import ConfigError, TrainConfig, build_parser
+
+REQ = ["--data-path", "d", "--tokenizer-load-dir", "t", "--megatron-load-dir", "m", "--train-iters", "100"]
+
+
+def cfg_of(*args, **kw) -> TrainConfig:
+    return TrainConfig.from_args([*args, *REQ], **kw)
+
+
+def error_of(*args) -> str:
+    with pytest.raises(ConfigError) as e:
+        cfg_of(*args)
+    return str(e.value)
+
+
+def test_stage_defaults():
+    s1 = cfg_of("-g", "8")
+    assert (s1.freeze_vit, s1.freeze_lm, s1.global_batch_size, s1.micro_batch_size, s1.lr) == (True, True, 256, 16, 1e-3)
+    assert (s1.dp, s1.grad_accum, s1.world_size) == (8, 2, 8)
+    s2 = cfg_of("-g", "8", "--stage", "2")
+    assert (s2.freeze_vit, s2.freeze_lm, s2.global_batch_size, s2.micro_batch_size, s2.lr) == (True, False, 128, 1, 2e-5)
+    assert s2.grad_accum == 16
+    for c in (s1, s2):
+        assert (c.lr_decay_style, c.lr_warmup_fraction, c.weight_decay, c.clip_grad) == ("cosine", 0.03, 0.0, 1.0)
+    assert s2.name == "llava-stage2" and s2.run_dir.name == "llava-stage2"
+
+
+def test_user_values_beat_stage_defaults():
+    c = cfg_of("--stage", "2", "--unfreeze-vit", "--freeze-lm", "--lr", "5e-5", "--mbs", "2", "--gbs", "8")
+    assert (c.freeze_vit, c.unfreeze_vit, c.freeze_lm, c.lr, c.micro_batch_size, c.global_batch_size) == (
+        False, True, True, 5e-5, 2, 8)
+    with pytest.raises(SystemExit):  # the two flags of one tri-state exclude each other
+        cfg_of("--freeze-vit", "--unfreeze-vit")
+
+
+def test_derived_parallel_sizes_and_precision():
+    c = cfg_of("-g", "8", "--node", "2", "--rank", "1", "--master-addr", "n0", "--tp", "2", "--pp", "2",
+               "--pp-layers", "3,1", "--gbs", "64", "--mbs", "2")
+    assert (c.world_size, c.dp, c.grad_accum, c.pp_layers) == (16, 4, 8, [3, 1])
+    assert (c.device, c.precision, c.bf16) == ("cuda", "bf16", True)
+    cpu = cfg_of("--device", "cpu")
+    assert cpu.precision == "fp32" and not cpu.bf16
+
+
+def test_impossible_requests_name_input_and_fix():
+    assert "-g 3 --tp 2: 3 GPUs is not a multiple of tp*pp=2" in error_of("-g", "3", "--tp", "2")
+    msg = error_of("-g", "2", "--gbs", "10", "--mbs", "4")
+    assert "global batch 10 is not divisible by micro batch 4 x data-parallel 2" in msg
+    assert "--global-batch-size 8 or 16" in msg
+    assert "(stage 1 default)" in error_of("-g", "3")
+    assert "--fp8 needs a CUDA GPU" in error_of("--device", "cpu", "--fp8")
+    assert "--rank 2 with --node 2" in error_of("--node", "2", "--rank", "2", "--master-addr", "x")
+    assert "give --master-addr" in error_of("--node", "2")
+    assert "names 2 GPUs but -g is 4" in error_of("-g", "4", "--gpu-ids", "0,1")
+    assert "--pp-layers 3,1,1: give 2 positive" in error_of("-g", "2", "--pp", "2", "--pp-layers", "3,1,1")
+    assert "--skip-train-iteration-range 9-3" in error_of("--skip-train-iteration-range", "9-3")
+    assert "--submit needs --sbatch" in error_of("--submit")
+    assert "--partition only applies with --sbatch" in error_of("--partition", "gpu")
+
+
+def test_missing_required_inputs_listed_together():
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_args([])
+    msg = str(e.value)
+    for flag in ("--train-iters", "--data-path", "--tokenizer-load-dir", "--megatron-load-dir"):
+        assert flag in msg
+    assert "--init" in msg
+    TrainConfig.from_args(["--init", *REQ[:4], "--train-iters", "1"])  # --init makes the checkpoint optional
+
+
+def test_gpu_ids_set_gpu_count_and_cpu_rejects_them():
+    assert cfg_of("--gpu-ids", "2,5").gpus == 2
+    assert "--gpu-ids is for --device cuda" in error_of("--device", "cpu", "--gpu-ids", "0")
+
+
+def test_debug_shrinks_and_says_so():
+    c = cfg_of("-g", "4", "--tp", "2", "--pp", "2", "--debug")
+    assert (c.tp, c.pp, c.micro_batch_size, c.global_batch_size, c.grad_accum, c.log_interval) == (1, 1, 1, 4, 1, 1)
+    assert c.train_iters == 100  # given, kept
+    assert "tp=1" in c.resolution_notes[0] and "global_batch_size=4" in c.resolution_notes[0]
+    c = TrainConfig.from_args(["--debug", *REQ[:6]])
+    assert c.train_iters == 10
+
+
+def test_paths_made_absolute_and_tensorboard_under_run_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    c = cfg_of("--save-dir", "runs", "--name", "exp1")
+    assert c.data_path == str(tmp_path / "d") and c.save_dir == str(tmp_path / "runs")
+    assert c.tensorboard_dir == str(tmp_path / "runs" / "exp1" / "tensorboard")
+    assert c.config_path == tmp_path / "runs" / "exp1" / "config.yaml"
+    assert dataclasses.replace(c, node_rank=3).config_path.name == "config.node3.yaml"
+    assert TrainConfig.from_args([*REQ, "--data-path", "msc://bucket/ds"]).data_path == "msc://bucket/ds"
+
+
+def test_yaml_round_trip(tmp_path):
+    c = cfg_of("-g", "4", "--tp", "2", "--pp-layers", "1,1", "--pp", "2", "--gbs", "8", "--mbs", "1",
+               "--skip-train-iteration-range", "10-20", "30-31", "--bind", "/a", "--bind", "/b:/c:ro", "--sif-path", "img.sif",
+               "--image-token-id", "7", "--unfreeze-vit", "--lr", "3e-4")
+    p = tmp_path / "c.yaml"
+    p.write_text(c.to_yaml())
+    back = TrainConfig.from_yaml(p)
+    assert back == c
+    assert back.skip_train_iteration_range == [(10, 20), (30, 31)]
+    data = yaml.safe_load(p.read_text())
+    assert data["derived"] == {"world_size": 4, "run_dir": str(c.run_dir), "data_parallel": 1, "grad_accum": 8}
+    assert back.resolved() == c  # resolving a resolved config changes nothing
+
+
+def test_yaml_under_command_line(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("gpus: 4\nmicro-batch-size: 4\nglobal_batch_size: 32\nlr: 1e-4\nfp8: true\nstage: 2\n"
+                 "pp: 2\npp_layers: [1, 1]\nskip_train_iteration_range: ['5-6', [8, 9]]\nunfreeze_vit: true\n")
+    c = TrainConfig.from_args(["--config", str(p), "--mbs", "2", "--no-fp8", *REQ])
+    assert (c.gpus, c.micro_batch_size, c.global_batch_size, c.lr, c.fp8, c.stage) == (4, 2, 32, 1e-4, False, 2)
+    assert c.skip_train_iteration_range == [(5, 6), (8, 9)] and c.freeze_vit is False
+    assert (c.dp, c.grad_accum) == (2, 8)
+
+
+def test_yaml_errors_name_file_and_key(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("micro_batch_sise: 4\n")
+    with pytest.raises(ConfigError, match=r"unknown setting 'micro_batch_sise'; did you mean 'micro_batch_size'"):
+        TrainConfig.from_args(["--config", str(p)])
+    p.write_text("tp: two\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: tp:"):
+        TrainConfig.from_args(["--config", str(p)])
+    with pytest.raises(ConfigError, match="no such file"):
+        TrainConfig.from_args(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_every_field_has_a_flag_with_help():
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(TrainConfig):
+        assert f.name in actions, f.name
+        assert len(f.metadata["help"]) > 10, f.name
+    flags = {s for a in parser._actions for s in a.option_strings}
+    for flag in ("-g", "--gpus", "--gpu-ids", "--device", "--node", "--rank", "--master-addr", "--interface",
+                 "--tp", "--pp", "--pp-layers", "--stage", "--freeze-vit", "--unfreeze-vit", "--dry-run",
+                 "--sif-path", "--docker-image", "--sbatch", "--submit", "--gpus-per-node", "--nodes"):
+        assert flag in flags
+    assert all(a.help for a in parser._actions)
+
+
+def test_explicit_gpu_ids_beat_slurm_gpu_count():
+    c = TrainConfig.from_args(["--gpu-ids", "0,1", *REQ], env_defaults={"gpus": 8, "nodes": 1})
+    assert c.gpus == 2
+    assert TrainConfig.from_args(REQ, env_defaults={"gpus": 8}).gpus == 8

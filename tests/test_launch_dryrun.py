@@ -1,0 +1,167 @@
+"""train/run.py --dry-run and pre-launch validation: the commands it would run and the errors it stops with."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+import yaml
+from launch_helpers import IMAGE_ID, PAD_ID, REPO, base_args, make_ckpt, make_data, no_slurm_env, tiny_spec  # noqa: F401
+
+from megatron_vlm.launch import cli
+from megatron_vlm.training.config import TrainConfig
+
+
+def dry(args, capsys):
+    rc = cli.main([*args, "--dry-run"], repo_root=REPO)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def command_of(out: str) -> list[str]:
+    return shlex.split(out.strip().splitlines()[-1])
+
+
+def config_of(out: str) -> TrainConfig:
+    text = out.split("# command on node")[0]
+    return TrainConfig.from_dict(yaml.safe_load(text))
+
+
+def test_single_node_cpu(tmp_path, capsys):
+    rc, out, err = dry([*base_args(tmp_path), "-g", "2", "--gbs", "64", "--mbs", "4"], capsys)
+    assert rc == 0, err
+    argv = command_of(out)
+    env = {a.split("=")[0]: a.split("=", 1)[1] for a in argv if "=" in a and not a.startswith("-")}
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and int(env["OMP_NUM_THREADS"]) >= 1
+    i = argv.index("-m")
+    assert argv[i:i + 2] == ["-m", "torch.distributed.run"]
+    port = int(argv[argv.index("--master_port") + 1])
+    assert argv[argv.index("--nnodes"):] == [
+        "--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "2", "--rdzv_backend", "static",
+        "--master_addr", "127.0.0.1", "--master_port", str(port), "--max_restarts", "0",
+        str(REPO / "train" / "pretrain_vlm.py"), "--config", str(tmp_path / "out" / "llava-stage1" / "config.yaml")]
+    cfg = config_of(out)
+    assert (cfg.dp, cfg.grad_accum, cfg.precision, cfg.master_port) == (2, 8, "fp32", port)
+    assert (cfg.image_token_id, cfg.pad_token_id) == (IMAGE_ID, PAD_ID)
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+def test_multi_node_cuda_with_interface_and_gpu_ids(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("megatron_vlm.launch.probe.run_probe", lambda *a, **k: {"device_count": 4})
+    args = [*base_args(tmp_path), "--device", "cuda", "--gpu-ids", "0,1,2,3", "--node", "2", "--rank", "1",
+            "--master-addr", "10.0.0.1", "--interface", "ib0", "--tp", "2", "--gbs", "32", "--mbs", "2"]
+    rc, out, err = dry(args, capsys)
+    assert rc == 0, err
+    line = out.strip().splitlines()[-1]
+    for kv in ("CUDA_VISIBLE_DEVICES=0,1,2,3", "NCCL_SOCKET_IFNAME=ib0", "GLOO_SOCKET_IFNAME=ib0",
+               "CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        assert kv in line.split()
+    argv = command_of(out)
+    i = argv.index("--nnodes")
+    assert argv[i:i + 12] == ["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "4", "--rdzv_backend",
+                              "static", "--master_addr", "10.0.0.1", "--master_port", "29500"]
+    assert argv[-1].endswith("config.node1.yaml")
+    cfg = config_of(out)
+    assert (cfg.world_size, cfg.dp, cfg.grad_accum, cfg.precision) == (8, 4, 4, "bf16")
+
+
+def test_yaml_request_with_overrides(tmp_path, capsys):
+    req = tmp_path / "run.yaml"
+    args = base_args(tmp_path)
+    req.write_text(yaml.safe_dump({"data_path": args[args.index("--data-path") + 1], "stage": 2, "gpus": 2,
+                                   "micro_batch_size": 2, "global_batch_size": 16}))
+    rc, out, err = dry([*args, "--config", str(req), "--mbs", "4"], capsys)
+    assert rc == 0, err
+    cfg = config_of(out)
+    assert (cfg.stage, cfg.freeze_lm, cfg.lr, cfg.micro_batch_size, cfg.grad_accum) == (2, False, 2e-5, 4, 2)
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["-g", "3", "--tp", "2"], "-g 3 --tp 2: 3 GPUs is not a multiple of tp*pp=2"),
+    (["-g", "2", "--gbs", "10", "--mbs", "4"], "global batch 10 is not divisible by micro batch 4 x data-parallel 2"),
+    (["--fp8"], "--fp8 needs a CUDA GPU"),
+    (["--tp", "3", "-g", "3", "--gbs", "16", "--mbs", "16"], "tp=3 does not divide num_attention_heads=4"),
+    (["-g", "2", "--pp", "2", "--pp-layers", "2,1", "--gbs", "16", "--mbs", "16"], "--pp-layers 2,1 must give 2"),
+    (["--seq-length", "16"], "--seq-length 16 cannot hold the 16 image tokens"),
+])
+def test_impossible_requests(tmp_path, capsys, extra, expect):
+    rc, out, err = dry([*base_args(tmp_path), *extra], capsys)
+    assert rc == 2 and out == ""
+    assert expect in err
+
+
+def test_data_checks(tmp_path, capsys):
+    args = base_args(tmp_path)
+    rc, _, err = dry([*args, "--data-path", str(tmp_path / "nothere")], capsys)
+    assert rc == 2 and f"--data-path {tmp_path / 'nothere'}: no such file or directory" in err
+    raw = make_data(tmp_path / "raw", prepared=False)
+    rc, _, err = dry([*args, "--data-path", str(raw)], capsys)
+    assert rc == 2 and "is not a prepared energon dataset (no .nv-meta/dataset.yaml)" in err
+    meta = tmp_path / "blend.yaml"
+    meta.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits: {}\n")
+    assert dry([*args, "--data-path", str(meta)], capsys)[0] == 0
+
+
+def test_checkpoint_checks(tmp_path, capsys):
+    args = base_args(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, _, err = dry([*args, "--megatron-load-dir", str(empty)], capsys)
+    assert rc == 2 and "has no vlm_spec.json" in err and "has no latest_checkpointed_iteration.txt" in err
+    ck = make_ckpt(tmp_path / "c2", tracker="100")
+    (ck / "iter_0000100").rmdir()
+    rc, _, err = dry([*args, "--megatron-load-dir", str(ck)], capsys)
+    assert rc == 2 and "points at iter_0000100/, which does not exist" in err
+    rc, _, err = dry([*args, "--megatron-load-dir", str(empty), "--init"], capsys)
+    assert rc == 0, err  # --init needs no checkpoint
+
+
+def test_token_ids_must_match_checkpoint(tmp_path, capsys):
+    rc, _, err = dry([*base_args(tmp_path), "--image-token-id", "5"], capsys)
+    assert rc == 2 and "image token id 5 (--image-token-id/--pad-token-id) differs from 301" in err
+
+
+def test_cuda_request_without_gpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("megatron_vlm.launch.probe.run_probe",
+                        lambda *a, **k: {"device_count": 0, "torch": "2.13.0+cpu"})
+    rc, _, err = dry([*base_args(tmp_path), "--device", "cuda"], capsys)
+    assert rc == 2 and "no CUDA GPU is visible (torch 2.13.0+cpu); run on a GPU node, or pass --device cpu" in err
+    monkeypatch.setattr("megatron_vlm.launch.probe.run_probe", lambda *a, **k: {"device_count": 2})
+    rc, _, err = dry([*base_args(tmp_path), "--device", "cuda", "-g", "4", "--mbs", "1", "--gbs", "4"], capsys)
+    assert rc == 2 and "-g 4 but only 2 CUDA GPU(s) are visible" in err
+
+
+def test_fp8_needs_transformer_engine_and_sm89(tmp_path, capsys, monkeypatch):
+    facts = {"device_count": 1, "transformer_engine": False, "transformer_engine_error": "ModuleNotFoundError",
+             "capabilities": [[8, 0]]}
+    monkeypatch.setattr("megatron_vlm.launch.probe.run_probe", lambda *a, **k: facts)
+    rc, _, err = dry([*base_args(tmp_path), "--device", "cuda", "--fp8"], capsys)
+    assert rc == 2 and "--fp8 needs Transformer Engine" in err and "GPU 0 is sm_80" in err
+    facts.update(transformer_engine=True, capabilities=[[9, 0]])
+    assert dry([*base_args(tmp_path), "--device", "cuda", "--fp8"], capsys)[0] == 0
+
+
+def test_device_auto_falls_back_to_cpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("megatron_vlm.launch.probe.run_probe", lambda *a, **k: {"device_count": 0})
+    args = [a for a in base_args(tmp_path) if a not in ("--device", "cpu")]
+    rc, out, err = dry(args, capsys)
+    assert rc == 0, err
+    assert config_of(out).device == "cpu" and "no CUDA GPU visible: running on CPU" in err
+
+
+def test_real_probe_reads_token_ids_from_tokenizer(tmp_path, capsys):
+    """The ids come from a real tokenizer (read in the probe subprocess) and are checked against the spec."""
+    from megatron_vlm.testing.tiny import train_tokenizer
+    from megatron_vlm.tokenizer import add_vlm_tokens, special_token_ids
+
+    tok = train_tokenizer(tmp_path / "tok_real")
+    add_vlm_tokens(tok)
+    tok.save_pretrained(str(tmp_path / "tok_real"))
+    ids = special_token_ids(tok)
+    ckpt = make_ckpt(tmp_path / "c", spec=tiny_spec(image_token_id=ids.image, pad_token_id=ids.pad))
+    args = [*base_args(tmp_path, ids=False), "--tokenizer-load-dir", str(tmp_path / "tok_real"),
+            "--megatron-load-dir", str(ckpt)]
+    rc, out, err = dry(args, capsys)
+    assert rc == 0, err
+    cfg = config_of(out)
+    assert (cfg.image_token_id, cfg.pad_token_id) == (ids.image, ids.pad) == (301, 300)

@@ -1,0 +1,106 @@
+"""Real launches on CPU (gloo) with a stand-in trainer: one node x 2 processes, two "nodes" on loopback,
+exit codes and signal forwarding."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from launch_helpers import IMAGE_ID, REPO, base_args, launcher
+
+from megatron_vlm.launch.process import run_forwarding_signals
+from megatron_vlm.launch.torchrun import free_port
+from megatron_vlm.training.config import TrainConfig
+
+pytestmark = pytest.mark.slow
+
+
+def _records(out_dir, n):
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def test_one_node_two_processes(tmp_path):
+    out = tmp_path / "seen"
+    out.mkdir()
+    p = launcher([*base_args(tmp_path), "-g", "2", "--gbs", "8", "--mbs", "2"], out)
+    log, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, log
+    recs = _records(out, 2)
+    assert [r["allreduce"] for r in recs] == [3.0, 3.0]  # 1 + 2 over the gloo group torchrun set up
+    assert [r["env"]["LOCAL_RANK"] for r in recs] == ["0", "1"] and recs[0]["env"]["WORLD_SIZE"] == "2"
+    assert recs[0]["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    cfg = recs[1]["cfg"]  # what the trainer reads back with TrainConfig.from_yaml
+    assert (cfg["image_token_id"], cfg["grad_accum"], cfg["device"], cfg["precision"], cfg["gpus"]) == (
+        IMAGE_ID, 2, "cpu", "fp32", 2)
+    written = TrainConfig.from_yaml(tmp_path / "out" / "llava-stage1" / "config.yaml")
+    assert written.master_port == int(recs[0]["env"]["MASTER_PORT"])
+    assert written.resolved() == written
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    out = tmp_path / "seen"
+    out.mkdir()
+    port = free_port()
+    common = [*base_args(tmp_path), "-g", "1", "--node", "2", "--master-addr", "127.0.0.1", "--master-port",
+              str(port), "--gbs", "4", "--mbs", "1", "--interface", "lo"]
+    procs = [launcher([*common, "--rank", str(r)], out) for r in (0, 1)]
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    recs = _records(out, 2)
+    assert [r["env"]["GROUP_RANK"] for r in recs] == ["0", "1"]
+    assert [r["allreduce"] for r in recs] == [3.0, 3.0]
+    assert {r["env"]["MASTER_PORT"] for r in recs} == {str(port)}
+    assert recs[0]["env"]["GLOO_SOCKET_IFNAME"] == "lo"
+    assert [r["cfg"]["node_rank"] for r in recs] == [0, 1] and recs[0]["cfg"]["grad_accum"] == 2
+    run_dir = tmp_path / "out" / "llava-stage1"
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "config.node1.yaml").is_file()
+
+
+def test_trainer_failure_gives_nonzero_exit(tmp_path):
+    out = tmp_path / "seen"
+    out.mkdir()
+    p = launcher([*base_args(tmp_path), "-g", "1", "--gbs", "16"], out, mode="fail")
+    log, _ = p.communicate(timeout=120)
+    assert p.returncode == 1, log  # torchrun's code for a failed rank, passed through
+    assert "training exited with code 1" in log
+
+
+def test_sigterm_reaches_every_rank(tmp_path):
+    out = tmp_path / "seen"
+    out.mkdir()
+    p = launcher([*base_args(tmp_path), "-g", "2", "--gbs", "32"], out, mode="signal")
+    deadline = time.time() + 60
+    while not all((out / f"ready{r}.txt").exists() for r in (0, 1)):
+        assert time.time() < deadline and p.poll() is None, p.stdout.read() if p.poll() is not None else "timeout"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    log, _ = p.communicate(timeout=60)
+    assert [(out / f"signal{r}.txt").read_text() for r in (0, 1)] == ["SIGTERM", "SIGTERM"], log
+    assert p.returncode != 0
+
+
+CHILD = """
+import signal, sys, time
+def h(s, f):
+    print("child got", signal.Signals(s).name, flush=True); sys.exit(5)
+signal.signal(signal.SIGINT, h)
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+def test_exit_code_and_signal_forwarding_of_the_process_runner(tmp_path):
+    assert run_forwarding_signals([sys.executable, "-c", "import sys; sys.exit(7)"]) == 7
+    assert run_forwarding_signals([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"]) == 137
+    # SIGINT to the launcher (here a python running the runner) reaches the child exactly once.
+    runner = ("import sys; from megatron_vlm.launch.process import run_forwarding_signals as r; "
+              f"sys.exit(r([sys.executable, '-c', {CHILD!r}]))")
+    p = subprocess.Popen([sys.executable, "-c", runner], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGINT)
+    rest, _ = p.communicate(timeout=30)
+    assert rest.strip() == "child got SIGINT" and p.returncode == 5
