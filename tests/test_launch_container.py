@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from launch_helpers import REPO, STANDIN, base_args, no_slurm_env  # noqa: F401
+from .launch_helpers import REPO, STANDIN, base_args, no_slurm_env  # noqa: F401
 
 from megatron_vlm.launch import cli
 from megatron_vlm.launch.container import find_runtime, mounts, parse_bind, wrap

@@ -6,7 +6,7 @@ import shlex
 
 import pytest
 import yaml
-from launch_helpers import IMAGE_ID, PAD_ID, REPO, base_args, make_ckpt, make_data, no_slurm_env, tiny_spec  # noqa: F401
+from .launch_helpers import IMAGE_ID, PAD_ID, REPO, base_args, make_ckpt, make_data, no_slurm_env, tiny_spec  # noqa: F401
 
 from megatron_vlm.launch import cli
 from megatron_vlm.training.config import TrainConfig

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from launch_helpers import IMAGE_ID, REPO, base_args, launcher
+from .launch_helpers import IMAGE_ID, REPO, base_args, launcher
 
 from megatron_vlm.launch.process import run_forwarding_signals
 from megatron_vlm.launch.torchrun import free_port

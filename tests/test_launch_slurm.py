@@ -7,7 +7,7 @@ import stat
 
 import pytest
 import yaml
-from launch_helpers import REPO, base_args, no_slurm_env  # noqa: F401
+from .launch_helpers import REPO, base_args, no_slurm_env  # noqa: F401
 
 from megatron_vlm.launch import cli, sbatch
 from megatron_vlm.launch.nodelist import NodelistError, expand_nodelist
