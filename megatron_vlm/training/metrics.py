@@ -1,0 +1,87 @@
+"""Training metrics: throughput, ETA, console lines, TensorBoard events and (optionally) Weights & Biases."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger("megatron_vlm.train")
+
+
+class MetricsLogger:
+    """Collects per-iteration numbers on the logging rank and writes them every ``log_interval``."""
+
+    def __init__(self, cfg, total_iters: int, enabled: bool, start_iter: int = 0):
+        self.cfg = cfg
+        self.total = total_iters
+        self.enabled = enabled
+        self.start_iter = start_iter
+        self.t_start = time.time()
+        self.t_last = time.time()
+        self.window = {"loss_sum": 0.0, "tokens_loss": 0.0, "samples": 0, "tokens": 0, "iters": 0}
+        self.tb = None
+        self.wandb = None
+        self.history_path = Path(cfg.run_dir) / "metrics.jsonl" if enabled else None
+        if not enabled:
+            return
+        tb_dir = cfg.tensorboard_dir or str(Path(cfg.run_dir) / "tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(tb_dir)
+        if cfg.wandb:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.name, dir=str(cfg.run_dir),
+                                    config=cfg.to_dict(), resume="allow")
+
+    def step(self, iteration: int, loss_sum: float, loss_tokens: float, samples: int, tokens: int, lr: float,
+             grad_norm, skipped: bool = False) -> None:
+        if not self.enabled:
+            return
+        w = self.window
+        w["loss_sum"] += loss_sum
+        w["tokens_loss"] += loss_tokens
+        w["samples"] += samples
+        w["tokens"] += tokens
+        w["iters"] += 1
+        loss = loss_sum / max(loss_tokens, 1.0)
+        with open(self.history_path, "a") as f:
+            f.write(json.dumps({"iteration": iteration, "loss": loss, "lr": lr,
+                                "grad_norm": None if grad_norm is None else float(grad_norm),
+                                "skipped": skipped}) + "\n")
+        if iteration % self.cfg.log_interval and iteration != self.total:
+            return
+        now = time.time()
+        dt = max(now - self.t_last, 1e-9)
+        avg_loss = w["loss_sum"] / max(w["tokens_loss"], 1.0)
+        sps, tps = w["samples"] / dt, w["tokens"] / dt
+        done = iteration - self.start_iter
+        eta = (now - self.t_start) / max(done, 1) * (self.total - iteration)
+        gn = "n/a" if grad_norm is None else f"{float(grad_norm):.3f}"
+        log.info("iter %d/%d | loss %.4f | lr %.3e | grad norm %s | %.1f samples/s | %.0f tokens/s | ETA %s",
+                 iteration, self.total, avg_loss, lr, gn, sps, tps, _fmt_eta(eta))
+        scalars = {"train/loss": avg_loss, "train/lr": lr, "perf/samples_per_s": sps, "perf/tokens_per_s": tps}
+        if grad_norm is not None:
+            scalars["train/grad_norm"] = float(grad_norm)
+        for k, v in scalars.items():
+            self.tb.add_scalar(k, v, iteration)
+        self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=iteration)
+        self.window = {k: 0 for k in w}
+        self.t_last = now
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}"

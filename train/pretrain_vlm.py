@@ -1,0 +1,31 @@
+#!/usr/bin/env python
+"""Per-rank training entry point (started by torchrun from train/run.py): python train/pretrain_vlm.py --config X.yaml"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--config", required=True, help="resolved TrainConfig YAML written by train/run.py")
+    p.add_argument("-v", "--verbose", action="store_true", help="show library warnings")
+    a = p.parse_args(argv)
+    from megatron_vlm.cli import setup_logging
+
+    setup_logging(a.verbose)
+    from megatron_vlm.runtime.distributed import teardown
+    from megatron_vlm.training.config import TrainConfig
+    from megatron_vlm.training.trainer import train
+
+    cfg = TrainConfig.from_yaml(a.config)
+    try:
+        train(cfg)
+    finally:
+        teardown()
+
+
+if __name__ == "__main__":
+    main()
