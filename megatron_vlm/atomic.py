@@ -28,6 +28,9 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False, what: str = "o
         raise OutputExistsError(f"{what} {final} already exists; remove it or pass --overwrite")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output should have normal permissions
     try:
         yield tmp
         if final.exists():

@@ -152,6 +152,8 @@ def train(cfg) -> dict:
             log.info("resumed from %s at iteration %d (optimizer %s, data position restored)", load_dir, iteration,
                      "restored" if with_optim else "fresh")
     data = iter(loader)
+    if rt.rank == 0 and not (Path(cfg.run_dir) / ckpt.TOKENIZER_DIR).is_dir():
+        ckpt.copy_tokenizer(cfg.tokenizer_load_dir, cfg.run_dir)  # so every checkpoint exports on its own
     meta_out = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers),
                                    dtype=str(dtype).replace("torch.", ""))
     is_logger = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
