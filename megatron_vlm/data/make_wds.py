@@ -12,6 +12,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,10 +58,10 @@ class MakeWdsResult:
 
 
 def _reason_class(reason: str) -> str:
-    """Group reasons for the summary ("missing image 'a.jpg'" -> "missing image")."""
-    for sep in (" '", ' "', ":", " ("):
+    """Group reasons for the summary ("missing image 'a.jpg'" -> "missing image", counts -> N)."""
+    for sep in (" '", ' "', ":", " (", ";"):
         reason = reason.split(sep)[0]
-    return reason.strip()
+    return re.sub(r"\b\d+\b", "N", reason.strip())
 
 
 def convert_record(fmt: str, rec: RawRecord, image_root: Path) -> tuple[dict | None, str | None]:
