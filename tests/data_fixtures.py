@@ -103,7 +103,8 @@ def build_vqa_inputs(base: Path) -> dict:
             csv.writer(buf, lineterminator="\n").writerow([row["id"], row["image"], row["question"], row["answer"]])
             csv_bytes += buf.getvalue().encode()
     (d / "qa.csv").write_bytes(csv_bytes)
-    return dict(dir=d, jsonl=jsonl, csv=d / "qa.csv", images=images, good=good, expected_bad=expected_bad)
+    keys = [f"{i:09d}" for i, row in enumerate(order) if id(row) not in bad_ids]
+    return dict(dir=d, jsonl=jsonl, csv=d / "qa.csv", images=images, good=good, keys=keys, expected_bad=expected_bad)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -164,7 +165,8 @@ def build_llava_inputs(base: Path) -> dict:
     path.write_bytes(text)
     answers = [[t["value"] for t in g["conversations"] if t["from"] == "gpt"] for g in good]
     n_images = [len(g["image"]) if isinstance(g.get("image"), list) else (1 if g.get("image") else 0) for g in good]
-    return dict(dir=d, json=path, images=images, good=good, answers=answers, n_images=n_images,
+    keys = [f"{i:09d}" for i, it in enumerate(items) if id(it) not in bad_ids]
+    return dict(dir=d, json=path, images=images, good=good, answers=answers, n_images=n_images, keys=keys,
                 expected_bad=expected_bad, total=len(items) + 1)
 
 
@@ -219,7 +221,8 @@ def build_chat_inputs(base: Path) -> dict:
     with gzip.GzipFile(path, "wb", mtime=0) as f:
         f.write(raw)
     answers = [["green"], ["top left", "red"], ["no"]]
-    return dict(dir=d, jsonl=path, images=images, good=good, answers=answers, n_images=[1, 1, 0],
+    keys = [f"{i:09d}" for i, r in enumerate(rows) if id(r) not in bad_ids]
+    return dict(dir=d, jsonl=path, images=images, good=good, answers=answers, n_images=[1, 1, 0], keys=keys,
                 expected_bad=expected_bad, total=len(rows) + 1)
 
 

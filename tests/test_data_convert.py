@@ -12,6 +12,7 @@ from PIL import Image, ImageOps
 
 from megatron_vlm.atomic import OutputExistsError
 from megatron_vlm.data.make_wds import TooManyRejectsError, make_wds
+from megatron_vlm.data.prepare import split_shards
 from megatron_vlm.data.stats import iter_tar_samples
 from tests.data_fixtures import (  # noqa: F401
     chat_dataset,
@@ -57,8 +58,9 @@ def test_vqa_jsonl(vqa_dataset, vqa_inputs):
     good = vqa_inputs["good"]
     assert (vqa_dataset.total, vqa_dataset.written, vqa_dataset.rejected) == (18, 10, 8)
     samples = read_samples(out)
-    assert [k for k, _ in samples] == [f"{i:09d}" for i in range(10)]
+    assert sorted(k for k, _ in samples) == vqa_inputs["keys"]  # keys are the records' input positions
     assert [len(p) for _, p in samples] == [3] * 10 and all(set(p) == {"jpg", "json", "txt"} for _, p in samples)
+    samples = sorted(samples)  # train shards first, then val: back to input order
     for (key, parts), row in zip(samples, good):
         assert parts["txt"].decode() == row["answer"]
         meta = json.loads(parts["json"])
@@ -78,19 +80,35 @@ def test_vqa_jsonl(vqa_dataset, vqa_inputs):
     assert_rejections(rejected(out), vqa_inputs["expected_bad"], lambda line: f"qa.jsonl:{line}")
     by_reason = vqa_dataset.reasons
     assert by_reason["missing image"] == 1 and by_reason["unreadable image"] == 2
-    # energon metadata: VQASample with the VQA field map, the 9,1,0 split over the 5 shards
+    # energon metadata: VQASample with the VQA field map; 9,1,0 split sample by sample (9 train, 1 val)
     assert "VQASample" in (out / ".nv-meta" / "dataset.yaml").read_text()
-    assert sorted(sum(vqa_dataset.splits.values(), [])) == [f"{i:06d}.tar" for i in range(5)]
-    assert (len(vqa_dataset.splits["train"]), len(vqa_dataset.splits["val"])) == (4, 1)
+    assert vqa_dataset.splits == {"train": [f"{i:06d}.tar" for i in range(5)], "val": ["000005.tar"], "test": []}
+    assert split_shards(out) == vqa_dataset.splits
     summary = json.loads((out / "make_wds.json").read_text())
     assert summary["written"] == 10 and summary["rejected"] == 8
+    assert {k: v["samples"] for k, v in summary["splits"].items()} == {"train": 9, "val": 1, "test": 0}
+    val_key = [k for k, _ in iter_tar_samples(out / "000005.tar")]
+    assert val_key == [vqa_inputs["keys"][5]]  # val is spread through the input: the 6th sample here
+
+
+def test_split_assigner_exact_prefixes():
+    from megatron_vlm.data.make_wds import SplitAssigner
+
+    for weights in ((9, 1, 0), (8, 1, 1), (1, 1, 1), (0, 1, 0)):
+        assign, counts = SplitAssigner(weights), [0, 0, 0]
+        for n in range(1, 1001):
+            counts[assign()] += 1
+            for c, w in zip(counts, weights):
+                assert abs(c - n * w / sum(weights)) < 1
+        assert counts == [1000 * w // sum(weights) for w in weights] or weights == (1, 1, 1)
 
 
 def test_vqa_csv_gives_same_samples(vqa_inputs, vqa_dataset, tmp_path):
     res = make_wds("vqa", vqa_inputs["csv"], tmp_path / "out", image_root=vqa_inputs["images"], shard_size=2,
                    max_bad_fraction=0.7, progress=False, prepare=False)
     assert (res.written, res.rejected) == (10, 8)
-    for a, b in zip(read_samples(tmp_path / "out"), read_samples(vqa_dataset.output)):
+    for a, b in zip(read_samples(tmp_path / "out"), sorted(read_samples(vqa_dataset.output))):
+        assert a[0] == b[0]
         assert a[1]["jpg"] == b[1]["jpg"] and a[1]["txt"] == b[1]["txt"]
         assert json.loads(a[1]["json"])["question"] == json.loads(b[1]["json"])["question"]
     assert_rejections(rejected(tmp_path / "out"), vqa_inputs["expected_bad"], lambda line: f"qa.csv:{line + 1}")
@@ -99,8 +117,9 @@ def test_vqa_csv_gives_same_samples(vqa_inputs, vqa_dataset, tmp_path):
 def test_llava_json(llava_dataset, llava_inputs):
     out = llava_dataset.output
     assert (llava_dataset.total, llava_dataset.written) == (llava_inputs["total"], 6)
-    samples = read_samples(out)
-    assert len(list(out.glob("*.tar"))) == 6
+    samples = sorted(read_samples(out))
+    assert len(list(out.glob("*.tar"))) == 6 and [k for k, _ in samples] == llava_inputs["keys"]
+    assert {k: len(v) for k, v in llava_dataset.splits.items()} == {"train": 4, "val": 2, "test": 0}
     for (key, parts), item, answers, n_img in zip(
         samples, llava_inputs["good"], llava_inputs["answers"], llava_inputs["n_images"]
     ):
@@ -116,7 +135,11 @@ def test_llava_json(llava_dataset, llava_inputs):
     assert "img0.png" in samples[4][1]  # gif -> png
     first = json.loads(samples[0][1]["json"])["messages"]
     assert first[0]["content"] == [{"type": "image"}, {"type": "text", "text": "what colour is the shape ?"}]
-    assert_rejections(rejected(out), llava_inputs["expected_bad"], lambda i: f"llava.json[{i}]")
+    rows = rejected(out)
+    assert_rejections(rows, llava_inputs["expected_bad"], lambda i: f"llava.json[{i}]")
+    assert [r["id"] for r in rows[:3]] == ["no_placeholder", "two_placeholders", "missing"]
+    assert '"id": "missing"' in rows[2]["record"] and '"nope.jpg"' in rows[2]["record"]
+    assert "caf\\udce9" in rows[-1]["record"]  # the undecodable byte, shown escaped
     assert "ConversationSample" in (out / ".nv-meta" / "dataset.yaml").read_text()
     assert (out / ".nv-meta" / "sample_loader.py").is_file()
 
@@ -124,7 +147,8 @@ def test_llava_json(llava_dataset, llava_inputs):
 def test_chat_jsonl_gz(chat_dataset, chat_inputs):
     out = chat_dataset.output
     assert (chat_dataset.total, chat_dataset.written) == (chat_inputs["total"], 3)
-    samples = read_samples(out)
+    samples = sorted(read_samples(out))
+    assert [k for k, _ in samples] == chat_inputs["keys"]
     for (key, parts), answers, n_img in zip(samples, chat_inputs["answers"], chat_inputs["n_images"]):
         meta = json.loads(parts["json"])
         assert [m["content"][0]["text"] for m in meta["messages"] if m["role"] == "assistant"] == answers
@@ -139,18 +163,36 @@ def test_chat_jsonl_gz(chat_dataset, chat_inputs):
 def test_deterministic_and_parallel(llava_inputs, llava_dataset, tmp_path):
     """Same input -> byte-identical tars, whatever the number of workers."""
     a = make_wds("llava", llava_inputs["json"], tmp_path / "a", image_root=llava_inputs["images"], shard_size=1,
-                 workers=2, max_bad_fraction=0.7, progress=False, prepare=False)
+                 workers=2, max_bad_fraction=0.8, progress=False, split="2,1,0")
     assert a.shards == llava_dataset.shards
     for tar in sorted(llava_dataset.output.glob("*.tar")):
         assert (tmp_path / "a" / tar.name).read_bytes() == tar.read_bytes()
     assert (tmp_path / "a" / "rejected.jsonl").read_bytes() == (llava_dataset.output / "rejected.jsonl").read_bytes()
 
 
+def test_tar_bytes_match_tarfile(tmp_path):
+    """The writer's hand-built members are what Python's tarfile writes for the same entries."""
+    from megatron_vlm.data.shards import ShardWriter
+
+    samples = [("000000003", {"json": b"{}", "jpg": bytes(range(256)) * 3}), ("000000007", {"txt": b"x" * 512})]
+    with ShardWriter(tmp_path, shard_size=10) as w:
+        for key, members in samples:
+            w.write(key, members)
+    ref = io.BytesIO()
+    with tarfile.open(fileobj=ref, mode="w", format=tarfile.USTAR_FORMAT) as t:
+        for key, members in samples:
+            for ext in sorted(members):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size, info.mtime, info.mode = len(members[ext]), 0, 0o644
+                t.addfile(info, io.BytesIO(members[ext]))
+    assert (tmp_path / "000000.tar").read_bytes() == ref.getvalue()
+
+
 def test_overwrite_and_atomic(vqa_inputs, tmp_path):
     out = tmp_path / "ds"
     kw = dict(image_root=vqa_inputs["images"], max_bad_fraction=0.7, progress=False, prepare=False)
     make_wds("vqa", vqa_inputs["jsonl"], out, shard_size=2, **kw)
-    assert len(list(out.glob("*.tar"))) == 5
+    assert len(list(out.glob("*.tar"))) == 5  # no split without prepare: 10 samples in one sequence
     with pytest.raises(OutputExistsError, match="--overwrite"):
         make_wds("vqa", vqa_inputs["jsonl"], out, shard_size=2, **kw)
     make_wds("vqa", vqa_inputs["jsonl"], out, shard_size=100, overwrite=True, **kw)
@@ -199,7 +241,7 @@ def test_no_prepare_then_interactive_energon_prepare(vqa_inputs, tmp_path):
                          worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
     got = {s.__key__: (s.context, s.answers) for s in get_loader(ds)}
     assert len(got) == 8
-    expected = {f"{i:09d}": (r["question"], r["answer"]) for i, r in enumerate(vqa_inputs["good"])}
+    expected = {k: (r["question"], r["answer"]) for k, r in zip(vqa_inputs["keys"], vqa_inputs["good"])}
     assert all(expected[k] == v for k, v in got.items())
 
 

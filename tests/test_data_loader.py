@@ -70,9 +70,12 @@ def test_read_back_exact(fmt, encoder, request):
     else:
         expected = list(zip(inputs["answers"], inputs["n_images"]))
     got = read_all(ds, encoder)
-    assert sorted(got) == [f"{i:09d}" for i in range(len(expected))]
-    for i, (answers, n_img) in enumerate(expected):
-        assert got[f"{i:09d}"][:2] == (answers, n_img), i
+    assert sorted(got) == inputs["keys"]
+    if fmt == "vqa":  # the eval loader's order is deterministic
+        again = read_all(ds, encoder)
+        assert list(again) == list(got)
+    for key, (answers, n_img) in zip(inputs["keys"], expected):
+        assert got[key][:2] == (answers, n_img), key
     # pixel values through energon == HF image processor on the stored image bytes
     for shard in sorted(ds.output.glob("*.tar")):
         for key, parts in iter_tar_samples(shard, parts=("jpg", "img0.jpg", "img0.png", "img1.png")):
@@ -131,7 +134,7 @@ def test_data_parallel_ranks_disjoint(vqa_dataset, encoder):
         seen.append({k for _ in range(3 * len(train_keys)) for k in next(it).__key__})
     assert seen[0].isdisjoint(seen[1])
     assert seen[0] | seen[1] == train_keys
-    assert len(seen[0]) == len(seen[1]) == len(train_keys) // 2
+    assert abs(len(seen[0]) - len(seen[1])) <= 1  # 9 train samples: 5 + 4
 
 
 def test_crude_dataset_from_interactive_prepare(llava_dataset, encoder, tmp_path):

@@ -59,8 +59,8 @@ def test_cli_writes_summary_and_loadable_blend(vqa_dataset, chat_dataset, tmp_pa
     assert rc == 0
     summary = json.loads((out / "stats.json").read_text())
     vqa = summary["datasets"][str(vqa_dataset.output)]
-    assert (vqa["train"]["samples"], vqa["val"]["samples"], vqa["train"]["images"]) == (8, 2, 8)
-    assert summary["total"]["train"]["samples"] == 8 + summary["datasets"][str(chat_dataset.output)]["train"]["samples"]
+    assert (vqa["train"]["samples"], vqa["val"]["samples"], vqa["train"]["images"]) == (9, 1, 9)
+    assert summary["total"]["train"]["samples"] == 9 + summary["datasets"][str(chat_dataset.output)]["train"]["samples"]
     meta = yaml.safe_load((out / "metadataset.yaml").read_text())
     assert [b["weight"] for b in meta["splits"]["train"]["blend"]] == [3.0, 1.0]
     # energon reads the blend: both datasets contribute training samples

@@ -41,6 +41,7 @@ class Conversation:
 
     messages: list[dict]
     images: list = field(default_factory=list)
+    fields: dict = field(default_factory=dict)  # format-specific fields to store (VQA: question, answer)
 
 
 def text_part(text: str) -> dict:
@@ -133,7 +134,7 @@ def from_vqa(row: dict) -> Conversation:
     n = question.count(PLACEHOLDER)
     if n > 1:
         raise Reject(f"{n} <image> placeholders in the question but 1 image")
-    return Conversation(vqa_messages(question, answer), [image])
+    return Conversation(vqa_messages(question, answer), [image], {"question": question, "answer": answer})
 
 
 def vqa_messages(question: str, answer: str) -> list[dict]:

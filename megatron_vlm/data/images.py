@@ -42,10 +42,10 @@ def resolve_path(ref: str, image_root: Path) -> Path:
         ref = ref[len("file://"):]
     if os.path.isabs(ref) or ref.startswith("~") or posixpath.isabs(ref.replace("\\", "/")):
         raise Reject(f"absolute image path {ref!r} escapes --image-root (use paths relative to it)")
-    norm = posixpath.normpath(ref.replace("\\", "/"))
-    if norm == ".." or norm.startswith("../"):
-        raise Reject(f"image path {ref!r} escapes --image-root")
-    return image_root / norm
+    for norm in {posixpath.normpath(ref), posixpath.normpath(ref.replace("\\", "/"))}:
+        if norm == ".." or norm.startswith("../"):
+            raise Reject(f"image path {ref!r} escapes --image-root")
+    return image_root / posixpath.normpath(ref)
 
 
 def read_ref(ref, image_root: Path) -> bytes:

@@ -23,6 +23,7 @@ import yaml
 
 log = logging.getLogger(__name__)
 
+SPLITS = ("train", "val", "test")
 VQA_FIELD_MAP = {"image": "jpg", "context": "json[question]", "answers": "txt"}
 CONVERSATION_DATASET_YAML = {
     "sample_type": {"__module__": "megatron_vlm.data.sample", "__class__": "ConversationSample"},
@@ -42,19 +43,37 @@ def parse_split(split: str | tuple | list) -> tuple[float, float, float]:
     return values
 
 
-def run_energon_prepare(path: Path, fmt: str, split=(9, 1, 0), workers: int = 1) -> str:
-    """Run ``energon prepare`` non-interactively on ``path``; returns energon's console output."""
+def split_patterns(splits: dict[str, list[str]]) -> list[str]:
+    """``--split-parts`` values for energon prepare: ``train:{000000..000008}\\.tar`` per split.
+
+    An empty split gets a regular expression that matches no shard (``(?!)``), so that energon still
+    lists it (``energon lint`` and ``get_val_dataset`` expect train, val and test).
+    """
+    out = []
+    for name, shards in splits.items():
+        if not shards:
+            out.append(f"{name}:(?!)")
+            continue
+        stems = [s[: -len(".tar")] for s in shards]
+        contiguous = all(int(b) == int(a) + 1 for a, b in zip(stems, stems[1:]))
+        if len(stems) > 1 and contiguous:
+            out.append(f"{name}:{{{stems[0]}..{stems[-1]}}}\\.tar")
+        else:
+            out.append(f"{name}:{{{','.join(stems)}}}\\.tar" if len(stems) > 1 else f"{name}:{stems[0]}\\.tar")
+    return out
+
+
+def run_energon_prepare(path: Path, fmt: str, splits: dict[str, list[str]], workers: int = 1) -> str:
+    """Run ``energon prepare`` non-interactively on ``path`` with the given shards per split.
+
+    Returns energon's console output.
+    """
     from megatron.energon.tools.prepare import command
 
     path = Path(path)
-    split = parse_split(split)
-    args = [
-        str(path),
-        "--non-interactive",
-        "--no-progress",
-        "--num-workers", str(max(1, workers)),
-        "--split-ratio", ",".join(f"{v:g}" for v in split),
-    ]
+    args = [str(path), "--non-interactive", "--no-progress", "--num-workers", str(max(1, workers))]
+    for pattern in split_patterns(splits):
+        args += ["--split-parts", pattern]
     if fmt == "vqa":
         args += ["--sample-type", "VQASample", "--field-map", json.dumps(VQA_FIELD_MAP)]
     else:
@@ -90,24 +109,10 @@ def split_shards(path: Path) -> dict[str, list[str]]:
     }
 
 
-def check_split(path: Path, split) -> list[str]:
-    """Warnings for splits that asked for data but got no shard (energon splits by whole shards)."""
-    split = parse_split(split)
-    shards = split_shards(path)
-    warnings = []
-    for name, weight in zip(("train", "val", "test"), split):
-        if weight > 0 and not shards.get(name):
-            n = sum(len(v) for v in shards.values())
-            warnings.append(
-                f"split {name!r} (weight {weight:g}) got no shard: energon splits whole shards and there are "
-                f"only {n}; use a smaller --shard-size to get more shards"
-            )
-    return warnings
-
-
 def interactive_hint(path: Path, fmt: str, split) -> str:
     split = ",".join(f"{v:g}" for v in parse_split(split))
-    head = f"Prepare it with energon: cd {path} && energon prepare ./\n  split: {split}\n"
+    head = (f"Prepare it with energon: cd {path} && energon prepare ./\n"
+            f"  split: {split} (energon splits whole shards: use a --shard-size that gives enough shards)\n")
     if fmt == "vqa":
         return head + (
             "  create dataset.yaml: yes; sample type: VQASample; simple field_map: yes\n"

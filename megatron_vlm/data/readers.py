@@ -27,6 +27,7 @@ class RawRecord:
     text: str  # the raw record (shortened), for rejected.jsonl
     obj: dict | None = None  # the parsed record, or None when ``error`` says why not
     error: str | None = None
+    raw: bytes | None = None  # an unparsed jsonl line (see :func:`parse`)
 
 
 def _short(text: str) -> str:
@@ -62,34 +63,39 @@ def read_records(path: str | Path) -> Iterator[RawRecord]:
 
 
 def _read_jsonl(path: Path) -> Iterator[RawRecord]:
+    """Lines are only split here; :func:`parse` (run in the worker processes) decodes them."""
     index = 0
     with _open_binary(path) as f:
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
-            source = f"{path.name}:{lineno}"
-            text = raw.decode("utf-8", errors="backslashreplace").rstrip("\r\n")
-            rec = RawRecord(index, source, _short(text))
+            yield RawRecord(index, f"{path.name}:{lineno}", "", raw=raw)
             index += 1
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                rec.error = f"invalid UTF-8 (byte {e.start} of the line)"
-                yield rec
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                rec.error = f"invalid JSON: {e}"
-                yield rec
-                continue
-            if not isinstance(obj, dict):
-                rec.error = "record is not a JSON object"
-            elif has_lone_surrogate(obj):
-                rec.error = "invalid UTF-8 (lone surrogate escape)"
-            else:
-                rec.obj = obj
-            yield rec
+
+
+def parse(rec: RawRecord) -> RawRecord:
+    """Decode and parse a jsonl line read by :func:`read_records` (no-op for already parsed records)."""
+    if rec.raw is None:
+        return rec
+    raw, rec.raw = rec.raw, None
+    rec.text = _short(raw.decode("utf-8", errors="backslashreplace").rstrip("\r\n"))
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        rec.error = f"invalid UTF-8 (byte {e.start} of the line)"
+        return rec
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        rec.error = f"invalid JSON: {e}"
+        return rec
+    if not isinstance(obj, dict):
+        rec.error = "record is not a JSON object"
+    elif has_lone_surrogate(obj):
+        rec.error = "invalid UTF-8 (lone surrogate escape)"
+    else:
+        rec.obj = obj
+    return rec
 
 
 def _read_json_array(path: Path) -> Iterator[RawRecord]:
@@ -102,15 +108,21 @@ def _read_json_array(path: Path) -> Iterator[RawRecord]:
     if not isinstance(items, list):
         raise ValueError(f"--input {path}: expected a JSON array of records (or one JSON object per line)")
     for i, obj in enumerate(items):
-        text = json.dumps(obj, ensure_ascii=True)
-        rec = RawRecord(i, f"{path.name}[{i}]", _short(text))
+        rec = RawRecord(i, f"{path.name}[{i}]", "")  # text: see record_text (only rejected ones need it)
         if not isinstance(obj, dict):
             rec.error = "record is not a JSON object"
+            rec.text = record_text(obj)
         elif has_lone_surrogate(obj):
             rec.error = "invalid UTF-8"
+            rec.text = record_text(obj)
         else:
             rec.obj = obj
         yield rec
+
+
+def record_text(obj) -> str:
+    """The (shortened) JSON text of a record, for rejected.jsonl."""
+    return _short(json.dumps(obj, ensure_ascii=True))
 
 
 def _read_csv(path: Path) -> Iterator[RawRecord]:
