@@ -80,6 +80,7 @@ def test_vqa_jsonl(vqa_dataset, vqa_inputs):
     assert_rejections(rejected(out), vqa_inputs["expected_bad"], lambda line: f"qa.jsonl:{line}")
     by_reason = vqa_dataset.reasons
     assert by_reason["missing image"] == 1 and by_reason["unreadable image"] == 2
+    assert by_reason["invalid UTF-8"] == 1 and by_reason["N <image> placeholders in the question but N image"] == 1
     # energon metadata: VQASample with the VQA field map; 9,1,0 split sample by sample (9 train, 1 val)
     assert "VQASample" in (out / ".nv-meta" / "dataset.yaml").read_text()
     assert vqa_dataset.splits == {"train": [f"{i:06d}.tar" for i in range(5)], "val": ["000005.tar"], "test": []}

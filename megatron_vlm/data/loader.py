@@ -65,13 +65,18 @@ def build_eval_loader(
     dp_rank: int,
     dp_world_size: int,
     num_workers: int,
+    seed: int = 0,
     split: str = "val",
 ):
-    """One deterministic pass (no shuffle, no repeat) over this DP rank's slice of ``split``."""
+    """One deterministic pass (no shuffle, no repeat) over this DP rank's slice of ``split``.
+
+    Same positional arguments as :func:`build_train_loader`; ``seed`` only sets the worker seed offset.
+    A plain (not savable) energon loader: build a new one for every evaluation.
+    """
     dataset = get_val_dataset(
         _check_path(data_path),
         split_part=split,
-        worker_config=worker_config(dp_rank, dp_world_size, num_workers),
+        worker_config=worker_config(dp_rank, dp_world_size, num_workers, seed),
         batch_size=micro_batch_size,
         task_encoder=task_encoder,
     )

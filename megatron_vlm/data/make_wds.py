@@ -63,7 +63,7 @@ def _reason_class(reason: str) -> str:
     """Group reasons for the summary ("missing image 'a.jpg'" -> "missing image", counts -> N)."""
     for sep in (" '", ' "', ":", " (", ";"):
         reason = reason.split(sep)[0]
-    return re.sub(r"\b\d+\b", "N", reason.strip())
+    return re.sub(r"(?<![\w-])\d+(?![\w-])", "N", reason.strip())
 
 
 def convert_record(fmt: str, rec: RawRecord, image_root: Path) -> tuple[dict | None, str | None]:

@@ -98,15 +98,24 @@ def write_conversation_dataset_yaml(path: Path) -> None:
 
 
 def split_shards(path: Path) -> dict[str, list[str]]:
-    """Shard names per split part, from energon's ``.nv-meta/split.yaml`` (brace patterns expanded)."""
-    import braceexpand
+    """Shard names per split part of a prepared dataset, as energon reads them (excluded shards left out)."""
+    return {name: [s.name for s in meta.shards] for name, meta in split_metas(path).items()}
 
-    data = yaml.safe_load((Path(path) / ".nv-meta" / "split.yaml").read_text())
-    parts = data.get("split_parts", {})
-    return {
-        name: [s for pattern in (shards or []) for s in braceexpand.braceexpand(pattern)]
-        for name, shards in parts.items()
-    }
+
+def split_metas(path: Path) -> dict:
+    """Energon's ``WebdatasetMeta`` (shards, sample excludes) per split part listed in ``split.yaml``."""
+    from megatron.energon.epathlib import EPath
+    from megatron.energon.flavors.webdataset.empty_dataset_error import EmptyDatasetError
+    from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
+
+    names = (yaml.safe_load((Path(path) / ".nv-meta" / "split.yaml").read_text()) or {}).get("split_parts", {})
+    out = {}
+    for name in names:
+        try:
+            out[name] = WebdatasetMeta.from_config(EPath(str(path)), split_part=name)
+        except EmptyDatasetError:
+            out[name] = WebdatasetMeta(sample_excludes=set(), shards=[], split_part_files=[], info_shard_files=[])
+    return out
 
 
 def interactive_hint(path: Path, fmt: str, split) -> str:

@@ -19,7 +19,7 @@ from typing import Iterator
 import yaml
 
 from megatron_vlm.data.conversation import vqa_messages
-from megatron_vlm.data.prepare import split_shards
+from megatron_vlm.data.prepare import split_metas
 from megatron_vlm.data.sample import image_parts
 
 _NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
@@ -60,18 +60,17 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
     path = Path(path)
     seq_length = seq_length or task_encoder.seq_length
     k = task_encoder.tokens_per_image
-    excluded = set((yaml.safe_load((path / ".nv-meta" / "split.yaml").read_text()) or {}).get("exclude") or [])
     result = {}
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(desc=f"stats {path.name}", unit=" samples")
-    for split, shards in split_shards(path).items():
+    for split, meta in split_metas(path).items():
         s = dict(samples=0, images=0, text_tokens=0, image_tokens=0, tokens=0, max_tokens=0, over_seq_length=0)
-        for shard in shards:
-            for key, raw in iter_tar_samples(path / shard):
-                if key in excluded or f"{shard}/{key}" in excluded:
+        for shard in meta.shards:
+            for key, raw in iter_tar_samples(path / shard.name):
+                if f"{shard.name}/{key}" in meta.sample_excludes:
                     continue
                 messages, n_img = conversation_of_raw(raw)
                 ids = task_encoder.chat(messages).ids
