@@ -146,3 +146,32 @@ def test_samples_and_batch(tmp_path_factory):
     assert batch.num_tokens == sum(e.num_tokens for e in encoded)
     only_text = enc.batch([encoded[2]])
     assert only_text.images.shape == (0, 3, 32, 32) and only_text.num_image_tiles.shape == (0,)
+
+
+def test_tensor_images_from_default_decoder_give_same_pixels(tmp_path_factory):
+    """Energon's default decoder yields float CHW tensors; they map back to the exact same pixel values."""
+    import numpy as np
+
+    enc = VLMTaskEncoder(tiny_llava(tmp_path_factory), seq_length=256)
+    im = pil(7)
+    as_tensor = torch.from_numpy(np.asarray(im)).permute(2, 0, 1).float() / 255
+    assert torch.equal(enc.pixel_values([as_tensor]), enc.pixel_values([im]))
+
+
+def test_custom_image_and_pad_ids(tmp_path_factory):
+    hf = tiny_llava(tmp_path_factory)
+    ref = VLMTaskEncoder(hf, seq_length=256)
+    enc = VLMTaskEncoder(hf, seq_length=256, image_token_id=-200, pad_token_id=0)
+    messages, _ = CONVERSATIONS["two_images"]
+    a = ref.encode_conversation(messages, [pil(1), pil(2)])
+    b = enc.encode_conversation(messages, [pil(1), pil(2)])
+    is_img = a["tokens"] == ref.image_token_id
+    assert int(is_img.sum()) == 2 and (b["tokens"][is_img] == -200).all()
+    assert torch.equal(a["tokens"][~is_img], b["tokens"][~is_img]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    base = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
+    long = ConversationSample(__key__="l", images=[pil(1), pil(2)], messages=messages, **base)
+    short = ConversationSample(__key__="s", images=[], messages=[user("hi"), asst("yes")], **base)
+    batch = enc.batch([enc.encode_sample(long), enc.encode_sample(short)])
+    n = len(enc.encode_sample(short).tokens)
+    assert (batch.tokens[1, n:] == 0).all() and (batch.labels[1, n:] == 0).all()
+    assert int((batch.tokens == -200).sum()) == 2

@@ -108,7 +108,8 @@ def process_image(data: bytes, jpeg_only: bool = False, what: str = "image") -> 
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             im = Image.open(io.BytesIO(data))
             fmt = im.format
-            orientation = im.getexif().get(_ORIENTATION, 1) if fmt == "JPEG" else None
+            is_jpeg = fmt in ("JPEG", "MPO")  # MPO: a camera JPEG with extra pictures; re-encoded (first one)
+            orientation = im.getexif().get(_ORIENTATION, 1) if is_jpeg else None
             if fmt == "JPEG" and orientation == 1:
                 im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
                 im.load()
@@ -122,7 +123,7 @@ def process_image(data: bytes, jpeg_only: bool = False, what: str = "image") -> 
                 im = ImageOps.exif_transpose(im)
             elif fmt == "PNG" and not jpeg_only:
                 return "png", data
-            out = "jpg" if (jpeg_only or fmt == "JPEG") else "png"
+            out = "jpg" if (jpeg_only or is_jpeg) else "png"
             if getattr(im, "n_frames", 1) > 1:
                 im.seek(0)
             return out, _encode(im, out)

@@ -76,6 +76,8 @@ def conversation_of(sample: Any) -> tuple[list[dict], list]:
         return sample.messages, list(sample.images)
     if isinstance(sample, VQASample):
         answers = sample.answers
+        if answers is None:
+            raise ValueError(f"VQA sample {sample.__key__} has no answer")
         if isinstance(answers, (list, tuple)):
             if not answers:
                 raise ValueError(f"VQA sample {sample.__key__} has no answer")

@@ -61,6 +61,22 @@ class VLMBatch(Batch):
     num_tokens: int  # unpadded positions of the batch with images expanded
 
 
+def _as_pil(image):
+    """PIL RGB for the HF image processor. Images come as PIL from this encoder's decoder; a tensor from
+    energon's default decoder (CHW, float in [0, 1] or uint8) is converted back exactly."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image if image.mode == "RGB" else image.convert("RGB")
+    if isinstance(image, torch.Tensor):
+        t = image.detach().cpu()
+        if t.is_floating_point():
+            t = (t * 255).round().clamp(0, 255)
+        arr = t.to(torch.uint8).permute(1, 2, 0).numpy()
+        return Image.fromarray(arr.squeeze(-1) if arr.shape[-1] == 1 else arr).convert("RGB")
+    raise TypeError(f"unsupported image type {type(image).__name__}")
+
+
 @dataclass(frozen=True)
 class ImageGeometry:
     channels: int
@@ -99,6 +115,10 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         self.tokenizer = self.processor.tokenizer
         self.image_processor = self.processor.image_processor
         ids = special_token_ids(self.tokenizer, getattr(self.processor, "image_token", None))
+        #: the tokenizer's id for the image token (what the chat template produces)
+        self.tokenizer_image_token_id = int(ids.image)
+        #: the id written into ``tokens`` for each image (default: the tokenizer's; Megatron's LLaVAModel
+        #: must be built with the same ``image_token_index``)
         self.image_token_id = int(image_token_id if image_token_id is not None else ids.image)
         self.pad_token_id = int(pad_token_id if pad_token_id is not None else ids.pad)
         template = getattr(self.processor, "chat_template", None) or self.tokenizer.chat_template
@@ -119,13 +139,15 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         g = self.geometry
         if not images:
             return torch.zeros(0, g.channels, g.height, g.width, dtype=torch.float32)
-        out = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        out = self.image_processor(images=[_as_pil(im) for im in images], return_tensors="pt")["pixel_values"]
         return out.to(torch.float32)
 
     def encode_conversation(self, messages: list[dict], images: list, key: str = "?") -> dict:
         """Tokens / labels / loss mask / pixel values for one conversation (see the module docstring)."""
         conv = self.chat(messages)
         x, assistant = conv.ids, conv.assistant
+        if self.image_token_id != self.tokenizer_image_token_id:
+            x = [self.image_token_id if t == self.tokenizer_image_token_id else t for t in x]
         k = self.tokens_per_image
         positions = [i for i, t in enumerate(x) if t == self.image_token_id]
         if len(positions) != len(images):
@@ -158,7 +180,10 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
 
     @stateless
     def encode_sample(self, sample: Sample) -> VLMSample:
-        messages, images = conversation_of(sample)
+        try:
+            messages, images = conversation_of(sample)
+        except ValueError as e:
+            self._skip(sample.__key__, str(e))
         return VLMSample.derive_from(sample, **self.encode_conversation(messages, images, sample.__key__))
 
     # -- per batch --------------------------------------------------------------------------------
