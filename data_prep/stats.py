@@ -25,7 +25,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("datasets", nargs="+", type=Path, help="prepared energon dataset directories")
-    p.add_argument("--tokenizer", required=True, type=Path, help="HF LLaVA directory (tokenizer, chat template, processor)")
+    p.add_argument("--tokenizer", required=True, type=Path,
+                   help="HF LLaVA directory (tokenizer, chat template, processor)")
     p.add_argument("--seq-length", type=int, default=2048, help="training sequence length (default 2048)")
     p.add_argument("--weights", default=None, help="comma-separated blend weights, one per dataset "
                    "(default: train sample counts)")

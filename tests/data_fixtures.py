@@ -158,7 +158,8 @@ def build_llava_inputs(base: Path) -> dict:
     expected_bad = [(i, bad_ids[id(it)]) for i, it in enumerate(items) if id(it) in bad_ids]
     text = json.dumps(items, indent=1).encode()
     # One more item whose text holds a byte sequence that is not UTF-8 (index len(items)).
-    bad_utf8 = b'{"id": "latin1", "conversations": [{"from": "human", "value": "caf\xe9"}, {"from": "gpt", "value": "ok"}]}'
+    bad_utf8 = (b'{"id": "latin1", "conversations": [{"from": "human", "value": "caf\xe9"}, '
+                b'{"from": "gpt", "value": "ok"}]}')
     text = text.rstrip()[:-1] + b",\n" + bad_utf8 + b"\n]\n"
     expected_bad.append((len(items), "invalid UTF-8"))
     path = d / "llava.json"

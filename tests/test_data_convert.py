@@ -133,6 +133,8 @@ def test_llava_json(llava_dataset, llava_inputs):
     two = dict(samples[3][1])
     assert sorted(p for p in two if p.startswith("img")) == ["img0.jpg", "img1.png"]  # webp -> png
     assert Image.open(io.BytesIO(two["img1.png"])).format == "PNG"
+    src = Image.open(llava_inputs["images"] / "w.webp").convert("RGB")
+    assert Image.open(io.BytesIO(two["img1.png"])).convert("RGB").tobytes() == src.tobytes()  # lossless
     assert "img0.png" in samples[4][1]  # gif -> png
     first = json.loads(samples[0][1]["json"])["messages"]
     assert first[0]["content"] == [{"type": "image"}, {"type": "text", "text": "what colour is the shape ?"}]

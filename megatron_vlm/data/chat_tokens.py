@@ -29,7 +29,9 @@ class ChatTokenizer:
 
     def __init__(self, tokenizer, chat_template: str | None = None):
         if not getattr(tokenizer, "is_fast", False):
-            raise ValueError("a fast (Rust) tokenizer is required for offset mapping; save the model with tokenizer.json")
+            raise ValueError(
+                "a fast (Rust) tokenizer is required for offset mapping; save the model with tokenizer.json"
+            )
         self.tokenizer = tokenizer
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         if not self.chat_template:
