@@ -1,0 +1,271 @@
+"""Input file -> validated, deterministic webdataset shards -> energon-prepared dataset.
+
+Data flows forward: :mod:`readers` (records) -> :mod:`conversation` (meaning, rules) -> :mod:`images`
+(bytes, checks) -> :mod:`shards` (tars) -> :mod:`prepare` (energon metadata). This module owns the
+orchestration: worker processes, the progress bar, ``rejected.jsonl``, the bad-fraction limit and the
+atomic output directory. ``data_prep/make_wds.py`` is its command line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_vlm.atomic import atomic_dir, atomic_write_text
+from megatron_vlm.data.conversation import FORMATS, Reject
+from megatron_vlm.data.images import process_image, read_ref
+from megatron_vlm.data.readers import RawRecord, parse, read_records, record_text
+from megatron_vlm.data.shards import SHARD_NAME, ShardWriter, sample_tar_bytes
+
+log = logging.getLogger(__name__)
+
+REJECTED_FILE = "rejected.jsonl"
+SUMMARY_FILE = "make_wds.json"
+KEY_FORMAT = "{:09d}"
+
+
+class TooManyRejectsError(RuntimeError):
+    pass
+
+
+@dataclass
+class MakeWdsResult:
+    output: Path
+    total: int
+    written: int
+    rejected: int
+    reasons: dict[str, int]
+    shards: list[tuple[str, int]]
+    splits: dict[str, list[str]] = field(default_factory=dict)  # split -> shard names (with prepare)
+
+    def summary(self) -> dict:
+        return {
+            "output": str(self.output),
+            "records": self.total,
+            "written": self.written,
+            "rejected": self.rejected,
+            "rejected_by_reason": self.reasons,
+            "shards": {name: n for name, n in self.shards},
+            "splits": {
+                name: {"shards": names, "samples": sum(dict(self.shards)[n] for n in names)}
+                for name, names in self.splits.items()
+            },
+        }
+
+
+def _reason_class(reason: str) -> str:
+    """Group reasons for the summary ("missing image 'a.jpg'" -> "missing image", counts -> N)."""
+    for sep in (" '", ' "', ":", " (", ";"):
+        reason = reason.split(sep)[0]
+    return re.sub(r"(?<![\w-])\d+(?![\w-])", "N", reason.strip())
+
+
+def convert_record(fmt: str, rec: RawRecord, image_root: Path) -> tuple[dict | None, str | None]:
+    """One record -> ``({extension: bytes}, None)`` for the tar, or ``(None, reason)``."""
+    parse(rec)
+    if rec.error:
+        return None, rec.error
+    try:
+        conv = FORMATS[fmt](rec.obj)
+        jpeg_only = fmt == "vqa"
+        images = []
+        for i, ref in enumerate(conv.images):
+            what = f"image {i}" if len(conv.images) > 1 else "image"
+            images.append(process_image(read_ref(ref, image_root), jpeg_only=jpeg_only, what=what))
+    except Reject as e:
+        return None, str(e)
+    meta = {"id": rec.obj.get("id", rec.obj.get("question_id")), "source": rec.source}
+    if fmt == "vqa":
+        members = {
+            "jpg": images[0][1],
+            "txt": conv.fields["answer"].encode("utf-8"),
+            "json": _json_bytes({"question": conv.fields["question"], **meta}),
+        }
+    else:
+        members = {"json": _json_bytes({"messages": conv.messages, **meta})}
+        for i, (ext, data) in enumerate(images):
+            members[f"img{i}.{ext}"] = data
+    return members, None
+
+
+def _json_bytes(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, sort_keys=True).encode("utf-8")
+
+
+class SplitAssigner:
+    """Deterministic sample-level split: each sample goes to the split furthest below its share.
+
+    With weights 9,1,0 every prefix of the output holds train:val within one sample of 9:1, so the
+    validation set is spread over the whole input, and small datasets split exactly too.
+    """
+
+    def __init__(self, weights):
+        total = float(sum(weights))
+        self.shares = [w / total for w in weights]
+        self.counts = [0] * len(weights)
+        self.n = 0
+
+    def __call__(self) -> int:
+        self.n += 1
+        deficits = [share * self.n - c for share, c in zip(self.shares, self.counts)]
+        best = max(range(len(deficits)), key=lambda i: (deficits[i], -i))
+        self.counts[best] += 1
+        return best
+
+
+# Worker-process state (set once per worker by the pool initializer).
+_WORKER: dict = {}
+
+
+def _init_worker(fmt: str, image_root: str) -> None:
+    _WORKER.update(fmt=fmt, image_root=Path(image_root))
+
+
+def _work(rec: RawRecord):
+    """Runs in the workers: everything per sample, down to its tar bytes (the key is the record index)."""
+    members, reason = convert_record(_WORKER["fmt"], rec, _WORKER["image_root"])
+    blob = None if members is None else sample_tar_bytes(KEY_FORMAT.format(rec.index), members)
+    obj_id = (rec.obj or {}).get("id")
+    text = (rec.text or record_text(rec.obj)) if reason is not None else ""
+    return rec.index, rec.source, text, obj_id, blob, reason
+
+
+def make_wds(
+    fmt: str,
+    input_path: str | os.PathLike,
+    output: str | os.PathLike,
+    image_root: str | os.PathLike | None = None,
+    shard_size: int = 1000,
+    split="9,1,0",
+    workers: int = 1,
+    prepare: bool = True,
+    max_bad_fraction: float = 0.01,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> MakeWdsResult:
+    """Convert ``input_path`` (format ``fmt``: vqa | llava | chat) into an energon dataset at ``output``.
+
+    Images are paths relative to ``image_root`` (default: the input file's directory). Sample keys are
+    the record's position in the input (``000000017`` = the 18th record). With ``prepare``, samples are
+    split by ``split`` weights sample by sample (:class:`SplitAssigner`): train shards come first, then
+    val, then test, and energon prepare gets those shard lists. Without it, all samples go into one shard
+    sequence for an interactive ``energon prepare``. Rejected records go to ``output/rejected.jsonl``;
+    above ``max_bad_fraction`` nothing is written except ``<output>.rejected.jsonl`` next to it, and
+    :class:`TooManyRejectsError` names the reasons.
+    """
+    from megatron_vlm.data import prepare as prep
+
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if not 0 <= max_bad_fraction <= 1:
+        raise ValueError(f"--max-bad-fraction must be within [0, 1], got {max_bad_fraction}")
+    weights = prep.parse_split(split)
+    input_path = Path(input_path)
+    if not input_path.is_file():
+        raise FileNotFoundError(f"--input {input_path} does not exist")
+    image_root = Path(image_root) if image_root is not None else input_path.parent
+    if not image_root.is_dir():
+        raise FileNotFoundError(f"--image-root {image_root} is not a directory")
+    output = Path(output)
+    workers = max(1, int(workers))
+
+    with atomic_dir(output, overwrite=overwrite, what="--output") as tmp:
+        if prepare:
+            writers = [ShardWriter(tmp, shard_size, f".{name}-{{:06d}}.tar") for name in prep.SPLITS]
+            assign = SplitAssigner(weights)
+        else:
+            writers, assign = [ShardWriter(tmp, shard_size)], (lambda: 0)
+        reasons: Counter = Counter()
+        total = written = 0
+        records = read_records(input_path)
+        pool = None
+        if workers > 1:
+            ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(fmt, str(image_root)))
+            results = pool.imap(_work, records, chunksize=16)
+        else:
+            _init_worker(fmt, str(image_root))
+            results = map(_work, records)
+        bar = _progress(progress, fmt)
+        try:
+            with open(tmp / REJECTED_FILE, "w", encoding="utf-8") as rejected:
+                for index, source, text, obj_id, blob, reason in results:
+                    total += 1
+                    if reason is not None:
+                        reasons[_reason_class(reason)] += 1
+                        rejected.write(json.dumps(
+                            {"source": source, "index": index, "id": obj_id, "reason": reason, "record": text},
+                            ensure_ascii=True) + "\n")
+                    else:
+                        writers[assign()].write_sample_bytes(blob)
+                        written += 1
+                    if bar is not None:
+                        bar.update(1)
+                        if reason is not None:
+                            bar.set_postfix(rejected=sum(reasons.values()), refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+            for w in writers:
+                w.close()
+        n_rejected = sum(reasons.values())
+        if total == 0:
+            raise ValueError(f"--input {input_path} holds no records")
+        if n_rejected > max_bad_fraction * total or written == 0:
+            kept = output.with_name(output.name + ".rejected.jsonl")
+            os.replace(tmp / REJECTED_FILE, kept)
+            raise TooManyRejectsError(
+                f"{n_rejected} of {total} records rejected ({n_rejected / total:.1%} > --max-bad-fraction "
+                f"{max_bad_fraction:g}); nothing was written to {output}. Reasons: "
+                + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items()))
+                + f". Each rejected record and its reason: {kept}"
+            )
+        shards, splits = _number_shards(tmp, writers, prep.SPLITS if prepare else None)
+        result = MakeWdsResult(output, total, written, n_rejected, dict(sorted(reasons.items())), shards, splits)
+        if prepare:
+            prep.run_energon_prepare(tmp, fmt, splits, workers=min(workers, len(shards)))
+        atomic_write_text(tmp / SUMMARY_FILE, json.dumps(result.summary(), indent=2) + "\n")
+        _apply_umask(tmp)
+    return result
+
+
+def _number_shards(tmp: Path, writers, split_names) -> tuple[list[tuple[str, int]], dict[str, list[str]]]:
+    """Rename per-split shards to one sequence 000000.tar, ... (train, then val, then test)."""
+    if split_names is None:
+        return writers[0].shards, {}
+    shards, splits = [], {}
+    for name, w in zip(split_names, writers):
+        splits[name] = []
+        for tmp_name, count in w.shards:
+            final = SHARD_NAME.format(len(shards))
+            os.replace(tmp / tmp_name, tmp / final)
+            shards.append((final, count))
+            splits[name].append(final)
+    return shards, splits
+
+
+def _apply_umask(root: Path) -> None:
+    """Temporary directories and files are created private (0700/0600); give the result normal modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~umask)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o666 & ~umask)
+
+
+def _progress(enabled: bool, fmt: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(desc=f"make_wds {fmt}", unit=" samples", dynamic_ncols=True)
