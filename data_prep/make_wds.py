@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""Convert VQA / LLaVA / OpenAI-chat data into an energon webdataset (see megatron_vlm.data.make_wds).
+
+  python data_prep/make_wds.py --format vqa   --input qa.jsonl|qa.csv --image-root IMAGES --output DATA/energon
+  python data_prep/make_wds.py --format llava --input llava_v1_5_mix665k.json --image-root IMAGES --output DATA/energon
+  python data_prep/make_wds.py --format chat  --input messages.jsonl[.gz] --output DATA/energon
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_vlm.atomic import OutputExistsError  # noqa: E402
+from megatron_vlm.data.make_wds import TooManyRejectsError, make_wds  # noqa: E402
+from megatron_vlm.data.prepare import interactive_hint  # noqa: E402
+
+FORMAT_HELP = """input formats:
+  vqa    jsonl or csv rows {image, question, answer}; optional id. Tars hold K.jpg, K.txt (answer),
+         K.json ({"question", "id", "source"}): energon's VQASample with field map
+         image=jpg, context=json[question], answers=txt.
+  llava  LLaVA json (array) or jsonl: {id, image (path, list of paths or absent), conversations:
+         [{from: human|gpt|system, value}]} with <image> placeholders; all turns are kept.
+  chat   OpenAI chat-completion jsonl or jsonl.gz: {messages: [{role, content}]}, content a string or
+         parts of type text and image_url (base64 data URL, or a path under --image-root).
+
+Rejected records (unreadable/missing image, <image> count not matching the images, empty answer or
+conversation, invalid UTF-8, a path that escapes --image-root) go to OUTPUT/rejected.jsonl with their
+source line and reason. Output is written atomically and is byte-identical for the same input."""
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=FORMAT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--format", required=True, choices=("vqa", "llava", "chat"))
+    p.add_argument("--input", required=True, type=Path, help="input file (.jsonl, .jsonl.gz, .json, .csv)")
+    p.add_argument("--image-root", type=Path, default=None,
+                   help="directory image paths are relative to (default: the input file's directory)")
+    p.add_argument("--output", required=True, type=Path, help="output dataset directory (must not exist)")
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per tar (default 1000)")
+    p.add_argument("--split", default="9,1,0", help="train,val,test weights for energon prepare (default 9,1,0)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes decoding images (default 1)")
+    p.add_argument("--no-prepare", action="store_true",
+                   help="only write the tars; run `energon prepare ./` yourself (interactive)")
+    p.add_argument("--max-bad-fraction", type=float, default=0.01,
+                   help="fail when more than this fraction of records is rejected (default 0.01)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+
+    try:
+        result = make_wds(
+            args.format, args.input, args.output, image_root=args.image_root, shard_size=args.shard_size,
+            split=args.split, workers=args.workers, prepare=not args.no_prepare,
+            max_bad_fraction=args.max_bad_fraction, overwrite=args.overwrite, progress=not args.no_progress,
+        )
+    except (OutputExistsError, TooManyRejectsError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {result.written} samples in {len(result.shards)} shards to {result.output} "
+          f"({result.rejected} of {result.total} records rejected -> {result.output / 'rejected.jsonl'})")
+    if result.rejected:
+        print("rejected: " + ", ".join(f"{k}: {v}" for k, v in result.reasons.items()))
+    if args.no_prepare:
+        print(interactive_hint(result.output, args.format, args.split))
+    else:
+        for name, shards in result.splits.items():
+            print(f"split {name}: {len(shards)} shards")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Energon loaders for training and evaluation (the data side of the training loop's contract).
+
+``build_train_loader`` returns energon's savable loader: each data-parallel rank reads its own disjoint
+slice of the dataset (energon ``WorkerConfig(rank, world_size, num_workers)``), and the position is saved
+and restored with the loader's own ``save_state_rank()`` / ``restore_state_rank()``. ``data_path`` is a
+prepared dataset directory or an energon metadataset YAML (e.g. the blend ``data_prep/stats.py`` writes).
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron.energon import WorkerConfig, get_loader, get_savable_loader, get_train_dataset, get_val_dataset
+
+
+def worker_config(dp_rank: int, dp_world_size: int, num_workers: int, seed: int = 0) -> WorkerConfig:
+    if not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank {dp_rank} is outside the data-parallel world of size {dp_world_size}")
+    return WorkerConfig(rank=dp_rank, world_size=dp_world_size, num_workers=num_workers, seed_offset=seed)
+
+
+def _check_path(data_path) -> str:
+    data_path = str(data_path)
+    if not os.path.exists(data_path):
+        raise FileNotFoundError(f"data path {data_path} does not exist; create it with data_prep/make_wds.py")
+    if os.path.isdir(data_path) and not os.path.isdir(os.path.join(data_path, ".nv-meta")):
+        raise FileNotFoundError(
+            f"{data_path} is not a prepared energon dataset (no .nv-meta); run `energon prepare {data_path}` "
+            "or data_prep/make_wds.py without --no-prepare"
+        )
+    return data_path
+
+
+def build_train_loader(
+    data_path,
+    task_encoder,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    num_workers: int,
+    seed: int,
+    split: str = "train",
+    *,
+    shuffle_buffer_size: int = 100,
+    max_samples_per_sequence: int = 100,
+    checkpoint_every_min_n_samples: int | None = None,
+):
+    """An infinite, shuffled, savable loader of ``VLMBatch``es of ``micro_batch_size`` for this DP rank."""
+    dataset = get_train_dataset(
+        _check_path(data_path),
+        split_part=split,
+        worker_config=worker_config(dp_rank, dp_world_size, num_workers, seed),
+        batch_size=micro_batch_size,
+        shuffle_buffer_size=shuffle_buffer_size,
+        max_samples_per_sequence=max_samples_per_sequence,
+        task_encoder=task_encoder,
+    )
+    return get_savable_loader(dataset, checkpoint_every_min_n_samples=checkpoint_every_min_n_samples)
+
+
+def build_eval_loader(
+    data_path,
+    task_encoder,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    num_workers: int,
+    split: str = "val",
+):
+    """One deterministic pass (no shuffle, no repeat) over this DP rank's slice of ``split``."""
+    dataset = get_val_dataset(
+        _check_path(data_path),
+        split_part=split,
+        worker_config=worker_config(dp_rank, dp_world_size, num_workers),
+        batch_size=micro_batch_size,
+        task_encoder=task_encoder,
+    )
+    return get_loader(dataset)

@@ -1,0 +1,134 @@
+"""Sample and token counts of prepared datasets, and an energon metadataset blending them by weight.
+
+Counts are per split (energon's ``.nv-meta/split.yaml``): samples, images, text tokens (the model's chat
+template, image tokens not counted), image tokens (images x tokens per image), and how many samples
+exceed ``seq_length`` once images are expanded (the task encoder truncates those). The tars are read
+directly (images are not decoded), with the same conversation rules the task encoder uses.
+``data_prep/stats.py`` is the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tarfile
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+
+from megatron_vlm.data.conversation import vqa_messages
+from megatron_vlm.data.prepare import split_shards
+from megatron_vlm.data.sample import image_parts
+
+_NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
+SPLITS = ("train", "val", "test")
+
+
+def iter_tar_samples(tar_path: Path, parts: tuple[str, ...] = ("json", "txt")) -> Iterator[tuple[str, dict]]:
+    """``(key, {part: bytes or None})`` per sample; only ``parts`` (and image parts' names) are read."""
+    key, sample = None, {}
+    with tarfile.open(tar_path, "r") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            m = _NAME_RE.match(member.name)
+            if not m:
+                continue
+            k, part = m.groups()
+            if k != key:
+                if key is not None:
+                    yield key, sample
+                key, sample = k, {}
+            sample[part] = tar.extractfile(member).read() if part in parts else None
+    if key is not None:
+        yield key, sample
+
+
+def conversation_of_raw(sample: dict) -> tuple[list[dict], int]:
+    """``(messages, number of images)`` of a raw tar sample in either layout."""
+    meta = json.loads(sample["json"]) if sample.get("json") else {}
+    if "messages" in meta:
+        return meta["messages"], len(image_parts(sample))
+    answer = sample["txt"].decode("utf-8") if sample.get("txt") is not None else ""
+    return vqa_messages(meta.get("question", ""), answer), 1
+
+
+def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None, progress: bool = False) -> dict:
+    """Per-split counts for one prepared dataset, tokenized like ``task_encoder`` (a VLMTaskEncoder)."""
+    path = Path(path)
+    seq_length = seq_length or task_encoder.seq_length
+    k = task_encoder.tokens_per_image
+    excluded = set((yaml.safe_load((path / ".nv-meta" / "split.yaml").read_text()) or {}).get("exclude") or [])
+    result = {}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc=f"stats {path.name}", unit=" samples")
+    for split, shards in split_shards(path).items():
+        s = dict(samples=0, images=0, text_tokens=0, image_tokens=0, tokens=0, max_tokens=0, over_seq_length=0)
+        for shard in shards:
+            for key, raw in iter_tar_samples(path / shard):
+                if key in excluded or f"{shard}/{key}" in excluded:
+                    continue
+                messages, n_img = conversation_of_raw(raw)
+                ids = task_encoder.chat(messages).ids
+                text = len(ids) - n_img
+                total = text + n_img * k
+                s["samples"] += 1
+                s["images"] += n_img
+                s["text_tokens"] += text
+                s["image_tokens"] += n_img * k
+                s["tokens"] += total
+                s["max_tokens"] = max(s["max_tokens"], total)
+                s["over_seq_length"] += total > seq_length
+                if bar is not None:
+                    bar.update(1)
+        s["mean_tokens"] = round(s["tokens"] / s["samples"], 2) if s["samples"] else 0.0
+        result[split] = s
+    if bar is not None:
+        bar.close()
+    return result
+
+
+def metadataset_yaml(yaml_path: str | Path, datasets: list[tuple[str | Path, float]], splits=("train", "val")) -> str:
+    """Energon MetadatasetV2 text blending ``datasets`` [(path, weight)] for each split.
+
+    Paths are written relative to the YAML file (energon resolves them from its location).
+    """
+    base = Path(yaml_path).absolute().parent
+    body = {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {}}
+    for split in splits:
+        blend = []
+        for path, weight in datasets:
+            rel = os.path.relpath(Path(path).absolute(), base)
+            blend.append({"weight": float(weight), "path": rel, "split_part": split})
+        body["splits"][split] = {"blend": blend}
+    return yaml.safe_dump(body, sort_keys=False)
+
+
+def summarize(paths: list[str | Path], task_encoder, seq_length: int | None = None, progress: bool = False) -> dict:
+    seq_length = seq_length or task_encoder.seq_length
+    out = {
+        "tokenizer": task_encoder.hf_dir,
+        "seq_length": seq_length,
+        "tokens_per_image": task_encoder.tokens_per_image,
+        "datasets": {},
+        "total": {},
+    }
+    for p in paths:
+        out["datasets"][str(p)] = dataset_stats(p, task_encoder, seq_length, progress)
+    for split in SPLITS:
+        agg: dict = {}
+        for per in out["datasets"].values():
+            for name, v in per.get(split, {}).items():
+                if name == "max_tokens":
+                    agg[name] = max(agg.get(name, 0), v)
+                elif name != "mean_tokens":
+                    agg[name] = agg.get(name, 0) + v
+        if agg:
+            agg["mean_tokens"] = round(agg["tokens"] / agg["samples"], 2) if agg["samples"] else 0.0
+            out["total"][split] = agg
+    return out

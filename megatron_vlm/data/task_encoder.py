@@ -1,0 +1,185 @@
+"""The energon TaskEncoder that turns prepared samples into Megatron LLaVAModel inputs.
+
+Per sample (:meth:`VLMTaskEncoder.encode_sample`):
+- conversation from a :class:`~megatron_vlm.data.sample.ConversationSample` or an energon ``VQASample``
+  (crude samples are cooked by :func:`megatron_vlm.data.sample.cook`);
+- tokens from the model's chat template (:mod:`megatron_vlm.data.chat_tokens`), ONE image token per image
+  (LLaVAModel expands it into the image's embeddings);
+- Megatron convention: the conversation x[0..n] gives tokens = x[:-1], labels = x[1:], loss_mask = 1
+  where the label is assistant content (answer tokens and the eos closing the turn);
+- truncation to ``seq_length`` counted with images expanded; it removes text from the end and never
+  splits an image (an image past the cut is dropped with its pixels). A sample whose images alone do
+  not fit, or that keeps no answer token, is skipped (counted in :attr:`VLMTaskEncoder.skipped`);
+- pixel values from the model's own HF image processor (``AutoProcessor.from_pretrained``), i.e. the
+  exact transform HF inference applies. Images are decoded by energon to PIL RGB.
+
+Per batch (:meth:`VLMTaskEncoder.batch`): right padding with the pad id to the longest sample, loss_mask 0
+on padding; all images of the batch stacked in token order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from megatron.energon import Batch, Sample, SkipSample, TaskEncoder
+from megatron.energon.edataclass import edataclass
+from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
+from megatron.energon.task_encoder.base import stateless
+from megatron.energon.task_encoder.cooking import Cooker
+
+from megatron_vlm.data.chat_tokens import ChatTokenizer
+from megatron_vlm.data.sample import conversation_of, cook
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+log = logging.getLogger(__name__)
+
+
+@edataclass
+class VLMSample(Sample):
+    """One encoded sample (before batching)."""
+
+    images: torch.Tensor  # float32 [n_images, 3, H, W]
+    tokens: torch.Tensor  # int64 [s]
+    labels: torch.Tensor  # int64 [s]
+    loss_mask: torch.Tensor  # float32 [s]
+    num_tokens: int  # s with images expanded
+
+
+@edataclass
+class VLMBatch(Batch):
+    """What the training step consumes. S = the longest sample of the batch."""
+
+    images: torch.Tensor  # float32 [num_images_in_batch, 3, H, W] (0 rows without images)
+    num_image_tiles: torch.Tensor  # int32 [num_images_in_batch], all ones
+    tokens: torch.Tensor  # int64 [B, S], one image token per image
+    labels: torch.Tensor  # int64 [B, S]
+    loss_mask: torch.Tensor  # float32 [B, S]
+    num_tokens: int  # unpadded positions of the batch with images expanded
+
+
+@dataclass(frozen=True)
+class ImageGeometry:
+    channels: int
+    height: int
+    width: int
+    tokens_per_image: int
+
+
+def image_geometry(processor) -> ImageGeometry:
+    """Pixel shape and image tokens per image as HF inference computes them (processor on a dummy image)."""
+    from PIL import Image
+
+    image_token = processor.image_token
+    dummy = Image.new("RGB", (64, 48), (127, 127, 127))
+    out = processor(text=image_token, images=[dummy], add_special_tokens=False, return_tensors="pt")
+    image_token_id = processor.tokenizer.convert_tokens_to_ids(image_token)
+    k = int((out["input_ids"][0] == image_token_id).sum())
+    _, c, h, w = out["pixel_values"].shape
+    return ImageGeometry(int(c), int(h), int(w), k)
+
+
+class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
+    """Energon task encoder for LLaVA-style training; see the module docstring."""
+
+    decoder = SampleDecoder(image_decode="pilrgb")
+    cookers = [Cooker(cook)]
+
+    def __init__(self, hf_dir, seq_length: int, image_token_id: int | None = None, pad_token_id: int | None = None):
+        from transformers import AutoProcessor
+
+        from megatron_vlm.tokenizer import special_token_ids
+
+        self.hf_dir = str(hf_dir)
+        self.seq_length = int(seq_length)
+        self.processor = AutoProcessor.from_pretrained(self.hf_dir)
+        self.tokenizer = self.processor.tokenizer
+        self.image_processor = self.processor.image_processor
+        ids = special_token_ids(self.tokenizer, getattr(self.processor, "image_token", None))
+        self.image_token_id = int(image_token_id if image_token_id is not None else ids.image)
+        self.pad_token_id = int(pad_token_id if pad_token_id is not None else ids.pad)
+        template = getattr(self.processor, "chat_template", None) or self.tokenizer.chat_template
+        self.chat = ChatTokenizer(self.tokenizer, template)
+        self.geometry = image_geometry(self.processor)
+        self.tokens_per_image = self.geometry.tokens_per_image
+        self.skipped: Counter = Counter()
+
+    # -- per sample -------------------------------------------------------------------------------
+    def _skip(self, key: str, reason: str):
+        self.skipped[reason] += 1
+        n = self.skipped[reason]
+        if n & (n - 1) == 0:  # 1, 2, 4, 8, ... : warn without flooding the log
+            log.warning("skipping sample %s: %s (%d such samples so far in this worker)", key, reason, n)
+        raise SkipSample()
+
+    def pixel_values(self, images: list) -> torch.Tensor:
+        g = self.geometry
+        if not images:
+            return torch.zeros(0, g.channels, g.height, g.width, dtype=torch.float32)
+        out = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        return out.to(torch.float32)
+
+    def encode_conversation(self, messages: list[dict], images: list, key: str = "?") -> dict:
+        """Tokens / labels / loss mask / pixel values for one conversation (see the module docstring)."""
+        conv = self.chat(messages)
+        x, assistant = conv.ids, conv.assistant
+        k = self.tokens_per_image
+        positions = [i for i, t in enumerate(x) if t == self.image_token_id]
+        if len(positions) != len(images):
+            self._skip(key, f"{len(positions)} image tokens but {len(images)} images")
+        if len(images) * k > self.seq_length:
+            self._skip(key, f"{len(images)} images need {len(images) * k} > seq_length {self.seq_length} tokens")
+        # Keep tokens x[:m] (labels x[1:m+1]) with m + (k-1) * images_in(x[:m]) <= seq_length.
+        m, n_img = len(x) - 1, sum(1 for p in positions if p < len(x) - 1)
+        if m + (k - 1) * n_img > self.seq_length:
+            m, used, n_img = 0, 0, 0
+            for i in range(len(x) - 1):
+                cost = k if x[i] == self.image_token_id else 1
+                if used + cost > self.seq_length:
+                    break
+                used += cost
+                m = i + 1
+                n_img += x[i] == self.image_token_id
+        tokens = torch.tensor(x[:m], dtype=torch.int64)
+        labels = torch.tensor(x[1 : m + 1], dtype=torch.int64)
+        loss_mask = torch.tensor(assistant[1 : m + 1], dtype=torch.float32)
+        if loss_mask.sum() == 0:
+            self._skip(key, "no answer token left within seq_length")
+        return dict(
+            images=self.pixel_values(images[:n_img]),
+            tokens=tokens,
+            labels=labels,
+            loss_mask=loss_mask,
+            num_tokens=m + (k - 1) * n_img,
+        )
+
+    @stateless
+    def encode_sample(self, sample: Sample) -> VLMSample:
+        messages, images = conversation_of(sample)
+        return VLMSample.derive_from(sample, **self.encode_conversation(messages, images, sample.__key__))
+
+    # -- per batch --------------------------------------------------------------------------------
+    @stateless
+    def batch(self, samples: list[VLMSample]) -> VLMBatch:
+        seq = max(len(s.tokens) for s in samples)
+        tokens = torch.full((len(samples), seq), self.pad_token_id, dtype=torch.int64)
+        labels = torch.full((len(samples), seq), self.pad_token_id, dtype=torch.int64)
+        loss_mask = torch.zeros((len(samples), seq), dtype=torch.float32)
+        for b, s in enumerate(samples):
+            n = len(s.tokens)
+            tokens[b, :n] = s.tokens
+            labels[b, :n] = s.labels
+            loss_mask[b, :n] = s.loss_mask
+        images = torch.cat([s.images for s in samples], dim=0)
+        return VLMBatch.from_samples(
+            samples,
+            images=images,
+            num_image_tiles=torch.ones(images.shape[0], dtype=torch.int32),
+            tokens=tokens,
+            labels=labels,
+            loss_mask=loss_mask,
+            num_tokens=int(sum(s.num_tokens for s in samples)),
+        )

@@ -1,0 +1,148 @@
+"""VLMTaskEncoder parity with HF LLaVA: pixel values, expanded token sequence, loss mask = the answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.energon import SkipSample, VQASample
+from PIL import Image
+
+from megatron_vlm.data.conversation import split_placeholders, vqa_messages
+from megatron_vlm.data.sample import ConversationSample
+from megatron_vlm.data.synthetic import image_array
+from megatron_vlm.data.task_encoder import VLMBatch, VLMTaskEncoder
+from tests.data_fixtures import tiny_llava
+
+FAMILIES = [("llama", "clip"), ("qwen2", "siglip")]
+
+
+@pytest.fixture(params=FAMILIES, ids=lambda p: "-".join(p))
+def encoder(request, tmp_path_factory):
+    return VLMTaskEncoder(tiny_llava(tmp_path_factory, *request.param), seq_length=256)
+
+
+def pil(seed, size=(45, 30)):
+    return Image.fromarray(image_array(size, seed))
+
+
+def user(text):
+    return {"role": "user", "content": split_placeholders(text)}
+
+
+def asst(text):
+    return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+
+CONVERSATIONS = {
+    "vqa": (vqa_messages("what colour is the shape ?", "red"), 1),
+    "multi_turn": ([user("<image>\nwhat shape is it ?"), asst("a square"), user("where is it ?"),
+                    asst("top left corner"), user("how many ?"), asst("one")], 1),
+    "text_only": ([{"role": "system", "content": [{"type": "text", "text": "answer in one word"}]},
+                   user("say yes please"), asst("yes")], 0),
+    "two_images": ([user("<image>\n<image>\nwhich is red ?"), asst("the first one")], 2),
+}
+
+
+def answer_spans(enc, out) -> list[str]:
+    """Decoded label tokens of each contiguous loss_mask == 1 run."""
+    mask, labels = out["loss_mask"].bool().tolist(), out["labels"].tolist()
+    runs, cur = [], []
+    for m, t in zip(mask, labels):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [enc.tokenizer.decode(r) for r in runs]
+
+
+def expand(tokens: list[int], image_id: int, k: int) -> list[int]:
+    out = []
+    for t in tokens:
+        out += [t] * k if t == image_id else [t]
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_parity_with_hf_processor(encoder, name):
+    messages, n_img = CONVERSATIONS[name]
+    images = [pil(i, (45 + 7 * i, 30)) for i in range(n_img)]
+    out = encoder.encode_conversation(messages, images)
+    proc = encoder.processor  # the same directory's processor, as HF inference loads it
+    text = proc.apply_chat_template(messages, tokenize=False)
+    hf = proc(text=text, images=images or None, add_special_tokens=False, return_tensors="pt")
+    # 1) the sequence with every image token expanded is exactly HF's input_ids
+    x = out["tokens"].tolist() + out["labels"][-1:].tolist()
+    assert out["labels"][:-1].tolist() == x[1:-1]
+    assert expand(x, encoder.image_token_id, encoder.tokens_per_image) == hf["input_ids"][0].tolist()
+    assert out["num_tokens"] == len(out["tokens"]) + (encoder.tokens_per_image - 1) * n_img
+    # 2) pixel values are HF's, bit for bit
+    if n_img:
+        assert out["images"].dtype == torch.float32
+        assert torch.equal(out["images"], hf["pixel_values"].to(torch.float32))
+    else:
+        assert tuple(out["images"].shape) == (0, 3, encoder.geometry.height, encoder.geometry.width)
+    # 3) unmasked labels decode to exactly the answers (each closed by the eos of its turn)
+    answers = [m["content"][0]["text"] for m in messages if m["role"] == "assistant"]
+    eos = encoder.tokenizer.eos_token
+    spans = answer_spans(encoder, out)
+    assert [s.removesuffix(eos) .lstrip(" ") for s in spans] == answers
+    assert all(s.endswith(eos) for s in spans)
+    # ... and nothing of the prompt is trained on
+    assert int(out["loss_mask"].sum()) == sum(
+        len(encoder.tokenizer(s, add_special_tokens=False)["input_ids"]) for s in spans)
+
+
+def test_truncation_never_cuts_an_image(tmp_path_factory):
+    enc = VLMTaskEncoder(tiny_llava(tmp_path_factory), seq_length=80)
+    k = enc.tokens_per_image  # 16
+    long_q = "what colour is the shape ? " * 8
+    msgs = [user("<image>\nwhat shape ?"), asst("a square"), user(long_q + "<image>\nand here ?"), asst("red")]
+    out = enc.encode_conversation(msgs, [pil(1), pil(2)])
+    # the second image does not fit after the long question: text cut before it, its pixels dropped
+    assert out["images"].shape[0] == 1
+    assert int((out["tokens"] == enc.image_token_id).sum()) == 1
+    assert out["num_tokens"] == len(out["tokens"]) + k - 1 <= 80
+    assert answer_spans(enc, out)[0].lstrip(" ").removesuffix(enc.tokenizer.eos_token) == "a square"
+    # fits exactly: num_tokens == seq_length when there is more text than room
+    assert out["num_tokens"] == 80
+    full = enc.chat(msgs).ids
+    assert out["tokens"].tolist() == full[: len(out["tokens"])]  # a prefix: text cut at the end only
+
+
+def test_skips(tmp_path_factory):
+    enc = VLMTaskEncoder(tiny_llava(tmp_path_factory), seq_length=20)
+    with pytest.raises(SkipSample):  # two images need 32 > 20 positions
+        enc.encode_conversation([user("<image>\n<image>\nq"), asst("a")], [pil(1), pil(2)])
+    with pytest.raises(SkipSample):  # the answer lies beyond seq_length
+        enc.encode_conversation([user("<image>\n" + "what colour is the shape ? " * 4), asst("red")], [pil(1)])
+    with pytest.raises(SkipSample):  # placeholder count does not match images
+        enc.encode_conversation([user("<image>\nq"), asst("a")], [])
+    assert sum(enc.skipped.values()) == 3
+
+
+def test_samples_and_batch(tmp_path_factory):
+    enc = VLMTaskEncoder(tiny_llava(tmp_path_factory), seq_length=256)
+    base = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
+    vqa = VQASample(__key__="a", image=pil(3), context="what colour ?", answers="red", answer_weights=None, **base)
+    conv = ConversationSample(__key__="b", images=[pil(4), pil(5)], messages=CONVERSATIONS["two_images"][0], **base)
+    text = ConversationSample(__key__="c", images=[], messages=CONVERSATIONS["text_only"][0], **base)
+    encoded = [enc.encode_sample(s) for s in (vqa, conv, text)]
+    batch = enc.batch(encoded)
+    assert isinstance(batch, VLMBatch) and batch.__key__ == ["a", "b", "c"]
+    B, S = batch.tokens.shape
+    lengths = [len(e.tokens) for e in encoded]
+    assert (B, S) == (3, max(lengths))
+    assert batch.tokens.dtype == batch.labels.dtype == torch.int64 and batch.loss_mask.dtype == torch.float32
+    assert batch.images.shape == (3, 3, 32, 32) and batch.num_image_tiles.tolist() == [1, 1, 1]
+    assert batch.num_image_tiles.dtype == torch.int32
+    for b, e in enumerate(encoded):
+        n = lengths[b]
+        assert torch.equal(batch.tokens[b, :n], e.tokens) and torch.equal(batch.loss_mask[b, :n], e.loss_mask)
+        assert (batch.tokens[b, n:] == enc.pad_token_id).all() and (batch.loss_mask[b, n:] == 0).all()
+    assert int((batch.tokens == enc.image_token_id).sum()) == 3
+    assert batch.num_tokens == sum(e.num_tokens for e in encoded)
+    only_text = enc.batch([encoded[2]])
+    assert only_text.images.shape == (0, 3, 32, 32) and only_text.num_image_tiles.shape == (0,)
