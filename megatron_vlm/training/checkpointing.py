@@ -67,8 +67,13 @@ def set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _unwrap(model):
+    """The LLaVAModel inside megatron's DDP wrapper (checkpoint keys never carry the wrapper's 'module.')."""
+    return getattr(model, "module", model)
+
+
 def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim: bool, loading: bool):
-    model_sd = model.sharded_state_dict(prefix="model.")
+    model_sd = _unwrap(model).sharded_state_dict(prefix="model.")
     sd = {"model": model_sd, "iteration": iteration, **_rank_objects(loader_state, None if loading else rng_state())}
     if with_optim:
         sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading)
@@ -120,7 +125,7 @@ def load(iter_dir, model, optimizer, scheduler, with_optim: bool) -> dict:
 
     sd = _state_dict(model, optimizer, scheduler, 0, None, with_optim, loading=True)
     loaded = dist_checkpointing.load(sd, str(iter_dir))
-    model.load_state_dict({k[len("model."):]: v for k, v in loaded["model"].items()}, strict=True)
+    _unwrap(model).load_state_dict({k[len("model."):]: v for k, v in loaded["model"].items()}, strict=True)
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         if scheduler is not None and loaded.get("scheduler"):
