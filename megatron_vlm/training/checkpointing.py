@@ -18,6 +18,7 @@ from megatron_vlm import checkpoint as ckpt
 from megatron_vlm.spec import VLMSpec
 
 log = logging.getLogger(__name__)
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _rank_objects(loader_state, rng_state):
@@ -76,7 +77,8 @@ def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim
     model_sd = _unwrap(model).sharded_state_dict(prefix="model.")
     sd = {"model": model_sd, "iteration": iteration, **_rank_objects(loader_state, None if loading else rng_state())}
     if with_optim:
-        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading)
+        # 'fully_reshardable': the distributed optimizer's state resumes at any TP/PP/DP
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIM_METADATA)
         sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     return sd
 
