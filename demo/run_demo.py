@@ -1,13 +1,23 @@
 #!/usr/bin/env python
-"""megatron-vlm demo on an embedded default (no downloads, CPU): every step is the user-facing command.
+"""megatron-vlm end-to-end demo on an embedded default (no downloads, CPU only).
 
-Current steps: build tiny HF text + vision models from configs (own tokenizer) -> convert/build_llava.py ->
-convert/hf_to_megatron.py --tp 2 --verify -> convert/megatron_to_hf.py -> HF generate on the exported model.
+1. builds a tiny Llama-style LM (with a BPE tokenizer trained on the demo's own text) and a tiny CLIP from
+   configs, and runs convert/build_llava.py on them;
+2. generates a coloured-shapes VQA dataset (colour, shape, position, count questions) and runs
+   data_prep/make_wds.py on the training part (the held-out part is never trained on);
+3. convert/hf_to_megatron.py --tp 2, then train/run.py --device cpu -g 2 --tp 2: stage 1 (projector), then
+   stage 2 from stage 1's checkpoint (vision encoder unfrozen, since it starts random);
+4. convert/megatron_to_hf.py on the last checkpoint, then HF ``generate`` on the held-out images: exact-match
+   accuracy per question type next to the majority-answer baseline, a loss curve PNG and example images.
+Every step is the user-facing command, printed before it runs.
 """
 
+from __future__ import annotations
+
 import argparse
-import os
+import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -15,52 +25,148 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "demo"))
+
+import shapes  # noqa: E402
 
 
 def run(cmd: list[str]) -> None:
     print(f"\n$ {shlex.join(cmd)}", flush=True)
     t = time.time()
     subprocess.run(cmd, check=True, cwd=ROOT)
-    print(f"  ({time.time() - t:.1f} s)", flush=True)
+    print(f"  [{time.time() - t:.1f} s]", flush=True)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "demo_out"), help="output directory (replaced)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the Megatron checkpoint")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the Megatron checkpoint")
-    a = p.parse_args(argv)
-    import shutil
+    p.add_argument("--train-samples", type=int, default=3000, help="training images")
+    p.add_argument("--eval-samples", type=int, default=400, help="held-out images (never trained on)")
+    p.add_argument("--image-size", type=int, default=48, help="image side in pixels (patch 8)")
+    p.add_argument("--stage1-iters", type=int, default=40, help="stage 1 iterations (projector only)")
+    p.add_argument("--stage2-iters", type=int, default=400, help="stage 2 iterations (everything trains)")
+    p.add_argument("--global-batch-size", type=int, default=32)
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--stage1-lr", type=float, default=2e-3)
+    p.add_argument("--stage2-lr", type=float, default=1e-3)
+    p.add_argument("--hidden", type=int, default=128, help="LM hidden size")
+    p.add_argument("--layers", type=int, default=2, help="LM layers")
+    p.add_argument("--tp", type=int, default=2, help="tensor parallel size (2 processes)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
 
+
+def build_models(a, out: Path) -> Path:
     from megatron_vlm.testing.tiny import make_text_model, make_vision_model
 
+    text = make_text_model(out / "parts" / "text", "llama", texts=shapes.corpus(), hidden_size=a.hidden,
+                           intermediate_size=a.hidden * 2, num_hidden_layers=a.layers, num_attention_heads=4,
+                           num_key_value_heads=2)
+    vision = make_vision_model(out / "parts" / "vision", "clip", image_size=a.image_size, patch_size=8,
+                               hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4)
+    run([sys.executable, "convert/build_llava.py", "--text-model", str(text), "--vision-model", str(vision),
+         "--save-dir", str(out / "hf")])
+    return out / "hf"
+
+
+def train_args(a, out: Path, name: str, load: Path, stage: int, iters: int, lr: float) -> list[str]:
+    return [sys.executable, "train/run.py", "--device", "cpu", "-g", "2", "--tp", str(a.tp), "--stage", str(stage),
+            "--megatron-load-dir", str(load), "--tokenizer-load-dir", str(out / "hf"),
+            "--data-path", str(out / "data"), "--save-dir", str(out / "runs"), "--name", name,
+            "--train-iters", str(iters), "--global-batch-size", str(a.global_batch_size),
+            "--micro-batch-size", str(a.micro_batch_size), "--lr", str(lr), "--seq-length", "128",
+            "--log-interval", "10", "--save-interval", str(iters), "--num-workers", "1", "--seed", str(a.seed)]
+
+
+def evaluate(hf_dir: Path, manifest: Path, image_dir: Path, out: Path) -> tuple[dict, list[dict]]:
+    import torch
+    from PIL import Image
+    from tqdm import tqdm
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    proc = AutoProcessor.from_pretrained(str(hf_dir))
+    model = LlavaForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    rows = [json.loads(x) for x in manifest.read_text().splitlines()]
+    for r in tqdm(rows, desc="generate on held-out images", unit="image"):
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["question"]}]}]
+        prompt = proc.apply_chat_template(msgs, add_generation_prompt=True)
+        inputs = proc(images=Image.open(image_dir / r["image"]).convert("RGB"), text=prompt, return_tensors="pt")
+        with torch.no_grad():
+            gen = model.generate(**inputs, max_new_tokens=10, do_sample=False)
+        r["prediction"] = proc.decode(gen[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    acc = {}
+    for t in shapes.QUESTIONS:
+        sel = [r for r in rows if r["type"] == t]
+        acc[t] = sum(r["prediction"] == r["answer"] for r in sel) / max(len(sel), 1)
+    acc["overall"] = sum(r["prediction"] == r["answer"] for r in rows) / max(len(rows), 1)
+    return acc, rows
+
+
+def plot(out: Path, rows: list[dict], image_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    offset = 0
+    for stage in ("stage1", "stage2"):
+        pts = [json.loads(x) for x in (out / "runs" / stage / "metrics.jsonl").read_text().splitlines()]
+        pts = {p["iteration"]: p["loss"] for p in pts if not p["skipped"]}
+        its = sorted(pts)
+        ax.plot([offset + i for i in its], [pts[i] for i in its], label=stage)
+        offset += its[-1] if its else 0
+    ax.set_xlabel("iteration (stage 2 continues after stage 1)")
+    ax.set_ylabel("training loss (assistant tokens)")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "eval" / "loss_curve.png", dpi=100)
+    plt.close(fig)
+    fig, axes = plt.subplots(2, 4, figsize=(10, 5.5))
+    for ax, r in zip(axes.flat, rows[:8]):
+        ax.imshow(Image.open(image_dir / r["image"]))
+        ok = "ok" if r["prediction"] == r["answer"] else "WRONG"
+        ax.set_title(f"{r['question']}\nanswer: {r['answer']} | pred: {r['prediction']} ({ok})", fontsize=7)
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out / "eval" / "examples.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    a = parse(argv)
     out = Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.time()
-    print("building a tiny Llama-style LM (own BPE tokenizer) and a tiny CLIP from configs ...")
-    text = make_text_model(out / "parts" / "text", "llama")
-    vision = make_vision_model(out / "parts" / "vision", "clip")
-    py = sys.executable
-    run([py, "convert/build_llava.py", "--text-model", str(text), "--vision-model", str(vision),
-         "--save-dir", str(out / "hf")])
-    run([py, "convert/hf_to_megatron.py", "--hf-dir", str(out / "hf"), "--megatron-dir", str(out / "megatron"),
-         "--tp", str(a.tp), "--pp", str(a.pp), "--verify"])
-    run([py, "convert/megatron_to_hf.py", "--megatron-dir", str(out / "megatron"), "--hf-dir", str(out / "hf_back")])
-
-    import torch
-    from PIL import Image
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    proc = AutoProcessor.from_pretrained(str(out / "hf_back"))
-    model = LlavaForConditionalGeneration.from_pretrained(str(out / "hf_back"))
-    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the shape ?"}]}]
-    inputs = proc(images=Image.new("RGB", (64, 64), (220, 30, 30)),
-                  text=proc.apply_chat_template(msgs, add_generation_prompt=True), return_tensors="pt")
-    with torch.no_grad():
-        gen = model.generate(**inputs, max_new_tokens=5, do_sample=False)
-    print("\ngenerate on the exported model (random weights, so the words are random):",
-          repr(proc.decode(gen[0, inputs["input_ids"].shape[1]:])))
-    print(f"\ndemo finished in {time.time() - t0:.0f} s; outputs under {out}")
+    print("== 1. tiny LM + CLIP from configs, then build_llava")
+    build_models(a, out)
+    print("\n== 2. synthetic shapes VQA data")
+    train_manifest = shapes.write_split(out / "src" / "train", a.train_samples, a.seed, a.image_size)
+    eval_manifest = shapes.write_split(out / "src" / "heldout", a.eval_samples, a.seed + 10_000, a.image_size)
+    run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input", str(train_manifest),
+         "--output", str(out / "data"), "--split", "1,0,0", "--shard-size", "500"])
+    print("\n== 3. convert to Megatron and train (stage 1, then stage 2)")
+    run([sys.executable, "convert/hf_to_megatron.py", "--hf-dir", str(out / "hf"), "--megatron-dir",
+         str(out / "megatron"), "--tp", str(a.tp)])
+    run(train_args(a, out, "stage1", out / "megatron", 1, a.stage1_iters, a.stage1_lr))
+    run(train_args(a, out, "stage2", out / "runs" / "stage1", 2, a.stage2_iters, a.stage2_lr) + ["--unfreeze-vit"])
+    print("\n== 4. back to HF and evaluate on held-out images")
+    run([sys.executable, "convert/megatron_to_hf.py", "--megatron-dir", str(out / "runs" / "stage2"), "--hf-dir",
+         str(out / "hf_final")])
+    (out / "eval").mkdir()
+    acc, rows = evaluate(out / "hf_final", eval_manifest, eval_manifest.parent, out)
+    base = shapes.majority_baseline(train_manifest, rows)
+    plot(out, rows, eval_manifest.parent)
+    (out / "eval" / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = {"accuracy": acc, "majority_baseline": base, "seconds": time.time() - t0, "eval_samples": len(rows)}
+    (out / "eval" / "results.json").write_text(json.dumps(result, indent=2))
+    print(f"\n{'question type':15s} {'accuracy':>9s} {'majority baseline':>18s}")
+    for t in list(shapes.QUESTIONS) + ["overall"]:
+        print(f"{t:15s} {acc[t]:9.1%} {base[t]:18.1%}")
+    print(f"\ndemo finished in {result['seconds'] / 60:.1f} min; loss curve, examples and predictions in {out / 'eval'}")
+    return result
 
 
 if __name__ == "__main__":

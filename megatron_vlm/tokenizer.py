@@ -4,6 +4,8 @@ This module is the one place that knows how a LLaVA directory's tokenizer is set
 - ``add_vlm_tokens`` adds the image token (and a pad token where the tokenizer has none);
 - ``special_token_ids`` reads the image / pad / eos ids back from a saved tokenizer (never hard-coded);
 - ``default_chat_template`` is the LLaVA-1.5 style template installed by ``convert/build_llava.py``.
+  The generation prompt ends in ``ASSISTANT:`` without a trailing space, so the answer's first token at
+  inference is the same space-prefixed token the model was trained on (``ASSISTANT: red`` -> ``Ġred``).
   It accepts both plain-string contents and HF multimodal content lists
   (``[{"type": "image"}, {"type": "text", "text": ...}]``); each image part becomes one image token.
 """
@@ -29,7 +31,7 @@ _TEMPLATE = (
     "{% endfor %}{% endif %}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT: {% endif %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 
 

@@ -19,7 +19,7 @@ def test_loads_processes_and_generates(name, hf_models):
     assert ids.image == model.config.image_token_id and ids.pad is not None
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it ?"}]}]
     text = proc.apply_chat_template(msgs, add_generation_prompt=True)
-    assert text.endswith("ASSISTANT: ") and "USER: <image>\n" in text
+    assert text.endswith("ASSISTANT:") and "USER: <image>\n" in text
     inputs = proc(images=Image.new("RGB", (40, 30), (200, 10, 10)), text=text, return_tensors="pt")
     n_img = (inputs["input_ids"] == ids.image).sum().item()
     assert n_img == model.config.image_seq_length == 16

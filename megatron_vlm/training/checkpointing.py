@@ -112,6 +112,7 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+        spec.save(run_dir)  # like a converted checkpoint: the run directory itself says what it holds
         ckpt.write_tracker(run_dir, iteration)
         if total_limit:
             for old in ckpt.list_iterations(run_dir)[:-total_limit]:
