@@ -113,7 +113,7 @@ def plot(out: Path, rows: list[dict], image_dir: Path) -> None:
     offset = 0
     for stage in ("stage1", "stage2"):
         pts = [json.loads(x) for x in (out / "runs" / stage / "metrics.jsonl").read_text().splitlines()]
-        pts = {p["iteration"]: p["loss"] for p in pts if not p["skipped"]}
+        pts = {p["iteration"]: p["loss"] for p in pts if "loss" in p and not p["skipped"]}
         its = sorted(pts)
         ax.plot([offset + i for i in its], [pts[i] for i in its], label=stage)
         offset += its[-1] if its else 0

@@ -64,7 +64,12 @@ def run(argv):
 
 def losses(run_dir):
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r for r in rows}  # a resumed run re-logs iterations after its checkpoint
+    return {r["iteration"]: r for r in rows if "loss" in r}  # a resumed run re-logs iterations after its checkpoint
+
+
+def val_losses(run_dir):
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["val_loss"] for r in rows if "val_loss" in r}
 
 
 def falls(ls: dict, factor=0.8):
@@ -130,10 +135,12 @@ def test_stage1_freezes_lm_and_vit_and_skips_iterations(setup, tmp_path):
             assert same, f"frozen {n} changed"
 
 
-def test_pp2_loss_falls(setup):
+def test_pp2_loss_falls_with_validation(setup):
     run(args(setup, "pp2", "--pp", "2", "--stage", "2", "--global-batch-size", "8", "--save-interval", "100",
-             iters=12))
+             "--eval-interval", "6", "--eval-iters", "2", iters=12))
     falls(losses(setup["root"] / "ckpt" / "pp2"))
+    val = val_losses(setup["root"] / "ckpt" / "pp2")
+    assert sorted(val) == [6, 12] and val[12] < val[6]
 
 
 def test_dp2_distributed_optimizer_loss_falls(setup):

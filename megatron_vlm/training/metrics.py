@@ -73,6 +73,17 @@ class MetricsLogger:
         self.window = {k: 0 for k in w}
         self.t_last = now
 
+    def validation(self, iteration: int, loss: float | None) -> None:
+        if not self.enabled or loss is None:
+            return
+        log.info("iter %d | validation loss %.4f", iteration, loss)
+        with open(self.history_path, "a") as f:
+            f.write(json.dumps({"iteration": iteration, "val_loss": loss}) + "\n")
+        self.tb.add_scalar("val/loss", loss, iteration)
+        self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({"val/loss": loss}, step=iteration)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()

@@ -79,6 +79,37 @@ def _forward_step(device, data_iterator, model):
     return out, partial(_loss_func, loss_mask)
 
 
+def evaluate(cfg, ddp, encoder, rt, fb, step) -> float | None:
+    """Mean validation loss (per assistant token) over ``cfg.eval_iters`` batches of the 'val' split."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_vlm.data.loader import build_eval_loader
+
+    loader = build_eval_loader(cfg.data_path, encoder, cfg.micro_batch_size, rt.dp_rank, rt.dp, 0)
+    batches = []
+    for b in loader:
+        batches.append(b)
+        if len(batches) == cfg.eval_iters:
+            break
+    n = torch.tensor([len(batches)], device=rt.device)
+    torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
+    batches = batches[: int(n.item())]
+    if not batches:
+        return None
+    ddp.eval()
+    with torch.no_grad():
+        losses = fb(forward_step_func=step, data_iterator=iter(batches), model=[ddp], num_microbatches=len(batches),
+                    seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size, forward_only=True)
+    ddp.train()
+    total = torch.zeros(2, device=rt.device)
+    for d in losses:
+        total += d["lm loss"].to(rt.device).float()
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        torch.distributed.all_reduce(total, group=ps.get_data_parallel_group())
+        return (total[0] / total[1].clamp(min=1)).item()
+    return None
+
+
 def train(cfg) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -195,6 +226,9 @@ def train(cfg) -> dict:
             torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
             metrics.step(iteration, loss_sum[0].item(), loss_sum[1].item(), int(counts[0]), int(counts[1]),
                          scheduler.get_lr(optimizer.param_groups[0]), grad_norm if ok else None)
+        if cfg.eval_iters > 0 and (iteration % cfg.eval_interval == 0 or iteration == cfg.train_iters):
+            val = evaluate(cfg, ddp, encoder, rt, fb, step)
+            metrics.validation(iteration, val)
         if first_iter_time is None:
             first_iter_time = time.time() - t_launch
             if rt.rank == 0:
