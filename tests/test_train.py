@@ -3,6 +3,7 @@ distributed optimizer; a kill -9'd run resumes exactly; frozen parameters stay b
 checkpoint converts back to HF with HF logits equal to Megatron's."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -50,13 +51,14 @@ def args(s, name, *extra, iters=16, lr="2e-3"):
             "--train-iters", str(iters), "--lr", lr, *extra]
 
 
-def launch(argv):
+def launch(argv, env=None):
     return subprocess.Popen([sys.executable, "train/run.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
 
 
-def run(argv):
-    p = launch(argv)
+def run(argv, env=None):
+    p = launch(argv, env)
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-6000:]
     return out
@@ -143,8 +145,16 @@ def test_pp2_loss_falls_with_validation(setup):
     assert sorted(val) == [6, 12] and val[12] < val[6]
 
 
-def test_dp2_distributed_optimizer_loss_falls(setup):
+def test_dp2_distributed_optimizer_loss_falls_and_logs(setup):
     out = run(args(setup, "dp2", "--tp", "1", "--dist-optim", "--stage", "2", "--global-batch-size", "8",
-                   "--save-interval", "100", iters=12))
+                   "--save-interval", "100", "--wandb", iters=12), env={"WANDB_MODE": "offline"})
     assert "dp=2" in out
-    falls(losses(setup["root"] / "ckpt" / "dp2"))
+    run_dir = setup["root"] / "ckpt" / "dp2"
+    falls(losses(run_dir))
+    assert list((run_dir / "wandb").glob("offline-run-*")), "no offline Weights & Biases run"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == [4, 8, 12] and "perf/tokens_per_s" in events.Tags()["scalars"]
