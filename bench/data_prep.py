@@ -62,6 +62,19 @@ def timed(fn, repeat: int = 1) -> tuple[float, float]:
     return best
 
 
+def decode_floor(images: Path) -> float:
+    """Seconds one process spends only in the image check make_wds does (``process_image`` on bytes in memory):
+    the floor of make_wds per worker, whatever the rest of the pipeline costs."""
+    from megatron_vlm.data.images import process_image
+
+    blobs = [p.read_bytes() for p in sorted(images.iterdir())]
+
+    def run():
+        for b in blobs:
+            process_image(b)
+    return timed(run, repeat=2)[0]
+
+
 def bench_make_wds(root: Path, n: int) -> dict:
     from megatron_vlm.data.make_wds import make_wds
 
@@ -74,6 +87,7 @@ def bench_make_wds(root: Path, n: int) -> dict:
     tar()  # warm the page cache
     t_tar, _ = timed(tar, repeat=3)
     out = {"n": n, "bytes": sum(p.stat().st_size for p in images.iterdir()), "tar_s": t_tar}
+    out["decode_floor_s"] = decode_floor(images)
     for workers in (1, 2):
         def run():
             make_wds("vqa", root / "qa.jsonl", root / "wds", image_root=images, shard_size=1000, workers=workers,
@@ -143,6 +157,10 @@ def main(argv=None) -> int:
             cpu = a[f"make_wds_w{w}_cpu_s"]
             print(f"    make_wds workers={w}: {s:.3f} s  {args.n / s:8.0f} samples/s  ratio to tar {a['tar_s'] / s:.2f}"
                   f"  ({cpu / args.n * 1e3:.2f} CPU ms/sample, all processes)")
+        floor = a["decode_floor_s"]
+        print(f"    image check alone (decode + size check, 1 process): {floor / args.n * 1e3:.3f} ms/sample: the "
+              f"best ratio to tar any make_wds can reach is {a['tar_s'] / floor:.2f} per worker "
+              f"({a['tar_s'] / floor * (os.cpu_count() or 1):.2f} with all {os.cpu_count()} CPUs)")
         print(f"    speed-up 1 -> 2 workers: {a['make_wds_w1_s'] / a['make_wds_w2_s']:.2f}x; with the energon "
               f"prepare step (shard size 100, split 9,1,0): {a['make_wds_w2_prepare_s']:.2f} s")
         b = bench_loader(root, args.loader_samples)
