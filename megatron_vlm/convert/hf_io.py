@@ -2,7 +2,8 @@
 
 ``HFReader`` indexes a model directory (``model.safetensors`` or a sharded ``model.safetensors.index.json``),
 exposes tensors under canonical names (:func:`mapping.canonical_hf_name`) and checks that every file is
-present and complete. ``HFShardWriter`` writes tensors into size-bounded shards plus the index, like
+present and complete. It opens a file for each tensor it reads and closes it again: safetensors memory-maps
+the file, and a handle kept open would keep every page read so far resident (the whole model by the end). ``HFShardWriter`` writes tensors into size-bounded shards plus the index, like
 ``save_pretrained``.
 """
 
@@ -40,7 +41,7 @@ class HFReader:
                 f"--hf-dir {self.dir} has no {SINGLE} or {INDEX}; save the model with safe_serialization=True"
             )
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
-        self._handles = {}
+        self._files: list[str] = []
         self._where: dict[str, tuple[str, str]] = {}
         for fname in files:
             path = self.dir / fname
@@ -51,9 +52,10 @@ class HFReader:
             except Exception as e:  # safetensors raises its own error types for bad headers
                 raise CheckpointError(f"{path} is truncated or corrupt ({e}); re-download the model") from e
             _check_complete(path, handle)
-            self._handles[fname] = handle
+            self._files.append(fname)
             for name in handle.keys():
                 self._where[canonical_hf_name(name)] = (fname, name)
+            del handle
         if weight_map:
             missing = [n for n, f in weight_map.items() if canonical_hf_name(n) not in self._where]
             if missing:
@@ -70,20 +72,25 @@ class HFReader:
             fname, key = self._where[name]
         except KeyError:
             raise CheckpointError(f"tensor {name} is missing from {self.dir}; is this the right model?") from None
-        return self._handles[fname].get_tensor(key)
+        return self._open(fname).get_tensor(key)  # a copy; the mapping goes with the handle
+
+    def _open(self, fname: str):
+        from safetensors import safe_open
+
+        return safe_open(str(self.dir / fname), framework="pt")
 
     def dtype(self) -> torch.dtype:
         counts: dict[torch.dtype, int] = {}
-        for name in self._where:
-            fname, key = self._where[name]
-            t = self._handles[fname].get_slice(key)
+        handles = {f: self._open(f) for f in self._files}
+        for fname, key in self._where.values():
+            t = handles[fname].get_slice(key)
             dt = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(t.get_dtype())
             if dt is not None:
                 counts[dt] = counts.get(dt, 0) + 1
         return max(counts, key=counts.get) if counts else torch.float32
 
     def nbytes(self) -> int:
-        return sum(os.path.getsize(self.dir / f) for f in self._handles)
+        return sum(os.path.getsize(self.dir / f) for f in self._files)
 
 
 def _check_complete(path: Path, handle) -> None:

@@ -42,6 +42,7 @@ def read_full_megatron_state(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta)
             state[rule.mcore] = mapping.tp_merge(rule, shards)
         return state
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import apply_factories
 
     from megatron_vlm.model import ModelOptions, build_model
     from megatron_vlm.runtime.session import single_process_world
@@ -50,9 +51,15 @@ def read_full_megatron_state(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta)
     _check_dist_vocab(iter_dir, spec)
     with single_process_world():
         model = build_model(spec, ModelOptions(params_dtype=dtype, perform_initialization=False, seq_length=64))
-        loaded = dist_checkpointing.load(model.sharded_state_dict(prefix="model."), str(iter_dir))
-        state = {k[len("model."):]: v.cpu() for k, v in loaded.items() if k.startswith("model.") and torch.is_tensor(v)}
-        del model, loaded
+        sharded = model.sharded_state_dict(prefix="model.")
+        # With the factories applied here, split tensors (the SwiGLU halves of linear_fc1) are views of the
+        # parameters, so everything loads in place: no merged copies next to the model.
+        apply_factories(sharded)
+        dist_checkpointing.load(sharded, str(iter_dir))
+        del sharded
+        names = {r.mcore for r in rules}
+        state = {k: v.detach() for k, v in model.state_dict().items() if k in names}
+        del model
     return state
 
 

@@ -1,7 +1,7 @@
 """HF LLaVA directory -> Megatron checkpoint (torch_dist or legacy ``torch``) at a chosen TP/PP.
 
-torch_dist: one process builds the TP=1/PP=1 megatron model (no random init), fills it tensor by tensor
-from the HF files and saves it with megatron's ``dist_checkpointing`` (which reshards on load to any
+torch_dist: one process builds the TP=1/PP=1 megatron model (no random init, so its empty parameters are
+never touched), gives each parameter the tensor converted from the HF files and saves it with megatron's ``dist_checkpointing`` (which reshards on load to any
 TP/PP). legacy ``torch``: no model is built; each rank's file is assembled from the HF files and written
 one at a time, so memory stays near one rank's share.
 """
@@ -99,6 +99,34 @@ def _write_dist(reader, spec, rules, iter_dir, dtype) -> None:
                 src = _full_tensor(rule, reader, spec, dtype)
                 if tuple(src.shape) != tuple(target.shape):
                     raise ValueError(f"{rule.hf} -> {rule.mcore}: shape {tuple(src.shape)} != {tuple(target.shape)}")
-                target.copy_(src)
-        dist_checkpointing.save(model.sharded_state_dict(prefix="model."), str(iter_dir))
-        del model, params
+                target.data = src.to(target.dtype).contiguous()  # a fresh tensor: adopted, not copied
+        sharded = model.sharded_state_dict(prefix="model.")
+        del params
+        _detach_views(sharded, model)
+        dist_checkpointing.save(sharded, str(iter_dir))
+        del model, sharded
+
+
+def _detach_views(sharded: dict, model) -> None:
+    """Give every sharded tensor that is a view (e.g. the gate and up halves of a SwiGLU ``linear_fc1``) its
+    own storage, one parameter at a time, and drop the parameter it came from.
+
+    dist_checkpointing's writer clones such views before it writes anything, so it would hold all of them
+    at once next to the model (~1/3 of an LLM's bytes). Cloning here, releasing each source parameter as
+    soon as its views are copied, keeps the peak near the model's size. The model is unusable afterwards;
+    the converter only saves it.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(sharded)
+    owners = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
+    views: dict[int, list] = {}
+    for sh in nested_values(sharded):
+        if isinstance(sh, ShardedTensor) and sh.data.untyped_storage().nbytes() != sh.data.numel() * sh.data.itemsize:
+            views.setdefault(sh.data.untyped_storage().data_ptr(), []).append(sh)
+    for ptr, group in views.items():
+        for sh in group:
+            sh.data = sh.data.clone()
+        if ptr in owners:
+            owners[ptr].data = torch.empty(0, dtype=owners[ptr].dtype)
