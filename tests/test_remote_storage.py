@@ -12,9 +12,12 @@ import pytest
 
 from megatron_vlm import storage
 from megatron_vlm.launch import preflight
+from megatron_vlm.launch.container import mounts
 from megatron_vlm.launch.torchrun import free_port
+from megatron_vlm.training.config import ConfigError, TrainConfig
 
 from .conftest import ROOT
+from .launch_helpers import base_args
 from .test_train import args, losses, run, setup  # noqa: F401  (setup is the module fixture reused here)
 
 BUCKET, PROFILE = "vlm-bucket", "s3test"
@@ -65,6 +68,17 @@ def test_remote_paths_fail_with_the_fix_named(s3, tmp_path, monkeypatch):
     assert preflight.check_data(f"{s3['url']}/missing") == [
         f"--data-path {s3['url']}/missing is not a prepared energon dataset (no .nv-meta/dataset.yaml there); "
         f"write it with data_prep/make_wds.py --output {s3['url']}/missing"]
+    # the resolved config: checkpoints in the bucket, config and logs on local disk; containers get the profiles
+    cfg = TrainConfig.from_args([*base_args(tmp_path), "--data-path", f"{s3['url']}/data", "--save-dir",
+                                 f"{s3['url']}/runs/", "--name", "r1"])
+    assert cfg.checkpoint_dir == f"{s3['url']}/runs/r1" and cfg.log_dir == str(tmp_path.cwd() / "outputs" / "r1")
+    assert list(cfg.resolution_notes) == [f"--save-dir is remote: checkpoints go to {s3['url']}/runs/r1, config "
+                                          f"and logs to {cfg.log_dir} (set --log-dir to change)"]
+    assert str(s3["config"]) in [m.src for m in mounts(cfg, str(ROOT))]
+    with pytest.raises(ConfigError, match="--log-dir msc://s3test/logs: must be a local path"):
+        TrainConfig.from_args([*base_args(tmp_path), "--save-dir", f"{s3['url']}/runs", "--log-dir",
+                               f"{s3['url']}/logs"])
+
     monkeypatch.setenv("MSC_CONFIG", str(tmp_path / "absent.yaml"))
     with pytest.raises(storage.RemoteStorageError, match=r"MSC_CONFIG=.*absent.yaml does not exist"):
         storage.check_url(f"{s3['url']}/data", "--save-dir")

@@ -152,7 +152,7 @@ def test_dp2_distributed_optimizer_loss_falls_and_logs_and_two_nodes_match(setup
               "--deterministic")
     two_nodes = ("-g", "1", "--node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                  "--interface", "lo")
-    # torchrun sets OMP_NUM_THREADS=1 only when it starts several processes per node: the same for -g 1
+    # on CPU the launcher gives each rank cores/-g threads (1 at -g 2 on this 2-core machine): the same per node
     one_thread = {"OMP_NUM_THREADS": "1"}
     nodes = [launch(args(setup, "dp2nodes", *common, *two_nodes, "--rank", str(r), iters=12), env=one_thread)
              for r in (0, 1)]
