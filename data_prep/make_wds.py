@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_vlm import storage  # noqa: E402
 from megatron_vlm.atomic import OutputExistsError  # noqa: E402
 from megatron_vlm.data.make_wds import TooManyRejectsError, make_wds  # noqa: E402
 from megatron_vlm.data.prepare import interactive_hint  # noqa: E402
@@ -43,7 +44,10 @@ def main(argv=None) -> int:
     p.add_argument("--input", required=True, type=Path, help="input file (.jsonl, .jsonl.gz, .json, .csv)")
     p.add_argument("--image-root", type=Path, default=None,
                    help="directory image paths are relative to (default: the input file's directory)")
-    p.add_argument("--output", required=True, type=Path, help="output dataset directory (must not exist)")
+    p.add_argument("--output", required=True,
+                   help="output dataset directory (must not exist), or an object-store URL msc://PROFILE/PATH "
+                   "(profile from the MSC config named by MSC_CONFIG): the tars are uploaded there and "
+                   "energon prepare runs on the remote copy")
     p.add_argument("--shard-size", type=int, default=1000, help="samples per tar (default 1000)")
     p.add_argument("--split", default="9,1,0", help="train,val,test weights for energon prepare (default 9,1,0)")
     p.add_argument("--workers", type=int, default=1, help="worker processes decoding images (default 1)")
@@ -66,7 +70,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {result.written} samples in {len(result.shards)} shards to {result.output} "
-          f"({result.rejected} of {result.total} records rejected -> {result.output / 'rejected.jsonl'})")
+          f"({result.rejected} of {result.total} records rejected -> {storage.join(result.output, 'rejected.jsonl')})")
     if result.rejected:
         print("rejected: " + ", ".join(f"{k}: {v}" for k, v in result.reasons.items()))
     if args.no_prepare:

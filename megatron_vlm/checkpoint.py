@@ -11,20 +11,22 @@ Layout (Megatron's)::
     <dir>/tokenizer/                              tokenizer + processor files (copied from the HF dir)
 
 An iteration directory is written under a temporary name and renamed when complete; the tracker is
-updated after the rename, so a crash never leaves a checkpoint that looks complete but is not.
+updated after the rename, so a crash never leaves a checkpoint that looks complete but is not. Every function
+here also takes an object-store URL (``msc://PROFILE/...``, see :mod:`megatron_vlm.storage`); how a checkpoint
+is committed there without a rename is described in :mod:`megatron_vlm.training.checkpointing`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from megatron_vlm.atomic import atomic_write_text
+from megatron_vlm import storage
 from megatron_vlm.spec import SPEC_FILE, VLMSpec
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -49,11 +51,11 @@ class CheckpointMeta:
     extra: dict = field(default_factory=dict)
 
     def save(self, iter_dir) -> None:
-        atomic_write_text(Path(iter_dir) / META, json.dumps(asdict(self), indent=2))
+        storage.write_text(storage.join(iter_dir, META), json.dumps(asdict(self), indent=2))
 
     @classmethod
     def load(cls, iter_dir) -> "CheckpointMeta":
-        path = Path(iter_dir) / META
+        path = storage.path(iter_dir) / META
         if not path.is_file():
             raise CheckpointLayoutError(f"{iter_dir} has no {META}; it was not written by megatron-vlm")
         return cls(**json.loads(path.read_text()))
@@ -64,7 +66,7 @@ def iter_dir_name(iteration: int | str) -> str:
 
 
 def read_tracker(ckpt_dir) -> int | str | None:
-    path = Path(ckpt_dir) / TRACKER
+    path = storage.path(ckpt_dir) / TRACKER
     if not path.is_file():
         return None
     text = path.read_text().strip()
@@ -77,12 +79,12 @@ def read_tracker(ckpt_dir) -> int | str | None:
 
 
 def write_tracker(ckpt_dir, iteration: int | str) -> None:
-    atomic_write_text(Path(ckpt_dir) / TRACKER, str(iteration))
+    storage.write_text(storage.join(ckpt_dir, TRACKER), str(iteration))
 
 
 def resolve_iteration_dir(ckpt_dir, iteration: int | str | None = None) -> Path:
-    """The iteration directory to read: ``iteration`` if given, else the tracker's."""
-    ckpt_dir = Path(ckpt_dir)
+    """The iteration directory to read: ``iteration`` if given, else the tracker's (``storage.path`` type)."""
+    ckpt_dir = storage.path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise CheckpointLayoutError(f"--megatron-dir {ckpt_dir} does not exist")
     if (ckpt_dir / META).is_file():  # pointed directly at an iteration directory
@@ -99,45 +101,51 @@ def resolve_iteration_dir(ckpt_dir, iteration: int | str | None = None) -> Path:
     return path
 
 
-def list_iterations(ckpt_dir) -> list[int]:
-    ckpt_dir = Path(ckpt_dir)
+def list_iterations(ckpt_dir, complete: bool = True) -> list[int]:
+    """Iterations with a directory under ``ckpt_dir``: complete ones (holding ``ckpt_meta.json``, which is
+    written last), or with ``complete=False`` those without it (an interrupted save)."""
+    ckpt_dir = storage.path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
     its = []
     for p in ckpt_dir.iterdir():
-        if p.name.startswith("iter_") and p.is_dir() and (p / META).is_file():
-            its.append(int(p.name[5:]))
+        name = p.name or str(p).rstrip("/").rsplit("/", 1)[-1]
+        if re.fullmatch(r"iter_\d+", name) and p.is_dir() and (p / META).is_file() == complete:
+            its.append(int(name[5:]))
     return sorted(its)
 
 
 def write_side_files(iter_dir, spec: VLMSpec, extra: dict[str, torch.Tensor] | None) -> None:
     """The spec and the HF-only tensors, which every iteration directory carries."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     spec.save(iter_dir)
-    save_file({k: v.contiguous() for k, v in (extra or {}).items()}, str(Path(iter_dir) / EXTRA))
+    storage.write_bytes(storage.join(iter_dir, EXTRA), save({k: v.contiguous() for k, v in (extra or {}).items()}))
 
 
 def read_extra(iter_dir) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
-    path = Path(iter_dir) / EXTRA
-    return load_file(str(path)) if path.is_file() else {}
+    path = storage.path(iter_dir) / EXTRA
+    return load(path.read_bytes()) if path.is_file() else {}
 
 
 def copy_side_files(src_iter_dir, dst_iter_dir) -> None:
     for name in (SPEC_FILE, EXTRA):
-        if (Path(src_iter_dir) / name).is_file():
-            shutil.copy2(Path(src_iter_dir) / name, Path(dst_iter_dir) / name)
+        src = storage.path(src_iter_dir) / name
+        if src.is_file():
+            storage.write_bytes(storage.join(dst_iter_dir, name), src.read_bytes())
 
 
 def copy_tokenizer(hf_dir, ckpt_dir) -> None:
-    """Copy tokenizer / processor / chat template files (not weights) into ``<ckpt_dir>/tokenizer``."""
-    dst = Path(ckpt_dir) / TOKENIZER_DIR
-    dst.mkdir(parents=True, exist_ok=True)
+    """Copy tokenizer / processor / chat template files (not weights) from the local ``hf_dir`` into
+    ``<ckpt_dir>/tokenizer`` (a local directory or a URL)."""
+    dst = storage.join(ckpt_dir, TOKENIZER_DIR)
+    if not storage.is_remote(dst):
+        Path(dst).mkdir(parents=True, exist_ok=True)
     for p in Path(hf_dir).iterdir():
         if p.is_file() and not p.name.endswith((".safetensors", ".bin", ".pt")) and p.name != "model.safetensors.index.json":
-            shutil.copy2(p, dst / p.name)
+            storage.copy_file(p, storage.join(dst, p.name))
 
 
 # ---- legacy `torch` format -----------------------------------------------------------------------

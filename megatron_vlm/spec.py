@@ -234,16 +234,19 @@ class VLMSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
-    def save(self, directory) -> Path:
-        from megatron_vlm.atomic import atomic_write_text
+    def save(self, directory):
+        """Write ``<directory>/vlm_spec.json`` (a local directory or an ``msc://`` URL); returns its path."""
+        from megatron_vlm import storage
 
-        path = Path(directory) / SPEC_FILE
-        atomic_write_text(path, self.to_json())
-        return path
+        path = storage.join(directory, SPEC_FILE)
+        storage.write_text(path, self.to_json())
+        return storage.path(path)
 
     @classmethod
     def load(cls, directory) -> "VLMSpec":
-        path = Path(directory) / SPEC_FILE
+        from megatron_vlm import storage
+
+        path = storage.path(directory) / SPEC_FILE
         if not path.is_file():
             raise FileNotFoundError(
                 f"{directory} has no {SPEC_FILE}; it is not a megatron-vlm checkpoint "

@@ -1,5 +1,6 @@
 """Training on megatron-core, on CPU with gloo (2 processes): loss falls at TP=2, PP=2 and DP=2 with the
-distributed optimizer; a kill -9'd run resumes exactly; frozen parameters stay bit-identical; a training
+distributed optimizer (also as two launcher "nodes" on loopback, with the one-node losses); a kill -9'd run
+resumes exactly; frozen parameters stay bit-identical; a training
 checkpoint converts back to HF with HF logits equal to Megatron's."""
 
 import json
@@ -18,6 +19,7 @@ from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.convert.verify import verify_checkpoint
+from megatron_vlm.launch.torchrun import free_port
 
 from .conftest import ROOT
 
@@ -145,9 +147,16 @@ def test_pp2_loss_falls_with_validation(setup):
     assert sorted(val) == [6, 12] and val[12] < val[6]
 
 
-def test_dp2_distributed_optimizer_loss_falls_and_logs(setup):
-    out = run(args(setup, "dp2", "--tp", "1", "--dist-optim", "--stage", "2", "--global-batch-size", "8",
-                   "--save-interval", "100", "--wandb", iters=12), env={"WANDB_MODE": "offline"})
+def test_dp2_distributed_optimizer_loss_falls_and_logs_and_two_nodes_match(setup):
+    common = ("--tp", "1", "--dist-optim", "--stage", "2", "--global-batch-size", "8", "--save-interval", "100",
+              "--deterministic")
+    two_nodes = ("-g", "1", "--node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                 "--interface", "lo")
+    # on CPU the launcher gives each rank cores/-g threads (1 at -g 2 on this 2-core machine): the same per node
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    nodes = [launch(args(setup, "dp2nodes", *common, *two_nodes, "--rank", str(r), iters=12), env=one_thread)
+             for r in (0, 1)]
+    out = run(args(setup, "dp2", *common, "--wandb", iters=12), env={"WANDB_MODE": "offline"})
     assert "dp=2" in out
     run_dir = setup["root"] / "ckpt" / "dp2"
     falls(losses(run_dir))
@@ -158,3 +167,14 @@ def test_dp2_distributed_optimizer_loss_falls_and_logs(setup):
     events.Reload()
     steps = [e.step for e in events.Scalars("train/loss")]
     assert steps == [4, 8, 12] and "perf/tokens_per_s" in events.Tags()["scalars"]
+
+    # the same run as two launcher processes ("nodes" on loopback, one rank each): identical losses, one checkpoint
+    logs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "dp=2" in logs[0]
+    multi = setup["root"] / "ckpt" / "dp2nodes"
+    single = losses(run_dir)
+    assert {i: r["loss"] for i, r in losses(multi).items()} == {i: r["loss"] for i, r in single.items()}
+    assert (multi / "latest_checkpointed_iteration.txt").read_text() == "12"
+    assert sorted(p.name for p in multi.iterdir() if p.name.startswith((".iter", "iter_"))) == ["iter_0000012"]
+    assert (multi / "config.yaml").is_file() and (multi / "config.node1.yaml").is_file()

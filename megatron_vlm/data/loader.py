@@ -3,7 +3,9 @@
 ``build_train_loader`` returns energon's savable loader: each data-parallel rank reads its own disjoint
 slice of the dataset (energon ``WorkerConfig(rank, world_size, num_workers)``), and the position is saved
 and restored with the loader's own ``save_state_rank()`` / ``restore_state_rank()``. ``data_path`` is a
-prepared dataset directory or an energon metadataset YAML (e.g. the blend ``data_prep/stats.py`` writes).
+prepared dataset directory or an energon metadataset YAML (e.g. the blend ``data_prep/stats.py`` writes),
+local or in an object store (``msc://PROFILE/PATH``: energon reads the shards remotely through
+multi-storage-client, nothing is copied to local disk).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import os
 
 from megatron.energon import WorkerConfig, get_loader, get_savable_loader, get_train_dataset, get_val_dataset
+
+from megatron_vlm import storage
 
 
 def worker_config(dp_rank: int, dp_world_size: int, num_workers: int, seed: int = 0) -> WorkerConfig:
@@ -21,6 +25,14 @@ def worker_config(dp_rank: int, dp_world_size: int, num_workers: int, seed: int 
 
 def _check_path(data_path) -> str:
     data_path = str(data_path)
+    if storage.is_remote(data_path):
+        data_path = storage.check_url(data_path, "data path")
+        base = storage.path(data_path)
+        if not base.is_file() and not (base / ".nv-meta" / "dataset.yaml").is_file():
+            raise FileNotFoundError(
+                f"data path {data_path} is not a prepared energon dataset (no .nv-meta/dataset.yaml there); "
+                "write it with data_prep/make_wds.py --output " + data_path)
+        return data_path
     if not os.path.exists(data_path):
         raise FileNotFoundError(f"data path {data_path} does not exist; create it with data_prep/make_wds.py")
     if os.path.isdir(data_path) and not os.path.isdir(os.path.join(data_path, ".nv-meta")):

@@ -13,10 +13,12 @@ import logging
 import multiprocessing
 import os
 import re
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_vlm import storage
 from megatron_vlm.atomic import atomic_dir, atomic_write_text
 from megatron_vlm.data.conversation import FORMATS, Reject
 from megatron_vlm.data.images import process_image, read_ref
@@ -36,7 +38,7 @@ class TooManyRejectsError(RuntimeError):
 
 @dataclass
 class MakeWdsResult:
-    output: Path
+    output: Path | str  # str: an msc:// URL
     total: int
     written: int
     rejected: int
@@ -158,6 +160,12 @@ def make_wds(
     sequence for an interactive ``energon prepare``. Rejected records go to ``output/rejected.jsonl``;
     above ``max_bad_fraction`` nothing is written except ``<output>.rejected.jsonl`` next to it, and
     :class:`TooManyRejectsError` names the reasons.
+
+    ``output`` may be an object-store URL (``msc://PROFILE/PATH``): the tars are built in a local temporary
+    directory (shards are numbered only once every split is known), uploaded, and then ``energon prepare``
+    runs on the remote copy, reading the tar headers there and writing ``.nv-meta`` there; ``make_wds.json``
+    is uploaded last. A dataset whose upload or prepare was interrupted has no ``.nv-meta/dataset.yaml``, and
+    training refuses it. The rejected-records file of a failed remote conversion stays in the current directory.
     """
     from megatron_vlm.data import prepare as prep
 
@@ -172,10 +180,18 @@ def make_wds(
     image_root = Path(image_root) if image_root is not None else input_path.parent
     if not image_root.is_dir():
         raise FileNotFoundError(f"--image-root {image_root} is not a directory")
-    output = Path(output)
+    remote = storage.is_remote(output)
+    if remote:
+        output = storage.check_url(output, "--output")
+        if not overwrite and not storage.is_empty(output):
+            raise OutputExistsError(f"--output {output} already holds objects; remove them or pass --overwrite")
+        staging = tempfile.TemporaryDirectory(prefix="make_wds-")
+        local_out = Path(staging.name) / "data"
+    else:
+        output = local_out = Path(output)
     workers = max(1, int(workers))
 
-    with atomic_dir(output, overwrite=overwrite, what="--output") as tmp:
+    with atomic_dir(local_out, overwrite=overwrite, what="--output") as tmp:
         if prepare:
             writers = [ShardWriter(tmp, shard_size, f".{name}-{{:06d}}.tar") for name in prep.SPLITS]
             assign = SplitAssigner(weights)
@@ -221,7 +237,8 @@ def make_wds(
         if total == 0:
             raise ValueError(f"--input {input_path} holds no records")
         if n_rejected > max_bad_fraction * total or written == 0:
-            kept = output.with_name(output.name + ".rejected.jsonl")
+            name = output.rsplit("/", 1)[-1] if remote else output.name
+            kept = Path(name + ".rejected.jsonl").absolute() if remote else output.with_name(name + ".rejected.jsonl")
             os.replace(tmp / REJECTED_FILE, kept)
             raise TooManyRejectsError(
                 f"{n_rejected} of {total} records rejected ({n_rejected / total:.1%} > --max-bad-fraction "
@@ -231,11 +248,28 @@ def make_wds(
             )
         shards, splits = _number_shards(tmp, writers, prep.SPLITS if prepare else None)
         result = MakeWdsResult(output, total, written, n_rejected, dict(sorted(reasons.items())), shards, splits)
-        if prepare:
-            prep.run_energon_prepare(tmp, fmt, splits, workers=min(workers, len(shards)))
-        atomic_write_text(tmp / SUMMARY_FILE, json.dumps(result.summary(), indent=2) + "\n")
-        _apply_umask(tmp)
+        summary = json.dumps(result.summary(), indent=2) + "\n"
+        if not remote:
+            if prepare:
+                prep.run_energon_prepare(tmp, fmt, splits, workers=min(workers, len(shards)))
+            atomic_write_text(tmp / SUMMARY_FILE, summary)
+            _apply_umask(tmp)
+    if remote:
+        with staging:
+            _publish(local_out, output, summary, fmt if prepare else None, splits, min(workers, len(shards)))
     return result
+
+
+def _publish(local: Path, url: str, summary: str, fmt: str | None, splits, workers: int) -> None:
+    """Upload a staged dataset to ``url``, run energon prepare there (``fmt`` None: not), summary last."""
+    from megatron_vlm.data import prepare as prep
+
+    storage.remove_tree(url)  # what an --overwrite replaces
+    for f in sorted(local.iterdir()):
+        storage.upload_file(f, storage.join(url, f.name))
+    if fmt is not None:
+        prep.run_energon_prepare(url, fmt, splits, workers=workers)
+    storage.write_text(storage.join(url, SUMMARY_FILE), summary)
 
 
 def _number_shards(tmp: Path, writers, split_names) -> tuple[list[tuple[str, int]], dict[str, list[str]]]:

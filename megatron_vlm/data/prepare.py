@@ -66,11 +66,11 @@ def split_patterns(splits: dict[str, list[str]]) -> list[str]:
 def run_energon_prepare(path: Path, fmt: str, splits: dict[str, list[str]], workers: int = 1) -> str:
     """Run ``energon prepare`` non-interactively on ``path`` with the given shards per split.
 
-    Returns energon's console output.
+    ``path`` may be an ``msc://`` URL: energon then reads the tar headers and writes ``.nv-meta`` in the
+    object store itself. Returns energon's console output.
     """
     from megatron.energon.tools.prepare import command
 
-    path = Path(path)
     args = [str(path), "--non-interactive", "--no-progress", "--num-workers", str(max(1, workers))]
     for pattern in split_patterns(splits):
         args += ["--split-parts", pattern]
@@ -89,12 +89,12 @@ def run_energon_prepare(path: Path, fmt: str, splits: dict[str, list[str]], work
 
 
 def write_conversation_dataset_yaml(path: Path) -> None:
+    from megatron_vlm import storage
     from megatron_vlm.data.sample import SAMPLE_LOADER_PY
 
-    meta = Path(path) / ".nv-meta"
-    meta.mkdir(exist_ok=True)
-    (meta / "sample_loader.py").write_text(SAMPLE_LOADER_PY)
-    (meta / "dataset.yaml").write_text(yaml.safe_dump(CONVERSATION_DATASET_YAML, sort_keys=False))
+    meta = storage.join(path, ".nv-meta")
+    storage.write_text(storage.join(meta, "sample_loader.py"), SAMPLE_LOADER_PY)
+    storage.write_text(storage.join(meta, "dataset.yaml"), yaml.safe_dump(CONVERSATION_DATASET_YAML, sort_keys=False))
 
 
 def split_shards(path: Path) -> dict[str, list[str]]:
@@ -108,7 +108,9 @@ def split_metas(path: Path) -> dict:
     from megatron.energon.flavors.webdataset.empty_dataset_error import EmptyDatasetError
     from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
 
-    names = (yaml.safe_load((Path(path) / ".nv-meta" / "split.yaml").read_text()) or {}).get("split_parts", {})
+    from megatron_vlm import storage
+
+    names = (yaml.safe_load((storage.path(path) / ".nv-meta" / "split.yaml").read_text()) or {}).get("split_parts", {})
     out = {}
     for name in names:
         try:
@@ -120,7 +122,8 @@ def split_metas(path: Path) -> dict:
 
 def interactive_hint(path: Path, fmt: str, split) -> str:
     split = ",".join(f"{v:g}" for v in parse_split(split))
-    head = (f"Prepare it with energon: cd {path} && energon prepare ./\n"
+    how = f"energon prepare {path}" if "://" in str(path) else f"cd {path} && energon prepare ./"
+    head = (f"Prepare it with energon: {how}\n"
             f"  split: {split} (energon splits whole shards: use a --shard-size that gives enough shards)\n")
     if fmt == "vqa":
         return head + (

@@ -21,7 +21,8 @@ from megatron_vlm.training.config import ConfigError, TrainConfig
 
 
 # Host variables handed to a Docker container by name (docker reads the values; they never appear in argv).
-DOCKER_PASS_ENV_PREFIXES = ("NCCL_", "GLOO_", "WANDB_", "HF_", "TORCH_", "CUDA_", "OMP_", "SLURM_")
+# passed by name only (docker run -e KEY), so values such as AWS_SECRET_ACCESS_KEY never appear in a command line
+DOCKER_PASS_ENV_PREFIXES = ("NCCL_", "GLOO_", "WANDB_", "HF_", "TORCH_", "CUDA_", "OMP_", "SLURM_", "MSC_", "AWS_")
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,15 @@ def parse_bind(text: str) -> Mount:
 
 def mounts(cfg: TrainConfig, repo_root: str) -> list[Mount]:
     """The run's directories (same path inside) plus ``--bind`` extras; nested same-path mounts dropped."""
-    paths = [repo_root, str(cfg.run_dir), cfg.tensorboard_dir, cfg.megatron_load_dir, cfg.tokenizer_load_dir]
+    paths = [repo_root, str(cfg.run_dir), cfg.tensorboard_dir, cfg.tokenizer_load_dir]
+    if cfg.megatron_load_dir and "://" not in cfg.megatron_load_dir:
+        paths.append(cfg.megatron_load_dir)
     if cfg.data_path and "://" not in cfg.data_path:
         data = Path(cfg.data_path)
         paths.append(str(data if data.is_dir() else data.parent))  # a metadataset .yaml: mount its folder
+    remote = [p for p in (cfg.data_path, cfg.save_dir, cfg.megatron_load_dir) if p and "://" in p]
+    if remote and os.environ.get("MSC_CONFIG"):  # the object-store profiles, at the same path inside
+        paths.append(str(Path(os.environ["MSC_CONFIG"]).absolute()))
     same = sorted({str(Path(p)) for p in paths if p})
     kept: list[str] = []
     for p in same:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from megatron_vlm import storage
 from megatron_vlm.spec import SPEC_FILE, ParallelismError, VLMSpec
 from megatron_vlm.training.config import TrainConfig
 
@@ -21,8 +22,21 @@ FP8_MIN_CAPABILITY = (8, 9)
 
 def check_data(data_path: str) -> list[str]:
     """An energon dataset directory with ``.nv-meta/dataset.yaml``, or a metadataset ``.yaml`` file."""
-    if "://" in data_path:
-        return []  # remote (msc://, s3://): energon checks it when it opens it
+    if storage.is_remote(data_path):
+        try:
+            url = storage.check_url(data_path, "--data-path")
+            base = storage.path(url)
+            if url.endswith((".yaml", ".yml")) and base.is_file():
+                return []
+            if not (base / ENERGON_META).is_file():
+                return [f"--data-path {url} is not a prepared energon dataset (no {ENERGON_META} there); write it "
+                        f"with data_prep/make_wds.py --output {url}"]
+        except storage.RemoteStorageError as e:
+            return [str(e)]
+        except Exception as e:  # unreachable endpoint, denied access, ...
+            return [f"--data-path {data_path}: cannot read it ({type(e).__name__}: {e}); check the MSC profile's "
+                    "endpoint and credentials"]
+        return []
     p = Path(data_path)
     if not p.exists():
         return [f"--data-path {p}: no such file or directory"]
@@ -45,13 +59,18 @@ def check_data(data_path: str) -> list[str]:
     return []
 
 
-def read_tracker(ckpt_dir: Path) -> str:
+def read_tracker(ckpt_dir) -> str:
     """The iteration a Megatron checkpoint directory points at: an integer string or ``release``."""
     return (ckpt_dir / TRACKER_FILE).read_text().strip()
 
 
 def check_checkpoint(ckpt_dir: str) -> list[str]:
-    d = Path(ckpt_dir)
+    if storage.is_remote(ckpt_dir):
+        try:
+            ckpt_dir = storage.check_url(ckpt_dir, "--megatron-load-dir")
+        except storage.RemoteStorageError as e:
+            return [str(e)]
+    d = storage.path(ckpt_dir)
     if not d.is_dir():
         return [f"--megatron-load-dir {d}: no such directory"]
     problems = []
@@ -77,8 +96,8 @@ def check_checkpoint(ckpt_dir: str) -> list[str]:
 
 def load_spec(cfg: TrainConfig) -> tuple[VLMSpec | None, str]:
     """The architecture the run will build, and where it came from ('' when unknown)."""
-    if cfg.megatron_load_dir and (Path(cfg.megatron_load_dir) / SPEC_FILE).is_file():
-        return VLMSpec.load(cfg.megatron_load_dir), str(Path(cfg.megatron_load_dir) / SPEC_FILE)
+    if cfg.megatron_load_dir and (storage.path(cfg.megatron_load_dir) / SPEC_FILE).is_file():
+        return VLMSpec.load(cfg.megatron_load_dir), storage.join(cfg.megatron_load_dir, SPEC_FILE)
     if cfg.init and cfg.tokenizer_load_dir and (Path(cfg.tokenizer_load_dir) / "config.json").is_file():
         try:
             return VLMSpec.from_hf_dir(cfg.tokenizer_load_dir), str(Path(cfg.tokenizer_load_dir) / "config.json")
@@ -126,7 +145,8 @@ def check_request(cfg: TrainConfig) -> list[str]:
                             "LLaVA directory written by convert/build_llava.py")
     if cfg.megatron_load_dir and not cfg.init:
         problems += check_checkpoint(cfg.megatron_load_dir)
-    elif cfg.megatron_load_dir and not Path(cfg.megatron_load_dir).is_dir():
+    elif cfg.megatron_load_dir and not storage.is_remote(cfg.megatron_load_dir) and \
+            not Path(cfg.megatron_load_dir).is_dir():
         problems.append(f"--megatron-load-dir {cfg.megatron_load_dir}: no such directory")
     if cfg.sif_path and not Path(cfg.sif_path).is_file():
         problems.append(f"--sif-path {cfg.sif_path}: no such image file")
@@ -134,6 +154,11 @@ def check_request(cfg: TrainConfig) -> list[str]:
         src = Path(b.split(":")[0]).expanduser()
         if not src.exists():
             problems.append(f"--bind {b}: {src} does not exist")
+    if storage.is_remote(cfg.save_dir):
+        try:
+            storage.check_url(cfg.save_dir, "--save-dir")
+        except storage.RemoteStorageError as e:
+            problems.append(str(e))
     run = cfg.run_dir
     if run.exists() and not run.is_dir():
         problems.append(f"--save-dir/--name: {run} exists and is not a directory")

@@ -1,9 +1,22 @@
 """Training checkpoints: model, optimizer, scheduler, RNG and data position, via megatron dist_checkpointing.
 
 Layout and side files follow :mod:`megatron_vlm.checkpoint` (so ``convert/megatron_to_hf.py`` reads any
-iteration). A save is collective: every rank writes into ``.iter_XXXXXXX.tmp``; rank 0 then adds the spec,
-the HF-only tensors and the metadata, renames the directory, updates the tracker last and prunes old
-iterations beyond ``save_total_limit``.
+iteration). A save is collective: every rank writes its shards with dist_checkpointing, then rank 0 adds the
+spec, the HF-only tensors and the metadata, updates the tracker last and prunes old iterations beyond
+``save_total_limit``.
+
+How a save becomes visible (a crash at any point leaves the previous checkpoint the one that is resumed):
+
+- local directory: everything goes into ``.iter_XXXXXXX.tmp``, which is renamed to ``iter_XXXXXXX`` when
+  complete; the tracker is then replaced atomically (temporary file + rename).
+- object store (``--save-dir msc://PROFILE/...``): there is no rename, so the shards are written straight
+  into ``iter_XXXXXXX/`` (emptied first if an interrupted save left objects there). ``ckpt_meta.json`` is
+  the last object of an iteration directory, so a directory without it is known to be incomplete; the
+  tracker ``latest_checkpointed_iteration.txt`` is written after it, as one object PUT, which readers see
+  whole or not at all. That PUT is the commit point: resume follows only the tracker, so a save interrupted
+  before it is never read. Incomplete iteration directories (no ``ckpt_meta.json``) are deleted by rank 0
+  after the next successful commit, as are iterations beyond ``save_total_limit`` (the tracker already
+  points at the new one when old ones are deleted).
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ from pathlib import Path
 import torch
 
 from megatron_vlm import checkpoint as ckpt
+from megatron_vlm import storage
 from megatron_vlm.spec import VLMSpec
 
 log = logging.getLogger(__name__)
@@ -84,39 +98,45 @@ def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim
 
 
 def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spec: VLMSpec, meta: ckpt.CheckpointMeta,
-         side_src: Path | None, with_optim: bool, total_limit: int | None, config_yaml: str | None = None) -> Path:
+         side_src: Path | None, with_optim: bool, total_limit: int | None, config_yaml: str | None = None) -> str:
+    """Save iteration ``iteration`` under ``run_dir`` (a local directory or an ``msc://`` URL); returns its path."""
     from megatron.core import dist_checkpointing
 
-    run_dir = Path(run_dir)
-    final = run_dir / ckpt.iter_dir_name(iteration)
-    tmp = run_dir / f".{final.name}.tmp"
+    remote = storage.is_remote(run_dir)
+    final = storage.join(run_dir, ckpt.iter_dir_name(iteration))
+    # local: write under a temporary name and rename; remote: write in place, commit with the tracker
+    target = final if remote else storage.join(run_dir, f".{ckpt.iter_dir_name(iteration)}.tmp")
     rank0 = torch.distributed.get_rank() == 0
     if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        storage.remove_tree(target)
+        if not remote:
+            Path(target).mkdir(parents=True)
     torch.distributed.barrier()
     sd = _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim, loading=False)
-    dist_checkpointing.save(sd, str(tmp))
+    dist_checkpointing.save(sd, target)
     torch.distributed.barrier()
     if rank0:
-        if side_src is not None and (Path(side_src) / ckpt.EXTRA).is_file():
-            ckpt.copy_side_files(side_src, tmp)
+        if side_src is not None and (storage.path(side_src) / ckpt.EXTRA).is_file():
+            ckpt.copy_side_files(side_src, target)
         else:
-            ckpt.write_side_files(tmp, spec, {})
-        spec.save(tmp)
+            ckpt.write_side_files(target, spec, {})
+        spec.save(target)
+        if config_yaml:
+            storage.write_text(storage.join(target, "config.yaml"), config_yaml)
         meta.iteration = iteration
         meta.extra["optimizer"] = with_optim
-        meta.save(tmp)
-        if config_yaml:
-            (tmp / "config.yaml").write_text(config_yaml)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        meta.save(target)  # last object of the iteration directory: marks it complete
+        if not remote:
+            if Path(final).exists():
+                shutil.rmtree(final)
+            Path(target).rename(final)
         spec.save(run_dir)  # like a converted checkpoint: the run directory itself says what it holds
-        ckpt.write_tracker(run_dir, iteration)
-        if total_limit:
-            for old in ckpt.list_iterations(run_dir)[:-total_limit]:
-                shutil.rmtree(run_dir / ckpt.iter_dir_name(old), ignore_errors=True)
+        ckpt.write_tracker(run_dir, iteration)  # the commit point
+        old = ckpt.list_iterations(run_dir)[:-total_limit] if total_limit else []
+        if remote:
+            old += ckpt.list_iterations(run_dir, complete=False)
+        for it in old:
+            storage.remove_tree(storage.join(run_dir, ckpt.iter_dir_name(it)))
         log.info("saved checkpoint %s", final)
     torch.distributed.barrier()
     return final
@@ -127,7 +147,7 @@ def load(iter_dir, model, optimizer, scheduler, with_optim: bool) -> dict:
     from megatron.core import dist_checkpointing
 
     sd = _state_dict(model, optimizer, scheduler, 0, None, with_optim, loading=True)
-    loaded = dist_checkpointing.load(sd, str(iter_dir))
+    loaded = dist_checkpointing.load(sd, str(iter_dir))  # a local path or an msc:// URL
     _unwrap(model).load_state_dict({k[len("model."):]: v for k, v in loaded["model"].items()}, strict=True)
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])

@@ -9,8 +9,10 @@
   precision), makes paths absolute and validates; errors name the input and the fix.
 - ``cfg.to_yaml()`` / ``TrainConfig.from_yaml(path)`` write and read the resolved config. The launcher writes it
   to ``cfg.config_path`` (``<save_dir>/<name>/config.yaml``; node r > 0 of a multi-node run:
-  ``config.node<r>.yaml``) and starts the trainer with ``--config`` pointing there. ``cfg.run_dir``
-  (``<save_dir>/<name>``) is where the trainer saves checkpoints.
+  ``config.node<r>.yaml``) and starts the trainer with ``--config`` pointing there. ``cfg.checkpoint_dir``
+  (``<save_dir>/<name>``, a local directory or an ``msc://`` URL) is where the trainer saves checkpoints;
+  ``cfg.run_dir`` is the local directory of config, metrics and logs (the same directory unless ``--log-dir``
+  is given, which a remote ``--save-dir`` defaults to ``outputs/<name>``).
 
 Relative paths, on the command line or in a YAML file, are relative to the current directory; the resolved
 config holds absolute paths only.
@@ -189,7 +191,13 @@ class TrainConfig:
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     save_dir: str = _f(("--save-dir",), "Parent directory of runs; checkpoints, config.yaml and "
-                       "tensorboard logs go to <save-dir>/<name>/.", "path", "outputs", "ckpt", metavar="DIR")
+                       "tensorboard logs go to <save-dir>/<name>/. An object-store URL msc://PROFILE/PATH "
+                       "(profile from the MSC config named by MSC_CONFIG) keeps the checkpoints there and the "
+                       "logs in --log-dir.", "path", "outputs", "ckpt", metavar="DIR")
+    log_dir: str | None = _f(("--log-dir",), "Local directory for this run's config.yaml, metrics.jsonl, "
+                             "TensorBoard and W&B files. Default: <save-dir>/<name>; with a remote --save-dir "
+                             "(msc://...): outputs/<name> in the current directory.", "path", None, "ckpt",
+                             metavar="DIR")
     name: str | None = _f(("--name",), "Run name (a directory under --save-dir). Default: "
                           "llava-stage<stage>.", "str", None, "ckpt")
     save: bool = _f(("--save",), "Save checkpoints.", "bool", True, "ckpt")
@@ -260,9 +268,19 @@ class TrainConfig:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     @property
+    def run_name(self) -> str:
+        return self.name or f"llava-stage{self.stage}"
+
+    @property
     def run_dir(self) -> Path:
-        """Where checkpoints, config.yaml and logs of this run live: ``<save_dir>/<name>``."""
-        return Path(self.save_dir) / (self.name or f"llava-stage{self.stage}")
+        """Local directory of this run's config.yaml, metrics and logs: ``--log-dir``, else ``<save_dir>/<name>``."""
+        return Path(self.log_dir) if self.log_dir else Path(self.save_dir) / self.run_name
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where the trainer saves and resumes checkpoints: ``<save_dir>/<name>`` (a path or an msc:// URL)."""
+        return str(self.save_dir).rstrip("/") + "/" + self.run_name if "://" in str(self.save_dir) else \
+            str(Path(self.save_dir) / self.run_name)
 
     @property
     def config_path(self) -> Path:
@@ -323,6 +341,8 @@ class TrainConfig:
 
         body = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
         derived = dict(world_size=self.world_size, run_dir=str(self.run_dir))
+        if self.checkpoint_dir != str(self.run_dir):
+            derived["checkpoint_dir"] = self.checkpoint_dir
         if self.micro_batch_size and self.global_batch_size and self.world_size % (self.tp * self.pp) == 0:
             derived.update(data_parallel=self.dp, grad_accum=self.grad_accum)
         header = "# megatron-vlm training config (read with TrainConfig.from_yaml; 'derived' is informative)\n"
@@ -373,6 +393,10 @@ class TrainConfig:
         for f in dataclasses.fields(cfg):
             if f.metadata["kind"] == "path" and getattr(cfg, f.name):
                 setattr(cfg, f.name, absolute_path(getattr(cfg, f.name)))
+        if cfg.log_dir is None and "://" in cfg.save_dir:
+            cfg.log_dir = absolute_path(str(Path("outputs") / cfg.name))
+            notes.append(f"--save-dir is remote: checkpoints go to {cfg.checkpoint_dir}, config and logs to "
+                         f"{cfg.log_dir} (set --log-dir to change)")
         if cfg.tensorboard_dir is None:
             cfg.tensorboard_dir = str(cfg.run_dir / "tensorboard")
 
@@ -493,6 +517,11 @@ def _check_consistency(cfg: TrainConfig) -> list[str]:
     if not cfg.megatron_load_dir and not cfg.init:
         p.append("--megatron-load-dir is required (a checkpoint from convert/hf_to_megatron.py), "
                  "or pass --init to start from random weights")
+    for name in ("log_dir", "tensorboard_dir", "tokenizer_load_dir", "sbatch", "sif_path"):
+        v = getattr(cfg, name)
+        if v and "://" in v:
+            p.append(f"{_flag(name)} {v}: must be a local path (only --data-path, --save-dir and "
+                     "--megatron-load-dir may be msc:// URLs)")
     if cfg.sif_path and cfg.docker_image:
         p.append("--sif-path and --docker-image both given; choose one container runtime")
     if cfg.bind and not cfg.container:

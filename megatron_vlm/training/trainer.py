@@ -11,11 +11,11 @@ import logging
 import signal
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
 from megatron_vlm import checkpoint as ckpt
+from megatron_vlm import storage
 from megatron_vlm.spec import VLMSpec
 from megatron_vlm.training import checkpointing
 from megatron_vlm.training.metrics import MetricsLogger
@@ -44,7 +44,7 @@ class _StopFlag:
 
 def _source(cfg):
     """(spec, iteration dir to load model weights from or None, side-file dir, resume?)."""
-    run_dir = Path(cfg.run_dir)
+    run_dir = cfg.checkpoint_dir
     if ckpt.read_tracker(run_dir) is not None:
         it_dir = ckpt.resolve_iteration_dir(run_dir)
         return VLMSpec.load(it_dir), it_dir, it_dir, True
@@ -183,8 +183,8 @@ def train(cfg) -> dict:
             log.info("resumed from %s at iteration %d (optimizer %s, data position restored)", load_dir, iteration,
                      "restored" if with_optim else "fresh")
     data = iter(loader)
-    if rt.rank == 0 and not (Path(cfg.run_dir) / ckpt.TOKENIZER_DIR).is_dir():
-        ckpt.copy_tokenizer(cfg.tokenizer_load_dir, cfg.run_dir)  # so every checkpoint exports on its own
+    if rt.rank == 0 and not (storage.path(cfg.checkpoint_dir) / ckpt.TOKENIZER_DIR).is_dir():
+        ckpt.copy_tokenizer(cfg.tokenizer_load_dir, cfg.checkpoint_dir)  # so every checkpoint exports on its own
     meta_out = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers),
                                    dtype=str(dtype).replace("torch.", ""))
     is_logger = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
@@ -236,7 +236,7 @@ def train(cfg) -> dict:
         stopping = stop.agreed(rt.device)
         due = cfg.save and (iteration % cfg.save_interval == 0 or iteration == cfg.train_iters or stopping)
         if due:
-            checkpointing.save(cfg.run_dir, iteration, ddp, optimizer, scheduler, loader.save_state_rank(), **save_kw)
+            checkpointing.save(cfg.checkpoint_dir, iteration, ddp, optimizer, scheduler, loader.save_state_rank(), **save_kw)
             last_saved = iteration
         if stopping:
             if rt.rank == 0:
