@@ -24,5 +24,11 @@ test: venv
 demo: venv
 	$(PY) demo/run_demo.py $(DEMO_ARGS)
 
+# The benchmarks behind the README's performance section (each prints ratios measured in one run; ~15 min).
+bench: venv
+	$(PY) bench/convert.py
+	$(PY) bench/data_prep.py
+	$(PY) bench/train.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,4 +1,9 @@
-"""Training metrics: throughput, ETA, console lines, TensorBoard events and (optionally) Weights & Biases."""
+"""Training metrics: throughput, ETA, console lines, TensorBoard events and (optionally) Weights & Biases.
+
+``<run_dir>/metrics.jsonl`` gets one record per iteration (loss, lr, grad norm, samples and tokens of the global
+batch, wall-clock ``time`` when the iteration ended) and one per evaluation (``val_loss``); benchmarks and the
+demo read their curves and throughput from it.
+"""
 
 from __future__ import annotations
 
@@ -50,7 +55,8 @@ class MetricsLogger:
         with open(self.history_path, "a") as f:
             f.write(json.dumps({"iteration": iteration, "loss": loss, "lr": lr,
                                 "grad_norm": None if grad_norm is None else float(grad_norm),
-                                "skipped": skipped}) + "\n")
+                                "skipped": skipped, "samples": samples, "tokens": tokens,
+                                "time": time.time()}) + "\n")
         if iteration % self.cfg.log_interval and iteration != self.total:
             return
         now = time.time()
