@@ -1,10 +1,12 @@
 """Training on megatron-core, on CPU with gloo (2 processes): loss falls at TP=2, PP=2 and DP=2 with the
-distributed optimizer (also as two launcher "nodes" on loopback, with the one-node losses); a kill -9'd run
+distributed optimizer (also as two launcher "nodes" on loopback, and as a job on a real two-node SLURM cluster,
+both with the one-node losses); a kill -9'd run
 resumes exactly; frozen parameters stay bit-identical; a training
 checkpoint converts back to HF with HF logits equal to Megatron's."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from megatron_vlm.convert.verify import verify_checkpoint
 from megatron_vlm.launch.torchrun import free_port
 
 from .conftest import ROOT
+from .slurm_cluster import start_cluster, stop
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (230, 210, 40)}
 
@@ -147,18 +150,22 @@ def test_pp2_loss_falls_with_validation(setup):
     assert sorted(val) == [6, 12] and val[12] < val[6]
 
 
-def test_dp2_distributed_optimizer_loss_falls_and_logs_and_two_nodes_match(setup):
-    common = ("--tp", "1", "--dist-optim", "--stage", "2", "--global-batch-size", "8", "--save-interval", "100",
-              "--deterministic")
-    two_nodes = ("-g", "1", "--node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                 "--interface", "lo")
-    # on CPU the launcher gives each rank cores/-g threads (1 at -g 2 on this 2-core machine): the same per node
-    one_thread = {"OMP_NUM_THREADS": "1"}
-    nodes = [launch(args(setup, "dp2nodes", *common, *two_nodes, "--rank", str(r), iters=12), env=one_thread)
-             for r in (0, 1)]
-    out = run(args(setup, "dp2", *common, "--wandb", iters=12), env={"WANDB_MODE": "offline"})
+DP2 = ("--tp", "1", "--dist-optim", "--stage", "2", "--global-batch-size", "8", "--save-interval", "100",
+       "--deterministic")
+# on CPU the launcher gives each rank cores/-g threads (1 at -g 2 on this 2-core machine): the same per node
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def dp2_reference(setup):
+    """The one-node DP=2 run (two processes, distributed optimizer, W&B offline) that multi-node runs repeat."""
+    out = run(args(setup, "dp2", *DP2, "--wandb", iters=12), env={"WANDB_MODE": "offline"})
+    return out, setup["root"] / "ckpt" / "dp2"
+
+
+def test_dp2_distributed_optimizer_loss_falls_and_logs_and_two_nodes_match(setup, dp2_reference):
+    out, run_dir = dp2_reference
     assert "dp=2" in out
-    run_dir = setup["root"] / "ckpt" / "dp2"
     falls(losses(run_dir))
     assert list((run_dir / "wandb").glob("offline-run-*")), "no offline Weights & Biases run"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -169,12 +176,42 @@ def test_dp2_distributed_optimizer_loss_falls_and_logs_and_two_nodes_match(setup
     assert steps == [4, 8, 12] and "perf/tokens_per_s" in events.Tags()["scalars"]
 
     # the same run as two launcher processes ("nodes" on loopback, one rank each): identical losses, one checkpoint
+    two_nodes = ("-g", "1", "--node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                 "--interface", "lo")
+    nodes = [launch(args(setup, "dp2nodes", *DP2, *two_nodes, "--rank", str(r), iters=12), env=ONE_THREAD)
+             for r in (0, 1)]
     logs = [p.communicate(timeout=600)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert "dp=2" in logs[0]
     multi = setup["root"] / "ckpt" / "dp2nodes"
-    single = losses(run_dir)
-    assert {i: r["loss"] for i, r in losses(multi).items()} == {i: r["loss"] for i, r in single.items()}
-    assert (multi / "latest_checkpointed_iteration.txt").read_text() == "12"
-    assert sorted(p.name for p in multi.iterdir() if p.name.startswith((".iter", "iter_"))) == ["iter_0000012"]
+    same_run(multi, run_dir)
     assert (multi / "config.yaml").is_file() and (multi / "config.node1.yaml").is_file()
+
+
+def same_run(run_dir, reference) -> None:
+    """Identical per-iteration losses, and one checkpoint at the last iteration."""
+    assert {i: r["loss"] for i, r in losses(run_dir).items()} == {i: r["loss"] for i, r in losses(reference).items()}
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text() == "12"
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith((".iter", "iter_"))) == ["iter_0000012"]
+
+
+def test_sbatch_job_on_a_real_slurm_cluster(setup, dp2_reference, tmp_path):
+    """train/run.py --sbatch ... --submit on a real SLURM (two slurmd "nodes" on loopback, see slurm_cluster.py):
+    the job's launchers take node count, rank and node 0's address from SLURM and repeat the one-node run."""
+    cluster, daemons = start_cluster(tmp_path / "slurm")
+    try:
+        n = len(cluster.nodes)
+        out = run(args(setup, "slurm", *DP2, "-g", str(2 // n), "--sbatch", str(tmp_path / "job.sh"), "--nodes",
+                       str(n), "--interface", "lo", "--submit", iters=12), env={**cluster.env, **ONE_THREAD})
+        job_id = re.search(r"Submitted batch job (\d+)", out).group(1)
+        cluster.wait_job(job_id, timeout=600)
+    finally:
+        stop(daemons)
+    run_dir = setup["root"] / "ckpt" / "slurm"
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert f"SLURM job {job_id}: " in log and "dp=2" in log, log[-4000:] + cluster.logs()
+    same_run(run_dir, dp2_reference[1])
+    if n == 2:
+        m = re.search(r"SLURM job \d+: node_rank=1, master_addr=([^,\s]+)", log)
+        assert m and m.group(1) in cluster.nodes, log[-4000:]
+        assert (run_dir / "config.node1.yaml").is_file()
