@@ -8,7 +8,8 @@ to the image's positions as the HF processor does), freeze the same parts (``--s
 same learning-rate schedule, gradient clipping and gradient accumulation, and run with the same number of
 torch threads. Measured per side, each in a fresh process:
 
-- steady-state tokens/s (image tokens included) over the iterations after ``--warmup``;
+- steady-state tokens/s (image tokens included) and model TFLOP/s (the trainer's FLOP count, the same for both
+  sides) over the iterations after ``--warmup``;
 - time to first iteration: from starting the command to the end of the first optimizer step
   (ours: ``train/run.py`` -> torchrun -> ``train/pretrain_vlm.py``; HF: python start, imports, model load);
 - the loss of every iteration: the two curves must agree (same model, data and optimizer), which shows that
@@ -87,7 +88,7 @@ def run_ours(a, work: Path, hf: Path, data: Path, meg: Path, tp: int) -> dict:
                    stderr=subprocess.DEVNULL if not a.verbose else None)
     rows = [json.loads(x) for x in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
-    return summarize(rows, t0, a.warmup)
+    return summarize(rows, t0, a.warmup, step_flops(a, hf))
 
 
 # ---- the reference: a plain PyTorch loop on the HF model ---------------------------------------------
@@ -161,7 +162,8 @@ def hf_worker(a) -> None:
         opt.step()
         sched.step()
         out.write(json.dumps({"iteration": it, "loss": loss_sum / n_loss, "samples": a.gbs,
-                              "tokens": sum(b["num_tokens"] for b in batches), "time": time.time()}) + "\n")
+                              "tokens": sum(b["num_tokens"] for b in batches),
+                              "images": sum(b["pixel_values"].shape[0] for b in batches), "time": time.time()}) + "\n")
         out.flush()
     out.close()
     os._exit(0)  # energon's loader workers take seconds to shut down; nothing is left to flush
@@ -176,17 +178,27 @@ def run_hf(a, work: Path, hf: Path, data: Path) -> dict:
     subprocess.run(cmd, check=True, cwd=ROOT, env=dict(thread_env(a.threads), BENCH_T0=str(t0)),
                    stderr=None if a.verbose else subprocess.DEVNULL)
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    return summarize(rows, t0, a.warmup)
+    return summarize(rows, t0, a.warmup, step_flops(a, hf))
 
 
 # ---- numbers ---------------------------------------------------------------------------------------------
-def summarize(rows: list[dict], t0: float, warmup: int) -> dict:
-    """tokens/s and samples/s over iterations after ``warmup`` (timed from the end of iteration ``warmup``)."""
+def step_flops(a, hf: Path):
+    """Model FLOPs of an iteration (the trainer's own count, ``megatron_vlm.training.flops``), for both sides."""
+    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.training.flops import StepFlops
+
+    return StepFlops(VLMSpec.from_hf_dir(hf), train_vit=False, train_projector=True, train_lm=a.stage == 2)
+
+
+def summarize(rows: list[dict], t0: float, warmup: int, flops) -> dict:
+    """tokens/s, samples/s and model TFLOP/s over iterations after ``warmup`` (timed from the end of iteration
+    ``warmup``)."""
     if len(rows) <= warmup:
         raise SystemExit(f"only {len(rows)} iterations recorded; need more than --warmup {warmup}")
     steady = rows[warmup:]
     dt = steady[-1]["time"] - rows[warmup - 1]["time"] if warmup else steady[-1]["time"] - t0
     return {
+        "tflops": sum(flops(r["samples"], r["tokens"], r["images"]) for r in steady) / dt / 1e12,
         "tokens_per_s": sum(r["tokens"] for r in steady) / dt,
         "samples_per_s": sum(r["samples"] for r in steady) / dt,
         "s_per_iter": dt / len(steady),
@@ -258,10 +270,11 @@ def main(argv=None) -> int:
         ref = results["HF transformers, plain PyTorch loop"]
         print(f"\n{a.iters} iterations per side, tokens/s over the last {a.iters - a.warmup} "
               f"(~{ref['tokens_per_iter']:.0f} tokens per iteration, image tokens included)")
-        print(f"{'':48s} {'tokens/s':>9s} {'samples/s':>9s} {'s/iter':>7s} {'x HF':>6s} {'first iter':>10s}")
+        print(f"{'':48s} {'tokens/s':>9s} {'samples/s':>9s} {'s/iter':>7s} {'TFLOP/s':>8s} {'x HF':>6s} "
+              f"{'first iter':>10s}")
         for name, r in results.items():
             print(f"{name:48s} {r['tokens_per_s']:9.0f} {r['samples_per_s']:9.2f} {r['s_per_iter']:7.2f} "
-                  f"{r['tokens_per_s'] / ref['tokens_per_s']:6.2f} {r['first_iter_s']:9.1f}s")
+                  f"{r['tflops']:8.3f} {r['tokens_per_s'] / ref['tokens_per_s']:6.2f} {r['first_iter_s']:9.1f}s")
         ours = results["megatron-vlm train/run.py, TP=1"]
         diff = max(abs(x - y) for x, y in zip(ours["losses"], ref["losses"]))
         print(f"\nratio ours/HF at TP=1: {ours['tokens_per_s'] / ref['tokens_per_s']:.2f} (target >= 0.8)")

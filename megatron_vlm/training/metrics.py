@@ -1,7 +1,7 @@
 """Training metrics: throughput, ETA, console lines, TensorBoard events and (optionally) Weights & Biases.
 
-``<run_dir>/metrics.jsonl`` gets one record per iteration (loss, lr, grad norm, samples and tokens of the global
-batch, wall-clock ``time`` when the iteration ended) and one per evaluation (``val_loss``); benchmarks and the
+``<run_dir>/metrics.jsonl`` gets one record per iteration (loss, lr, grad norm, samples, tokens, images and model
+FLOPs of the global batch, wall-clock ``time`` when the iteration ended) and one per evaluation (``val_loss``); benchmarks and the
 demo read their curves and throughput from it.
 """
 
@@ -18,14 +18,20 @@ log = logging.getLogger("megatron_vlm.train")
 class MetricsLogger:
     """Collects per-iteration numbers on the logging rank and writes them every ``log_interval``."""
 
-    def __init__(self, cfg, total_iters: int, enabled: bool, start_iter: int = 0):
+    def __init__(self, cfg, total_iters: int, enabled: bool, start_iter: int = 0, flops=None, world_size: int = 1,
+                 peak_flops: float | None = None):
+        """``flops``: a :class:`~megatron_vlm.training.flops.StepFlops` (model FLOPs of an iteration); TFLOP/s are
+        per process (``world_size`` processes), MFU against ``peak_flops`` per process where it is known."""
         self.cfg = cfg
+        self.flops = flops
+        self.world_size = world_size
+        self.peak_flops = peak_flops
         self.total = total_iters
         self.enabled = enabled
         self.start_iter = start_iter
         self.t_start = time.time()
         self.t_last = time.time()
-        self.window = {"loss_sum": 0.0, "tokens_loss": 0.0, "samples": 0, "tokens": 0, "iters": 0}
+        self.window = {"loss_sum": 0.0, "tokens_loss": 0.0, "samples": 0, "tokens": 0, "flops": 0.0, "iters": 0}
         self.tb = None
         self.wandb = None
         self.history_path = Path(cfg.run_dir) / "metrics.jsonl" if enabled else None
@@ -41,11 +47,13 @@ class MetricsLogger:
             self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.name, dir=str(cfg.run_dir),
                                     config=cfg.to_dict(), resume="allow")
 
-    def step(self, iteration: int, loss_sum: float, loss_tokens: float, samples: int, tokens: int, lr: float,
-             grad_norm, skipped: bool = False) -> None:
+    def step(self, iteration: int, loss_sum: float, loss_tokens: float, samples: int, tokens: int, images: int,
+             lr: float, grad_norm, skipped: bool = False) -> None:
         if not self.enabled:
             return
+        flops = self.flops(samples, tokens, images) if self.flops is not None and samples else 0.0
         w = self.window
+        w["flops"] += flops
         w["loss_sum"] += loss_sum
         w["tokens_loss"] += loss_tokens
         w["samples"] += samples
@@ -55,20 +63,26 @@ class MetricsLogger:
         with open(self.history_path, "a") as f:
             f.write(json.dumps({"iteration": iteration, "loss": loss, "lr": lr,
                                 "grad_norm": None if grad_norm is None else float(grad_norm),
-                                "skipped": skipped, "samples": samples, "tokens": tokens,
-                                "time": time.time()}) + "\n")
+                                "skipped": skipped, "samples": samples, "tokens": tokens, "images": images,
+                                "flops": flops, "time": time.time()}) + "\n")
         if iteration % self.cfg.log_interval and iteration != self.total:
             return
         now = time.time()
         dt = max(now - self.t_last, 1e-9)
         avg_loss = w["loss_sum"] / max(w["tokens_loss"], 1.0)
         sps, tps = w["samples"] / dt, w["tokens"] / dt
+        tflops = w["flops"] / dt / self.world_size / 1e12
         done = iteration - self.start_iter
         eta = (now - self.t_start) / max(done, 1) * (self.total - iteration)
         gn = "n/a" if grad_norm is None else f"{float(grad_norm):.3f}"
-        log.info("iter %d/%d | loss %.4f | lr %.3e | grad norm %s | %.1f samples/s | %.0f tokens/s | ETA %s",
-                 iteration, self.total, avg_loss, lr, gn, sps, tps, _fmt_eta(eta))
-        scalars = {"train/loss": avg_loss, "train/lr": lr, "perf/samples_per_s": sps, "perf/tokens_per_s": tps}
+        perf = f"{tflops:.3g} TFLOP/s per {'GPU' if self.cfg.device == 'cuda' else 'process'}"
+        scalars = {"train/loss": avg_loss, "train/lr": lr, "perf/samples_per_s": sps, "perf/tokens_per_s": tps,
+                   "perf/tflops_per_gpu": tflops}
+        if self.peak_flops:
+            scalars["perf/mfu"] = tflops * 1e12 / self.peak_flops
+            perf += f" | MFU {100 * scalars['perf/mfu']:.1f}%"
+        log.info("iter %d/%d | loss %.4f | lr %.3e | grad norm %s | %.1f samples/s | %.0f tokens/s | %s | ETA %s",
+                 iteration, self.total, avg_loss, lr, gn, sps, tps, perf, _fmt_eta(eta))
         if grad_norm is not None:
             scalars["train/grad_norm"] = float(grad_norm)
         for k, v in scalars.items():

@@ -18,6 +18,7 @@ from megatron_vlm import checkpoint as ckpt
 from megatron_vlm import storage
 from megatron_vlm.spec import VLMSpec
 from megatron_vlm.training import checkpointing
+from megatron_vlm.training.flops import StepFlops, peak_flops
 from megatron_vlm.training.metrics import MetricsLogger
 
 log = logging.getLogger("megatron_vlm.train")
@@ -56,10 +57,12 @@ def _source(cfg):
     return VLMSpec.load(it_dir), it_dir, it_dir, False
 
 
-def _freeze(model, cfg) -> None:
+def _freeze(model, cfg) -> tuple[bool, bool, bool]:
+    """Freeze per stage and overrides; returns what trains: (vision encoder, projector, language model)."""
     freeze_vit = cfg.freeze_vit if cfg.freeze_vit is not None else True
     freeze_lm = cfg.freeze_lm if cfg.freeze_lm is not None else cfg.stage == 1
     model.freeze(freeze_language_model=freeze_lm, freeze_vision_model=freeze_vit, freeze_vision_projection=False)
+    return not freeze_vit, True, not freeze_lm
 
 
 def _loss_func(loss_mask, output):
@@ -142,7 +145,7 @@ def train(cfg) -> dict:
             log.info("loaded model weights from %s", load_dir)
     elif not resume and rt.rank == 0:
         log.info("random initialisation (--init)")
-    _freeze(model, cfg)
+    trained_parts = _freeze(model, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     lang_cfg = model.config
@@ -189,7 +192,9 @@ def train(cfg) -> dict:
                                    dtype=str(dtype).replace("torch.", ""))
     is_logger = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
         and ps.get_data_parallel_rank() == 0
-    metrics = MetricsLogger(cfg, cfg.train_iters, enabled=is_logger, start_iter=iteration)
+    metrics = MetricsLogger(cfg, cfg.train_iters, enabled=is_logger, start_iter=iteration,
+                            flops=StepFlops(spec, *trained_parts), world_size=rt.world_size,
+                            peak_flops=peak_flops(rt.device, cfg.fp8))
     if rt.rank == 0:
         log.info("model: %.2fM parameters on this rank, %.2fM trainable (stage %d); tp=%d pp=%d dp=%d, "
                  "micro batch %d x %d accumulation -> global batch %d", total / 1e6, trainable / 1e6, cfg.stage,
@@ -207,7 +212,8 @@ def train(cfg) -> dict:
             scheduler.step(increment=1)
             if rt.rank == 0:
                 log.info("iteration %d skipped (--skip-train-iteration-range)", iteration)
-            metrics.step(iteration, 0.0, 0.0, 0, 0, scheduler.get_lr(optimizer.param_groups[0]), None, skipped=True)
+            metrics.step(iteration, 0.0, 0.0, 0, 0, 0, scheduler.get_lr(optimizer.param_groups[0]), None,
+                         skipped=True)
         else:
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
@@ -219,12 +225,13 @@ def train(cfg) -> dict:
             loss_sum = torch.zeros(2, device=rt.device)
             for d in losses:
                 loss_sum += d["lm loss"].to(rt.device).float()
-            counts = torch.tensor([sum(b.tokens.shape[0] for b in batches), sum(b.num_tokens for b in batches)],
-                                  device=rt.device, dtype=torch.float64)
+            counts = torch.tensor([sum(b.tokens.shape[0] for b in batches), sum(b.num_tokens for b in batches),
+                                   sum(b.images.shape[0] for b in batches)], device=rt.device, dtype=torch.float64)
             if ps.is_pipeline_last_stage(ignore_virtual=True):
                 torch.distributed.all_reduce(loss_sum, group=ps.get_data_parallel_group())
             torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
-            metrics.step(iteration, loss_sum[0].item(), loss_sum[1].item(), int(counts[0]), int(counts[1]),
+            samples, tokens, images = (int(c) for c in counts.tolist())
+            metrics.step(iteration, loss_sum[0].item(), loss_sum[1].item(), samples, tokens, images,
                          scheduler.get_lr(optimizer.param_groups[0]), grad_norm if ok else None)
         if cfg.eval_iters > 0 and (iteration % cfg.eval_interval == 0 or iteration == cfg.train_iters):
             val = evaluate(cfg, ddp, encoder, rt, fb, step)
