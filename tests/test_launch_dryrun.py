@@ -83,6 +83,7 @@ def test_yaml_request_with_overrides(tmp_path, capsys):
     (["--tp", "3", "-g", "3", "--gbs", "16", "--mbs", "16"], "tp=3 does not divide num_attention_heads=4"),
     (["-g", "2", "--pp", "2", "--pp-layers", "2,1", "--gbs", "16", "--mbs", "16"], "--pp-layers 2,1 must give 2"),
     (["--seq-length", "16"], "--seq-length 16 cannot hold the 16 image tokens"),
+    (["--no-add-class-token"], "--no-add-class-token: the clip vision encoder of"),
 ])
 def test_impossible_requests(tmp_path, capsys, extra, expect):
     rc, out, err = dry([*base_args(tmp_path), *extra], capsys)
@@ -114,6 +115,13 @@ def test_checkpoint_checks(tmp_path, capsys):
     assert rc == 2 and "points at iter_0000100/, which does not exist" in err
     rc, _, err = dry([*args, "--megatron-load-dir", str(empty), "--init"], capsys)
     assert rc == 0, err  # --init needs no checkpoint
+
+
+def test_no_add_class_token_accepted_for_siglip(tmp_path, capsys):
+    args = base_args(tmp_path)
+    siglip = make_ckpt(tmp_path / "siglip", tiny_spec(vision_family="siglip", vision_feature_select_strategy="full"))
+    rc, _, err = dry([*args, "--megatron-load-dir", str(siglip), "--no-add-class-token"], capsys)
+    assert rc == 0, err
 
 
 def test_token_ids_must_match_checkpoint(tmp_path, capsys):

@@ -115,6 +115,10 @@ def check_spec(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
     if cfg.seq_length <= spec.num_image_tokens:
         problems.append(f"--seq-length {cfg.seq_length} cannot hold the {spec.num_image_tokens} image tokens of one "
                         f"image plus text (model: {source}); use a larger --seq-length")
+    if cfg.no_add_class_token and spec.has_class_token:
+        problems.append(f"--no-add-class-token: the {spec.vision_family} vision encoder of {source} has a class "
+                        "token, and its weights include it (the architecture comes from the checkpoint's "
+                        "vlm_spec.json); drop the flag, or convert a model whose encoder has none (SigLIP)")
     return problems
 
 

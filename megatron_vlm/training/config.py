@@ -181,8 +181,10 @@ class TrainConfig:
                                     "tokenizer in --tokenizer-load-dir.", "int", None, "model")
     pad_token_id: int | None = _f(("--pad-token-id",), "Id of the pad token. Default: read from the "
                                   "tokenizer in --tokenizer-load-dir.", "int", None, "model")
-    no_add_class_token: bool = _f(("--no-add-class-token",), "Build the vision encoder without a class "
-                                  "token.", "flag", False, "model")
+    no_add_class_token: bool = _f(("--no-add-class-token",), "Require a vision encoder without a class token "
+                                  "(as Megatron's launcher takes it). The checkpoint's vlm_spec.json decides: "
+                                  "SigLIP has none; CLIP has one, and the flag is refused for it.", "flag", False,
+                                  "model")
     num_workers: int = _f(("--num-workers",), "Data-loader worker processes per rank.", "int", 2, "model")
     skip_train_iteration_range: list[tuple[int, int]] = _f(
         ("--skip-train-iteration-range",), "Iteration ranges whose batches are consumed but not trained "
