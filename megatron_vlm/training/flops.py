@@ -16,8 +16,8 @@ weight matmuls, 2x its attention matmuls), except the gradient of its own input 
 (the patch convolution's input is the image; the projector's after a frozen vision encoder); a frozen part that
 gradients still pass through (the frozen language model of stage 1, on the way to the projector) computes
 activation gradients only; a frozen part with nothing trained before it (the frozen vision encoder) has no
-backward. Sequence lengths are taken as the batch
-mean, which under-counts attention slightly for uneven lengths (a conservative MFU).
+backward. Sequence lengths are taken as the batch mean, which under-counts attention slightly for uneven
+lengths (a conservative MFU).
 
 ``peak_flops(device)`` is the dense bf16 peak of known NVIDIA GPUs (FP8 doubles it); unknown devices
 (and CPUs) have none, so MFU is only reported where the peak is known.
