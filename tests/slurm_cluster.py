@@ -146,6 +146,12 @@ def start_cluster(root: Path) -> tuple[SlurmCluster, list[subprocess.Popen]]:
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
+    """Stop the daemons, and any slurmstepd they left behind (step daemons detach from slurmd; one still
+    reporting a finished job when slurmd goes would otherwise outlive the test)."""
+    import psutil
+
+    alive = [p for p in procs if p.poll() is None]
+    started = min((psutil.Process(p.pid).create_time() for p in alive), default=time.time())
     for p in procs:
         p.terminate()
     for p in procs:
@@ -153,3 +159,8 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=20)
         except subprocess.TimeoutExpired:
             p.kill()
+    stepds = [q for q in psutil.process_iter(["name", "create_time"])
+              if q.info["name"] == "slurmstepd" and q.info["create_time"] >= started]
+    for q in stepds:
+        q.kill()
+    psutil.wait_procs(stepds, timeout=10)
