@@ -1,8 +1,7 @@
 """Training on megatron-core, on CPU with gloo (2 processes): loss falls at TP=2, PP=2 and DP=2 with the
 distributed optimizer (also as two launcher "nodes" on loopback, and as a job on a real two-node SLURM cluster,
-both with the one-node losses); a kill -9'd run
-resumes exactly; frozen parameters stay bit-identical; a training
-checkpoint converts back to HF with HF logits equal to Megatron's."""
+both with the one-node losses); a kill -9'd run resumes exactly; frozen parameters stay bit-identical; a
+training checkpoint converts back to HF with HF logits equal to Megatron's."""
 
 import json
 import os
@@ -173,7 +172,8 @@ def test_dp2_distributed_optimizer_loss_falls_and_logs_and_two_nodes_match(setup
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     steps = [e.step for e in events.Scalars("train/loss")]
-    assert steps == [4, 8, 12] and "perf/tokens_per_s" in events.Tags()["scalars"]
+    assert steps == [4, 8, 12] and {"perf/tokens_per_s", "perf/tflops_per_gpu"} <= set(events.Tags()["scalars"])
+    assert all(r["flops"] > 0 for r in losses(run_dir).values())  # model FLOPs of every iteration recorded
 
     # the same run as two launcher processes ("nodes" on loopback, one rank each): identical losses, one checkpoint
     two_nodes = ("-g", "1", "--node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),

@@ -1,8 +1,8 @@
 """Training metrics: throughput, ETA, console lines, TensorBoard events and (optionally) Weights & Biases.
 
 ``<run_dir>/metrics.jsonl`` gets one record per iteration (loss, lr, grad norm, samples, tokens, images and model
-FLOPs of the global batch, wall-clock ``time`` when the iteration ended) and one per evaluation (``val_loss``); benchmarks and the
-demo read their curves and throughput from it.
+FLOPs of the global batch, wall-clock ``time`` when the iteration ended) and one per evaluation (``val_loss``);
+benchmarks and the demo read their curves and throughput from it.
 """
 
 from __future__ import annotations
