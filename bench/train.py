@@ -15,7 +15,9 @@ torch threads. Measured per side, each in a fresh process:
 - the loss of every iteration: the two curves must agree (same model, data and optimizer), which shows that
   both loops do the same work; their largest difference is printed.
 
-Target: ours / HF tokens/s >= 0.8 at TP=1. ``--tp 2`` adds a row with our step at TP=2 (2 processes).
+Target: ours / HF tokens/s >= 0.8 at TP=1, in each precision (``--precisions fp32,bf16``: ours in megatron's
+bf16 mixed precision, HF under bf16 autocast). Rows: HF loop, ours at TP=1, ours at DP=2 (``--dp 2``, the default:
+2 processes with half the threads each), ours at TP=2 with ``--tp 2``.
 
   python bench/train.py [--iters 12 --warmup 4 --hidden 512 --layers 4 --image-size 224 --mbs 8 --gbs 16]
 """
@@ -75,16 +77,18 @@ def thread_env(threads: int) -> dict:
 
 
 # ---- our side: the user-facing launcher --------------------------------------------------------------
-def run_ours(a, work: Path, hf: Path, data: Path, meg: Path, tp: int) -> dict:
-    name = f"ours_tp{tp}"
-    cmd = [sys.executable, "train/run.py", "--device", "cpu", "-g", str(tp), "--tp", str(tp), "--stage", str(a.stage),
+def run_ours(a, work: Path, hf: Path, data: Path, meg: Path, tp: int, precision: str = "fp32", dp: int = 1) -> dict:
+    name = f"ours_tp{tp}_dp{dp}_{precision}"
+    procs = tp * dp
+    cmd = [sys.executable, "train/run.py", "--device", "cpu", "-g", str(procs), "--tp", str(tp), "--stage", str(a.stage),
+           "--precision", precision,
            "--megatron-load-dir", str(meg), "--tokenizer-load-dir", str(hf), "--data-path", str(data),
            "--save-dir", str(work / "runs"), "--name", name, "--no-save", "--train-iters", str(a.iters),
            "--micro-batch-size", str(a.mbs), "--global-batch-size", str(a.gbs), "--lr", str(a.lr),
            "--seq-length", str(a.seq_length), "--num-workers", str(a.num_workers), "--seed", str(a.seed),
            "--log-interval", str(a.iters)]
     t0 = time.time()
-    subprocess.run(cmd, check=True, cwd=ROOT, env=thread_env(max(1, a.threads // tp)), stdout=subprocess.DEVNULL,
+    subprocess.run(cmd, check=True, cwd=ROOT, env=thread_env(max(1, a.threads // procs)), stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL if not a.verbose else None)
     rows = [json.loads(x) for x in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
@@ -127,6 +131,8 @@ def hf_worker(a) -> None:
 
     torch.set_num_threads(a.threads)
     model = LlavaForConditionalGeneration.from_pretrained(str(a.hf_dir), dtype=torch.float32).train()
+    # bf16 as HF's Trainer runs it: fp32 weights and optimizer, matmuls under bf16 autocast
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16")
     train_lm, train_vit = a.stage == 2, False
     model.model.language_model.requires_grad_(train_lm)
     model.lm_head.requires_grad_(train_lm)
@@ -153,7 +159,8 @@ def hf_worker(a) -> None:
         opt.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for b in batches:
-            logits = model(input_ids=b["input_ids"], pixel_values=b["pixel_values"]).logits
+            with autocast:
+                logits = model(input_ids=b["input_ids"], pixel_values=b["pixel_values"]).logits
             loss = F.cross_entropy(logits.flatten(0, 1).float(), b["labels"].flatten(), ignore_index=-100,
                                    reduction="sum")
             (loss / n_loss).backward()
@@ -169,9 +176,10 @@ def hf_worker(a) -> None:
     os._exit(0)  # energon's loader workers take seconds to shut down; nothing is left to flush
 
 
-def run_hf(a, work: Path, hf: Path, data: Path) -> dict:
-    out = work / "hf_loop.jsonl"
-    cmd = [sys.executable, __file__, "--hf-worker", "--hf-dir", str(hf), "--data-dir", str(data), "--hf-out", str(out)]
+def run_hf(a, work: Path, hf: Path, data: Path, precision: str = "fp32") -> dict:
+    out = work / f"hf_loop_{precision}.jsonl"
+    cmd = [sys.executable, __file__, "--hf-worker", "--hf-dir", str(hf), "--data-dir", str(data), "--hf-out", str(out),
+           "--precision", precision]
     cmd += [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in ("iters", "stage", "mbs", "gbs", "lr", "seq_length",
                                                                    "num_workers", "seed", "threads")]
     t0 = time.time()
@@ -208,6 +216,37 @@ def summarize(rows: list[dict], t0: float, warmup: int, flops) -> dict:
     }
 
 
+HF_ROW = "HF transformers, plain PyTorch loop"
+OURS_ROW = "megatron-vlm train/run.py, TP=1"
+
+
+def run_all(a, work: Path, hf: Path, data: Path, meg: Path, precision: str) -> dict:
+    results = {HF_ROW: run_hf(a, work, hf, data, precision), OURS_ROW: run_ours(a, work, hf, data, meg, 1, precision)}
+    if a.tp == 2:
+        results["megatron-vlm train/run.py, TP=2 (2 processes)"] = run_ours(a, work, hf, data, meg, 2, precision)
+    if a.dp == 2:
+        results["megatron-vlm train/run.py, DP=2 (2 processes)"] = run_ours(a, work, hf, data, meg, 1, precision, 2)
+    return results
+
+
+def report(a, precision: str, results: dict) -> None:
+    ref = results[HF_ROW]
+    print(f"\n{precision}: {a.iters} iterations per side, tokens/s over the last {a.iters - a.warmup} "
+          f"(~{ref['tokens_per_iter']:.0f} tokens per iteration, image tokens included)")
+    print(f"{'':48s} {'tokens/s':>9s} {'samples/s':>9s} {'s/iter':>7s} {'TFLOP/s':>8s} {'x HF':>6s} "
+          f"{'first iter':>10s}")
+    for name, r in results.items():
+        print(f"{name:48s} {r['tokens_per_s']:9.0f} {r['samples_per_s']:9.2f} {r['s_per_iter']:7.2f} "
+              f"{r['tflops']:8.3f} {r['tokens_per_s'] / ref['tokens_per_s']:6.2f} {r['first_iter_s']:9.1f}s")
+    ours = results[OURS_ROW]
+    diff = max(abs(x - y) for x, y in zip(ours["losses"], ref["losses"]))
+    print(f"ratio ours/HF at TP=1 ({precision}): {ours['tokens_per_s'] / ref['tokens_per_s']:.2f} (target >= 0.8)")
+    print(f"loss curves: ours {ours['losses'][0]:.4f} -> {ours['losses'][-1]:.4f}, HF {ref['losses'][0]:.4f} -> "
+          f"{ref['losses'][-1]:.4f}; largest per-iteration difference {diff:.2e}"
+          + (" (same work on both sides)" if precision == "fp32" else " (bf16 rounding differs between the sides)"),
+          flush=True)
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=12, help="optimizer steps per side")
@@ -227,6 +266,11 @@ def parse(argv=None):
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per side (TP=1)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="2: also time our step at TP=2")
+    p.add_argument("--dp", type=int, default=2, choices=(1, 2), help="2: also time our step at DP=2 (2 processes, "
+                   "half the threads each; the global batch is split over them)")
+    p.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32 and/or bf16 (both sides run "
+                   "in it: ours with megatron's Float16Module + fp32 main params, HF under bf16 autocast)")
+    p.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)  # the HF worker's
     p.add_argument("--work-dir", type=Path, default=None, help="scratch directory (default: a temporary one)")
     p.add_argument("--verbose", action="store_true", help="show the training processes' logs")
     p.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
@@ -263,23 +307,8 @@ def main(argv=None) -> int:
               f"{a.vision_hidden} x {a.vision_layers} at {a.image_size}px), stage {a.stage}, micro batch {a.mbs}, "
               f"global batch {a.gbs}, {a.threads} torch threads, {os.cpu_count()} CPUs, load average "
               f"{os.getloadavg()[0]:.1f}", flush=True)
-        results = {"HF transformers, plain PyTorch loop": run_hf(a, work, hf, data),
-                   "megatron-vlm train/run.py, TP=1": run_ours(a, work, hf, data, meg, 1)}
-        if a.tp == 2:
-            results["megatron-vlm train/run.py, TP=2 (2 processes)"] = run_ours(a, work, hf, data, meg, 2)
-        ref = results["HF transformers, plain PyTorch loop"]
-        print(f"\n{a.iters} iterations per side, tokens/s over the last {a.iters - a.warmup} "
-              f"(~{ref['tokens_per_iter']:.0f} tokens per iteration, image tokens included)")
-        print(f"{'':48s} {'tokens/s':>9s} {'samples/s':>9s} {'s/iter':>7s} {'TFLOP/s':>8s} {'x HF':>6s} "
-              f"{'first iter':>10s}")
-        for name, r in results.items():
-            print(f"{name:48s} {r['tokens_per_s']:9.0f} {r['samples_per_s']:9.2f} {r['s_per_iter']:7.2f} "
-                  f"{r['tflops']:8.3f} {r['tokens_per_s'] / ref['tokens_per_s']:6.2f} {r['first_iter_s']:9.1f}s")
-        ours = results["megatron-vlm train/run.py, TP=1"]
-        diff = max(abs(x - y) for x, y in zip(ours["losses"], ref["losses"]))
-        print(f"\nratio ours/HF at TP=1: {ours['tokens_per_s'] / ref['tokens_per_s']:.2f} (target >= 0.8)")
-        print(f"loss curves: ours {ours['losses'][0]:.4f} -> {ours['losses'][-1]:.4f}, HF {ref['losses'][0]:.4f} -> "
-              f"{ref['losses'][-1]:.4f}; largest per-iteration difference {diff:.2e} (same work on both sides)")
+        for precision in a.precisions.split(","):
+            report(a, precision, run_all(a, work, hf, data, meg, precision))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

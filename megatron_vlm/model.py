@@ -43,7 +43,11 @@ class ModelOptions:
     fp8: bool = False
     init_method_std: float = 0.02
     deterministic: bool = False
-    recompute: bool = False
+    recompute_granularity: str | None = None  # None, "full" or "selective" (language model)
+    recompute_method: str | None = None  # "uniform" or "block" with full recompute
+    recompute_num_layers: int | None = None
+    sequence_parallel: bool = False
+    per_token_loss: bool = False  # training: loss summed per token, normalised over the global batch
     perform_initialization: bool = True  # False when weights are loaded right after (conversion)
 
 
@@ -103,11 +107,21 @@ def language_config(spec: VLMSpec, opts: ModelOptions):
         gated_linear_unit=True,
         activation_func=F.silu,
         pipeline_model_parallel_size=opts.pp,
-        recompute_granularity="full" if opts.recompute else None,
-        recompute_method="uniform" if opts.recompute else None,
-        recompute_num_layers=1 if opts.recompute else None,
+        sequence_parallel=opts.sequence_parallel,
+        calculate_per_token_loss=opts.per_token_loss,
+        **_recompute(opts),
         **kw,
     )
+
+
+def _recompute(opts: ModelOptions) -> dict:
+    """TransformerConfig recompute fields (Megatron-LM's --recompute-* flags; full defaults: uniform, 1)."""
+    if opts.recompute_granularity is None:
+        return {}
+    if opts.recompute_granularity == "selective":
+        return dict(recompute_granularity="selective")
+    return dict(recompute_granularity="full", recompute_method=opts.recompute_method or "uniform",
+                recompute_num_layers=opts.recompute_num_layers or 1)
 
 
 def vision_config(spec: VLMSpec, opts: ModelOptions):
@@ -197,6 +211,9 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
 
     if opts.use_te and not have_te():
         raise RuntimeError("Transformer Engine is not installed: it is required for --fp8 / TE layer specs")
+    if opts.sequence_parallel and not opts.use_te:
+        raise ValueError("--sequence-parallel needs Transformer Engine layers: megatron-core's LLaVAModel supports "
+                         "sequence parallelism only with TE attention; drop --sequence-parallel for local layers")
     if spec.sliding_window is not None and opts.seq_length > spec.sliding_window:
         raise ValueError(
             f"--seq-length {opts.seq_length} exceeds the model's sliding_window {spec.sliding_window}; "

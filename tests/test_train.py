@@ -1,7 +1,9 @@
-"""Training on megatron-core, on CPU with gloo (2 processes): loss falls at TP=2, PP=2 and DP=2 with the
+"""Training through train/run.py on CPU with gloo (2 processes): loss falls at TP=2, PP=2 and DP=2 with the
 distributed optimizer (also as two launcher "nodes" on loopback, and as a job on a real two-node SLURM cluster,
-both with the one-node losses); a kill -9'd run resumes exactly; frozen parameters stay bit-identical; a
-training checkpoint converts back to HF with HF logits equal to Megatron's."""
+both with the one-node losses); a kill -9'd bf16 run with the distributed optimizer resumes exactly and its
+checkpoint exports to an HF model that generates; a resume at another TP/DP layout is refused or, with
+--reset-data-position, reshards and continues; frozen parameters stay bit-identical; PP evaluation with a
+partial last batch ends. tests/test_train_parallel.py asserts the step's numbers across layouts."""
 
 import json
 import os
@@ -93,15 +95,23 @@ def kill9_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
-def test_tp2_loss_falls_and_kill9_resume_is_exact(setup, tmp_path):
-    common = ("--tp", "2", "--stage", "2", "--unfreeze-vit", "--global-batch-size", "8", "--save-interval", "6",
-              "--deterministic")
-    run(args(setup, "full", *common, iters=18))
-    full = losses(setup["root"] / "ckpt" / "full")
+RESUME = ("--dist-optim", "--precision", "bf16", "--stage", "2", "--unfreeze-vit", "--global-batch-size", "8",
+          "--save-interval", "6", "--deterministic")
+
+
+@pytest.fixture(scope="module")
+def bf16_full(setup):
+    """An 18-iteration bf16 run at DP=2 with the distributed optimizer, checkpoints at 6, 12 and 18."""
+    run(args(setup, "full", *RESUME, iters=18))
+    return setup["root"] / "ckpt" / "full"
+
+
+def test_bf16_dist_optim_loss_falls_and_kill9_resume_is_exact(setup, bf16_full, tmp_path):
+    full = losses(bf16_full)
     falls(full)
 
     tracker = setup["root"] / "ckpt" / "part" / "latest_checkpointed_iteration.txt"
-    p = launch(args(setup, "part", *common, iters=18))
+    p = launch(args(setup, "part", *RESUME, iters=18))
     deadline = time.time() + 300
     while time.time() < deadline and not (tracker.is_file() and tracker.read_text().strip() == "6"):
         assert p.poll() is None, p.stdout.read()[-4000:]
@@ -109,20 +119,63 @@ def test_tp2_loss_falls_and_kill9_resume_is_exact(setup, tmp_path):
     kill9_tree(p.pid)
     p.wait()
     assert tracker.read_text().strip() == "6"
-    out = run(args(setup, "part", *common, iters=18))
+    out = run(args(setup, "part", *RESUME, iters=18))
     assert "resumed from" in out and "at iteration 6" in out, out[-3000:]
     part = losses(setup["root"] / "ckpt" / "part")
     assert [part[i]["loss"] for i in sorted(full)] == [full[i]["loss"] for i in sorted(full)]
+    assert [part[i]["grad_norm"] for i in sorted(full)] == [full[i]["grad_norm"] for i in sorted(full)]
 
-    # identical final weights, and the training checkpoint exports to an HF model whose logits equal Megatron's
-    a = convert_megatron_to_hf(setup["root"] / "ckpt" / "full", tmp_path / "full_hf")
+    # identical final weights; the bf16 training checkpoint exports to an HF model that loads and generates
+    a = convert_megatron_to_hf(bf16_full, tmp_path / "full_hf")
     b = convert_megatron_to_hf(setup["root"] / "ckpt" / "part", tmp_path / "part_hf")
     ra, rb = HFReader(a), HFReader(b)
     assert ra.names() == rb.names()
     assert all(torch.equal(ra.get(n), rb.get(n)) for n in ra.names())
     orig = HFReader(setup["hf"])
-    assert any(not torch.equal(orig.get(n), ra.get(n)) for n in orig.names() if "layers.0.mlp" in n)
-    assert verify_checkpoint(a, setup["root"] / "ckpt" / "full", tp=2, pp=1) < 1e-4
+    assert any(not torch.equal(orig.get(n).to(ra.get(n).dtype), ra.get(n)) for n in orig.names()
+               if "layers.0.mlp" in n)
+    generates(a)
+
+
+def generates(hf_dir) -> None:
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(str(hf_dir))
+    proc = AutoProcessor.from_pretrained(str(hf_dir))
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the shape ?"}]}]
+    inputs = proc(images=Image.new("RGB", (32, 32), COLOURS["blue"]),
+                  text=proc.apply_chat_template(msgs, add_generation_prompt=True), return_tensors="pt")
+    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    gen = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert gen.shape[1] == inputs["input_ids"].shape[1] + 3
+    answer = proc.tokenizer.decode(gen[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert answer.strip(), "empty answer"
+
+
+def test_resume_at_another_layout(setup, bf16_full):
+    """iteration 12 of the DP=2 run resumed at TP=2 (DP=1): refused without --reset-data-position (before any
+    rank starts); with it, model and distributed-optimizer state reshard and training continues from the
+    checkpoint's weights (its loss, not the initial one)."""
+    import shutil
+
+    moved = setup["root"] / "ckpt" / "moved"
+    shutil.copytree(bf16_full, moved, ignore=shutil.ignore_patterns("iter_0000018", "tensorboard", "wandb"))
+    (moved / "latest_checkpointed_iteration.txt").write_text("12")
+    (moved / "metrics.jsonl").unlink()
+    other = ("--dist-optim", "--precision", "bf16", "--stage", "2", "--unfreeze-vit", "--global-batch-size", "8",
+             "--save-interval", "100", "--tp", "2")
+    p = launch(args(setup, "moved", *other, iters=14))
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode != 0 and "data-parallel size 2 and this run has 1" in out and "--reset-data-position" in out
+    assert "Traceback" not in out, out[-3000:]
+
+    out = run(args(setup, "moved", *other, "--reset-data-position", iters=14))
+    assert "at iteration 12" in out and "data position reset" in out and "RNG state not restored" in out, out[-3000:]
+    resumed = losses(moved)
+    before = losses(bf16_full)
+    assert sorted(resumed) == [13, 14]
+    assert abs(resumed[13]["loss"] - before[12]["loss"]) < 0.5 * before[12]["loss"] < before[1]["loss"] * 0.5
 
 
 def test_stage1_freezes_lm_and_vit_and_skips_iterations(setup, tmp_path):
@@ -139,11 +192,14 @@ def test_stage1_freezes_lm_and_vit_and_skips_iterations(setup, tmp_path):
             assert not same, f"{n} was not trained"
         else:
             assert same, f"frozen {n} changed"
+    # the exported training checkpoint: HF logits equal Megatron's (fp32)
+    assert verify_checkpoint(out, setup["root"] / "ckpt" / "stage1", tp=2, pp=1) < 1e-4
 
 
 def test_pp2_loss_falls_with_validation(setup):
-    run(args(setup, "pp2", "--pp", "2", "--stage", "2", "--global-batch-size", "8", "--save-interval", "100",
-             "--eval-interval", "6", "--eval-iters", "2", iters=12))
+    # micro batch 5 leaves a partial last validation batch, which PP stages must still exchange in full shape
+    run(args(setup, "pp2", "--pp", "2", "--stage", "2", "--global-batch-size", "10", "--micro-batch-size", "5",
+             "--save-interval", "100", "--eval-interval", "6", "--eval-iters", "10", iters=12))
     falls(losses(setup["root"] / "ckpt" / "pp2"))
     val = val_losses(setup["root"] / "ckpt" / "pp2")
     assert sorted(val) == [6, 12] and val[12] < val[6]

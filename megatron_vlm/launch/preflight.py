@@ -166,7 +166,27 @@ def check_request(cfg: TrainConfig) -> list[str]:
     run = cfg.run_dir
     if run.exists() and not run.is_dir():
         problems.append(f"--save-dir/--name: {run} exists and is not a directory")
+    problems += check_resume_layout(cfg)
     return problems
+
+
+def check_resume_layout(cfg: TrainConfig) -> list[str]:
+    """A resume at another data-parallel size is refused before ranks start (unless --reset-data-position)."""
+    try:  # torch is imported here; a bare host that launches into a container leaves this to the trainer
+        from megatron_vlm import checkpoint as ckpt
+        from megatron_vlm.training.resume import check_data_position
+
+        if ckpt.read_tracker(cfg.checkpoint_dir) is None:
+            return []
+        it_dir = ckpt.resolve_iteration_dir(cfg.checkpoint_dir)
+        meta = ckpt.CheckpointMeta.load(it_dir)
+    except Exception:  # an unreadable run dir is reported by the trainer with its own message
+        return []
+    world = cfg.world_size
+    if world % (cfg.tp * cfg.pp):
+        return []
+    problem = check_data_position(cfg, meta, world // (cfg.tp * cfg.pp), it_dir)
+    return [problem] if problem else []
 
 
 def check_hardware(cfg: TrainConfig, facts: dict) -> list[str]:

@@ -7,6 +7,8 @@ makes the same code run on CPU:
 - a ``TorchFunctionMode`` that rewrites CUDA devices (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``,
   integer device indices) to ``"cpu"`` in factory functions / ``Tensor.to``, and makes ``Tensor.cuda()``
   a no-op;
+- the same mode around megatron's activation-recomputation backward (which re-runs the forward inside the
+  autograd engine, where the thread-local mode is not active);
 - CPU stand-ins for ``torch.cuda.current_device / synchronize / get_rng_state / set_rng_state /
   manual_seed`` (the "CUDA" RNG state *is* the CPU default generator's state, so megatron's RNG tracker
   forks/restores the generator that CPU ops really use) and for megatron's own ``_get/_set_cuda_rng_state``.
@@ -82,7 +84,24 @@ def enable() -> bool:
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
+    _recompute_under_mode(mrandom)
     return True
+
+
+def _recompute_under_mode(mrandom) -> None:
+    """Activation recomputation re-runs the forward inside the autograd engine, where torch function modes
+    (thread-local) are not active: run megatron's checkpoint backward under the CPU mode too."""
+    fn = mrandom.CheckpointFunction
+    if getattr(fn.backward, "_cpu_compat", False):
+        return
+    original = fn.backward
+
+    def backward(ctx, *args):
+        with _CudaToCpuMode():
+            return original(ctx, *args)
+
+    backward._cpu_compat = True
+    fn.backward = staticmethod(backward)
 
 
 def is_enabled() -> bool:

@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _rank_objects(loader_state, rng_state):
-    """Per-rank objects as megatron ShardedObjects (RNG: one per rank; loader: one per data-parallel rank)."""
+def _rank_objects(loader_state, rng_state, with_rng: bool = True, with_data: bool = True):
+    """Per-rank objects as megatron ShardedObjects (RNG: one per rank; loader: one per data-parallel rank).
+
+    Both are laid out by this run's TP/PP/DP ranks, so a resume at another layout leaves them out."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -44,11 +46,13 @@ def _rank_objects(loader_state, rng_state):
                   ps.get_data_parallel_world_size())
     tpr, ppr, dpr = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                      ps.get_data_parallel_rank())
-    return {
-        "rng_state": ShardedObject("rng_state", rng_state, (pp, tp, dp), (ppr, tpr, dpr), replica_id=0),
-        "loader_state": ShardedObject("loader_state", loader_state, (dp,), (dpr,),
-                                      replica_id=0 if (tpr == 0 and ppr == 0) else 1),
-    }
+    out = {}
+    if with_rng:
+        out["rng_state"] = ShardedObject("rng_state", rng_state, (pp, tp, dp), (ppr, tpr, dpr), replica_id=0)
+    if with_data:
+        out["loader_state"] = ShardedObject("loader_state", loader_state, (dp,), (dpr,),
+                                            replica_id=0 if (tpr == 0 and ppr == 0) else 1)
+    return out
 
 
 def rng_state() -> dict:
@@ -87,9 +91,11 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
-def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim: bool, loading: bool):
+def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim: bool, loading: bool,
+                with_rng: bool = True, with_data: bool = True):
     model_sd = _unwrap(model).sharded_state_dict(prefix="model.")
-    sd = {"model": model_sd, "iteration": iteration, **_rank_objects(loader_state, None if loading else rng_state())}
+    sd = {"model": model_sd, "iteration": iteration,
+          **_rank_objects(loader_state, None if loading else rng_state(), with_rng, with_data)}
     if with_optim:
         # 'fully_reshardable': the distributed optimizer's state resumes at any TP/PP/DP
         sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIM_METADATA)
@@ -142,15 +148,20 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
     return final
 
 
-def load(iter_dir, model, optimizer, scheduler, with_optim: bool) -> dict:
-    """Restore model (+ optimizer, scheduler) and return {'iteration', 'loader_state', 'rng_state'}."""
+def load(iter_dir, model, optimizer, scheduler, with_optim: bool, with_rng: bool = True,
+         with_data: bool = True) -> dict:
+    """Restore model (+ optimizer, scheduler) and return {'iteration', 'loader_state', 'rng_state'} (the last two
+    None where not asked for). Without the optimizer, the caller must refresh the optimizer's main parameters
+    from the loaded weights (:func:`megatron_vlm.training.build.weights_changed`)."""
     from megatron.core import dist_checkpointing
 
-    sd = _state_dict(model, optimizer, scheduler, 0, None, with_optim, loading=True)
+    sd = _state_dict(model, optimizer, scheduler, 0, None, with_optim, loading=True, with_rng=with_rng,
+                     with_data=with_data)
     loaded = dist_checkpointing.load(sd, str(iter_dir))  # a local path or an msc:// URL
     _unwrap(model).load_state_dict({k[len("model."):]: v for k, v in loaded["model"].items()}, strict=True)
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         if scheduler is not None and loaded.get("scheduler"):
             scheduler.load_state_dict(loaded["scheduler"])
-    return {"iteration": loaded["iteration"], "loader_state": loaded["loader_state"], "rng_state": loaded["rng_state"]}
+    return {"iteration": loaded["iteration"], "loader_state": loaded.get("loader_state"),
+            "rng_state": loaded.get("rng_state")}

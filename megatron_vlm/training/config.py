@@ -119,8 +119,33 @@ class TrainConfig:
         "must be a multiple of micro batch x data-parallel size. Default: 256 (stage 1), 128 (stage 2).",
         "int", None, "parallel")
     dist_optim: bool = _f(
-        ("--dist-optim",), "Shard optimizer state over data-parallel ranks (megatron distributed "
-        "optimizer).", "bool", False, "parallel")
+        ("--dist-optim", "--use-distributed-optimizer"), "Shard optimizer state over data-parallel ranks "
+        "(megatron distributed optimizer).", "bool", False, "parallel")
+    sequence_parallel: bool = _f(
+        ("--sequence-parallel",), "Split layer norms and dropout along the sequence over the tensor-parallel "
+        "ranks (needs --tp > 1 and Transformer Engine attention, which megatron-core's LLaVAModel requires "
+        "for it).", "bool", False, "parallel")
+    overlap_grad_reduce: bool = _f(
+        ("--overlap-grad-reduce",), "Overlap the data-parallel gradient reduction with the backward pass "
+        "(megatron-core DDP buckets).", "bool", False, "parallel")
+    overlap_param_gather: bool = _f(
+        ("--overlap-param-gather",), "Overlap the distributed optimizer's parameter all-gather with the "
+        "next forward pass (needs --dist-optim).", "bool", False, "parallel")
+    ddp_bucket_size: int | None = _f(
+        ("--ddp-bucket-size",), "Elements per DDP gradient bucket when overlapping. Default: megatron-core's "
+        "(one bucket without overlap; max(40M, 1M x data-parallel size) with --overlap-grad-reduce).", "int",
+        None, "parallel")
+    recompute_granularity: str | None = _f(
+        ("--recompute-granularity",), "Activation recomputation of the language model: full (whole layers, "
+        "see --recompute-method) or selective (only the attention core). Default: none.", "choice", None,
+        "parallel", choices=("full", "selective"))
+    recompute_method: str | None = _f(
+        ("--recompute-method",), "With --recompute-granularity full: uniform (recompute every chunk of "
+        "--recompute-num-layers layers) or block (recompute the first --recompute-num-layers layers of each "
+        "pipeline stage). Default: uniform.", "choice", None, "parallel", choices=("uniform", "block"))
+    recompute_num_layers: int | None = _f(
+        ("--recompute-num-layers",), "Layers per recomputed chunk (uniform) or recomputed layers per stage "
+        "(block). Default: 1.", "int", None, "parallel")
 
     # ---- stage and freezing ---------------------------------------------------------------------------
     stage: int = _f(
@@ -207,8 +232,16 @@ class TrainConfig:
                             "end).", "int", 1000, "ckpt")
     save_optim: bool = _f(("--save-optim",), "Include optimizer and scheduler state in checkpoints.",
                           "bool", True, "ckpt")
-    load_optim: bool = _f(("--load-optim",), "Load optimizer and scheduler state when resuming.",
+    load_optim: bool = _f(("--load-optim",), "Load optimizer and scheduler state when resuming "
+                          "(--no-load-optim: continue from the checkpoint's weights with a fresh optimizer).",
                           "bool", True, "ckpt")
+    load_rng: bool = _f(("--load-rng",), "Restore the random-number generators' state when resuming.",
+                        "bool", True, "ckpt")
+    reset_data_position: bool = _f(
+        ("--reset-data-position",), "When resuming at a different data-parallel size, read the data from a new "
+        "deterministic position (seeded by --seed and the iteration). energon's saved position is per "
+        "data-parallel rank and cannot move to another DP size; without this flag such a resume is refused.",
+        "flag", False, "ckpt")
     save_total_limit: int | None = _f(("--save-total-limit",), "Keep only the newest N checkpoints. "
                                       "Default: keep all.", "int", None, "ckpt")
 
@@ -428,7 +461,7 @@ def _check_types_and_ranges(cfg: TrainConfig) -> list[str]:
     p: list[str] = []
     positive = ["gpus", "nodes", "tp", "pp", "micro_batch_size", "global_batch_size", "train_iters",
                 "seq_length", "save_interval", "save_total_limit", "log_interval", "eval_interval",
-                "gpus_per_node", "cpus_per_task"]
+                "gpus_per_node", "cpus_per_task", "ddp_bucket_size", "recompute_num_layers"]
     for name in positive:
         v = getattr(cfg, name)
         if v is not None and v < 1:
@@ -508,6 +541,15 @@ def _check_consistency(cfg: TrainConfig) -> list[str]:
                      "drop --fp8 for --device cpu")
         elif cfg.precision == "fp32":
             p.append("--fp8 runs on top of bf16/fp16 weights; drop --precision fp32")
+    if cfg.overlap_param_gather and not cfg.dist_optim:
+        p.append("--overlap-param-gather needs --dist-optim (it overlaps the distributed optimizer's "
+                 "parameter all-gather)")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        p.append("--sequence-parallel needs --tp > 1 (it splits the sequence over tensor-parallel ranks)")
+    if cfg.recompute_granularity != "full":
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(cfg, name) is not None:
+                p.append(f"{_flag(name)} only applies with --recompute-granularity full")
     if cfg.precision == "fp16" and cfg.device == "cpu":
         p.append("--precision fp16 is not supported on --device cpu; use fp32 (default) or bf16")
     if cfg.train_iters is None:

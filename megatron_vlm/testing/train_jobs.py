@@ -1,0 +1,102 @@
+"""Per-rank training jobs that tests and benchmarks run in a local world (see runtime.spawn.run_world).
+
+A job trains a few steps of a fixed sequence of global batches with the trainer's own parts
+(:func:`megatron_vlm.training.build.build_training`, :func:`megatron_vlm.training.step.train_step`, checkpoint
+save/resume) at one TP/PP/DP layout and precision, and returns the loss and grad norm of every step. One
+world runs many jobs (megatron's parallel groups are re-initialised per job), so a 2-process world covers
+TP=2, PP=2 and DP=2 in fp32 and bf16 without paying process start-up for each.
+
+Global batches are lists of encoded samples (``VLMSample``); each job splits every global batch over its
+data-parallel ranks and micro batches with the task encoder's own ``batch()``, so the same global batch is
+trained whatever the layout.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+
+from megatron_vlm import checkpoint as ckpt
+from megatron_vlm.spec import VLMSpec
+
+#: what every job's TrainConfig has unless the job says otherwise
+BASE = dict(device="cpu", stage=2, freeze_vit=False, lr=2e-3, min_lr=0.0, lr_warmup_fraction=0.0,
+            lr_decay_style="constant", clip_grad=1.0, weight_decay=0.0, seq_length=96, precision="fp32",
+            deterministic=True)
+
+
+def job_config(job: dict, n_steps: int, global_batch_size: int):
+    from megatron_vlm.training.config import TrainConfig
+
+    fields = {k: v for k, v in job.items() if k not in ("name", "steps", "save", "resume", "reload_weights")}
+    cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
+    cfg.precision = cfg.precision or "fp32"
+    return cfg
+
+
+def micro_batches(collate, samples: list, dp: int, dp_rank: int, micro_batch_size: int) -> list:
+    """This DP rank's micro batches of one global batch (a contiguous 1/dp slice, in micro batches)."""
+    per_rank = len(samples) // dp
+    mine = samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    return [collate(mine[i:i + micro_batch_size]) for i in range(0, len(mine), micro_batch_size)]
+
+
+def _setup(cfg):
+    from megatron_vlm.runtime import distributed
+
+    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed)
+
+
+def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list]) -> list | None:
+    """Run each job; returns per job {'loss': [...], 'grad_norm': [...]} (on rank 0; None elsewhere).
+
+    Job keys: TrainConfig fields (tp, pp, precision, dist_optim, micro_batch_size, overlap_grad_reduce, ...),
+    plus ``steps`` (default: all global batches), ``save`` (an iteration dir to save a checkpoint to after the
+    last step, with optimizer state unless save_optim=False) and ``resume`` (an iteration dir to restore before
+    the first step, the way the trainer resumes; with ``reload_weights=False`` the optimizer's main params are
+    deliberately not refreshed, the defect the resume must avoid).
+    """
+    from megatron_vlm.data.task_encoder import VLMTaskEncoder
+    from megatron_vlm.training import checkpointing, resume
+    from megatron_vlm.training.build import build_training
+    from megatron_vlm.training.step import train_step
+
+    iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
+    spec = VLMSpec.load(iter_dir)
+    encoder = VLMTaskEncoder(hf_dir, BASE["seq_length"], image_token_id=spec.image_token_id)  # for batch() only
+    out = []
+    for job in jobs:
+        steps = job.get("steps", len(global_batches))
+        cfg = job_config(job, steps, len(global_batches[0]))
+        rt = _setup(cfg)
+        training = build_training(cfg, spec, init_from=None if job.get("resume") else iter_dir)
+        if job.get("resume"):
+            plan = resume.plan(cfg, job["resume"], rt.tp, rt.pp, rt.dp)
+            plan.load_data = False  # the job feeds its own batches
+            if job.get("reload_weights", True):
+                resume.restore(training, plan)
+            else:  # the defect: weights loaded, the optimizer's fp32 main params left as they were
+                checkpointing.load(plan.iter_dir, training.model, training.optimizer, training.scheduler, False,
+                                   with_rng=False, with_data=False)
+        losses, norms = [], []
+        for gb in global_batches[:steps]:
+            mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size)
+            r = train_step(training, mine, cfg, rt.device)
+            losses.append(r.loss)
+            norms.append(r.grad_norm)
+        if job.get("save"):
+            meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp),
+                                       dtype=str(training.dtype).replace("torch.", ""))
+            meta.extra.update(resume.layout_extra(cfg, rt.dp, steps * len(global_batches[0])))
+            run_dir = Path(job["save"])
+            checkpointing.save(run_dir, steps, training.model, training.optimizer, training.scheduler, None,
+                               spec=spec, meta=meta, side_src=iter_dir, with_optim=cfg.save_optim,
+                               total_limit=None)
+        out.append({"name": job.get("name"), "loss": losses, "grad_norm": norms})
+        del training
+        gc.collect()
+    return out if torch.distributed.get_rank() == 0 else None
+
+

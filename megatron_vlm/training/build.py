@@ -1,0 +1,125 @@
+"""Build this rank's training objects on megatron-core, as Megatron-LM does: the LLaVAModel chunk of this
+pipeline stage, wrapped for mixed precision (``Float16Module``: bf16/fp16 parameters, first-stage inputs such as
+pixel values cast to the compute dtype, last-stage outputs back to fp32), megatron-core's
+``DistributedDataParallel`` (fp32 gradient buffers, per-token loss normalisation over the whole global batch),
+the mixed-precision or distributed optimizer (fp32 main parameters; loss scaling for fp16) and the learning-rate
+schedule.
+
+``build_training(cfg, spec, init_from)`` is used by the trainer and by the tests and benchmarks that drive a
+training step directly; ``cfg`` is a :class:`~megatron_vlm.training.config.TrainConfig` (only its model,
+parallelism, precision and optimizer fields are read).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from megatron_vlm import checkpoint as ckpt
+from megatron_vlm.spec import VLMSpec
+
+log = logging.getLogger("megatron_vlm.train")
+
+
+def compute_dtype(cfg) -> torch.dtype:
+    return torch.bfloat16 if cfg.precision == "bf16" else torch.float16 if cfg.precision == "fp16" else torch.float32
+
+
+@dataclass
+class Training:
+    """One rank's model, wrapped model, optimizer and schedule (everything a step and a checkpoint touch)."""
+
+    spec: VLMSpec
+    model: torch.nn.Module  # the LLaVAModel chunk of this pipeline stage (unwrapped)
+    ddp: torch.nn.Module  # DistributedDataParallel(Float16Module(model)) or DistributedDataParallel(model)
+    optimizer: object  # megatron-core MegatronOptimizer
+    scheduler: object  # megatron-core OptimizerParamScheduler
+    trained_parts: tuple[bool, bool, bool]  # (vision encoder, projector, language model) trainable
+    dtype: torch.dtype
+
+    @property
+    def config(self):
+        """The language TransformerConfig, which megatron's schedules and DDP read."""
+        return self.model.config
+
+    def overlapping_param_gather(self) -> bool:
+        return bool(self.ddp.ddp_config.use_distributed_optimizer and self.ddp.ddp_config.overlap_param_gather)
+
+
+def model_options(cfg, spec: VLMSpec):
+    from megatron_vlm.model import ModelOptions
+
+    dtype = compute_dtype(cfg)
+    return ModelOptions(
+        tp=cfg.tp, pp=cfg.pp, pp_layers=cfg.pp_layers, seq_length=cfg.seq_length, params_dtype=dtype,
+        bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16", use_te=cfg.fp8, fp8=cfg.fp8,
+        deterministic=cfg.deterministic, recompute_granularity=cfg.recompute_granularity,
+        recompute_method=cfg.recompute_method, recompute_num_layers=cfg.recompute_num_layers,
+        sequence_parallel=cfg.sequence_parallel, per_token_loss=True,
+    )
+
+
+def freeze(model, cfg) -> tuple[bool, bool, bool]:
+    """Freeze per stage and overrides; returns what trains: (vision encoder, projector, language model)."""
+    freeze_vit = cfg.freeze_vit if cfg.freeze_vit is not None else True
+    freeze_lm = cfg.freeze_lm if cfg.freeze_lm is not None else cfg.stage == 1
+    model.freeze(freeze_language_model=freeze_lm, freeze_vision_model=freeze_vit, freeze_vision_projection=False)
+    return not freeze_vit, True, not freeze_lm
+
+
+def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
+    """Model (weights from the iteration dir ``init_from``, else random), DDP, optimizer and scheduler.
+
+    Weights are loaded before the optimizer exists, so its fp32 main parameters start from them. Whatever
+    changes model weights later must call :func:`weights_changed`.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_vlm.model import build_model
+
+    dtype = compute_dtype(cfg)
+    model = build_model(spec, model_options(cfg, spec))
+    if torch.cuda.is_available() and cfg.device != "cpu":
+        model.cuda()
+    if init_from is not None:
+        ckpt.load_model_weights(model, init_from)
+    trained = freeze(model, cfg)
+    config = model.config
+    wrapped = Float16Module(config, model) if dtype != torch.float32 else model
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
+        overlap_param_gather=cfg.overlap_param_gather, use_distributed_optimizer=cfg.dist_optim,
+        bucket_size=cfg.ddp_bucket_size,
+    )
+    # config.calculate_per_token_loss is set at build time: DDP reads it here to leave gradients unscaled by
+    # 1/DP, and finalize_model_grads then divides them by the global batch's loss-token count.
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=wrapped)
+    opt_cfg = OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2, clip_grad=cfg.clip_grad, bf16=cfg.precision == "bf16",
+        fp16=cfg.precision == "fp16", params_dtype=dtype, use_distributed_optimizer=cfg.dist_optim,
+        overlap_param_gather=cfg.overlap_param_gather,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    warmup = int(cfg.lr_warmup_fraction * cfg.train_iters)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=cfg.train_iters, lr_decay_style=cfg.lr_decay_style, start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_iters, wd_incr_style="constant",
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = ddp.no_sync
+    return Training(spec, model, ddp, optimizer, scheduler, trained, dtype)
+
+
+def weights_changed(training: Training) -> None:
+    """Model weights were replaced after the optimizer was built (a checkpoint loaded without optimizer
+    state): copy them into the optimizer's fp32 main parameters, or its next step would bring the old
+    weights back (Megatron-LM does the same)."""
+    training.optimizer.reload_model_params()

@@ -1,0 +1,137 @@
+"""One training step and one evaluation pass on megatron-core's forward/backward schedules.
+
+The loss is a sum over loss tokens per micro batch, returned to the schedule with its token count
+(``calculate_per_token_loss``): megatron's ``finalize_model_grads`` divides the gradients by the token count
+of the whole global batch (all micro batches, all data-parallel ranks), so the loss and gradients of a
+global batch are the same at any TP/PP/DP and any gradient accumulation.
+
+Inputs are passed to the model positionally, as Megatron-LM's ``pretrain_vlm.py`` does: megatron's
+``Float16Module`` casts positional floating-point inputs (pixel values, loss mask) to the compute dtype on the
+first pipeline stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+
+@dataclass
+class StepResult:
+    loss_sum: float  # summed token losses of the global batch (all DP ranks)
+    loss_tokens: float  # loss tokens of the global batch
+    grad_norm: float | None  # before clipping; None when the step was skipped (fp16 overflow)
+    samples: int
+    tokens: int
+    images: int
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.loss_tokens, 1.0)
+
+
+def loss_func(loss_mask, output):
+    losses = output.float()
+    mask = loss_mask.float()
+    total = (losses * mask).sum()
+    n = mask.sum()
+    return total, n.int(), {"lm loss": torch.stack([total.detach(), n.detach()])}
+
+
+def forward_step(device, data_iterator, model):
+    b = next(data_iterator)
+    out, loss_mask = model(b.images.to(device), b.tokens.to(device), None, None, b.labels.to(device),
+                           b.loss_mask.to(device), None, b.num_image_tiles.to(device))
+    return out, partial(loss_func, loss_mask)
+
+
+def _reduce_losses(losses, device) -> torch.Tensor:
+    """[loss sum, token count] of the global batch on the last pipeline stage (zeros elsewhere)."""
+    from megatron.core import parallel_state as ps
+
+    total = torch.zeros(2, device=device, dtype=torch.float64)
+    for d in losses:
+        total += d["lm loss"].to(device).double()
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        torch.distributed.all_reduce(total, group=ps.get_data_parallel_group())
+    return total
+
+
+def train_step(training, batches: list, cfg, device) -> StepResult:
+    """Forward/backward over this rank's micro batches of one global batch, then the optimizer step."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp, optimizer = training.ddp, training.optimizer
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
+        num_microbatches=len(batches), seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+        forward_only=False)
+    ok, grad_norm, _ = optimizer.step()
+    training.scheduler.step(increment=1)
+    total = _reduce_losses(losses, device)
+    # the logged loss comes from the last stage: share it with the whole pipeline so every rank reports it
+    torch.distributed.broadcast(total, src=ps.get_pipeline_model_parallel_last_rank(),
+                                group=ps.get_pipeline_model_parallel_group())
+    counts = torch.tensor([sum(b.tokens.shape[0] for b in batches), sum(b.num_tokens for b in batches),
+                           sum(b.images.shape[0] for b in batches)], device=device, dtype=torch.float64)
+    torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
+    samples, tokens, images = (int(c) for c in counts.tolist())
+    return StepResult(total[0].item(), total[1].item(), float(grad_norm) if ok else None, samples, tokens, images)
+
+
+def pad_micro_batch(batch, micro_batch_size: int, image_token_id: int):
+    """A partial last batch filled up to ``micro_batch_size`` rows with copies of its last row whose loss mask
+    is zero: pipeline stages exchange activations of a fixed [seq, micro batch, hidden] shape, so every
+    micro batch must have the same number of rows (a short one would leave the next stage waiting)."""
+    n = batch.tokens.shape[0]
+    if n >= micro_batch_size:
+        return batch
+    extra = micro_batch_size - n
+
+    def rows(t):
+        return torch.cat([t, t[-1:].expand(extra, *t.shape[1:])], dim=0)
+
+    k = int((batch.tokens[-1] == image_token_id).sum())  # images are stacked in token order
+    last_images, last_tiles = batch.images[batch.images.shape[0] - k:], batch.num_image_tiles[
+        batch.num_image_tiles.shape[0] - k:]
+    return type(batch).derive_from(
+        batch, images=torch.cat([batch.images] + [last_images] * extra),
+        num_image_tiles=torch.cat([batch.num_image_tiles] + [last_tiles] * extra), tokens=rows(batch.tokens),
+        labels=rows(batch.labels), loss_mask=torch.cat([batch.loss_mask, batch.loss_mask.new_zeros(
+            extra, batch.loss_mask.shape[1])]), num_tokens=batch.num_tokens)
+
+
+def evaluate(training, batches: list, cfg, device) -> float | None:
+    """Mean loss per loss token over ``batches`` (this rank's share of the validation set); None if empty."""
+    n = torch.tensor([len(batches)], device=device)
+    torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
+    batches = [pad_micro_batch(b, cfg.micro_batch_size, training.spec.image_token_id)
+               for b in batches[: int(n.item())]]
+    if not batches:
+        return None
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp = training.ddp
+    overlap = training.overlapping_param_gather()
+    if overlap:  # parameters must be current before a forward outside the training step
+        ddp.disable_forward_pre_hook(param_sync=True)
+    ddp.eval()
+    with torch.no_grad():
+        losses = get_forward_backward_func()(
+            forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
+            num_microbatches=len(batches), seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+            forward_only=True)
+    ddp.train()
+    if overlap:
+        ddp.enable_forward_pre_hook()
+    from megatron.core import parallel_state as ps
+
+    total = _reduce_losses(losses, device)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        return (total[0] / total[1].clamp(min=1)).item()
+    return None
