@@ -169,7 +169,8 @@ def train(cfg) -> dict:
     lang_cfg.calculate_per_token_loss = True
 
     encoder = VLMTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, image_token_id=spec.image_token_id,
-                             pad_token_id=cfg.pad_token_id)
+                             pad_token_id=cfg.pad_token_id, spec=spec,
+                             max_consecutive_skips=cfg.max_consecutive_skipped_samples)
     loader = build_train_loader(cfg.data_path, encoder, cfg.micro_batch_size, rt.dp_rank, rt.dp, cfg.num_workers,
                                 cfg.seed)
     iteration = 0
