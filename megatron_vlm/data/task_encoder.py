@@ -129,9 +129,9 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         self.skips = SkipCounter(max_consecutive_skips, hints={
             "image_tokens": f"check the chat template in {self.hf_dir}: it must render every image part of a "
                             f"message as {image_token!r}, once per image",
-            "too_long": f"raise the sequence length ({self.seq_length}; one image takes {k} positions)",
-            "no_answer": f"raise the sequence length ({self.seq_length}) or check that the samples have "
-                         "assistant answers",
+            "too_long": f"raise --seq-length (now {self.seq_length}; one image takes {k} positions)",
+            "no_answer": f"raise --seq-length (now {self.seq_length}) or check that the samples have assistant "
+                         "answers",
             "conversation": "check the dataset: rewrite it with data_prep/make_wds.py",
         })
 
