@@ -23,6 +23,14 @@ def main(argv=None):
     cfg = TrainConfig.from_yaml(a.config)
     try:
         train(cfg)
+    except Exception as e:
+        from megatron_vlm.data.skips import skip_error_line
+
+        line = skip_error_line(e)  # the data stops the run: one line instead of worker tracebacks
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         teardown()
 

@@ -13,6 +13,8 @@ Preparation (``data_prep/make_wds.py``, ``data_prep/stats.py``):
 Training (the trainer calls these):
 - :mod:`.sample`       ConversationSample, the energon sample loader and the crude-sample cooker;
 - :mod:`.chat_tokens`  chat template rendering, tokenization and assistant-token spans;
+- :mod:`.geometry`     image size and image tokens per image from the model's spec; the image processor check;
+- :mod:`.skips`        skipped samples counted by reason; the bound on consecutive skips that stops a run;
 - :mod:`.task_encoder` ``VLMTaskEncoder`` -> ``VLMBatch``;
 - :mod:`.loader`       ``build_train_loader`` / ``build_eval_loader``.
 """

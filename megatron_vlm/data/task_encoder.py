@@ -9,7 +9,11 @@ Per sample (:meth:`VLMTaskEncoder.encode_sample`):
   where the label is assistant content (answer tokens and the eos closing the turn);
 - truncation to ``seq_length`` counted with images expanded; it removes text from the end and never
   splits an image (an image past the cut is dropped with its pixels). A sample whose images alone do
-  not fit, or that keeps no answer token, is skipped (counted in :attr:`VLMTaskEncoder.skipped`);
+  not fit, or that keeps no answer token, is skipped (counted by reason in :attr:`VLMTaskEncoder.skipped`);
+  after ``max_consecutive_skips`` skips in a row the encoder stops the run with the reasons counted
+  (:mod:`megatron_vlm.data.skips`);
+- image size and image tokens per image from the model's spec (:mod:`megatron_vlm.data.geometry`); an image
+  processor whose output size differs from the spec's is refused;
 - pixel values from the model's own HF image processor (``AutoProcessor.from_pretrained``), i.e. the
   exact transform HF inference applies. Images are decoded by energon to PIL RGB.
 
@@ -19,23 +23,22 @@ on padding; all images of the batch stacked in token order.
 
 from __future__ import annotations
 
-import logging
 import os
-from collections import Counter
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from megatron.energon import Batch, Sample, SkipSample, TaskEncoder
+from megatron.energon import Batch, Sample, TaskEncoder
 from megatron.energon.edataclass import edataclass
 from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
 from megatron.energon.task_encoder.base import stateless
 from megatron.energon.task_encoder.cooking import Cooker
 
 from megatron_vlm.data.chat_tokens import ChatTokenizer
+from megatron_vlm.data.geometry import ImageGeometry, check_image_processor
 from megatron_vlm.data.sample import conversation_of, cook
+from megatron_vlm.data.skips import DEFAULT_MAX_CONSECUTIVE_SKIPS, SkipCounter
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-log = logging.getLogger(__name__)
 
 
 @edataclass
@@ -77,44 +80,38 @@ def _as_pil(image):
     raise TypeError(f"unsupported image type {type(image).__name__}")
 
 
-@dataclass(frozen=True)
-class ImageGeometry:
-    channels: int
-    height: int
-    width: int
-    tokens_per_image: int
-
-
-def image_geometry(processor) -> ImageGeometry:
-    """Pixel shape and image tokens per image as HF inference computes them (processor on a dummy image)."""
-    from PIL import Image
-
-    image_token = processor.image_token
-    dummy = Image.new("RGB", (64, 48), (127, 127, 127))
-    out = processor(text=image_token, images=[dummy], add_special_tokens=False, return_tensors="pt")
-    image_token_id = processor.tokenizer.convert_tokens_to_ids(image_token)
-    k = int((out["input_ids"][0] == image_token_id).sum())
-    _, c, h, w = out["pixel_values"].shape
-    return ImageGeometry(int(c), int(h), int(w), k)
-
-
 class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
     """Energon task encoder for LLaVA-style training; see the module docstring."""
 
     decoder = SampleDecoder(image_decode="pilrgb")
     cookers = [Cooker(cook)]
 
-    def __init__(self, hf_dir, seq_length: int, image_token_id: int | None = None, pad_token_id: int | None = None):
+    def __init__(self, hf_dir, seq_length: int, image_token_id: int | None = None, pad_token_id: int | None = None,
+                 *, spec=None, max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS):
+        """``hf_dir``: the HF LLaVA directory whose tokenizer, chat template and image processor are used.
+        ``spec``: the model's :class:`~megatron_vlm.spec.VLMSpec` (default: read from ``hf_dir``'s config.json);
+        image size and image tokens per image come from it. ``max_consecutive_skips``: stop with
+        :class:`~megatron_vlm.data.skips.TooManySkippedSamples` after that many skipped samples in a row."""
         from transformers import AutoProcessor
 
+        from megatron_vlm.spec import VLMSpec
         from megatron_vlm.tokenizer import special_token_ids
 
         self.hf_dir = str(hf_dir)
         self.seq_length = int(seq_length)
+        if spec is None:
+            if not (Path(self.hf_dir) / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"{self.hf_dir} has no config.json: the image size and image tokens per image come from the "
+                    "model's config; give the LLaVA directory written by convert/build_llava.py (or the "
+                    "tokenizer/ directory of a training checkpoint)")
+            spec = VLMSpec.from_hf_dir(self.hf_dir)
+        self.spec = spec
         self.processor = AutoProcessor.from_pretrained(self.hf_dir)
         self.tokenizer = self.processor.tokenizer
         self.image_processor = self.processor.image_processor
-        ids = special_token_ids(self.tokenizer, getattr(self.processor, "image_token", None))
+        image_token = getattr(self.processor, "image_token", None)
+        ids = special_token_ids(self.tokenizer, image_token)
         #: the tokenizer's id for the image token (what the chat template produces)
         self.tokenizer_image_token_id = int(ids.image)
         #: the id written into ``tokens`` for each image (default: the tokenizer's; Megatron's LLaVAModel
@@ -123,18 +120,27 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         self.pad_token_id = int(pad_token_id if pad_token_id is not None else ids.pad)
         template = getattr(self.processor, "chat_template", None) or self.tokenizer.chat_template
         self.chat = ChatTokenizer(self.tokenizer, template)
-        self.geometry = image_geometry(self.processor)
+        #: pixel shape and image tokens per image, from the spec (never from optional processor fields)
+        self.geometry = ImageGeometry.from_spec(self.spec)
         self.tokens_per_image = self.geometry.tokens_per_image
-        self.skipped: Counter = Counter()
+        check_image_processor(self.image_processor, self.geometry, self.hf_dir)
+        image_token = image_token or self.tokenizer.convert_ids_to_tokens(self.tokenizer_image_token_id)
+        k = self.tokens_per_image
+        self.skips = SkipCounter(max_consecutive_skips, hints={
+            "image_tokens": f"check the chat template in {self.hf_dir}: it must render every image part of a "
+                            f"message as {image_token!r}, once per image",
+            "too_long": f"raise --seq-length (now {self.seq_length}; one image takes {k} positions)",
+            "no_answer": f"raise --seq-length (now {self.seq_length}) or check that the samples have assistant "
+                         "answers",
+            "conversation": "check the dataset: rewrite it with data_prep/make_wds.py",
+        })
+
+    @property
+    def skipped(self):
+        """reason -> samples skipped for it (in this process or data worker)."""
+        return self.skips.total
 
     # -- per sample -------------------------------------------------------------------------------
-    def _skip(self, key: str, reason: str):
-        self.skipped[reason] += 1
-        n = self.skipped[reason]
-        if n & (n - 1) == 0:  # 1, 2, 4, 8, ... : warn without flooding the log
-            log.warning("skipping sample %s: %s (%d such samples so far in this worker)", key, reason, n)
-        raise SkipSample()
-
     def pixel_values(self, images: list) -> torch.Tensor:
         g = self.geometry
         if not images:
@@ -151,9 +157,10 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         k = self.tokens_per_image
         positions = [i for i, t in enumerate(x) if t == self.image_token_id]
         if len(positions) != len(images):
-            self._skip(key, f"{len(positions)} image tokens but {len(images)} images")
+            self.skips.skip(key, "image_tokens", f"{len(positions)} image tokens but {len(images)} images")
         if len(images) * k > self.seq_length:
-            self._skip(key, f"{len(images)} images need {len(images) * k} > seq_length {self.seq_length} tokens")
+            self.skips.skip(key, "too_long",
+                            f"{len(images)} images need {len(images) * k} > seq_length {self.seq_length} tokens")
         # Keep tokens x[:m] (labels x[1:m+1]) with m + (k-1) * images_in(x[:m]) <= seq_length.
         m, n_img = len(x) - 1, sum(1 for p in positions if p < len(x) - 1)
         if m + (k - 1) * n_img > self.seq_length:
@@ -169,7 +176,8 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         labels = torch.tensor(x[1 : m + 1], dtype=torch.int64)
         loss_mask = torch.tensor(assistant[1 : m + 1], dtype=torch.float32)
         if loss_mask.sum() == 0:
-            self._skip(key, "no answer token left within seq_length")
+            self.skips.skip(key, "no_answer", "no answer token left within seq_length")
+        self.skips.kept()
         return dict(
             images=self.pixel_values(images[:n_img]),
             tokens=tokens,
@@ -183,7 +191,7 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         try:
             messages, images = conversation_of(sample)
         except ValueError as e:
-            self._skip(sample.__key__, str(e))
+            self.skips.skip(sample.__key__, "conversation", str(e))
         return VLMSample.derive_from(sample, **self.encode_conversation(messages, images, sample.__key__))
 
     # -- per batch --------------------------------------------------------------------------------

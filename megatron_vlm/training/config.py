@@ -211,6 +211,10 @@ class TrainConfig:
                                   "SigLIP has none; CLIP has one, and the flag is refused for it.", "flag", False,
                                   "model")
     num_workers: int = _f(("--num-workers",), "Data-loader worker processes per rank.", "int", 2, "model")
+    max_consecutive_skipped_samples: int = _f(
+        ("--max-consecutive-skipped-samples",), "Stop training with the skip reasons counted when this many "
+        "samples in a row (in one data-loader worker) are skipped, e.g. because the chat template drops the "
+        "image token or samples do not fit --seq-length.", "int", 1000, "model", metavar="N")
     skip_train_iteration_range: list[tuple[int, int]] = _f(
         ("--skip-train-iteration-range",), "Iteration ranges whose batches are consumed but not trained "
         "on, e.g. 1000-1010 2000-2005 (to step over a loss spike).", "ranges", None, "model",
@@ -461,7 +465,8 @@ def _check_types_and_ranges(cfg: TrainConfig) -> list[str]:
     p: list[str] = []
     positive = ["gpus", "nodes", "tp", "pp", "micro_batch_size", "global_batch_size", "train_iters",
                 "seq_length", "save_interval", "save_total_limit", "log_interval", "eval_interval",
-                "gpus_per_node", "cpus_per_task", "ddp_bucket_size", "recompute_num_layers"]
+                "gpus_per_node", "cpus_per_task", "ddp_bucket_size", "recompute_num_layers",
+                "max_consecutive_skipped_samples"]
     for name in positive:
         v = getattr(cfg, name)
         if v is not None and v < 1:

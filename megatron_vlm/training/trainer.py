@@ -84,6 +84,10 @@ def start(cfg, rt) -> Run:
     if cfg.image_token_id is not None and cfg.image_token_id != spec.image_token_id:
         raise ValueError(f"--image-token-id {cfg.image_token_id} differs from the checkpoint's {spec.image_token_id}")
     plan = resume.plan(cfg, load_dir, rt.tp, rt.pp, rt.dp) if resuming else None
+    # the encoder first: it checks the image processor against the spec before the model is built
+    encoder = VLMTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, image_token_id=spec.image_token_id,
+                             pad_token_id=cfg.pad_token_id, spec=spec,
+                             max_consecutive_skips=cfg.max_consecutive_skipped_samples)
     training = build_training(cfg, spec, init_from=None if resuming else load_dir)
     if rt.rank == 0:
         log.info("precision %s (%s); layers: %s", cfg.precision, "fp32 main parameters in the optimizer"
@@ -93,8 +97,6 @@ def start(cfg, rt) -> Run:
         elif not resuming:
             log.info("random initialisation (--init)")
     loader_state = resume.restore(training, plan) if resuming else None
-    encoder = VLMTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, image_token_id=spec.image_token_id,
-                             pad_token_id=cfg.pad_token_id)
     loader = build_train_loader(cfg.data_path, encoder, cfg.micro_batch_size, rt.dp_rank, rt.dp, cfg.num_workers,
                                 plan.loader_seed if plan else cfg.seed)
     if loader_state is not None:
