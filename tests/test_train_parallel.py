@@ -81,6 +81,11 @@ def worlds(hf_models, tmp_path_factory):
         dict(name="bf16-tp2", tp=2, micro_batch_size=8, precision="bf16", steps=9),
         dict(name="bf16-pp2", pp=2, micro_batch_size=4, precision="bf16", steps=9),
         dict(name="bf16-dp2-dist", micro_batch_size=4, precision="bf16", dist_optim=True, steps=9),
+        # exact resume of the distributed optimizer in bf16: save after step 1, resume and run steps 2-3
+        dict(name="dist-save", micro_batch_size=4, precision="bf16", dist_optim=True, steps=1,
+             save=str(root / "distrun")),
+        dict(name="dist-resume", micro_batch_size=4, precision="bf16", dist_optim=True, start=1, steps=2,
+             resume=str(root / "distrun" / "iter_0000001")),
     ]
     r2 = {r["name"]: r for r in run_world(train_jobs, 2, two, meg, hf, long)[0]}
     r3 = {r["name"]: r for r in run_world(train_jobs, 1, fresh, bf16_ckpt, hf, gbs)[0]}
@@ -115,3 +120,17 @@ def test_bf16_resume_without_optimizer_state_continues_from_checkpoint_weights(w
     # the negative control: without refreshing the fp32 main params the second step starts from random weights
     assert stale["loss"][0] == fresh["loss"][0]
     assert abs(stale["loss"][1] - fresh["loss"][1]) > 0.05, (stale["loss"], fresh["loss"])
+
+
+def test_sequence_parallel_needs_transformer_engine_layers(hf_models):
+    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.spec import VLMSpec
+
+    spec = VLMSpec.from_hf_dir(hf_models["llama_clip"])
+    with pytest.raises(ValueError, match="--sequence-parallel needs Transformer Engine layers"):
+        build_model(spec, ModelOptions(tp=2, sequence_parallel=True))
+
+
+def test_bf16_distributed_optimizer_resume_is_exact(worlds):
+    full, resumed = worlds["bf16-dp2-dist"], worlds["dist-resume"]
+    assert resumed["loss"] == full["loss"][1:3] and resumed["grad_norm"] == full["grad_norm"][1:3]

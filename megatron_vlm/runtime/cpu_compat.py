@@ -13,10 +13,17 @@ makes the same code run on CPU:
   manual_seed`` (the "CUDA" RNG state *is* the CPU default generator's state, so megatron's RNG tracker
   forks/restores the generator that CPU ops really use) and for megatron's own ``_get/_set_cuda_rng_state``.
 
-It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine). Separately,
-``fix_norm_fallback()`` repairs CLIPViTModel's LayerNorm fallback without Transformer Engine
-(it defaults to ``torch.nn.LayerNorm``, which ``build_module`` cannot construct with a config); that fix
-is needed whenever TE is missing, on CPU or GPU.
+It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine). Separately, two fixes are
+needed whenever Transformer Engine (and Apex) are missing, on CPU or GPU, and ``fix_without_te()`` applies both:
+
+- ``fix_norm_fallback()`` repairs CLIPViTModel's LayerNorm fallback (it defaults to ``torch.nn.LayerNorm``,
+  which ``build_module`` cannot construct with a config);
+- ``fix_torch_adam_state_load()``: without Apex/TE the distributed optimizer runs torch's Adam, whose per-parameter
+  state has a ``step`` entry that megatron-core 0.16's checkpoint load skips on the source side but still
+  expects on the destination side (a ``KeyError: 'step'`` on every resume); the step is restored from the
+  checkpoint's param groups by megatron already, but as ONE tensor shared by all parameters, which torch's Adam
+  would increment once per parameter (the bias correction then drifts after a resume): each parameter gets its
+  own copy.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ def enable() -> bool:
     global _MODE
     if cuda_available():
         raise RuntimeError("the CPU compatibility layer must not be used on a machine with CUDA")
-    fix_norm_fallback()
+    fix_without_te()
     if _MODE is not None:
         return True
     torch.cuda.current_device = lambda: 0
@@ -106,6 +113,35 @@ def _recompute_under_mode(mrandom) -> None:
 
 def is_enabled() -> bool:
     return _MODE is not None
+
+
+def fix_without_te() -> None:
+    fix_norm_fallback()
+    fix_torch_adam_state_load()
+
+
+def fix_torch_adam_state_load() -> None:
+    """See the module docstring (idempotent; a no-op for optimizers whose state has no ``step``)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_keeps_step", False):
+        return
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            if state.get("step") is not None:
+                # megatron gives every parameter the same step tensor, which torch's Adam then increments once
+                # per parameter in place: each parameter needs its own
+                state["step"] = state["step"].clone()
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    set_states._keeps_step = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
 def fix_norm_fallback() -> None:

@@ -57,9 +57,9 @@ def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234,
 
         cpu_compat.enable()
     else:
-        from megatron_vlm.runtime.cpu_compat import fix_norm_fallback
+        from megatron_vlm.runtime.cpu_compat import fix_without_te
 
-        fix_norm_fallback()
+        fix_without_te()
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))

@@ -30,7 +30,7 @@ BASE = dict(device="cpu", stage=2, freeze_vit=False, lr=2e-3, min_lr=0.0, lr_war
 def job_config(job: dict, n_steps: int, global_batch_size: int):
     from megatron_vlm.training.config import TrainConfig
 
-    fields = {k: v for k, v in job.items() if k not in ("name", "steps", "save", "resume", "reload_weights")}
+    fields = {k: v for k, v in job.items() if k not in ("name", "steps", "start", "save", "resume", "reload_weights")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
     return cfg
@@ -53,10 +53,11 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     """Run each job; returns per job {'loss': [...], 'grad_norm': [...]} (on rank 0; None elsewhere).
 
     Job keys: TrainConfig fields (tp, pp, precision, dist_optim, micro_batch_size, overlap_grad_reduce, ...),
-    plus ``steps`` (default: all global batches), ``save`` (an iteration dir to save a checkpoint to after the
-    last step, with optimizer state unless save_optim=False) and ``resume`` (an iteration dir to restore before
-    the first step, the way the trainer resumes; with ``reload_weights=False`` the optimizer's main params are
-    deliberately not refreshed, the defect the resume must avoid).
+    plus ``steps`` (default: all global batches), ``start`` (the first global batch, default 0), ``save`` (a
+    run dir to save a checkpoint to after the last step, with optimizer state unless save_optim=False) and
+    ``resume`` (an iteration dir to restore before the first step, the way the trainer resumes; with
+    ``reload_weights=False`` the optimizer's main params are deliberately not refreshed, the defect the resume
+    must avoid).
     """
     from megatron_vlm.data.task_encoder import VLMTaskEncoder
     from megatron_vlm.training import checkpointing, resume
@@ -68,7 +69,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     encoder = VLMTaskEncoder(hf_dir, BASE["seq_length"], image_token_id=spec.image_token_id)  # for batch() only
     out = []
     for job in jobs:
-        steps = job.get("steps", len(global_batches))
+        steps = job.get("steps", len(global_batches) - job.get("start", 0))
         cfg = job_config(job, steps, len(global_batches[0]))
         rt = _setup(cfg)
         training = build_training(cfg, spec, init_from=None if job.get("resume") else iter_dir)
@@ -81,7 +82,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
                 checkpointing.load(plan.iter_dir, training.model, training.optimizer, training.scheduler, False,
                                    with_rng=False, with_data=False)
         losses, norms = [], []
-        for gb in global_batches[:steps]:
+        first = job.get("start", 0)
+        for gb in global_batches[first:first + steps]:
             mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size)
             r = train_step(training, mine, cfg, rt.device)
             losses.append(r.loss)
@@ -89,9 +91,9 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         if job.get("save"):
             meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp),
                                        dtype=str(training.dtype).replace("torch.", ""))
-            meta.extra.update(resume.layout_extra(cfg, rt.dp, steps * len(global_batches[0])))
+            meta.extra.update(resume.layout_extra(cfg, rt.dp, (first + steps) * len(global_batches[0])))
             run_dir = Path(job["save"])
-            checkpointing.save(run_dir, steps, training.model, training.optimizer, training.scheduler, None,
+            checkpointing.save(run_dir, first + steps, training.model, training.optimizer, training.scheduler, None,
                                spec=spec, meta=meta, side_src=iter_dir, with_optim=cfg.save_optim,
                                total_limit=None)
         out.append({"name": job.get("name"), "loss": losses, "grad_norm": norms})

@@ -148,6 +148,20 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
     return final
 
 
+def _dummy_optimizer_state(optimizer) -> list:
+    """A distributed optimizer that has not stepped yet has no Adam state; without Apex or Transformer Engine
+    megatron-core 0.16 then cannot build its sharded state dict for loading (it reads the step count from that
+    state). megatron's own dummy-state initialisation fills it for that moment; returns the optimizers filled,
+    whose dummy state is dropped again before the load (megatron allocates the real one there)."""
+    filled = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+        if init is not None and not opt.optimizer.state:
+            init()
+            filled.append(opt)
+    return filled
+
+
 def load(iter_dir, model, optimizer, scheduler, with_optim: bool, with_rng: bool = True,
          with_data: bool = True) -> dict:
     """Restore model (+ optimizer, scheduler) and return {'iteration', 'loader_state', 'rng_state'} (the last two
@@ -155,8 +169,11 @@ def load(iter_dir, model, optimizer, scheduler, with_optim: bool, with_rng: bool
     from the loaded weights (:func:`megatron_vlm.training.build.weights_changed`)."""
     from megatron.core import dist_checkpointing
 
+    dummy = _dummy_optimizer_state(optimizer) if with_optim else []
     sd = _state_dict(model, optimizer, scheduler, 0, None, with_optim, loading=True, with_rng=with_rng,
                      with_data=with_data)
+    for opt in dummy:
+        opt.optimizer.state.clear()
     loaded = dist_checkpointing.load(sd, str(iter_dir))  # a local path or an msc:// URL
     _unwrap(model).load_state_dict({k[len("model."):]: v for k, v in loaded["model"].items()}, strict=True)
     if with_optim:
