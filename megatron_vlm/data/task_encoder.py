@@ -14,7 +14,9 @@ Per sample (:meth:`VLMTaskEncoder.encode_sample`):
   exact transform HF inference applies. Images are decoded by energon to PIL RGB.
 
 Per batch (:meth:`VLMTaskEncoder.batch`): right padding with the pad id to the longest sample, loss_mask 0
-on padding; all images of the batch stacked in token order.
+on padding; all images of the batch stacked in token order. With ``pad_to_multiple_of`` (FP8: 16, or 32 for
+mxfp8) the text is padded further so that the sequence the language model sees, images expanded, is a multiple
+of it (:func:`padded_text_length`).
 """
 
 from __future__ import annotations
@@ -98,19 +100,37 @@ def image_geometry(processor) -> ImageGeometry:
     return ImageGeometry(int(c), int(h), int(w), k)
 
 
+def padded_text_length(text_lengths: list[int], image_extra: list[int], multiple: int | None) -> int:
+    """Token columns of a batch whose samples have ``text_lengths`` tokens (one image token per image) and
+    ``image_extra`` = (tokens per image - 1) x images positions added by image expansion.
+
+    Megatron's LLaVAModel expands every row to (columns + that row's extra) and pads to the longest row, so the
+    language model sees ``columns + max(image_extra)`` positions; with ``multiple`` the columns are chosen so
+    that this is the smallest multiple of it that holds the longest sample.
+    """
+    columns = max(text_lengths)
+    if not multiple:
+        return columns
+    combined = columns + max(image_extra)
+    return columns + (-combined) % multiple
+
+
 class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
     """Energon task encoder for LLaVA-style training; see the module docstring."""
 
     decoder = SampleDecoder(image_decode="pilrgb")
     cookers = [Cooker(cook)]
 
-    def __init__(self, hf_dir, seq_length: int, image_token_id: int | None = None, pad_token_id: int | None = None):
+    def __init__(self, hf_dir, seq_length: int, image_token_id: int | None = None, pad_token_id: int | None = None,
+                 pad_to_multiple_of: int | None = None):
         from transformers import AutoProcessor
 
         from megatron_vlm.tokenizer import special_token_ids
 
         self.hf_dir = str(hf_dir)
         self.seq_length = int(seq_length)
+        #: pad each batch so the image-expanded length is a multiple of this (FP8 GEMMs), None: longest sample
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.processor = AutoProcessor.from_pretrained(self.hf_dir)
         self.tokenizer = self.processor.tokenizer
         self.image_processor = self.processor.image_processor
@@ -189,7 +209,8 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
     # -- per batch --------------------------------------------------------------------------------
     @stateless
     def batch(self, samples: list[VLMSample]) -> VLMBatch:
-        seq = max(len(s.tokens) for s in samples)
+        seq = padded_text_length([len(s.tokens) for s in samples], [s.num_tokens - len(s.tokens) for s in samples],
+                                 self.pad_to_multiple_of)
         tokens = torch.full((len(samples), seq), self.pad_token_id, dtype=torch.int64)
         labels = torch.full((len(samples), seq), self.pad_token_id, dtype=torch.int64)
         loss_mask = torch.zeros((len(samples), seq), dtype=torch.float32)

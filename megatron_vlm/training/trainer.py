@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from megatron_vlm import checkpoint as ckpt
-from megatron_vlm import storage
+from megatron_vlm import fp8, layer_impl, storage
 from megatron_vlm.spec import VLMSpec
 from megatron_vlm.training import checkpointing
 from megatron_vlm.training.flops import StepFlops, peak_flops
@@ -134,8 +134,13 @@ def train(cfg) -> dict:
     if cfg.image_token_id is not None and cfg.image_token_id != spec.image_token_id:
         raise ValueError(f"--image-token-id {cfg.image_token_id} differs from the checkpoint's {spec.image_token_id}")
     dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
+    impl, why = layer_impl.choose(cfg.transformer_impl, rt.device.type, cfg.fp8)
+    if rt.rank == 0:
+        log.info("transformer layers: %s (%s)%s", impl, why,
+                 f"; FP8 {cfg.fp8_format}, recipe {cfg.fp8_recipe}" if cfg.fp8 else "")
     opts = ModelOptions(tp=cfg.tp, pp=cfg.pp, pp_layers=cfg.pp_layers, seq_length=cfg.seq_length, params_dtype=dtype,
-                        bf16=cfg.bf16, fp16=cfg.fp16, use_te=cfg.fp8, fp8=cfg.fp8, deterministic=cfg.deterministic)
+                        bf16=cfg.bf16, fp16=cfg.fp16, use_te=impl == "transformer_engine", fp8=cfg.fp8,
+                        fp8_recipe=cfg.fp8_recipe, fp8_format=cfg.fp8_format, deterministic=cfg.deterministic)
     model = build_model(spec, opts)
     if rt.device.type == "cuda":
         model.cuda()
@@ -169,7 +174,8 @@ def train(cfg) -> dict:
     lang_cfg.calculate_per_token_loss = True
 
     encoder = VLMTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, image_token_id=spec.image_token_id,
-                             pad_token_id=cfg.pad_token_id)
+                             pad_token_id=cfg.pad_token_id,
+                             pad_to_multiple_of=fp8.align_size(cfg.fp8_recipe) if cfg.fp8 else None)
     loader = build_train_loader(cfg.data_path, encoder, cfg.micro_batch_size, rt.dp_rank, rt.dp, cfg.num_workers,
                                 cfg.seed)
     iteration = 0
