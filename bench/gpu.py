@@ -283,7 +283,7 @@ def parse(argv=None):
     for k, v in FULL.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None, help=f"default {v} ({TINY[k]} with --tiny)")
     p.add_argument("--loss-tolerance", type=float, default=0.02, help="largest relative loss difference (default 2%%)")
-    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--num-workers", type=int, default=None, help="data-loader workers (default 2; 0 with --tiny)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--work-dir", type=Path, default=None, help="scratch directory (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
@@ -293,6 +293,8 @@ def parse(argv=None):
     for k, v in sizes.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.num_workers is None:
+        a.num_workers = 0 if a.tiny else 2
     a.device = "cpu" if a.tiny else "cuda"
     a.precision = "fp32" if a.tiny else "bf16"
     a.impls = (a.impls or ("local" if a.tiny else "transformer_engine,local")).split(",")
@@ -309,9 +311,6 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    import logging
-
-    logging.disable(logging.WARNING)
     if not a.tiny:
         import torch
 
@@ -345,4 +344,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import logging
+
+    logging.disable(logging.WARNING)
     sys.exit(main())
