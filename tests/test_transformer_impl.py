@@ -244,16 +244,13 @@ def test_local_layers_avoid_apex_layernorm_for_rmsnorm(local_world, monkeypatch)
 @pytest.mark.gpu
 def test_te_and_local_layers_agree_with_hf(tmp_path_factory):
     """Both implementations load the converted (local, no TE _extra_state) checkpoint and match HF in fp32."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import gpu as bench  # bench/gpu.py
-
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
     from megatron_vlm.convert.verify import reference_batch
     from megatron_vlm.spec import VLMSpec
 
+    from tests.conftest import script
+
+    bench = script("bench/gpu.py")
     hf = tiny_llava(tmp_path_factory, "llama", "clip")
     meg = convert_hf_to_megatron(hf, tmp_path_factory.mktemp("gpu") / "m")
     bench._no_tf32()
@@ -273,3 +270,35 @@ def test_unsupported_recipe_is_refused_on_this_gpu():
             fp8.check_recipe_runs(r)
     for r in fp8.runnable(cap, torch.version.cuda):
         fp8.check_recipe_runs(r)  # Transformer Engine agrees with the table
+
+
+@pytest.mark.gpu
+def test_te_written_checkpoint_loads_into_local_layers(tmp_path_factory, tmp_path):
+    """Converted (local) -> TE model -> saved with TE's _extra_state -> local model: the same weights."""
+    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.runtime.session import single_process_world
+    from megatron_vlm.spec import VLMSpec
+
+    hf = tiny_llava(tmp_path_factory, "llama", "clip")
+    src = convert_hf_to_megatron(hf, tmp_path / "local") / "release"
+    spec = VLMSpec.load(src)
+    with single_process_world("cuda"):
+        def build(te):
+            return build_model(spec, ModelOptions(seq_length=64, use_te=te, perform_initialization=False)).cuda()
+
+        te = build(True)
+        ckpt.load_model_weights(te, src)
+        out = tmp_path / "te" / "release"
+        ckpt.save_model_weights(te, out)
+        ckpt.copy_side_files(src, out)
+        ckpt.CheckpointMeta.load(src).save(out)
+        assert any(k.endswith(TE_ONLY[0]) for k in layer_impl.checkpoint_keys(out))
+        a, b = build(False), build(False)
+        ckpt.load_model_weights(a, src)
+        ckpt.load_model_weights(b, out)
+        sa, sb = a.state_dict(), b.state_dict()
+        for k, v in sa.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(sb[k], v), k
