@@ -22,12 +22,9 @@ from megatron_vlm.spec import VLMSpec
 
 
 def have_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
+    from megatron_vlm.layer_impl import te_status
 
-        return True
-    except Exception:
-        return False
+    return te_status()[0]
 
 
 @dataclass
