@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_vlm import storage
+from megatron_vlm import layer_impl, storage
 from megatron_vlm.spec import SPEC_FILE, VLMSpec
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -200,10 +200,13 @@ def load_model_weights(model, iter_dir, strict: bool = True) -> CheckpointMeta:
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     check_meta(meta, spec, tp, pp, iter_dir)
     if meta.format == "torch_dist":
-        state = dist_checkpointing.load(model.sharded_state_dict(prefix="model."), str(iter_dir))
+        sharded = model.sharded_state_dict(prefix="model.")
+        layer_impl.prepare_dist_load(sharded, iter_dir)  # TE _extra_state may be absent; nothing else
+        state = dist_checkpointing.load(sharded, str(iter_dir))
         state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     else:
         state = load_legacy_rank(iter_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp)["model"]
+        state = layer_impl.adapt_state_dict(state, model.state_dict(), where=str(iter_dir))
     _check_vocab(state, spec)
     model.load_state_dict(state, strict=strict)
     return meta

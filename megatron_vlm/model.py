@@ -1,7 +1,8 @@
 """Build this rank's megatron-core ``LLaVAModel`` from a :class:`~megatron_vlm.spec.VLMSpec`.
 
-Owns: the three TransformerConfigs (language, vision, projector), the layer specs (Transformer Engine when
-importable and asked for, else megatron-core's local layers), the pipeline stage placement (vision encoder
+Owns: the three TransformerConfigs (language, vision, projector), the layer specs (Transformer Engine or
+megatron-core's local layers, as :mod:`megatron_vlm.layer_impl` chose; FP8 on the language model only, with the
+recipe checked against the GPU by :mod:`megatron_vlm.fp8`), the pipeline stage placement (vision encoder
 and projector on the first stage) and the fixes that make megatron's LLaVA numerically equal to HF LLaVA
 (bidirectional ViT attention, ViT cut at ``vision_feature_layer``, no SigLIP post-layernorm, model_type
 for the PP schedules).
@@ -16,16 +17,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron_vlm.layer_impl import LOCAL_TO_TE_KEYS
 from megatron_vlm.spec import VLMSpec
 
 
 def have_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
+    from megatron_vlm.layer_impl import te_status
 
-        return True
-    except Exception:
-        return False
+    return te_status()[0]
 
 
 @dataclass
@@ -39,8 +38,10 @@ class ModelOptions:
     params_dtype: torch.dtype = torch.float32
     bf16: bool = False
     fp16: bool = False
-    use_te: bool = False
+    use_te: bool = False  # Transformer Engine layers (--transformer-impl transformer_engine)
     fp8: bool = False
+    fp8_recipe: str = "delayed"  # megatron-core Fp8Recipe name (see megatron_vlm.fp8.RECIPES)
+    fp8_format: str = "hybrid"  # e4m3 | hybrid
     init_method_std: float = 0.02
     deterministic: bool = False
     recompute_granularity: str | None = None  # None, "full" or "selective" (language model)
@@ -91,8 +92,10 @@ def language_config(spec: VLMSpec, opts: ModelOptions):
     kw = _common(opts)
     if opts.pp > 1 and len(set(layers)) > 1:
         kw.update(num_layers_in_first_pipeline_stage=layers[0], num_layers_in_last_pipeline_stage=layers[-1])
-    if opts.fp8:
-        kw.update(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+    if opts.fp8:  # the language model only: the ViT's 577 (CLIP-L/14-336) tokens are no multiple of 16
+        kw.update(fp8=opts.fp8_format, fp8_recipe=opts.fp8_recipe)
+        if opts.fp8_recipe == "delayed":
+            kw.update(fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -166,15 +169,12 @@ def projection_config(spec: VLMSpec, opts: ModelOptions):
     )
 
 
-# Local-spec layer norm names -> the Transformer Engine fused names (checkpoint keys).
-LOCAL_TO_TE_KEYS = {
-    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-}
-
-
 def layer_specs(use_te: bool):
-    """(language, vision, projector) layer specs; the ViT attention is bidirectional like CLIP/SigLIP."""
+    """(language, vision, projector) layer specs; the ViT attention is bidirectional like CLIP/SigLIP.
+
+    The local language layers use megatron-core's WrappedTorchNorm (torch RMSNorm): its local spec picks apex's
+    FusedLayerNorm whenever apex imports, and that refuses RMSNorm.
+    """
     from megatron.core.models.multimodal import llava_spec
     from megatron.core.models.vision import vit_layer_specs
     from megatron.core.transformer.enums import AttnMaskType
@@ -195,9 +195,13 @@ def layer_specs(use_te: bool):
     vision = copy.deepcopy(vision)
     vision.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.no_mask}
     if not use_te:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        language = copy.deepcopy(language)
+        language.submodules.input_layernorm = WrappedTorchNorm
+        language.submodules.pre_mlp_layernorm = WrappedTorchNorm
         # Save local layer norms under the Transformer Engine names, as megatron's GPT local spec does, so
         # a torch_dist checkpoint loads into either spec (convert on CPU, train with TE on GPU).
-        language = copy.deepcopy(language)
         for layer_spec in (language, vision):
             layer_spec.submodules.sharded_state_dict_keys_map = dict(LOCAL_TO_TE_KEYS)
     return language, vision, projector
@@ -214,6 +218,12 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
     if opts.sequence_parallel and not opts.use_te:
         raise ValueError("--sequence-parallel needs Transformer Engine layers: megatron-core's LLaVAModel supports "
                          "sequence parallelism only with TE attention; drop --sequence-parallel for local layers")
+    if opts.fp8:
+        from megatron_vlm import fp8
+
+        if not opts.use_te:
+            raise ValueError("--fp8 needs Transformer Engine layers (--transformer-impl transformer_engine)")
+        fp8.check_recipe_runs(opts.fp8_recipe)
     if spec.sliding_window is not None and opts.seq_length > spec.sliding_window:
         raise ValueError(
             f"--seq-length {opts.seq_length} exceeds the model's sliding_window {spec.sliding_window}; "
@@ -226,8 +236,15 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=True)
     lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te)
+    lang_cfg = language_config(spec, opts)
+    if not opts.use_te:  # megatron's block would pick apex's FusedLayerNorm (no RMSNorm) as final norm
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        lang_spec = TransformerBlockSubmodules(layer_specs=[lang_spec] * get_num_layers_to_build(lang_cfg),
+                                               layer_norm=WrappedTorchNorm)
     model = LLaVAModel(
-        language_transformer_config=language_config(spec, opts),
+        language_transformer_config=lang_cfg,
         language_transformer_layer_spec=lang_spec,
         language_vocab_size=spec.padded_vocab_size,
         language_max_sequence_length=opts.seq_length,

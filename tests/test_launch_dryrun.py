@@ -147,6 +147,8 @@ def test_fp8_needs_transformer_engine_and_sm89(tmp_path, capsys, monkeypatch):
     assert rc == 2 and "--fp8 needs Transformer Engine" in err and "GPU 0 is sm_80" in err
     facts.update(transformer_engine=True, capabilities=[[9, 0]])
     assert dry([*base_args(tmp_path), "--device", "cuda", "--fp8"], capsys)[0] == 0
+    rc, _, err = dry([*base_args(tmp_path), "--device", "cuda", "--fp8", "--fp8-recipe", "mxfp8"], capsys)
+    assert rc == 2 and "--fp8-recipe mxfp8 needs compute capability 10.x" in err and "GPU 0 is sm_90" in err
 
 
 def test_device_auto_falls_back_to_cpu(tmp_path, capsys, monkeypatch):

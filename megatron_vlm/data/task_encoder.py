@@ -18,7 +18,9 @@ Per sample (:meth:`VLMTaskEncoder.encode_sample`):
   exact transform HF inference applies. Images are decoded by energon to PIL RGB.
 
 Per batch (:meth:`VLMTaskEncoder.batch`): right padding with the pad id to the longest sample, loss_mask 0
-on padding; all images of the batch stacked in token order.
+on padding; all images of the batch stacked in token order. With ``pad_to_multiple_of`` (FP8: 16, or 32 for
+mxfp8) the text is padded further so that the sequence the language model sees, images expanded, is a multiple
+of it (:func:`padded_text_length`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,21 @@ def _as_pil(image):
     raise TypeError(f"unsupported image type {type(image).__name__}")
 
 
+def padded_text_length(text_lengths: list[int], image_extra: list[int], multiple: int | None) -> int:
+    """Token columns of a batch whose samples have ``text_lengths`` tokens (one image token per image) and
+    ``image_extra`` = (tokens per image - 1) x images positions added by image expansion.
+
+    Megatron's LLaVAModel expands every row to (columns + that row's extra) and pads to the longest row, so the
+    language model sees ``columns + max(image_extra)`` positions; with ``multiple`` the columns are chosen so
+    that this is the smallest multiple of it that holds the longest sample.
+    """
+    columns = max(text_lengths)
+    if not multiple:
+        return columns
+    combined = columns + max(image_extra)
+    return columns + (-combined) % multiple
+
+
 class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
     """Energon task encoder for LLaVA-style training; see the module docstring."""
 
@@ -87,11 +104,13 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
     cookers = [Cooker(cook)]
 
     def __init__(self, hf_dir, seq_length: int, image_token_id: int | None = None, pad_token_id: int | None = None,
-                 *, spec=None, max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS):
+                 *, spec=None, max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+                 pad_to_multiple_of: int | None = None):
         """``hf_dir``: the HF LLaVA directory whose tokenizer, chat template and image processor are used.
         ``spec``: the model's :class:`~megatron_vlm.spec.VLMSpec` (default: read from ``hf_dir``'s config.json);
         image size and image tokens per image come from it. ``max_consecutive_skips``: stop with
-        :class:`~megatron_vlm.data.skips.TooManySkippedSamples` after that many skipped samples in a row."""
+        :class:`~megatron_vlm.data.skips.TooManySkippedSamples` after that many skipped samples in a row. ``pad_to_multiple_of``: pad each batch so its
+        image-expanded length is a multiple of this (FP8 GEMMs); None pads to the longest sample."""
         from transformers import AutoProcessor
 
         from megatron_vlm.spec import VLMSpec
@@ -107,6 +126,8 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
                     "tokenizer/ directory of a training checkpoint)")
             spec = VLMSpec.from_hf_dir(self.hf_dir)
         self.spec = spec
+        #: pad each batch so the image-expanded length is a multiple of this (FP8 GEMMs), None: longest sample
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.processor = AutoProcessor.from_pretrained(self.hf_dir)
         self.tokenizer = self.processor.tokenizer
         self.image_processor = self.processor.image_processor
@@ -197,7 +218,8 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
     # -- per batch --------------------------------------------------------------------------------
     @stateless
     def batch(self, samples: list[VLMSample]) -> VLMBatch:
-        seq = max(len(s.tokens) for s in samples)
+        seq = padded_text_length([len(s.tokens) for s in samples], [s.num_tokens - len(s.tokens) for s in samples],
+                                 self.pad_to_multiple_of)
         tokens = torch.full((len(samples), seq), self.pad_token_id, dtype=torch.int64)
         labels = torch.full((len(samples), seq), self.pad_token_id, dtype=torch.int64)
         loss_mask = torch.zeros((len(samples), seq), dtype=torch.float32)

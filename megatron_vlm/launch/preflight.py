@@ -212,4 +212,9 @@ def check_hardware(cfg: TrainConfig, facts: dict) -> list[str]:
         if old:
             problems.append(f"--fp8 needs compute capability 8.9+ (Ada, Hopper or newer): {', '.join(old)}; "
                             "drop --fp8")
+        else:
+            from megatron_vlm.fp8 import recipe_problem
+
+            refused = [m for i, c in enumerate(caps) if (m := recipe_problem(cfg.fp8_recipe, c, gpu=f"GPU {i}"))]
+            problems += refused[:1]
     return problems

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from megatron_vlm import checkpoint as ckpt
-from megatron_vlm import storage
+from megatron_vlm import layer_impl, storage
 from megatron_vlm.spec import VLMSpec
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,7 @@ def load(iter_dir, model, optimizer, scheduler, with_optim: bool, with_rng: bool
                      with_data=with_data)
     for opt in dummy:
         opt.optimizer.state.clear()
+    layer_impl.prepare_dist_load(sd["model"], iter_dir)  # TE _extra_state may be absent; nothing else
     loaded = dist_checkpointing.load(sd, str(iter_dir))  # a local path or an msc:// URL
     _unwrap(model).load_state_dict({k[len("model."):]: v for k, v in loaded["model"].items()}, strict=True)
     if with_optim:

@@ -35,6 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_vlm.fp8 import FORMATS as FP8_FORMATS
+from megatron_vlm.fp8 import RECIPES as FP8_RECIPES
+from megatron_vlm.fp8 import align_size as fp8_align_size
+
 CONFIG_FILE = "config.yaml"
 
 
@@ -182,6 +186,16 @@ class TrainConfig:
                                "fp32 on cpu.", "choice", None, "optim", choices=("bf16", "fp16", "fp32"))
     fp8: bool = _f(("--fp8",), "FP8 matmuls through Transformer Engine (needs transformer_engine and a "
                    "GPU of compute capability 8.9 or newer).", "bool", False, "optim")
+    fp8_recipe: str = _f(("--fp8-recipe",), "FP8 scaling recipe with --fp8 (megatron-core's): delayed, tensorwise "
+                         "(current scaling), blockwise (Hopper+, CUDA 12.9+) or mxfp8 (Blackwell); refused where the "
+                         "GPU cannot run it.", "choice", "delayed", "optim", choices=tuple(FP8_RECIPES))
+    fp8_format: str = _f(("--fp8-format",), "FP8 format with --fp8: hybrid (E4M3 forward, E5M2 gradients) or e4m3.",
+                         "choice", "hybrid", "optim", choices=FP8_FORMATS)
+    transformer_impl: str | None = _f(
+        ("--transformer-impl",), "Transformer layers: transformer_engine (fused Transformer Engine layers; needed "
+        "by --fp8) or local (megatron-core's own). Default: transformer_engine when it imports on CUDA, else local "
+        "(the choice is logged at start-up). Checkpoints load into either.", "choice", None, "optim",
+        choices=("transformer_engine", "local"))
     seed: int = _f(("--seed",), "Random seed (model init, data order, dropout).", "int", 1234, "optim")
     deterministic: bool = _f(("--deterministic",), "Bitwise reproducible kernels where possible "
                              "(slower; sets CUBLAS_WORKSPACE_CONFIG and NCCL_ALGO=Ring).", "bool", False,
@@ -546,9 +560,24 @@ def _check_consistency(cfg: TrainConfig) -> list[str]:
                      "drop --fp8 for --device cpu")
         elif cfg.precision == "fp32":
             p.append("--fp8 runs on top of bf16/fp16 weights; drop --precision fp32")
+        if cfg.transformer_impl == "local":
+            p.append("--fp8 needs --transformer-impl transformer_engine (FP8 GEMMs are Transformer Engine's); "
+                     "drop --transformer-impl local or --fp8")
+        align = fp8_align_size(cfg.fp8_recipe)
+        if cfg.seq_length % align:
+            up = -(-cfg.seq_length // align) * align
+            p.append(f"--seq-length {cfg.seq_length}: with --fp8 (--fp8-recipe {cfg.fp8_recipe}) it must be a "
+                     f"multiple of {align}, the token alignment of FP8 GEMMs; use --seq-length {up}")
+    if cfg.transformer_impl == "transformer_engine" and cfg.device == "cpu":
+        p.append("--transformer-impl transformer_engine needs a CUDA GPU; use --transformer-impl local (the "
+                 "default on --device cpu)")
     if cfg.overlap_param_gather and not cfg.dist_optim:
         p.append("--overlap-param-gather needs --dist-optim (it overlaps the distributed optimizer's "
                  "parameter all-gather)")
+    if cfg.sequence_parallel and (cfg.transformer_impl == "local" or cfg.device == "cpu"):
+        p.append("--sequence-parallel needs Transformer Engine layers (megatron-core's LLaVAModel runs sequence "
+                 "parallelism only with TE attention); drop --sequence-parallel or use --transformer-impl "
+                 "transformer_engine on a GPU")
     if cfg.sequence_parallel and cfg.tp == 1:
         p.append("--sequence-parallel needs --tp > 1 (it splits the sequence over tensor-parallel ranks)")
     if cfg.recompute_granularity != "full":

@@ -10,6 +10,7 @@ The parts live beside it: :mod:`.build` (model, mixed precision, DDP, optimizer,
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_vlm import checkpoint as ckpt
-from megatron_vlm import storage
+from megatron_vlm import fp8, layer_impl, storage
 from megatron_vlm.spec import VLMSpec
 from megatron_vlm.training import checkpointing, step
 from megatron_vlm.training.flops import StepFlops, peak_flops
@@ -59,6 +60,15 @@ def _source(cfg):
     return VLMSpec.load(it_dir), it_dir, it_dir, False
 
 
+def _pad_multiple(cfg) -> int | None:
+    """Batches are padded so the image-expanded length is a multiple of this: FP8 GEMMs need 16 (32 for
+    mxfp8) tokens, sequence parallelism a multiple of the TP size."""
+    m = fp8.align_size(cfg.fp8_recipe) if cfg.fp8 else 1
+    if cfg.sequence_parallel:
+        m = math.lcm(m, cfg.tp)
+    return m if m > 1 else None
+
+
 @dataclass
 class Run:
     """Everything the loop needs, made by :func:`start`."""
@@ -87,11 +97,14 @@ def start(cfg, rt) -> Run:
     # the encoder first: it checks the image processor against the spec before the model is built
     encoder = VLMTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, image_token_id=spec.image_token_id,
                              pad_token_id=cfg.pad_token_id, spec=spec,
-                             max_consecutive_skips=cfg.max_consecutive_skipped_samples)
+                             max_consecutive_skips=cfg.max_consecutive_skipped_samples,
+                             pad_to_multiple_of=_pad_multiple(cfg))
     training = build_training(cfg, spec, init_from=None if resuming else load_dir)
     if rt.rank == 0:
-        log.info("precision %s (%s); layers: %s", cfg.precision, "fp32 main parameters in the optimizer"
-                 if cfg.precision != "fp32" else "fp32 throughout", "Transformer Engine" if cfg.fp8 else "local")
+        log.info("transformer layers: %s (%s)%s", training.impl, training.impl_reason,
+                 f"; FP8 {cfg.fp8_format}, recipe {cfg.fp8_recipe}" if cfg.fp8 else "")
+        log.info("precision %s (%s)", cfg.precision, "megatron Float16Module, fp32 main parameters in the "
+                 "optimizer" if cfg.precision != "fp32" else "fp32 throughout")
         if load_dir is not None and not resuming:
             log.info("loaded model weights from %s", load_dir)
         elif not resuming:

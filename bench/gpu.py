@@ -1,0 +1,365 @@
+#!/usr/bin/env python
+"""GPU correctness and speed on one GPU (issue: TE layers by default, bf16 and FP8 verified). Prints a table.
+
+What it measures, in one run (each part can be picked with ``--only``):
+
+``logits``  HF ``LlavaForConditionalGeneration`` vs the Megatron model loaded from the converted checkpoint
+            (torch_dist, TP=1), with local layers and with Transformer Engine layers:
+            - fp32 with TF32 off: max |logit difference| must be <= 1e-4 (the converter's tolerance);
+            - bf16: the Megatron model in bf16 against HF in fp32 must differ by at most
+              ``BF16_FACTOR`` (2) x what HF's own bf16 model differs from HF fp32 on the same batch (plus 1e-3):
+              bf16 keeps 8 mantissa bits, so any bf16 implementation differs from fp32 by a model-dependent amount,
+              and a correct one is no further off than the reference implementation in the same precision.
+``train``   bf16 training (stage 2: LM + projector) through the real launcher ``train/run.py`` and energon loader
+            on synthetic VQA data, from the same converted checkpoint (random weights), ``--iters`` iterations:
+            local layers, Transformer Engine layers, and ``--fp8`` with each recipe of ``--recipes`` (those the
+            GPU cannot run are reported as refused, with the trainer's message). Loss curves: TE vs local and each
+            FP8 recipe vs TE bf16 must agree within ``--loss-tolerance`` (2%, largest relative per-iteration
+            difference). Speed: tokens/s and model TFLOP/s after ``--warmup`` iterations, and speed-ups.
+
+Sizes: the default model is a ~1B Llama-like LM (hidden 2048, 22 layers, FFN 5632, 32 heads, 16 KV heads) with a
+CLIP-L/14-336-shaped ViT (hidden 1024, 24 layers, 16 heads, 336 px, 576 image tokens), random weights.
+``--tiny`` shrinks everything to run on CPU in seconds (local layers only, fp32/bf16): the CPU test suite runs
+it to prove the plumbing.
+
+  python bench/gpu.py [--only logits,train] [--iters 50] [--recipes delayed,tensorwise,blockwise,mxfp8]
+  python bench/gpu.py --tiny            # CPU, local layers
+The machine needs megatron-core, energon and Transformer Engine: see bench/GPU.md (bench/gpu_prepare.py).
+Results are also written as JSON to ``--out`` (default: $OUT/gpu_bench.json when $OUT is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+FP32_TOLERANCE = 1e-4
+BF16_FACTOR = 2.0
+BF16_FLOOR = 1e-3
+RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+FULL = dict(hidden=2048, layers=22, vision_hidden=1024, vision_layers=24, image_size=336, samples=512,
+            mbs=4, gbs=16, seq_length=1024, iters=50, warmup=10, lr=1e-4)
+TINY = dict(hidden=128, layers=2, vision_hidden=128, vision_layers=2, image_size=56, samples=8,
+            mbs=2, gbs=4, seq_length=128, iters=3, warmup=1, lr=1e-4)
+
+
+def _train_bench():
+    """bench/train.py as a module: its model/data set-up and throughput summary are reused here."""
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---- set-up ----------------------------------------------------------------------------------------------
+def build_inputs(a, work: Path) -> tuple[Path, Path, Path]:
+    """(HF LLaVA dir, energon dataset, converted Megatron checkpoint at TP=1) with random weights: Llama-like LM,
+    CLIP ViT (patch 14), one image and a one-word answer per sample."""
+    from megatron_vlm.convert.build import build_llava
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+    from megatron_vlm.data.make_wds import make_wds
+    from megatron_vlm.data.synthetic import COLOURS, write_image, write_jsonl
+    from megatron_vlm.testing.tiny import make_text_model, make_vision_model
+
+    texts = ["what colour is the square ? " + " ".join(COLOURS)] * 4
+    text = make_text_model(work / "parts" / "text", "llama", texts=texts, hidden_size=a.hidden,
+                           intermediate_size=a.hidden * 11 // 4, num_hidden_layers=a.layers,
+                           num_attention_heads=a.hidden // 64, num_key_value_heads=max(1, a.hidden // 128))
+    vision = make_vision_model(work / "parts" / "vision", "clip", image_size=a.image_size, patch_size=14,
+                               hidden_size=a.vision_hidden, intermediate_size=a.vision_hidden * 4,
+                               num_hidden_layers=a.vision_layers, num_attention_heads=a.vision_hidden // 64)
+    hf = work / "hf"
+    build_llava(text, vision, hf, vocab_size_padding=128)
+    rows = []
+    for i in range(a.samples):
+        write_image(work / "images" / f"{i:05d}.jpg", a.image_size, seed=i)
+        rows.append({"id": i, "image": f"{i:05d}.jpg", "question": "what colour is the square ?",
+                     "answer": list(COLOURS)[i % len(COLOURS)]})
+    write_jsonl(work / "qa.jsonl", rows)
+    data = work / "data"
+    make_wds("vqa", work / "qa.jsonl", data, image_root=work / "images", split="1,0,0", progress=False)
+    meg = convert_hf_to_megatron(hf, work / "megatron", tp=1)
+    return hf, data, meg
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"}
+    for dist in ("megatron-core", "megatron-energon", "transformers", "transformer_engine", "transformer_engine_cu13",
+                 "transformer_engine_torch"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+# ---- logits ----------------------------------------------------------------------------------------------
+def _no_tf32():
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+def hf_reference(hf_dir, batch, dtype, device):
+    """HF logits [B, S, vocab] (fp32 on CPU) of ``batch`` with the model in ``dtype`` on ``device``."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(str(hf_dir), dtype=dtype).to(device).eval()
+    with torch.no_grad():
+        out = model(input_ids=batch.hf_input_ids.to(device), pixel_values=batch.images.to(device, dtype)).logits
+    del model
+    return out.float().cpu()
+
+
+def megatron_logits(meg_dir, batch, impl: str, dtype, device: str):
+    """Logits of the checkpoint loaded into a TP=1 model with ``impl`` layers in ``dtype`` (in this process)."""
+    import dataclasses
+
+    import torch
+
+    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.convert.verify import megatron_forward_logits
+    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.runtime.session import single_process_world
+    from megatron_vlm.spec import VLMSpec
+
+    iter_dir = ckpt.resolve_iteration_dir(meg_dir)
+    with single_process_world(device):
+        spec = VLMSpec.load(iter_dir)
+        opts = ModelOptions(seq_length=batch.combined_length, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                            use_te=impl == "transformer_engine", perform_initialization=False)
+        model = build_model(spec, opts)
+        if device == "cuda":
+            model.cuda()
+        ckpt.load_model_weights(model, iter_dir)
+        model = model.to(dtype).eval()  # as megatron's Float16Module casts it (the ViT's conv1 included)
+        logits = megatron_forward_logits(model, dataclasses.replace(batch, images=batch.images.to(dtype)))
+        del model
+    return logits.float()[:, : batch.combined_length, : spec.vocab_size]
+
+
+def check_logits(hf, meg, impls, device: str) -> list[dict]:
+    """Rows of the logits table: (impl, dtype, max |diff| vs HF fp32, tolerance, pass)."""
+    import torch
+
+    from megatron_vlm.convert.verify import reference_batch
+    from megatron_vlm.spec import VLMSpec
+
+    _no_tf32()
+    spec = VLMSpec.from_hf_dir(hf)
+    batch = reference_batch(spec)
+    ref = hf_reference(hf, batch, torch.float32, device)[..., : spec.vocab_size]
+    hf_bf16 = hf_reference(hf, batch, torch.bfloat16, device)[..., : spec.vocab_size]
+    hf_bf16_err = (hf_bf16 - ref).abs().max().item()
+    rows = [dict(part="logits", impl="HF transformers", dtype="bf16", diff=hf_bf16_err, tolerance=None, ok=None,
+                 note="HF bf16 vs HF fp32: the yardstick")]
+    for impl in impls:
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            try:
+                got = megatron_logits(meg, batch, impl, dtype, device)
+            except Exception as e:  # report and go on: one broken implementation must not hide the others
+                rows.append(dict(part="logits", impl=impl, dtype=name, diff=None, tolerance=None, ok=False,
+                                 note=f"{type(e).__name__}: {e}"[:300]))
+                continue
+            diff = (got - ref).abs().max().item()
+            tol = FP32_TOLERANCE if dtype == torch.float32 else BF16_FACTOR * hf_bf16_err + BF16_FLOOR
+            rows.append(dict(part="logits", impl=impl, dtype=name, diff=diff, tolerance=tol, ok=diff <= tol,
+                             note="TF32 off" if dtype == torch.float32 else f"<= {BF16_FACTOR:g} x HF bf16 + "
+                             f"{BF16_FLOOR:g}"))
+    return rows
+
+
+# ---- training ----------------------------------------------------------------------------------------------
+def train_run(a, work: Path, hf: Path, data: Path, meg: Path, name: str, impl: str, precision: str,
+              recipe: str | None = None) -> dict:
+    """One training run through train/run.py; returns the summary (losses, tokens/s, ...) or an error note."""
+    cmd = [sys.executable, "train/run.py", "--device", a.device, "-g", "1", "--stage", "2",
+           "--megatron-load-dir", str(meg), "--tokenizer-load-dir", str(hf), "--data-path", str(data),
+           "--save-dir", str(work / "runs"), "--name", name, "--no-save", "--train-iters", str(a.iters),
+           "--micro-batch-size", str(a.mbs), "--global-batch-size", str(a.gbs), "--lr", str(a.lr),
+           "--seq-length", str(a.seq_length), "--num-workers", str(a.num_workers), "--seed", str(a.seed),
+           "--log-interval", str(max(1, a.iters // 5)), "--precision", precision, "--transformer-impl", impl]
+    if recipe:
+        cmd += ["--fp8", "--fp8-recipe", recipe]
+    t0 = time.time()
+    log_path = work / f"{name}.log"
+    with open(log_path, "w") as logf:
+        res = subprocess.run(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                             env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    text = log_path.read_text(errors="replace")
+    if a.out_dir:
+        shutil.copyfile(log_path, Path(a.out_dir) / log_path.name)
+    if res.returncode:
+        lines = [ln for ln in text.splitlines() if "rror" in ln or "needs" in ln] or text.splitlines()[-3:]
+        return {"name": name, "error": (lines[-1] if lines else f"exit {res.returncode}")[:300]}
+    rows = [json.loads(x) for x in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    tb = _train_bench()
+    a2 = argparse.Namespace(stage=2)
+    out = tb.summarize(rows, t0, a.warmup, tb.step_flops(a2, hf))
+    out["name"] = name
+    out["layers_line"] = next((ln.split("transformer layers: ", 1)[1] for ln in text.splitlines()
+                               if "transformer layers: " in ln), "")
+    return out
+
+
+def curve_diff(x: list[float], ref: list[float]) -> float:
+    """Largest relative per-iteration difference of two loss curves."""
+    return max(abs(p - q) / abs(q) for p, q in zip(x, ref))
+
+
+def runnable_recipes() -> list[str]:
+    """FP8 recipes this machine's GPU can run (none without one)."""
+    import torch
+
+    from megatron_vlm import fp8
+
+    if not torch.cuda.is_available():
+        return []
+    return fp8.runnable(torch.cuda.get_device_capability(), torch.version.cuda)
+
+
+def check_training(a, work, hf, data, meg, impls, recipes) -> list[dict]:
+    runs = {}
+    for impl in impls:
+        runs[impl] = train_run(a, work, hf, data, meg, f"bf16_{impl}", impl, a.precision)
+    base = runs.get("transformer_engine") or runs["local"]
+    for r in recipes:
+        runs[f"fp8_{r}"] = train_run(a, work, hf, data, meg, f"fp8_{r}", "transformer_engine", "bf16", r)
+    rows = []
+    local = runs.get("local")
+    expected = set(runnable_recipes())
+    for key, r in runs.items():
+        row = dict(part="train", impl=key, dtype=a.precision if not key.startswith("fp8") else "fp8+bf16")
+        if "error" in r:  # a failure is a failed check, except a recipe this GPU cannot run being refused
+            refused = key.startswith("fp8_") and key[4:] not in expected
+            row.update(ok=None if refused else False, note=("refused as expected: " if refused else "") + r["error"])
+            rows.append(row)
+            continue
+        ref = local if key == "transformer_engine" else base if key.startswith("fp8") else None
+        diff = curve_diff(r["losses"], ref["losses"]) if ref and "error" not in ref and ref is not r else None
+        speed = r["tokens_per_s"] / ref["tokens_per_s"] if diff is not None else None
+        row.update(loss_first=r["losses"][0], loss_last=r["losses"][-1], diff=diff, tolerance=a.loss_tolerance
+                   if diff is not None else None, ok=None if diff is None else diff <= a.loss_tolerance,
+                   tokens_per_s=r["tokens_per_s"], tflops=r["tflops"], speedup=speed, s_per_iter=r["s_per_iter"],
+                   losses=r["losses"], note=r.get("layers_line", ""))
+        rows.append(row)
+    return rows
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+def _fmt(v, spec):
+    return format(v, spec) if isinstance(v, (int, float)) and v is not None else "-"
+
+
+def print_table(rows: list[dict], info: dict) -> None:
+    print("\n" + ", ".join(f"{k} {v}" for k, v in info.items()))
+    print(f"{'part':7s} {'layers / run':22s} {'dtype':9s} {'max diff':>10s} {'tolerance':>10s} {'ok':>4s} "
+          f"{'loss 1st->last':>17s} {'tokens/s':>9s} {'TFLOP/s':>8s} {'speed-up':>8s}  note")
+    for r in rows:
+        ok = {True: "yes", False: "NO", None: "-"}[r.get("ok")]
+        losses = f"{r['loss_first']:.3f}->{r['loss_last']:.3f}" if "loss_first" in r else "-"
+        print(f"{r['part']:7s} {r['impl']:22s} {r['dtype']:9s} {_fmt(r.get('diff'), '10.3g'):>10s} "
+              f"{_fmt(r.get('tolerance'), '10.3g'):>10s} {ok:>4s} {losses:>17s} "
+              f"{_fmt(r.get('tokens_per_s'), '9.0f'):>9s} "
+              f"{_fmt(r.get('tflops'), '8.1f'):>8s} {_fmt(r.get('speedup'), '8.2f'):>8s}  {r.get('note', '')}")
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny model on CPU, local layers only (plumbing check)")
+    p.add_argument("--only", default="logits,train", help="comma-separated parts: logits, train")
+    p.add_argument("--impls", default=None, help="layer implementations (default: transformer_engine,local on "
+                   "CUDA; local with --tiny)")
+    p.add_argument("--recipes", default=None, help=f"FP8 recipes to train with (default on CUDA: {','.join(RECIPES)};"
+                   " none with --tiny)")
+    for k, v in FULL.items():
+        p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None,
+                       help=f"default {v} ({TINY[k]} with --tiny)")
+    p.add_argument("--loss-tolerance", type=float, default=0.02, help="largest relative loss difference (default 2%%)")
+    p.add_argument("--num-workers", type=int, default=None, help="data-loader workers (default 2; 0 with --tiny)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--work-dir", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    p.add_argument("--out", type=Path, default=None, help="JSON results (default: $OUT/gpu_bench.json if $OUT is set)")
+    a = p.parse_args(argv)
+    sizes = TINY if a.tiny else FULL
+    for k, v in sizes.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.num_workers is None:
+        a.num_workers = 0 if a.tiny else 2
+    a.device = "cpu" if a.tiny else "cuda"
+    a.precision = "fp32" if a.tiny else "bf16"
+    a.impls = (a.impls or ("local" if a.tiny else "transformer_engine,local")).split(",")
+    a.recipes = [r for r in (a.recipes if a.recipes is not None else ("" if a.tiny else ",".join(RECIPES))).split(",")
+                 if r]
+    a.only = set(a.only.split(","))
+    if a.out is None and os.environ.get("OUT"):
+        a.out = Path(os.environ["OUT"]) / "gpu_bench.json"
+    a.out_dir = a.out.parent if a.out else None
+    if a.gbs % a.mbs:
+        p.error(f"--gbs {a.gbs} must be a multiple of --mbs {a.mbs}")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if not a.tiny:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA GPU is visible; run with --tiny for the CPU plumbing check")
+    work = Path(tempfile.mkdtemp(prefix="bench_gpu_", dir=a.work_dir))
+    if a.out_dir:
+        a.out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    info = versions()
+    try:
+        t = time.perf_counter()
+        hf, data, meg = build_inputs(a, work)
+        info["set-up s"] = round(time.perf_counter() - t, 1)
+        if "logits" in a.only:
+            rows += check_logits(hf, meg, a.impls, a.device)
+        if "train" in a.only:
+            rows += check_training(a, work, hf, data, meg, a.impls, a.recipes)
+    finally:
+        if a.out:
+            tmp = a.out.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"info": info, "args": {k: str(v) for k, v in vars(a).items()}, "rows": rows},
+                                      indent=1))
+            os.replace(tmp, a.out)
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print_table(rows, info)
+    failed = [r for r in rows if r.get("ok") is False]
+    print(f"\n{len(failed)} check(s) failed" if failed else "\nall checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.disable(logging.WARNING)
+    sys.exit(main())
