@@ -46,6 +46,9 @@ class Training:
         """The language TransformerConfig, which megatron's schedules and DDP read."""
         return self.model.config
 
+    def lr(self) -> float:
+        return self.scheduler.get_lr(self.optimizer.param_groups[0])
+
     def overlapping_param_gather(self) -> bool:
         return bool(self.ddp.ddp_config.use_distributed_optimizer and self.ddp.ddp_config.overlap_param_gather)
 

@@ -176,16 +176,15 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
     while iteration < cfg.train_iters:
         batches = [next(data) for _ in range(cfg.grad_accum)]
         iteration += 1
-        lr = training.scheduler.get_lr(training.optimizer.param_groups[0])
         if any(a <= iteration <= b for a, b in cfg.skip_train_iteration_range):
             training.scheduler.step(increment=1)
             if rt.rank == 0:
                 log.info("iteration %d skipped (--skip-train-iteration-range)", iteration)
-            metrics.step(iteration, 0.0, 0.0, 0, 0, 0, lr, None, skipped=True)
+            metrics.step(iteration, 0.0, 0.0, 0, 0, 0, training.lr(), None, skipped=True)
         else:
             r = step.train_step(training, batches, cfg, rt.device)
-            metrics.step(iteration, r.loss_sum, r.loss_tokens, r.samples, r.tokens, r.images,
-                         training.scheduler.get_lr(training.optimizer.param_groups[0]), r.grad_norm)
+            metrics.step(iteration, r.loss_sum, r.loss_tokens, r.samples, r.tokens, r.images, training.lr(),
+                         r.grad_norm)
         if cfg.eval_iters > 0 and (iteration % cfg.eval_interval == 0 or iteration == cfg.train_iters):
             metrics.validation(iteration, evaluate(cfg, run))
         if first_iter_time is None:
