@@ -41,8 +41,8 @@ def _number(kind, low=None, high=None, low_open=False, what=""):
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if kind is float and v != v:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+        if kind is float and v - v != 0:  # nan, inf
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if low is not None and (v <= low if low_open else v < low) or high is not None and v > high:
             raise argparse.ArgumentTypeError(f"{text} {what}")
         return v
@@ -137,7 +137,7 @@ def describe_error(e: BaseException) -> str | None:
             where = e.filename if e.filename is not None else "writing the output"
             return f"{where}: {_ERRNO_HINTS[e.errno]}"
     if isinstance(e, json.JSONDecodeError):
-        return f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno}); the file is corrupt: restore or " \
+        return f"invalid JSON ({e.msg}: line {e.lineno} column {e.colno}); the file is corrupt: restore or " \
                "regenerate it (the file is named in the traceback: rerun with -v)"
     if name == "SafetensorError":
         text = str(e)
@@ -156,6 +156,9 @@ def describe_error(e: BaseException) -> str | None:
                    f"{_first_line(exc)}); a .distcp shard is missing or truncated: re-save or re-convert it, or " \
                    "pick another --iteration"
         return f"the distributed checkpoint could not be read or written ({_first_line(e)})"
+    if isinstance(e, RuntimeError) and "unexpected pos" in str(e):  # torch.save's zip writer on a full disk
+        return f"writing a file failed part-way ({_first_line(e)}); most likely the disk is full: free space " \
+               "there or write to another directory"
     if isinstance(e, (ValueError, OSError, RuntimeError)) and str(e).strip():
         return _first_line(e) if "\n" not in str(e).strip() else str(e).strip()
     return None

@@ -32,7 +32,7 @@ def read_json(path: str | Path, fix: str = "restore or regenerate it") -> dict:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise InputError(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno}); {fix}") from None
+        raise InputError(f"{path}: invalid JSON ({e.msg}: line {e.lineno} column {e.colno}); {fix}") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a JSON object, found {type(data).__name__}; {fix}")
     return data

@@ -51,7 +51,7 @@ def resolve_path(ref: str, image_root: Path, allow_outside_symlinks: bool = Fals
         root = os.path.realpath(image_root)
         real = os.path.realpath(path)
         if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
-            raise Reject(f"image path {ref!r} is a symlink to {real}, outside --image-root (pass "
+            raise Reject(f"symlink outside --image-root: image path {ref!r} leads to {real} (pass "
                          "--allow-symlinks-outside-image-root to follow such links)")
     return path
 
