@@ -7,7 +7,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_vlm.cli import add_debug_flag, iteration, positive_float, positive_int, run_cli, setup_logging  # noqa: E402,E501
+from megatron_vlm.cli import (add_debug_flag, iteration, positive_float, positive_int, run_cli,  # noqa: E402
+                              setup_logging)
 
 
 def main(argv=None):
@@ -41,8 +42,8 @@ def main(argv=None):
         check_tokenizer_dir(a.tokenizer_dir, "--tokenizer-dir")
     from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 
-    convert_megatron_to_hf(a.megatron_dir, a.hf_dir, iteration=a.iteration, tokenizer_dir=a.tokenizer_dir, tp=a.tp, pp=a.pp,
-                           overwrite=a.overwrite, max_shard_bytes=int(a.max_shard_size_gb * 2**30))
+    convert_megatron_to_hf(a.megatron_dir, a.hf_dir, iteration=a.iteration, tokenizer_dir=a.tokenizer_dir, tp=a.tp,
+                           pp=a.pp, overwrite=a.overwrite, max_shard_bytes=int(a.max_shard_size_gb * 2**30))
     print(f"wrote HF LLaVA model to {a.hf_dir}")
 
 

@@ -23,7 +23,7 @@ from megatron_vlm.data.synthetic import write_image, write_jsonl
 from tests.data_fixtures import vqa_dataset, vqa_inputs  # noqa: F401
 
 from .conftest import script
-from .launch_helpers import REPO, STANDIN, base_args, launcher, no_slurm_env  # noqa: F401
+from .launch_helpers import REPO, base_args, launcher, no_slurm_env  # noqa: F401 (autouse fixture)
 
 CMD = {
     "build": "convert/build_llava.py",
@@ -56,8 +56,6 @@ def run_command(cmd: str, args: list, capsys) -> tuple[int, str]:
 
 
 def assert_clean_failure(rc, text, expect, absent=()):
-    if os.environ.get("SHOW_MSG"):
-        print("\n@@", rc, text.strip().splitlines()[-1][:400], file=sys.__stderr__)
     assert rc not in (0, None), text
     assert "Traceback" not in text, text
     for word in expect:
@@ -85,7 +83,8 @@ def env(hf_models, tmp_path_factory):
     write_image(root / "in" / "secret.jpg", 32, seed=9)
     os.symlink(root / "in" / "secret.jpg", images / "link.jpg")  # leads outside --image-root
     os.symlink(images / "0.jpg", images / "inside.jpg")  # stays inside: followed
-    rows = [{"image": "0.jpg", "question": "q0", "answer": "red"}, {"image": "inside.jpg", "question": "q", "answer": "a"}]
+    rows = [{"image": "0.jpg", "question": "q0", "answer": "red"},
+            {"image": "inside.jpg", "question": "q", "answer": "a"}]
     write_jsonl(root / "in" / "good.jsonl", rows)
     write_jsonl(root / "in" / "link.jsonl", rows + [{"image": "link.jpg", "question": "q", "answer": "a"}])
     write_jsonl(root / "in" / "huge.jsonl", rows + [{"image": "1.jpg", "question": "q", "answer": "x" * 1_100_000}])
@@ -102,7 +101,8 @@ def env(hf_models, tmp_path_factory):
     a_file = root / "a_file"
     a_file.write_text("x")
     parts = hf.parent / (hf.name + "_parts")
-    return dict(root=root, hf=hf, meg=meg, text=parts / "text_llama", vision=parts / "vision_clip", images=images, bad_cfg=bad_cfg, no_cfg=no_cfg, empty=empty,
+    return dict(root=root, hf=hf, meg=meg, text=parts / "text_llama", vision=parts / "vision_clip", images=images,
+                bad_cfg=bad_cfg, no_cfg=no_cfg, empty=empty,
                 bad_tok=bad_tok, a_file=a_file)
 
 
@@ -301,7 +301,7 @@ def test_stats_stays_bounded_on_a_huge_sample(env, tmp_path, capsys):
     """A 1,100,000-character answer (accepted with a raised --max-text-chars) is counted, not tokenized."""
     rc, text = run_command("wds", _wds(["--max-text-chars", "2000000"], inp="huge.jsonl")(env, tmp_path), capsys)
     assert rc == 0, text
-    from megatron_vlm.data.prepare import run_energon_prepare  # noqa: F401 - prepare the dataset for stats
+    from megatron_vlm.data.prepare import run_energon_prepare
     ds = tmp_path / "ds"
     run_energon_prepare(ds, "vqa", {"train": sorted(p.name for p in ds.glob("*.tar")), "val": [], "test": []})
     t0 = time.perf_counter()
@@ -309,7 +309,7 @@ def test_stats_stays_bounded_on_a_huge_sample(env, tmp_path, capsys):
     elapsed = time.perf_counter() - t0
     assert rc == 0, text
     st = json.loads((tmp_path / "stats.json").read_text())["datasets"][str(ds)]["train"]
-    assert (st["samples"], st["too_long_to_count"], st["over_seq_length"]) == (3, 1, 1)
+    assert (st["samples"], st["images"], st["too_long_to_count"], st["over_seq_length"]) == (3, 3, 1, 1)
     assert st["text_tokens"] < 100  # only the two small samples were tokenized
     assert elapsed < 20, elapsed
 

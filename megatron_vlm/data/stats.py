@@ -98,6 +98,7 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
                     continue
                 if OVERSIZED in raw:
                     s["samples"] += 1
+                    s["images"] += len(image_parts(raw)) or ("jpg" in raw)  # messages layout, else VQA's one
                     s["over_seq_length"] += 1
                     s["too_long_to_count"] += 1
                     continue
