@@ -30,6 +30,8 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace an existing --save-dir")
     add_debug_flag(p)
     a = p.parse_args(argv)
+    if not a.image_token.strip() or a.image_token != a.image_token.strip():
+        p.error(f"argument --image-token: {a.image_token!r} must be a non-empty token without surrounding spaces")
     setup_logging(a.verbose)
     from megatron_vlm.cli.inputs import check_hf_dir
 

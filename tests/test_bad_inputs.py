@@ -145,11 +145,18 @@ def _wds(extra, inp="good.jsonl"):
                          "--output", t / "ds", "--no-progress", "--no-prepare", *extra]
 
 
+def _truncate(f: Path, size: int) -> Path:
+    f.write_bytes(f.read_bytes()[:size])
+    return f.parent
+
+
 CASES = {
     # build_llava: numbers checked at parse time, model directories checked before loading
     "build-padding-negative": ("build", _build(["--vocab-size-padding", "-64"]),
                                ["--vocab-size-padding", "-64 must be at least 1"], ["llava"]),
     "build-padding-zero": ("build", _build(["--vocab-size-padding", "0"]), ["--vocab-size-padding"], ["llava"]),
+    "build-image-token-empty": ("build", _build(["--image-token", ""]), ["--image-token", "must be a non-empty token"],
+                                ["llava"]),
     "build-seed-negative": ("build", _build(["--seed", "-1"]), ["--seed", "must not be negative"], ["llava"]),
     "build-text-missing": ("build", lambda e, t: ["--text-model", t / "nope", "--vision-model", e["vision"],
                                                    "--save-dir", t / "llava"],
@@ -211,6 +218,8 @@ CASES = {
                               ["ds"]),
     "wds-max-text-zero": ("wds", _wds(["--max-text-chars", "0"]), ["--max-text-chars", "must be at least 1"], ["ds"]),
     "wds-split-words": ("wds", _wds(["--split", "a,b"]), ["--split 'a,b'", "three non-negative"], ["ds"]),
+    "wds-input-dir": ("wds", lambda e, t: _wds([])(e, t) + ["--input", e["empty"]], ["--input", "empty is not a file"],
+                      ["ds"]),
     "wds-input-missing": ("wds", _wds([], inp="nope.jsonl"), ["--input", "nope.jsonl does not exist"], ["ds"]),
     "wds-image-root-missing": ("wds", lambda e, t: _wds([])(e, t) + ["--image-root", t / "noimg"],
                                ["--image-root", "noimg is not a directory"], ["ds"]),
@@ -233,6 +242,8 @@ CASES = {
                                 ["--tokenizer /nonexistent: no such directory"], ["stats.json"]),
     "stats-tokenizer-empty": ("stats", lambda e, t: [t / "ds", "--tokenizer", e["empty"]],
                               ["--tokenizer", "holds no tokenizer"], ["stats.json"]),
+    "stats-truncated-tar": ("stats", lambda e, t: [_truncate(t / "ds" / "000000.tar", 3000), "--tokenizer", e["hf"]],
+                            ["ds/000000.tar: unreadable tar", "copy it again"], ["stats.json"]),
     "stats-not-prepared": ("stats", lambda e, t: [e["empty"], "--tokenizer", e["hf"]],
                            ["is not a prepared energon dataset"], ["stats.json"]),
 }

@@ -197,7 +197,7 @@ def make_wds(
     weights = prep.parse_split(split)
     input_path = Path(input_path)
     if not input_path.is_file():
-        raise FileNotFoundError(f"--input {input_path} does not exist")
+        raise FileNotFoundError(f"--input {input_path} " + ("is not a file" if input_path.exists() else "does not exist"))
     image_root = Path(image_root) if image_root is not None else input_path.parent
     if not image_root.is_dir():
         raise FileNotFoundError(f"--image-root {image_root} is not a directory")

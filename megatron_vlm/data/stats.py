@@ -68,6 +68,15 @@ def iter_tar_samples(tar_path: Path, parts: tuple[str, ...] = ("json", "txt"),
             yield finish(key, sample, members)
 
 
+def _checked_samples(tar_path: Path, max_bytes: int) -> Iterator[tuple[str, dict]]:
+    """``iter_tar_samples`` with a damaged tar reported as a ``ValueError`` naming it."""
+    try:
+        yield from iter_tar_samples(tar_path, max_bytes=max_bytes)
+    except (tarfile.TarError, EOFError) as e:
+        raise ValueError(f"{tar_path}: unreadable tar ({e}); the dataset is damaged: copy it again or rebuild it "
+                         "with data_prep/make_wds.py") from None
+
+
 def conversation_of_raw(sample: dict) -> tuple[list[dict], int]:
     """``(messages, number of images)`` of a raw tar sample in either layout."""
     meta = json.loads(sample["json"]) if sample.get("json") else {}
@@ -93,7 +102,7 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
         s = dict(samples=0, images=0, text_tokens=0, image_tokens=0, tokens=0, max_tokens=0, over_seq_length=0,
                  too_long_to_count=0)
         for shard in meta.shards:
-            for key, raw in iter_tar_samples(path / shard.name, max_bytes=max_text_bytes):
+            for key, raw in _checked_samples(path / shard.name, max_text_bytes):
                 if f"{shard.name}/{key}" in meta.sample_excludes:
                     continue
                 if OVERSIZED in raw:
