@@ -121,6 +121,9 @@ def damaged_checkpoint(env, tmp_path, how: str) -> Path:
         (rel / "metadata.json").write_text('{"sharded_backend": "torch_dist\x01"}')
     elif how == "spec_json":
         (rel / "vlm_spec.json").write_text((rel / "vlm_spec.json").read_text()[:40])
+    elif how == "extra_truncated":
+        extra = rel / "hf_extra.safetensors"
+        extra.write_bytes(extra.read_bytes()[:-64])
     elif how == "dcp_index":
         (rel / ".metadata").write_bytes(b"\x80\x04garbage")
     return d
@@ -209,6 +212,7 @@ CASES = {
            ("metadata_json", ["release/metadata.json: invalid JSON"]),
            ("spec_json", ["release/vlm_spec.json: invalid JSON"]),
            ("dcp_index", ["release/.metadata: unreadable"]),
+           ("extra_truncated", ["release/hf_extra.safetensors: truncated", "its header needs"]),
        ]},
     # make_wds
     "wds-workers-negative": ("wds", _wds(["--workers", "-3"]), ["--workers", "-3 must be at least 1"], ["ds"]),
@@ -329,6 +333,10 @@ def test_stats_stays_bounded_on_a_huge_sample(env, tmp_path, capsys):
 def _train_case(env, tmp_path, vqa_ds, how):
     args = base_args(tmp_path)
     run = tmp_path / "out" / "llava-stage1"
+    if how == "load_truncated":
+        d = damaged_checkpoint(env, tmp_path / "load", "truncate_shard")
+        args[args.index("--megatron-load-dir") + 1] = str(d)
+        return args
     if how in ("resume_tracker", "resume_missing_iter", "resume_truncated"):
         run.mkdir(parents=True)
         if how == "resume_tracker":
@@ -364,6 +372,7 @@ def _train_case(env, tmp_path, vqa_ds, how):
     ("resume_tracker", ["cannot resume the run in", "latest_checkpointed_iteration.txt reads", "another --name"]),
     ("resume_missing_iter", ["iter_0000040 does not exist", "available: none"]),
     ("resume_truncated", ["iter_0000010/", ".distcp: truncated"]),
+    ("load_truncated", ["--megatron-load-dir", "release/__0_0.distcp: truncated"]),
     ("data_truncated", ["000000.tar is truncated (1000 bytes"]),
     ("data_missing_shard", ["000001.tar is missing"]),
     ("blend_zero", ["blend.yaml: split 'train' blends no dataset with a positive weight"]),

@@ -91,8 +91,26 @@ def check_iteration_files(it_dir: Path) -> None:
     """Every JSON file of an iteration directory parses; every torch_dist shard is present and complete."""
     for f in sorted(it_dir.glob("*.json")):
         read_json(f, "the checkpoint is damaged: re-save or re-convert it, or pick another --iteration")
+    for f in sorted(it_dir.glob("*.safetensors")):
+        check_safetensors(f, "the checkpoint is damaged: re-save or re-convert it, or pick another --iteration")
     if (it_dir / ".metadata").is_file():
         check_distcp(it_dir)
+
+
+def check_safetensors(f: Path, fix: str) -> None:
+    """A safetensors file's header parses and the file is as long as the header's tensors need."""
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError("header cut short")
+            header = json.loads(fh.read(n))
+        need = 8 + n + max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise InputError(f"{f}: not a readable safetensors file ({e}); {fix}") from None
+    if size < need:
+        raise InputError(f"{f}: truncated ({size} bytes, its header needs {need}); {fix}")
 
 
 def check_distcp(it_dir: Path) -> None:

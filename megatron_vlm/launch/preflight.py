@@ -185,6 +185,14 @@ def check_checkpoint(ckpt_dir: str) -> list[str]:
                            "or 'release'"]
     if not (d / sub).is_dir():
         problems.append(f"--megatron-load-dir {d}: {TRACKER_FILE} points at {sub}/, which does not exist")
+    elif not storage.is_remote(ckpt_dir):
+        from megatron_vlm.cli import InputError
+        from megatron_vlm.cli.inputs import check_iteration_files
+
+        try:  # JSON files and torch_dist shards, before the ranks read them
+            check_iteration_files(d / sub)
+        except InputError as e:
+            problems.append(f"--megatron-load-dir {d}: {e}")
     return problems
 
 
