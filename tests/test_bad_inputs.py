@@ -436,3 +436,24 @@ def test_ctrl_c_exits_130_without_traceback(tmp_path):
     assert p.returncode == 130, log
     assert "Traceback" not in log and "SignalException" not in log, log
     assert "stopped by SIGINT" in log
+
+
+def test_known_faults_raised_deep_inside_libraries_read_as_one_line():
+    """What a rank or a converter meets mid-write: torch.save's zip writer on a full disk, a torch.distributed
+    checkpoint failure wrapping a missing file or a full disk."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_vlm.cli import describe_error
+
+    zip_full = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+    assert "most likely the disk is full" in describe_error(zip_full)
+    gone = FileNotFoundError(errno.ENOENT, "No such file or directory", "/ckpt/iter_0000010/__0_1.distcp")
+    line = describe_error(CheckpointException("load failed", {0: gone}))
+    assert line == "/ckpt/iter_0000010/__0_1.distcp: no such file or directory; check the path"
+    full = OSError(errno.ENOSPC, "No space left on device", "/ckpt/iter_0000020/__0_0.distcp")
+    assert describe_error(CheckpointException("save failed", {1: full})) == (
+        "/ckpt/iter_0000020/__0_0.distcp: no space left on the device; free space there or write to another "
+        "directory")
+    line = describe_error(CheckpointException("load failed", {0: EOFError()}))
+    assert "EOFError" in line and ".distcp shard is missing or truncated" in line
+    assert describe_error(KeyError("x")) is None  # an unexpected error stays a bug report (traceback with -v)
