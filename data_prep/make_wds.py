@@ -34,9 +34,9 @@ conversation, invalid UTF-8, a path that escapes --image-root, a message longer 
 go to OUTPUT/rejected.jsonl with their source line and reason. Output is written atomically and is
 byte-identical for the same input.
 
-Image paths are relative to --image-root; absolute paths, '..' that leaves it and symlinks whose target
-lies outside it are refused (a record with such a path is rejected), unless
---allow-symlinks-outside-image-root is given (for a root assembled from links into other directories)."""
+Image paths are relative to --image-root. Absolute paths and '..' that leaves it are refused; so are
+symlinks whose target lies outside it, unless --allow-symlinks-outside-image-root is given (for a root
+assembled from links into other directories). A refused path rejects its record."""
 
 
 def main(argv=None) -> int:
