@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_vlm.cli import run_cli, setup_logging  # noqa: E402
+from megatron_vlm.cli import add_debug_flag, nonneg_int, positive_int, run_cli, setup_logging  # noqa: E402
 
 
 def main(argv=None):
@@ -15,7 +15,7 @@ def main(argv=None):
     p.add_argument("--text-model", required=True, help="HF causal LM directory (llama, mistral, qwen2)")
     p.add_argument("--vision-model", required=True, help="HF CLIP/SigLIP directory (vision-only or full model)")
     p.add_argument("--save-dir", required=True, help="output LLaVA directory (must not exist unless --overwrite)")
-    p.add_argument("--vocab-size-padding", type=int, default=None,
+    p.add_argument("--vocab-size-padding", type=positive_int, default=None,
                    help="pad the embedding rows to a multiple of N (e.g. 64); the tokenizer is unchanged")
     p.add_argument("--vision-feature-layer", type=int, default=-2,
                    help="vision hidden state the projector reads (HF index; -2 = second to last layer)")
@@ -26,11 +26,17 @@ def main(argv=None):
     p.add_argument("--no-projector-bias", action="store_true", help="projector linear layers without bias")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="weight dtype of the saved model (auto: the text model's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the projector initialisation")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the projector initialisation")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --save-dir")
-    p.add_argument("-v", "--verbose", action="store_true")
+    add_debug_flag(p)
     a = p.parse_args(argv)
+    if not a.image_token.strip() or a.image_token != a.image_token.strip():
+        p.error(f"argument --image-token: {a.image_token!r} must be a non-empty token without surrounding spaces")
     setup_logging(a.verbose)
+    from megatron_vlm.cli.inputs import check_hf_dir
+
+    check_hf_dir(a.text_model, "--text-model")
+    check_hf_dir(a.vision_model, "--vision-model")
     from megatron_vlm.convert.build import build_llava
 
     build_llava(a.text_model, a.vision_model, a.save_dir, vocab_size_padding=a.vocab_size_padding,

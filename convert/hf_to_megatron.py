@@ -7,15 +7,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_vlm.cli import parse_pp_layers, run_cli, setup_logging  # noqa: E402
+from megatron_vlm.cli import (add_debug_flag, parse_pp_layers, positive_float, positive_int, run_cli,  # noqa: E402
+                              setup_logging)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--hf-dir", required=True, help="HF LlavaForConditionalGeneration directory")
     p.add_argument("--megatron-dir", required=True, help="output checkpoint directory (must not exist)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
     p.add_argument("--pp-layers", default=None,
                    help="uneven language layers per PP stage, e.g. 3,1 (only first/last may differ)")
     p.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
@@ -25,11 +26,14 @@ def main(argv=None):
     p.add_argument("--verify", action="store_true",
                    help="load the written checkpoint into a TPxPP Megatron model (TP*PP local processes) and "
                         "compare fp32 logits with HF; exit non-zero above --tolerance")
-    p.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference for --verify")
+    p.add_argument("--tolerance", type=positive_float, default=1e-4, help="max abs logit difference for --verify")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --megatron-dir")
-    p.add_argument("-v", "--verbose", action="store_true")
+    add_debug_flag(p)
     a = p.parse_args(argv)
     setup_logging(a.verbose)
+    from megatron_vlm.cli.inputs import check_hf_dir
+
+    check_hf_dir(a.hf_dir, "--hf-dir")
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 
     convert_hf_to_megatron(a.hf_dir, a.megatron_dir, tp=a.tp, pp=a.pp, pp_layers=parse_pp_layers(a.pp_layers),

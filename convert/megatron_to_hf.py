@@ -7,29 +7,43 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_vlm.cli import run_cli, setup_logging  # noqa: E402
+from megatron_vlm.cli import (add_debug_flag, iteration, positive_float, positive_int, run_cli,  # noqa: E402
+                              setup_logging)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--megatron-dir", required=True, help="checkpoint directory (with latest_checkpointed_iteration.txt)")
-    p.add_argument("--iteration", default=None,
+    p.add_argument("--iteration", type=iteration, default=None,
                    help="iteration to export (an integer or 'release'; default: the tracker's latest)")
     p.add_argument("--hf-dir", required=True, help="output HF directory (must not exist unless --overwrite)")
     p.add_argument("--tokenizer-dir", default=None,
                    help="where to take tokenizer/processor files from (default: <megatron-dir>/tokenizer)")
-    p.add_argument("--tp", type=int, default=None, help="expected TP of the checkpoint (checked if given)")
-    p.add_argument("--pp", type=int, default=None, help="expected PP of the checkpoint (checked if given)")
-    p.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size limit")
+    p.add_argument("--tp", type=positive_int, default=None, help="expected TP of the checkpoint (checked if given)")
+    p.add_argument("--pp", type=positive_int, default=None, help="expected PP of the checkpoint (checked if given)")
+    p.add_argument("--max-shard-size-gb", type=positive_float, default=5.0,
+                   help="safetensors shard size limit in GiB (at least 0.01)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --hf-dir")
-    p.add_argument("-v", "--verbose", action="store_true")
+    add_debug_flag(p)
     a = p.parse_args(argv)
+    if a.max_shard_size_gb < 0.01:
+        p.error(f"argument --max-shard-size-gb: {a.max_shard_size_gb:g} is below 0.01 GiB (10 MiB); a model "
+                "would be split into thousands of files")
     setup_logging(a.verbose)
+    from megatron_vlm import storage
+    from megatron_vlm.cli.inputs import check_checkpoint, check_tokenizer_dir
+
+    if not storage.is_remote(a.megatron_dir):
+        check_checkpoint(a.megatron_dir, a.iteration)
+        default_tok = os.path.join(a.megatron_dir, "tokenizer")
+        if a.tokenizer_dir is None and os.path.isdir(default_tok):
+            check_tokenizer_dir(default_tok, "the checkpoint's tokenizer directory")
+    if a.tokenizer_dir is not None:  # copied into --hf-dir: an HF dir without a tokenizer looks complete but is not
+        check_tokenizer_dir(a.tokenizer_dir, "--tokenizer-dir")
     from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 
-    it = a.iteration if a.iteration in (None, "release") else int(a.iteration)
-    convert_megatron_to_hf(a.megatron_dir, a.hf_dir, iteration=it, tokenizer_dir=a.tokenizer_dir, tp=a.tp, pp=a.pp,
-                           overwrite=a.overwrite, max_shard_bytes=int(a.max_shard_size_gb * 2**30))
+    convert_megatron_to_hf(a.megatron_dir, a.hf_dir, iteration=a.iteration, tokenizer_dir=a.tokenizer_dir, tp=a.tp,
+                           pp=a.pp, overwrite=a.overwrite, max_shard_bytes=int(a.max_shard_size_gb * 2**30))
     print(f"wrote HF LLaVA model to {a.hf_dir}")
 
 

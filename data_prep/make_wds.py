@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_vlm import storage  # noqa: E402
-from megatron_vlm.atomic import OutputExistsError  # noqa: E402
-from megatron_vlm.data.make_wds import TooManyRejectsError, make_wds  # noqa: E402
+from megatron_vlm.cli import add_debug_flag, fraction, positive_int, run_cli  # noqa: E402
+from megatron_vlm.data.make_wds import DEFAULT_MAX_TEXT_CHARS, make_wds  # noqa: E402
 from megatron_vlm.data.prepare import interactive_hint  # noqa: E402
 
 FORMAT_HELP = """input formats:
@@ -30,11 +30,21 @@ FORMAT_HELP = """input formats:
          parts of type text and image_url (base64 data URL, or a path under --image-root).
 
 Rejected records (unreadable/missing image, <image> count not matching the images, empty answer or
-conversation, invalid UTF-8, a path that escapes --image-root) go to OUTPUT/rejected.jsonl with their
-source line and reason. Output is written atomically and is byte-identical for the same input."""
+conversation, invalid UTF-8, a path that escapes --image-root, a message longer than --max-text-chars)
+go to OUTPUT/rejected.jsonl with their source line and reason. Output is written atomically and is
+byte-identical for the same input.
+
+Image paths are relative to --image-root. Absolute paths and '..' that leaves it are refused; so are
+symlinks whose target lies outside it, unless --allow-symlinks-outside-image-root is given (for a root
+assembled from links into other directories). A refused path rejects its record."""
 
 
 def main(argv=None) -> int:
+    """The command; returns its exit code (errors: one ``error:`` line, exit 2; see megatron_vlm.cli)."""
+    return run_cli(_run, argv)
+
+
+def _run(argv) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         epilog=FORMAT_HELP,
@@ -48,27 +58,30 @@ def main(argv=None) -> int:
                    help="output dataset directory (must not exist), or an object-store URL msc://PROFILE/PATH "
                    "(profile from the MSC config named by MSC_CONFIG): the tars are uploaded there and "
                    "energon prepare runs on the remote copy")
-    p.add_argument("--shard-size", type=int, default=1000, help="samples per tar (default 1000)")
+    p.add_argument("--shard-size", type=positive_int, default=1000, help="samples per tar (default 1000)")
     p.add_argument("--split", default="9,1,0", help="train,val,test weights for energon prepare (default 9,1,0)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes decoding images (default 1)")
+    p.add_argument("--workers", type=positive_int, default=1, help="worker processes decoding images (default 1)")
     p.add_argument("--no-prepare", action="store_true",
                    help="only write the tars; run `energon prepare ./` yourself (interactive)")
-    p.add_argument("--max-bad-fraction", type=float, default=0.01,
+    p.add_argument("--max-bad-fraction", type=fraction, default=0.01,
                    help="fail when more than this fraction of records is rejected (default 0.01)")
+    p.add_argument("--max-text-chars", type=positive_int, default=DEFAULT_MAX_TEXT_CHARS,
+                   help="reject a record with a message longer than this many characters "
+                   f"(default {DEFAULT_MAX_TEXT_CHARS:,})")
+    p.add_argument("--allow-symlinks-outside-image-root", action="store_true",
+                   help="follow image symlinks whose target lies outside --image-root (refused by default)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_debug_flag(p)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
 
-    try:
-        result = make_wds(
-            args.format, args.input, args.output, image_root=args.image_root, shard_size=args.shard_size,
-            split=args.split, workers=args.workers, prepare=not args.no_prepare,
-            max_bad_fraction=args.max_bad_fraction, overwrite=args.overwrite, progress=not args.no_progress,
-        )
-    except (OutputExistsError, TooManyRejectsError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    result = make_wds(
+        args.format, args.input, args.output, image_root=args.image_root, shard_size=args.shard_size,
+        split=args.split, workers=args.workers, prepare=not args.no_prepare,
+        max_bad_fraction=args.max_bad_fraction, overwrite=args.overwrite, progress=not args.no_progress,
+        max_text_chars=args.max_text_chars, allow_outside_symlinks=args.allow_symlinks_outside_image_root,
+    )
     print(f"wrote {result.written} samples in {len(result.shards)} shards to {result.output} "
           f"({result.rejected} of {result.total} records rejected -> {storage.join(result.output, 'rejected.jsonl')})")
     if result.rejected:

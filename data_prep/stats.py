@@ -19,40 +19,56 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_vlm.atomic import atomic_write_text  # noqa: E402
+from megatron_vlm.cli import InputError, add_debug_flag, positive_int, run_cli, weight_list  # noqa: E402
+from megatron_vlm.cli.inputs import check_tokenizer_dir  # noqa: E402
 
 
 def main(argv=None) -> int:
+    """The command; returns its exit code (errors: one ``error:`` line, exit 2; see megatron_vlm.cli)."""
+    return run_cli(_run, argv)
+
+
+def _run(argv) -> int:
+    from megatron_vlm.data.stats import DEFAULT_MAX_TEXT_BYTES
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("datasets", nargs="+", type=Path, help="prepared energon dataset directories")
     p.add_argument("--tokenizer", required=True, type=Path,
                    help="HF LLaVA directory (tokenizer, chat template, processor)")
-    p.add_argument("--seq-length", type=int, default=2048, help="training sequence length (default 2048)")
-    p.add_argument("--weights", default=None, help="comma-separated blend weights, one per dataset "
-                   "(default: train sample counts)")
+    p.add_argument("--seq-length", type=positive_int, default=2048, help="training sequence length (default 2048)")
+    p.add_argument("--weights", type=weight_list, default=None, help="comma-separated blend weights, one per "
+                   "dataset, not negative, at least one positive (default: train sample counts)")
+    p.add_argument("--max-text-bytes", type=positive_int, default=DEFAULT_MAX_TEXT_BYTES,
+                   help="samples whose text is larger are counted as over --seq-length without tokenizing "
+                   f"them, which keeps time and memory bounded (default {DEFAULT_MAX_TEXT_BYTES})")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="where stats.json and metadataset.yaml go (default: the first dataset's parent)")
     p.add_argument("--no-progress", action="store_true")
+    add_debug_flag(p)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+
+    for d in args.datasets:
+        if not (d / ".nv-meta" / "split.yaml").is_file():
+            raise InputError(f"{d} is not a prepared energon dataset (no .nv-meta/split.yaml); write it with "
+                             "data_prep/make_wds.py")
+    weights = args.weights
+    if weights is not None and len(weights) != len(args.datasets):
+        raise InputError(f"--weights has {len(weights)} values for {len(args.datasets)} datasets")
+    check_tokenizer_dir(args.tokenizer, "--tokenizer")
 
     from megatron_vlm.data.stats import metadataset_yaml, summarize
     from megatron_vlm.data.task_encoder import VLMTaskEncoder
 
-    for d in args.datasets:
-        if not (d / ".nv-meta" / "split.yaml").is_file():
-            print(f"error: {d} is not a prepared energon dataset (no .nv-meta/split.yaml)", file=sys.stderr)
-            return 2
-    weights = None
-    if args.weights:
-        weights = [float(w) for w in args.weights.split(",")]
-        if len(weights) != len(args.datasets):
-            print(f"error: --weights has {len(weights)} values for {len(args.datasets)} datasets", file=sys.stderr)
-            return 2
     te = VLMTaskEncoder(args.tokenizer, args.seq_length)
-    summary = summarize(args.datasets, te, args.seq_length, progress=not args.no_progress)
+    summary = summarize(args.datasets, te, args.seq_length, progress=not args.no_progress,
+                        max_text_bytes=args.max_text_bytes)
     if weights is None:
         weights = [float(summary["datasets"][str(d)].get("train", {}).get("samples", 0)) for d in args.datasets]
+        if not any(weights):
+            raise InputError(f"no dataset among {', '.join(map(str, args.datasets))} has training samples, so the "
+                             "blend would be empty; prepare datasets with a train split (make_wds --split)")
     out_dir = args.output_dir or args.datasets[0].absolute().parent
     yaml_path = out_dir / "metadataset.yaml"
     splits = [s for s in ("train", "val") if summary["total"].get(s, {}).get("samples")]
@@ -63,7 +79,8 @@ def main(argv=None) -> int:
     for name, per in summary["datasets"].items():
         for split, s in per.items():
             print(f"{name} {split}: {s['samples']} samples, {s['images']} images, {s['text_tokens']} text + "
-                  f"{s['image_tokens']} image tokens, {s['over_seq_length']} over {args.seq_length}")
+                  f"{s['image_tokens']} image tokens, {s['over_seq_length']} over {args.seq_length}"
+                  + (f" ({s['too_long_to_count']} too long to tokenize)" if s.get("too_long_to_count") else ""))
     print(f"wrote {out_dir / 'stats.json'} and {yaml_path}")
     return 0
 

@@ -26,6 +26,7 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False, what: str = "o
     final = Path(final).absolute()
     if final.exists() and not overwrite:
         raise OutputExistsError(f"{what} {final} already exists; remove it or pass --overwrite")
+    _check_parent(final, what)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     umask = os.umask(0)
@@ -45,9 +46,20 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False, what: str = "o
         raise
 
 
+def _check_parent(final: Path, what: str) -> None:
+    """The nearest existing ancestor of ``final`` must be a directory (not a file)."""
+    for parent in final.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise NotADirectoryError(f"{what} {final}: {parent} is a file, not a directory; choose another "
+                                         "location")
+            return
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` via a temporary file and an atomic rename."""
     path = Path(path)
+    _check_parent(path, "output file")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:

@@ -44,7 +44,7 @@ def test_apptainer_dry_run(tmp_path, capsys):
     expected = sorted(f"{p}:{p}" for p in (REPO, run_dir, tmp_path / "data", tmp_path / "ckpt", tmp_path / "tok"))
     assert binds == expected + [f"{extra}:/mnt/extra:ro"]  # tensorboard dir lies in the run dir: no own mount
     i = argv.index(str(img))
-    assert argv[i + 1:i + 4] == ["python", "-m", "torch.distributed.run"]
+    assert argv[i + 1:i + 4] == ["python", "-m", "megatron_vlm.launch.elastic"]
     assert "GPU/FP8 checks run inside the apptainer container at launch" in err
 
 
@@ -71,7 +71,7 @@ def test_docker_dry_run(tmp_path, capsys, monkeypatch):
         assert e in envs
     assert "s3cret" not in " ".join(argv)  # passed by name: docker reads the value, the printout never shows it
     i = argv.index("nvcr.io/me/vlm:1")
-    assert argv[i + 1:i + 4] == ["python", "-m", "torch.distributed.run"]
+    assert argv[i + 1:i + 4] == ["python", "-m", "megatron_vlm.launch.elastic"]
 
 
 def test_cpu_container_has_no_gpu_flags(tmp_path):

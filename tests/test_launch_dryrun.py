@@ -34,7 +34,7 @@ def test_single_node_cpu(tmp_path, capsys):
     env = {a.split("=")[0]: a.split("=", 1)[1] for a in argv if "=" in a and not a.startswith("-")}
     assert env["CUDA_VISIBLE_DEVICES"] == "" and int(env["OMP_NUM_THREADS"]) >= 1
     i = argv.index("-m")
-    assert argv[i:i + 2] == ["-m", "torch.distributed.run"]
+    assert argv[i:i + 2] == ["-m", "megatron_vlm.launch.elastic"]
     port = int(argv[argv.index("--master_port") + 1])
     assert argv[argv.index("--nnodes"):] == [
         "--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "2", "--rdzv_backend", "static",
@@ -100,6 +100,11 @@ def test_data_checks(tmp_path, capsys):
     assert rc == 2 and "is not a prepared energon dataset (no .nv-meta/dataset.yaml)" in err
     meta = tmp_path / "blend.yaml"
     meta.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits: {}\n")
+    rc, _, err = dry([*args, "--data-path", str(meta)], capsys)  # an empty blend (issue 18)
+    assert rc == 2 and f"--data-path {meta}: no 'splits' in the metadataset" in err
+    prepared = make_data(tmp_path / "ok")
+    meta.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+                    f"    - {{weight: 1.0, path: {prepared}, split_part: train}}\n")
     assert dry([*args, "--data-path", str(meta)], capsys)[0] == 0
 
 

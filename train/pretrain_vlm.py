@@ -35,5 +35,41 @@ def main(argv=None):
         teardown()
 
 
+def run(argv=None) -> int:
+    """``main`` with this rank's failure recorded for the launcher (``megatron_vlm.launch.failures``): one
+    line on stderr and in ``<run_dir>/failures/rank<R>.txt``, the traceback in ``rank<R>.traceback.txt``
+    (also on stderr with -v or MVLM_DEBUG=1). Ctrl-C before the trainer's own handler is set exits 130."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        main(argv)
+        return 0
+    except KeyboardInterrupt:
+        print(f"[rank {rank}] interrupted before training started", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the rank's boundary
+        from megatron_vlm.cli import debug_requested
+        from megatron_vlm.launch import failures
+
+        run_dir = None
+        try:
+            argv_ = sys.argv[1:] if argv is None else argv
+            from megatron_vlm.training.config import TrainConfig
+
+            run_dir = TrainConfig.from_yaml(argv_[argv_.index("--config") + 1]).run_dir
+        except Exception:  # noqa: BLE001 - the config itself may be what failed
+            pass
+        if run_dir is not None:
+            reason, tb = failures.record(run_dir, rank, e)
+        else:
+            reason, tb = failures.reason_of(e), None
+        if debug_requested(argv):
+            import traceback
+
+            traceback.print_exc()
+        where = f" (traceback: {tb})" if tb is not None and not debug_requested(argv) else ""
+        print(f"[rank {rank}] error: {reason}{where}", file=sys.stderr, flush=True)
+        return 1
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(run())

@@ -30,11 +30,12 @@ JPEG_QUALITY = 95
 _ORIENTATION = 0x0112
 
 
-def resolve_path(ref: str, image_root: Path) -> Path:
+def resolve_path(ref: str, image_root: Path, allow_outside_symlinks: bool = False) -> Path:
     """``ref`` relative to ``image_root``; absolute paths and ``..`` that leave the root are rejected.
 
-    The check is on the path as written (``os.path.normpath``), so symlinks the user placed inside the
-    root are followed on purpose.
+    The path as written is checked first (``os.path.normpath``). Then symlinks are resolved: one that leads
+    outside the root is refused unless ``allow_outside_symlinks`` (``--allow-symlinks-outside-image-root``);
+    symlinks whose target stays inside the root are followed.
     """
     if "\x00" in ref:
         raise Reject("image path contains a NUL byte")
@@ -45,10 +46,17 @@ def resolve_path(ref: str, image_root: Path) -> Path:
     for norm in {posixpath.normpath(ref), posixpath.normpath(ref.replace("\\", "/"))}:
         if norm == ".." or norm.startswith("../"):
             raise Reject(f"image path {ref!r} escapes --image-root")
-    return image_root / posixpath.normpath(ref)
+    path = image_root / posixpath.normpath(ref)
+    if not allow_outside_symlinks:
+        root = os.path.realpath(image_root)
+        real = os.path.realpath(path)
+        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise Reject(f"symlink outside --image-root: image path {ref!r} leads to {real} (pass "
+                         "--allow-symlinks-outside-image-root to follow such links)")
+    return path
 
 
-def read_ref(ref, image_root: Path) -> bytes:
+def read_ref(ref, image_root: Path, allow_outside_symlinks: bool = False) -> bytes:
     """The bytes behind an image reference (a path, a ``data:`` URL, or bytes already)."""
     if isinstance(ref, (bytes, bytearray)):
         return bytes(ref)
@@ -64,7 +72,7 @@ def read_ref(ref, image_root: Path) -> bytes:
             raise Reject(f"invalid base64 image data: {e}") from None
     if ref.startswith(("http://", "https://")):
         raise Reject(f"remote image {ref[:80]!r} is not supported; download it and pass a path")
-    path = resolve_path(ref, image_root)
+    path = resolve_path(ref, image_root, allow_outside_symlinks)
     try:
         return path.read_bytes()
     except FileNotFoundError:

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 REJECTED_FILE = "rejected.jsonl"
 SUMMARY_FILE = "make_wds.json"
 KEY_FORMAT = "{:09d}"
+DEFAULT_MAX_TEXT_CHARS = 1_000_000  # per message: ~250k tokens, beyond any training sequence
 
 
 class TooManyRejectsError(RuntimeError):
@@ -68,18 +69,30 @@ def _reason_class(reason: str) -> str:
     return re.sub(r"(?<![\w-])\d+(?![\w-])", "N", reason.strip())
 
 
-def convert_record(fmt: str, rec: RawRecord, image_root: Path) -> tuple[dict | None, str | None]:
+def check_text_length(messages: list[dict], max_chars: int) -> None:
+    """Reject a record with a message longer than ``max_chars`` characters (a runaway or garbage field)."""
+    for i, m in enumerate(messages):
+        n = sum(len(p["text"]) for p in m["content"] if p["type"] == "text")
+        if n > max_chars:
+            raise Reject(f"text too long: message {i} ({m['role']}) has {n} characters, more than "
+                         f"--max-text-chars {max_chars}; shorten or drop the record, or raise --max-text-chars")
+
+
+def convert_record(fmt: str, rec: RawRecord, image_root: Path, max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+                   allow_outside_symlinks: bool = False) -> tuple[dict | None, str | None]:
     """One record -> ``({extension: bytes}, None)`` for the tar, or ``(None, reason)``."""
     parse(rec)
     if rec.error:
         return None, rec.error
     try:
         conv = FORMATS[fmt](rec.obj)
+        check_text_length(conv.messages, max_text_chars)
         jpeg_only = fmt == "vqa"
         images = []
         for i, ref in enumerate(conv.images):
             what = f"image {i}" if len(conv.images) > 1 else "image"
-            images.append(process_image(read_ref(ref, image_root), jpeg_only=jpeg_only, what=what))
+            data = read_ref(ref, image_root, allow_outside_symlinks)
+            images.append(process_image(data, jpeg_only=jpeg_only, what=what))
     except Reject as e:
         return None, str(e)
     meta = {"id": rec.obj.get("id", rec.obj.get("question_id")), "source": rec.source}
@@ -125,13 +138,16 @@ class SplitAssigner:
 _WORKER: dict = {}
 
 
-def _init_worker(fmt: str, image_root: str) -> None:
-    _WORKER.update(fmt=fmt, image_root=Path(image_root))
+def _init_worker(fmt: str, image_root: str, max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+                 allow_outside_symlinks: bool = False) -> None:
+    _WORKER.update(fmt=fmt, image_root=Path(image_root), max_text_chars=max_text_chars,
+                   allow_outside_symlinks=allow_outside_symlinks)
 
 
 def _work(rec: RawRecord):
     """Runs in the workers: everything per sample, down to its tar bytes (the key is the record index)."""
-    members, reason = convert_record(_WORKER["fmt"], rec, _WORKER["image_root"])
+    members, reason = convert_record(_WORKER["fmt"], rec, _WORKER["image_root"], _WORKER["max_text_chars"],
+                                     _WORKER["allow_outside_symlinks"])
     blob = None if members is None else sample_tar_bytes(KEY_FORMAT.format(rec.index), members)
     obj_id = (rec.obj or {}).get("id")
     text = (rec.text or record_text(rec.obj)) if reason is not None else ""
@@ -150,6 +166,8 @@ def make_wds(
     max_bad_fraction: float = 0.01,
     overwrite: bool = False,
     progress: bool = True,
+    max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+    allow_outside_symlinks: bool = False,
 ) -> MakeWdsResult:
     """Convert ``input_path`` (format ``fmt``: vqa | llava | chat) into an energon dataset at ``output``.
 
@@ -166,6 +184,9 @@ def make_wds(
     runs on the remote copy, reading the tar headers there and writing ``.nv-meta`` there; ``make_wds.json``
     is uploaded last. A dataset whose upload or prepare was interrupted has no ``.nv-meta/dataset.yaml``, and
     training refuses it. The rejected-records file of a failed remote conversion stays in the current directory.
+
+    A record with a message longer than ``max_text_chars`` characters is rejected ("text too long"); an image
+    path that is a symlink leading outside ``image_root`` is rejected unless ``allow_outside_symlinks``.
     """
     from megatron_vlm.data import prepare as prep
 
@@ -176,7 +197,7 @@ def make_wds(
     weights = prep.parse_split(split)
     input_path = Path(input_path)
     if not input_path.is_file():
-        raise FileNotFoundError(f"--input {input_path} does not exist")
+        raise FileNotFoundError(f"--input {input_path} " + ("is not a file" if input_path.exists() else "does not exist"))
     image_root = Path(image_root) if image_root is not None else input_path.parent
     if not image_root.is_dir():
         raise FileNotFoundError(f"--image-root {image_root} is not a directory")
@@ -190,6 +211,9 @@ def make_wds(
     else:
         output = local_out = Path(output)
     workers = max(1, int(workers))
+    if max_text_chars < 1:
+        raise ValueError(f"--max-text-chars must be at least 1, got {max_text_chars}")
+    opts = (fmt, str(image_root), max_text_chars, allow_outside_symlinks)
 
     with atomic_dir(local_out, overwrite=overwrite, what="--output") as tmp:
         if prepare:
@@ -203,10 +227,10 @@ def make_wds(
         pool = None
         if workers > 1:
             ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(fmt, str(image_root)))
+            pool = ctx.Pool(workers, initializer=_init_worker, initargs=opts)
             results = pool.imap(_work, records, chunksize=16)
         else:
-            _init_worker(fmt, str(image_root))
+            _init_worker(*opts)
             results = map(_work, records)
         bar = _progress(progress, fmt)
         try:

@@ -4,6 +4,10 @@ Counts are per split (energon's ``.nv-meta/split.yaml``): samples, images, text 
 template, image tokens not counted), image tokens (images x tokens per image), and how many samples
 exceed ``seq_length`` once images are expanded (the task encoder truncates those). The tars are read
 directly (images are not decoded), with the same conversation rules the task encoder uses.
+
+Time and memory stay linear in the data and bounded per sample: a sample whose text parts exceed
+``max_text_bytes`` is not read nor tokenized (tokenizing one huge string can take minutes and gigabytes);
+it is counted in ``samples``, ``over_seq_length`` and ``too_long_to_count``, not in the token counts.
 ``data_prep/stats.py`` is the command line.
 """
 
@@ -24,11 +28,27 @@ from megatron_vlm.data.sample import image_parts
 
 _NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 SPLITS = ("train", "val", "test")
+DEFAULT_MAX_TEXT_BYTES = 1 << 20
+OVERSIZED = "__oversized__"  # key set in a sample whose text parts were too large to read
 
 
-def iter_tar_samples(tar_path: Path, parts: tuple[str, ...] = ("json", "txt")) -> Iterator[tuple[str, dict]]:
-    """``(key, {part: bytes or None})`` per sample; only ``parts`` (and image parts' names) are read."""
-    key, sample = None, {}
+def iter_tar_samples(tar_path: Path, parts: tuple[str, ...] = ("json", "txt"),
+                     max_bytes: int | None = None) -> Iterator[tuple[str, dict]]:
+    """``(key, {part: bytes or None})`` per sample; only ``parts`` (and image parts' names) are read.
+
+    With ``max_bytes``, a sample whose ``parts`` add up to more is yielded with ``OVERSIZED`` set to their
+    total size and none of them read (None), so memory stays bounded whatever the tar holds."""
+
+    def finish(key, sample, members):
+        size = sum(m.size for m in members)
+        if max_bytes is not None and size > max_bytes:
+            sample[OVERSIZED] = size
+        else:
+            for m in members:
+                sample[_NAME_RE.match(m.name).group(2)] = tar.extractfile(m).read()
+        return key, sample
+
+    key, sample, members = None, {}, []
     with tarfile.open(tar_path, "r") as tar:
         for member in tar:
             if not member.isfile():
@@ -39,11 +59,22 @@ def iter_tar_samples(tar_path: Path, parts: tuple[str, ...] = ("json", "txt")) -
             k, part = m.groups()
             if k != key:
                 if key is not None:
-                    yield key, sample
-                key, sample = k, {}
-            sample[part] = tar.extractfile(member).read() if part in parts else None
-    if key is not None:
-        yield key, sample
+                    yield finish(key, sample, members)
+                key, sample, members = k, {}, []
+            sample[part] = None
+            if part in parts:
+                members.append(member)
+        if key is not None:
+            yield finish(key, sample, members)
+
+
+def _checked_samples(tar_path: Path, max_bytes: int) -> Iterator[tuple[str, dict]]:
+    """``iter_tar_samples`` with a damaged tar reported as a ``ValueError`` naming it."""
+    try:
+        yield from iter_tar_samples(tar_path, max_bytes=max_bytes)
+    except (tarfile.TarError, EOFError) as e:
+        raise ValueError(f"{tar_path}: unreadable tar ({e}); the dataset is damaged: copy it again or rebuild it "
+                         "with data_prep/make_wds.py") from None
 
 
 def conversation_of_raw(sample: dict) -> tuple[list[dict], int]:
@@ -55,7 +86,8 @@ def conversation_of_raw(sample: dict) -> tuple[list[dict], int]:
     return vqa_messages(meta.get("question", ""), answer), 1
 
 
-def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None, progress: bool = False) -> dict:
+def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None, progress: bool = False,
+                  max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES) -> dict:
     """Per-split counts for one prepared dataset, tokenized like ``task_encoder`` (a VLMTaskEncoder)."""
     path = Path(path)
     seq_length = seq_length or task_encoder.seq_length
@@ -67,10 +99,17 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
 
         bar = tqdm(desc=f"stats {path.name}", unit=" samples")
     for split, meta in split_metas(path).items():
-        s = dict(samples=0, images=0, text_tokens=0, image_tokens=0, tokens=0, max_tokens=0, over_seq_length=0)
+        s = dict(samples=0, images=0, text_tokens=0, image_tokens=0, tokens=0, max_tokens=0, over_seq_length=0,
+                 too_long_to_count=0)
         for shard in meta.shards:
-            for key, raw in iter_tar_samples(path / shard.name):
+            for key, raw in _checked_samples(path / shard.name, max_text_bytes):
                 if f"{shard.name}/{key}" in meta.sample_excludes:
+                    continue
+                if OVERSIZED in raw:
+                    s["samples"] += 1
+                    s["images"] += len(image_parts(raw)) or ("jpg" in raw)  # messages layout, else VQA's one
+                    s["over_seq_length"] += 1
+                    s["too_long_to_count"] += 1
                     continue
                 messages, n_img = conversation_of_raw(raw)
                 ids = task_encoder.chat(messages).ids
@@ -108,7 +147,8 @@ def metadataset_yaml(yaml_path: str | Path, datasets: list[tuple[str | Path, flo
     return yaml.safe_dump(body, sort_keys=False)
 
 
-def summarize(paths: list[str | Path], task_encoder, seq_length: int | None = None, progress: bool = False) -> dict:
+def summarize(paths: list[str | Path], task_encoder, seq_length: int | None = None, progress: bool = False,
+              max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES) -> dict:
     seq_length = seq_length or task_encoder.seq_length
     out = {
         "tokenizer": task_encoder.hf_dir,
@@ -118,7 +158,7 @@ def summarize(paths: list[str | Path], task_encoder, seq_length: int | None = No
         "total": {},
     }
     for p in paths:
-        out["datasets"][str(p)] = dataset_stats(p, task_encoder, seq_length, progress)
+        out["datasets"][str(p)] = dataset_stats(p, task_encoder, seq_length, progress, max_text_bytes)
     for split in SPLITS:
         agg: dict = {}
         for per in out["datasets"].values():

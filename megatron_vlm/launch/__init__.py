@@ -10,5 +10,7 @@ One concept per module:
 - ``probe``     asks the runtime that will train (host or container) about GPUs, FP8 and the tokenizer;
 - ``preflight`` checks paths, prepared data, the checkpoint and its spec before anything starts;
 - ``process``   runs the launched command, forwarding SIGINT/SIGTERM and propagating its exit code;
+- ``elastic``   torchrun with one-line endings (a signal N exits 128+N; a failed rank names itself);
+- ``failures``  a failed rank's one-line reason, written by the rank and printed last by the launcher;
 - ``cli``       the ``train/run.py`` command: ties the steps together.
 """

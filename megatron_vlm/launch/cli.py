@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from megatron_vlm.launch import container, preflight, probe, process, sbatch, slurm
+from megatron_vlm.launch import container, failures, preflight, probe, process, sbatch, slurm
 from megatron_vlm.launch.torchrun import Command, rank_env, rendezvous_port, torchrun_command
 from megatron_vlm.training.config import ConfigError, TrainConfig
 
@@ -140,9 +140,14 @@ def main(argv: list[str] | None = None, repo_root: str | os.PathLike | None = No
         atomic_write_text(cfg.config_path, cfg.to_yaml())
         _say(f"config: {cfg.config_path}")
         _say(f"node {cfg.node_rank}/{cfg.nodes}: {cmd.display()}")
+        failures.clear(cfg.run_dir)
         rc = process.run_forwarding_signals(cmd.argv, cmd.env)
         if rc:
             _say(f"training exited with code {rc}")
+            failed = failures.first(cfg.run_dir)
+            if failed is not None and rc < 128:  # a signal's ending is no rank's fault
+                _say(f"rank {failed[0]} failed: {failed[1]} (traceback: "
+                     f"{cfg.run_dir / failures.FAILURES_DIR / f'rank{failed[0]}.traceback.txt'})")
         return rc
     except (ConfigError, probe.ProbeError) as e:
         text = str(e)

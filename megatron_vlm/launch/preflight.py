@@ -52,11 +52,105 @@ def check_data(data_path: str) -> list[str]:
             return [f"--data-path {p}: not valid YAML ({e})"]
         if not isinstance(data, dict):
             return [f"--data-path {p}: not an energon metadataset (expected a YAML mapping)"]
+        if data.get("__class__", "MetadatasetV2") == "MetadatasetV2":
+            return check_blend(p, data)
         return []
     if not (p / ENERGON_META).is_file():
         return [f"--data-path {p} is not a prepared energon dataset (no {ENERGON_META}); prepare it with "
                 "data_prep/ (which runs `energon prepare`)"]
-    return []
+    return check_shards(p)
+
+
+def check_shards(dataset: Path) -> list[str]:
+    """Every shard energon's ``.nv-meta/.info.json`` lists exists and is as long as its ``.tar.idx`` says.
+
+    The index holds each sample's start offset and the end of the last one, so a copy cut short (a full
+    disk, an interrupted rsync) is found here by file sizes alone, before any rank starts."""
+    import json
+
+    import yaml
+
+    fix = "copy the dataset again, or rebuild it with data_prep/make_wds.py"
+    info_json, info_yaml = dataset / ".nv-meta" / ".info.json", dataset / ".nv-meta" / ".info.yaml"
+    try:
+        if info_json.is_file():
+            info = json.loads(info_json.read_text())
+        elif info_yaml.is_file():
+            info = yaml.safe_load(info_yaml.read_text())
+        else:  # nothing to compare with (energon itself reports it)
+            return []
+    except (ValueError, yaml.YAMLError) as e:
+        return [f"--data-path {dataset}: {info_json.name} is corrupt ({str(e).splitlines()[0]}); run "
+                "`energon prepare` again"]
+    counts = info.get("shard_counts") if isinstance(info, dict) else None
+    if not counts:
+        return [f"--data-path {dataset}: the dataset has no shards (empty shard_counts); {fix}"]
+    problems = []
+    for name in counts:
+        tar, idx = dataset / name, dataset / (name + ".idx")
+        if not tar.is_file():
+            problems.append(f"--data-path {dataset}: shard {tar} is missing; {fix}")
+        elif idx.is_file() and idx.stat().st_size >= 8:
+            with open(idx, "rb") as f:
+                f.seek(idx.stat().st_size // 8 * 8 - 8)
+                end = int.from_bytes(f.read(8), "little")
+            size = tar.stat().st_size
+            if size < end:
+                problems.append(f"--data-path {dataset}: shard {tar} is truncated ({size} bytes, its index "
+                                f"{idx.name} needs {end}); {fix}")
+        if len(problems) >= 3:
+            problems.append(f"--data-path {dataset}: (further shards not checked)")
+            break
+    return problems
+
+
+def check_blend(yaml_path: Path, data: dict, depth: int = 0) -> list[str]:
+    """An energon metadataset: every split blends at least one dataset with positive weight, each of them
+    checked like ``--data-path`` (paths are relative to the YAML file)."""
+    splits = data.get("splits")
+    if not isinstance(splits, dict) or not splits:
+        return [f"--data-path {yaml_path}: no 'splits' in the metadataset; write it with data_prep/stats.py"]
+    problems = []
+    for split, node in splits.items():
+        if not isinstance(node, dict):
+            problems.append(f"--data-path {yaml_path}: split {split!r} is not a mapping")
+            continue
+        if "blend" in node:
+            entries = node["blend"] or []
+            if not isinstance(entries, list):
+                problems.append(f"--data-path {yaml_path}: split {split!r}: 'blend' must be a list")
+                continue
+            weights = [e.get("weight", 1.0) if isinstance(e, dict) else 0 for e in entries]
+            if not any(isinstance(w, (int, float)) and w > 0 for w in weights):
+                problems.append(f"--data-path {yaml_path}: split {split!r} blends no dataset with a positive "
+                                "weight (empty blend); give positive weights (data_prep/stats.py --weights)")
+                continue
+            paths = [e.get("path") for e, w in zip(entries, weights) if isinstance(e, dict) and w and w > 0]
+        elif "path" in node:
+            paths = [node["path"]]
+        else:  # other energon forms (blend_epochized, join, ...): energon checks them
+            continue
+        for rel in paths:
+            if not isinstance(rel, str):
+                problems.append(f"--data-path {yaml_path}: split {split!r} has an entry without a 'path'")
+                continue
+            target = (yaml_path.parent / rel) if not Path(rel).is_absolute() else Path(rel)
+            if depth < 4 and not storage.is_remote(rel):
+                problems += [f"{q} (in {yaml_path}, split {split!r})" for q in _check_local(target, depth + 1)]
+    return sorted(set(problems), key=problems.index)
+
+
+def _check_local(p: Path, depth: int) -> list[str]:
+    if p.is_file() and p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            return [f"--data-path {p}: not valid YAML ({e})"]
+        return check_blend(p, data, depth) if isinstance(data, dict) else \
+            [f"--data-path {p}: not an energon metadataset (expected a YAML mapping)"]
+    return check_data(str(p))
 
 
 def read_tracker(ckpt_dir) -> str:
@@ -91,6 +185,14 @@ def check_checkpoint(ckpt_dir: str) -> list[str]:
                            "or 'release'"]
     if not (d / sub).is_dir():
         problems.append(f"--megatron-load-dir {d}: {TRACKER_FILE} points at {sub}/, which does not exist")
+    elif not storage.is_remote(ckpt_dir):
+        from megatron_vlm.cli import InputError
+        from megatron_vlm.cli.inputs import check_iteration_files
+
+        try:  # JSON files and torch_dist shards, before the ranks read them
+            check_iteration_files(d / sub)
+        except InputError as e:
+            problems.append(f"--megatron-load-dir {d}: {e}")
     return problems
 
 
@@ -147,6 +249,7 @@ def check_request(cfg: TrainConfig) -> list[str]:
         elif not any((tok / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")):
             problems.append(f"--tokenizer-load-dir {tok} holds no tokenizer (tokenizer_config.json); give the "
                             "LLaVA directory written by convert/build_llava.py")
+    problems += check_resume(cfg)
     if cfg.megatron_load_dir and not cfg.init:
         problems += check_checkpoint(cfg.megatron_load_dir)
     elif cfg.megatron_load_dir and not storage.is_remote(cfg.megatron_load_dir) and \
@@ -187,6 +290,24 @@ def check_resume_layout(cfg: TrainConfig) -> list[str]:
         return []
     problem = check_data_position(cfg, meta, world // (cfg.tp * cfg.pp), it_dir)
     return [problem] if problem else []
+
+
+def check_resume(cfg: TrainConfig) -> list[str]:
+    """The run directory this launch resumes (``<save-dir>/<name>`` with a tracker): tracker, iteration
+    directory, JSON files and torch_dist shards are checked like a converter's input."""
+    if storage.is_remote(cfg.checkpoint_dir):
+        return []
+    d = Path(cfg.checkpoint_dir)
+    if not (d / TRACKER_FILE).is_file():
+        return []  # a new run
+    from megatron_vlm.cli import InputError
+    from megatron_vlm.cli.inputs import check_checkpoint
+
+    try:
+        check_checkpoint(d, flag="--save-dir/--name")
+    except InputError as e:
+        return [f"cannot resume the run in {d}: {e}; or start a new run with another --name"]
+    return []
 
 
 def check_hardware(cfg: TrainConfig, facts: dict) -> list[str]:

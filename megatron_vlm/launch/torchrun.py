@@ -3,8 +3,9 @@
 ``torchrun_command(cfg, config_path, entrypoint)`` returns a ``Command``: an argument list (never a shell
 string) and the environment variables to add. One node: static rendezvous on 127.0.0.1 with a free port
 (picked by binding port 0) unless ``--master-port`` is given. Several nodes: static rendezvous at
-``master_addr:master_port`` with this node's ``--node_rank``. ``python -m torch.distributed.run`` is used
-instead of the ``torchrun`` script so that the ranks run under the same interpreter as the launcher.
+``master_addr:master_port`` with this node's ``--node_rank``. ``python -m megatron_vlm.launch.elastic`` (torch's
+``torch.distributed.run`` with one-line endings on a signal or a failed rank) is used instead of the ``torchrun``
+script so that the ranks run under the same interpreter as the launcher.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import os
 import shlex
 import socket
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from megatron_vlm.training.config import TrainConfig
 
 DEFAULT_MULTINODE_PORT = 29500
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding megatron_vlm/
 # Seconds torchrun waits after forwarding SIGTERM/SIGINT before it SIGKILLs the ranks (torch >= 2.9 reads it;
 # older torch waits 30 s): the trainer's window to save a checkpoint on preemption.
 SHUTDOWN_GRACE_S = 120
@@ -70,6 +73,9 @@ def rank_env(cfg: TrainConfig, base_env: Mapping[str, str] | None = None) -> dic
         setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         setdefault("NCCL_ALGO", "Ring")
     setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))
+    # torchrun runs as ``-m megatron_vlm.launch.elastic``: this checkout first on the path (same path inside a
+    # container, which mounts it there).
+    env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else []))
     setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -79,7 +85,7 @@ def torchrun_command(cfg: TrainConfig, config_path: str, entrypoint: str, python
     """This node's command: torchrun starting ``entrypoint --config config_path`` once per GPU."""
     port = port if port is not None else rendezvous_port(cfg)
     argv = [
-        python, "-m", "torch.distributed.run",
+        python, "-m", "megatron_vlm.launch.elastic",  # torch.distributed.run with one-line endings
         "--nnodes", str(cfg.nodes),
         "--node_rank", str(cfg.node_rank),
         "--nproc_per_node", str(cfg.gpus),

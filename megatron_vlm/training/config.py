@@ -477,6 +477,10 @@ def _flag(name: str) -> str:
 
 def _check_types_and_ranges(cfg: TrainConfig) -> list[str]:
     p: list[str] = []
+    for f in dataclasses.fields(cfg):  # nan and inf pass every comparison below
+        v = getattr(cfg, f.name)
+        if f.metadata["kind"] == "float" and isinstance(v, float) and v - v != 0:
+            p.append(f"{f.metadata['flags'][0]} {v}: must be a finite number")
     positive = ["gpus", "nodes", "tp", "pp", "micro_batch_size", "global_batch_size", "train_iters",
                 "seq_length", "save_interval", "save_total_limit", "log_interval", "eval_interval",
                 "gpus_per_node", "cpus_per_task", "ddp_bucket_size", "recompute_num_layers",
@@ -485,9 +489,10 @@ def _check_types_and_ranges(cfg: TrainConfig) -> list[str]:
         v = getattr(cfg, name)
         if v is not None and v < 1:
             p.append(f"{_flag(name)} {v}: must be at least 1")
-    for name in ("eval_iters", "num_workers", "min_lr", "weight_decay", "clip_grad"):
+    for name in ("eval_iters", "num_workers", "min_lr", "weight_decay", "clip_grad", "seed", "image_token_id",
+                 "pad_token_id"):
         v = getattr(cfg, name)
-        if v < 0:
+        if v is not None and v < 0:
             p.append(f"{_flag(name)} {v}: must not be negative")
     if cfg.stage not in STAGE_DEFAULTS:
         p.append(f"--stage {cfg.stage}: must be 1 (pretraining) or 2 (instruction tuning)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -32,10 +33,13 @@ class _StopFlag:
 
     def __init__(self):
         self.set = False
+        self.pid = os.getpid()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame):
+        if os.getpid() != self.pid:  # a forked data-loader worker inherits the handler: the rank alone decides
+            return
         if not self.set:
             log.warning("received signal %d: saving a checkpoint after this iteration", signum)
         self.set = True

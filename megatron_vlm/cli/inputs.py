@@ -1,0 +1,145 @@
+"""Cheap checks of the files a command is about to read, before the heavy libraries see them.
+
+transformers, megatron-core's dist_checkpointing and torch.distributed.checkpoint fail on a corrupt file
+with messages that do not name it ("Invalid control character at: line 1 column 30", a 77-line
+``CheckpointException``, a bare ``EOFError``). These checks read only JSON files, the checkpoint tracker
+and the torch_dist ``.metadata`` index (then compare shard sizes with it), so they take milliseconds, and
+raise ``InputError`` with the file, what is wrong and what to do. Used by the converters and by the
+training launcher (for the run directory it resumes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from megatron_vlm.cli import InputError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def read_json(path: str | Path, fix: str = "restore or regenerate it") -> dict:
+    """The JSON object in ``path``; ``InputError`` naming the file when it is missing or not valid JSON."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file; {fix}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text, so not a JSON file; {fix}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: invalid JSON ({e.msg}: line {e.lineno} column {e.colno}); {fix}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object, found {type(data).__name__}; {fix}")
+    return data
+
+
+def check_hf_dir(d: str | Path, flag: str) -> None:
+    """An HF model directory: exists, with a valid ``config.json``."""
+    d = Path(d)
+    if not d.is_dir():
+        raise InputError(f"{flag} {d}: no such directory; give a local Hugging Face model directory")
+    if not (d / "config.json").is_file():
+        raise InputError(f"{flag} {d} has no config.json: not a Hugging Face model directory")
+    read_json(d / "config.json", "re-download the model or restore config.json")
+
+
+def check_tokenizer_dir(d: str | Path, flag: str) -> None:
+    """A directory holding a tokenizer (``tokenizer_config.json`` or ``tokenizer.json``), its JSON valid."""
+    d = Path(d)
+    if not d.is_dir():
+        raise InputError(f"{flag} {d}: no such directory; give the HF LLaVA directory written by "
+                         "convert/build_llava.py (it holds the tokenizer)")
+    present = [f for f in TOKENIZER_FILES if (d / f).is_file()]
+    if not present:
+        raise InputError(f"{flag} {d} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}); give the HF LLaVA "
+                         "directory written by convert/build_llava.py")
+    for f in present + [f for f in ("preprocessor_config.json", "processor_config.json") if (d / f).is_file()]:
+        read_json(d / f, "copy the tokenizer files again from the HF model directory")
+
+
+def iteration_dir(ckpt_dir: Path, iteration=None, flag: str = "--megatron-dir") -> Path:
+    """The iteration directory ``iteration`` (or the tracker's) of a local Megatron checkpoint directory."""
+    if not ckpt_dir.is_dir():
+        raise InputError(f"{flag} {ckpt_dir}: no such directory")
+    if (ckpt_dir / "ckpt_meta.json").is_file() or (ckpt_dir / ".metadata").is_file():
+        return ckpt_dir  # pointed at an iteration directory
+    if iteration is None:
+        tracker = ckpt_dir / TRACKER
+        if not tracker.is_file():
+            raise InputError(f"{flag} {ckpt_dir} has no {TRACKER}: not a finished Megatron checkpoint; point at "
+                             "the directory that holds it, or pass --iteration")
+        text = tracker.read_text(errors="replace").strip()
+        if text != "release" and not re.fullmatch(r"\d+", text):
+            raise InputError(f"{tracker} reads {text[:40]!r}, expected an iteration number or 'release'; the "
+                             "file is corrupt: write the number of the last complete iter_* directory into it")
+        iteration = text
+    name = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    if not (ckpt_dir / name).is_dir():
+        have = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and re.fullmatch(r"iter_\d{7}|release",
+                                                                                        p.name))
+        raise InputError(f"{ckpt_dir / name} does not exist (iteration {iteration} of {flag} {ckpt_dir}); "
+                         f"available: {', '.join(have) or 'none'}")
+    return ckpt_dir / name
+
+
+def check_iteration_files(it_dir: Path) -> None:
+    """Every JSON file of an iteration directory parses; every torch_dist shard is present and complete."""
+    for f in sorted(it_dir.glob("*.json")):
+        read_json(f, "the checkpoint is damaged: re-save or re-convert it, or pick another --iteration")
+    for f in sorted(it_dir.glob("*.safetensors")):
+        check_safetensors(f, "the checkpoint is damaged: re-save or re-convert it, or pick another --iteration")
+    if (it_dir / ".metadata").is_file():
+        check_distcp(it_dir)
+
+
+def check_safetensors(f: Path, fix: str) -> None:
+    """A safetensors file's header parses and the file is as long as the header's tensors need."""
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError("header cut short")
+            header = json.loads(fh.read(n))
+        need = 8 + n + max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise InputError(f"{f}: not a readable safetensors file ({e}); {fix}") from None
+    if size < need:
+        raise InputError(f"{f}: truncated ({size} bytes, its header needs {need}); {fix}")
+
+
+def check_distcp(it_dir: Path) -> None:
+    """Compare the ``.distcp`` shards with the byte ranges torch.distributed.checkpoint's index expects."""
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+    except ImportError:  # a launcher host without torch: the trainer will read it
+        return
+    fix = "the checkpoint is incomplete: re-save or re-convert it, or pick another --iteration"
+    try:
+        metadata = FileSystemReader(str(it_dir)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged index
+        raise InputError(f"{it_dir / '.metadata'}: unreadable ({type(e).__name__}); {fix}") from None
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(need.items()):
+        f = it_dir / rel
+        if not f.is_file():
+            raise InputError(f"{f}: missing shard; {fix}")
+        have = f.stat().st_size
+        if have < size:
+            raise InputError(f"{f}: truncated ({have} bytes, the checkpoint index needs {size}); {fix}")
+
+
+def check_checkpoint(ckpt_dir: str | Path, iteration=None, flag: str = "--megatron-dir") -> Path:
+    """The iteration directory to read, after the checks above (local directories only)."""
+    it_dir = iteration_dir(Path(ckpt_dir), iteration, flag)
+    check_iteration_files(it_dir)
+    return it_dir

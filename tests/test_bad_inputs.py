@@ -1,0 +1,459 @@
+"""Bad input to every command ends in ONE clear line naming the input, a non-zero exit, no traceback and
+no output that looks complete (issue 18). Table-driven: each row is (command, arguments, words the message
+must contain, output that must not exist). Commands run in-process through their main(); only the two
+checks of the torchrun path (a failing rank, Ctrl-C) start processes.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_vlm.data.synthetic import write_image, write_jsonl
+from tests.data_fixtures import vqa_dataset, vqa_inputs  # noqa: F401
+
+from .conftest import script
+from .launch_helpers import REPO, base_args, launcher, no_slurm_env  # noqa: F401 (autouse fixture)
+
+CMD = {
+    "build": "convert/build_llava.py",
+    "h2m": "convert/hf_to_megatron.py",
+    "m2h": "convert/megatron_to_hf.py",
+    "wds": "data_prep/make_wds.py",
+    "stats": "data_prep/stats.py",
+}
+_MODULES: dict = {}
+
+
+def run_command(cmd: str, args: list, capsys) -> tuple[int, str]:
+    """Exit code and everything printed, from the command's main() run in-process like its __main__."""
+    from megatron_vlm.cli import run_cli
+
+    args = [str(a) for a in args]
+    try:
+        if cmd == "train":
+            from megatron_vlm.launch.cli import main as launch_main
+
+            rc = launch_main(args, repo_root=REPO)
+        else:
+            if cmd not in _MODULES:
+                _MODULES[cmd] = script(CMD[cmd])
+            rc = run_cli(_MODULES[cmd].main, args)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def assert_clean_failure(rc, text, expect, absent=()):
+    assert rc not in (0, None), text
+    assert "Traceback" not in text, text
+    for word in expect:
+        assert word in text, f"{word!r} not in:\n{text}"
+    for path in absent:
+        assert not Path(path).exists(), f"{path} was written"
+        leftovers = [p.name for p in Path(path).parent.glob(f".{Path(path).name}.*")] if Path(path).parent.exists() \
+            else []
+        assert not leftovers, leftovers
+
+
+# ---- shared inputs (built once) ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def env(hf_models, tmp_path_factory):
+    """A tiny HF LLaVA, its torch_dist checkpoint, a make_wds input tree (with a symlink leaving the root)."""
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+
+    root = tmp_path_factory.mktemp("bad")
+    hf = hf_models["llama_clip"]
+    meg = convert_hf_to_megatron(hf, root / "meg", tp=1)
+    images = root / "in" / "images"
+    images.mkdir(parents=True)
+    for i in range(2):
+        write_image(images / f"{i}.jpg", 32, seed=i)
+    write_image(root / "in" / "secret.jpg", 32, seed=9)
+    os.symlink(root / "in" / "secret.jpg", images / "link.jpg")  # leads outside --image-root
+    os.symlink(images / "0.jpg", images / "inside.jpg")  # stays inside: followed
+    rows = [{"image": "0.jpg", "question": "q0", "answer": "red"},
+            {"image": "inside.jpg", "question": "q", "answer": "a"}]
+    write_jsonl(root / "in" / "good.jsonl", rows)
+    write_jsonl(root / "in" / "link.jsonl", rows + [{"image": "link.jpg", "question": "q", "answer": "a"}])
+    write_jsonl(root / "in" / "huge.jsonl", rows + [{"image": "1.jpg", "question": "q", "answer": "x" * 1_100_000}])
+    bad_cfg = root / "badcfg"
+    bad_cfg.mkdir()
+    (bad_cfg / "config.json").write_text('{"model_type": "llava", "text_config": {\x01}')
+    no_cfg = root / "nocfg"
+    no_cfg.mkdir()
+    empty = root / "empty"
+    empty.mkdir()
+    bad_tok = root / "badtok"
+    bad_tok.mkdir()
+    (bad_tok / "tokenizer_config.json").write_text("{not json")
+    a_file = root / "a_file"
+    a_file.write_text("x")
+    parts = hf.parent / (hf.name + "_parts")
+    return dict(root=root, hf=hf, meg=meg, text=parts / "text_llama", vision=parts / "vision_clip", images=images,
+                bad_cfg=bad_cfg, no_cfg=no_cfg, empty=empty,
+                bad_tok=bad_tok, a_file=a_file)
+
+
+def damaged_checkpoint(env, tmp_path, how: str) -> Path:
+    d = tmp_path / "ckpt"
+    shutil.copytree(env["meg"], d)
+    rel = d / "release"
+    shard = sorted(rel.glob("*.distcp"))[0]
+    if how == "tracker":
+        (d / "latest_checkpointed_iteration.txt").write_text("garbage\n")
+    elif how == "delete_shard":
+        shard.unlink()
+    elif how == "truncate_shard":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif how == "metadata_json":
+        (rel / "metadata.json").write_text('{"sharded_backend": "torch_dist\x01"}')
+    elif how == "spec_json":
+        (rel / "vlm_spec.json").write_text((rel / "vlm_spec.json").read_text()[:40])
+    elif how == "extra_truncated":
+        extra = rel / "hf_extra.safetensors"
+        extra.write_bytes(extra.read_bytes()[:-64])
+    elif how == "dcp_index":
+        (rel / ".metadata").write_bytes(b"\x80\x04garbage")
+    return d
+
+
+# ---- the table ----------------------------------------------------------------------------------------------
+# Each builder gets (env, tmp_path) and returns (arguments, words the output must contain, paths that must not exist).
+def _build(extra):
+    return lambda e, t: ["--text-model", e["text"], "--vision-model", e["vision"], "--save-dir", t / "llava", *extra]
+
+
+def _h2m(extra):
+    return lambda e, t: ["--hf-dir", e["hf"], "--megatron-dir", t / "meg", *extra]
+
+
+def _m2h(extra):
+    return lambda e, t: ["--megatron-dir", e["meg"], "--hf-dir", t / "hf", *extra]
+
+
+def _wds(extra, inp="good.jsonl"):
+    return lambda e, t: ["--format", "vqa", "--input", e["root"] / "in" / inp, "--image-root", e["images"],
+                         "--output", t / "ds", "--no-progress", "--no-prepare", *extra]
+
+
+def _truncate(f: Path, size: int) -> Path:
+    f.write_bytes(f.read_bytes()[:size])
+    return f.parent
+
+
+CASES = {
+    # build_llava: numbers checked at parse time, model directories checked before loading
+    "build-padding-negative": ("build", _build(["--vocab-size-padding", "-64"]),
+                               ["--vocab-size-padding", "-64 must be at least 1"], ["llava"]),
+    "build-padding-zero": ("build", _build(["--vocab-size-padding", "0"]), ["--vocab-size-padding"], ["llava"]),
+    "build-image-token-empty": ("build", _build(["--image-token", ""]), ["--image-token", "must be a non-empty token"],
+                                ["llava"]),
+    "build-seed-negative": ("build", _build(["--seed", "-1"]), ["--seed", "must not be negative"], ["llava"]),
+    "build-text-missing": ("build", lambda e, t: ["--text-model", t / "nope", "--vision-model", e["vision"],
+                                                   "--save-dir", t / "llava"],
+                           ["--text-model", "nope: no such directory"], ["llava"]),
+    "build-vision-bad-config": ("build", lambda e, t: ["--text-model", e["text"], "--vision-model", e["bad_cfg"],
+                                                        "--save-dir", t / "llava"],
+                                ["badcfg/config.json: invalid JSON", "line 1 column"], ["llava"]),
+    "build-text-no-config": ("build", lambda e, t: ["--text-model", e["no_cfg"], "--vision-model", e["vision"],
+                                                     "--save-dir", t / "llava"],
+                             ["--text-model", "has no config.json"], ["llava"]),
+    "build-save-under-file": ("build", lambda e, t: ["--text-model", e["text"], "--vision-model", e["vision"],
+                                                      "--save-dir", e["a_file"] / "llava"],
+                              ["a_file", "not a directory"], []),
+    # hf_to_megatron
+    "h2m-tp-zero": ("h2m", _h2m(["--tp", "0"]), ["--tp", "0 must be at least 1"], ["meg"]),
+    "h2m-pp-negative": ("h2m", _h2m(["--pp", "-2"]), ["--pp", "must be at least 1"], ["meg"]),
+    "h2m-pp-word": ("h2m", _h2m(["--pp", "two"]), ["--pp", "'two' is not an integer"], ["meg"]),
+    "h2m-tolerance-negative": ("h2m", _h2m(["--verify", "--tolerance", "-1"]), ["--tolerance", "must be positive"],
+                               ["meg"]),
+    "h2m-tolerance-nan": ("h2m", _h2m(["--tolerance", "nan"]), ["--tolerance", "not a finite number"], ["meg"]),
+    "h2m-hf-missing": ("h2m", lambda e, t: ["--hf-dir", t / "nope", "--megatron-dir", t / "meg"],
+                       ["--hf-dir", "nope: no such directory"], ["meg"]),
+    "h2m-bad-config": ("h2m", lambda e, t: ["--hf-dir", e["bad_cfg"], "--megatron-dir", t / "meg"],
+                       ["badcfg/config.json: invalid JSON"], ["meg"]),
+    "h2m-out-under-file": ("h2m", lambda e, t: ["--hf-dir", e["hf"], "--megatron-dir", e["a_file"] / "meg"],
+                           ["a_file", "not a directory"], []),
+    # megatron_to_hf
+    "m2h-iteration-word": ("m2h", _m2h(["--iteration", "abc"]), ["--iteration", "'abc' is not an iteration"], ["hf"]),
+    "m2h-iteration-negative": ("m2h", _m2h(["--iteration", "-5"]), ["--iteration", "must not be negative"], ["hf"]),
+    "m2h-iteration-absent": ("m2h", _m2h(["--iteration", "5"]), ["iter_0000005 does not exist", "available: release"],
+                             ["hf"]),
+    "m2h-shard-size-zero": ("m2h", _m2h(["--max-shard-size-gb", "0"]), ["--max-shard-size-gb", "must be positive"],
+                            ["hf"]),
+    "m2h-shard-size-tiny": ("m2h", _m2h(["--max-shard-size-gb", "0.001"]), ["--max-shard-size-gb", "below 0.01"],
+                            ["hf"]),
+    "m2h-tp-zero": ("m2h", _m2h(["--tp", "0"]), ["--tp", "must be at least 1"], ["hf"]),
+    "m2h-tokenizer-empty": ("m2h", lambda e, t: ["--megatron-dir", e["meg"], "--hf-dir", t / "hf", "--tokenizer-dir",
+                                                  e["empty"]], ["--tokenizer-dir", "holds no tokenizer"], ["hf"]),
+    "m2h-tokenizer-missing": ("m2h", _m2h(["--tokenizer-dir", "/nonexistent/tok"]),
+                              ["--tokenizer-dir /nonexistent/tok: no such directory"], ["hf"]),
+    "m2h-tokenizer-corrupt": ("m2h", lambda e, t: ["--megatron-dir", e["meg"], "--hf-dir", t / "hf",
+                                                    "--tokenizer-dir", e["bad_tok"]],
+                              ["badtok/tokenizer_config.json: invalid JSON"], ["hf"]),
+    **{f"m2h-{how}": ("m2h", lambda e, t, how=how: ["--megatron-dir", damaged_checkpoint(e, t, how), "--hf-dir",
+                                                    t / "hf"], expect, ["hf"])
+       for how, expect in [
+           ("tracker", ["latest_checkpointed_iteration.txt reads 'garbage'", "iteration number"]),
+           ("delete_shard", [".distcp: missing shard", "re-convert"]),
+           ("truncate_shard", [".distcp: truncated", "bytes, the checkpoint index needs"]),
+           ("metadata_json", ["release/metadata.json: invalid JSON"]),
+           ("spec_json", ["release/vlm_spec.json: invalid JSON"]),
+           ("dcp_index", ["release/.metadata: unreadable"]),
+           ("extra_truncated", ["release/hf_extra.safetensors: truncated", "its header needs"]),
+       ]},
+    # make_wds
+    "wds-workers-negative": ("wds", _wds(["--workers", "-3"]), ["--workers", "-3 must be at least 1"], ["ds"]),
+    "wds-workers-zero": ("wds", _wds(["--workers", "0"]), ["--workers"], ["ds"]),
+    "wds-shard-size-zero": ("wds", _wds(["--shard-size", "0"]), ["--shard-size", "must be at least 1"], ["ds"]),
+    "wds-bad-fraction-high": ("wds", _wds(["--max-bad-fraction", "1.5"]), ["--max-bad-fraction", "within [0, 1]"],
+                              ["ds"]),
+    "wds-max-text-zero": ("wds", _wds(["--max-text-chars", "0"]), ["--max-text-chars", "must be at least 1"], ["ds"]),
+    "wds-split-words": ("wds", _wds(["--split", "a,b"]), ["--split 'a,b'", "three non-negative"], ["ds"]),
+    "wds-input-dir": ("wds", lambda e, t: _wds([])(e, t) + ["--input", e["empty"]], ["--input", "empty is not a file"],
+                      ["ds"]),
+    "wds-input-missing": ("wds", _wds([], inp="nope.jsonl"), ["--input", "nope.jsonl does not exist"], ["ds"]),
+    "wds-image-root-missing": ("wds", lambda e, t: _wds([])(e, t) + ["--image-root", t / "noimg"],
+                               ["--image-root", "noimg is not a directory"], ["ds"]),
+    "wds-huge-answer": ("wds", _wds(["--max-bad-fraction", "0"], inp="huge.jsonl"),
+                        ["text too long: 1", "--max-bad-fraction"], ["ds"]),
+    "wds-symlink-outside": ("wds", _wds(["--max-bad-fraction", "0"], inp="link.jsonl"),
+                            ["symlink outside --image-root: 1", "ds.rejected.jsonl"], ["ds"]),
+    "wds-output-under-file": ("wds", lambda e, t: _wds([])(e, t) + ["--output", e["a_file"] / "ds"],
+                              ["a_file", "not a directory"], []),
+    # stats
+    "stats-seq-zero": ("stats", lambda e, t: [t / "ds", "--tokenizer", e["hf"], "--seq-length", "0"],
+                       ["--seq-length", "must be at least 1"], ["stats.json"]),
+    "stats-weights-negative": ("stats", lambda e, t: [t / "ds", "--tokenizer", e["hf"], "--weights", "-1"],
+                               ["--weights", "not negative"], ["stats.json"]),
+    "stats-weights-zero": ("stats", lambda e, t: [t / "ds", "--tokenizer", e["hf"], "--weights", "0"],
+                           ["--weights", "the blend is empty"], ["stats.json"]),
+    "stats-weights-count": ("stats", lambda e, t: [t / "ds", "--tokenizer", e["hf"], "--weights", "1,2"],
+                            ["--weights has 2 values for 1 datasets"], ["stats.json"]),
+    "stats-tokenizer-missing": ("stats", lambda e, t: [t / "ds", "--tokenizer", "/nonexistent"],
+                                ["--tokenizer /nonexistent: no such directory"], ["stats.json"]),
+    "stats-tokenizer-empty": ("stats", lambda e, t: [t / "ds", "--tokenizer", e["empty"]],
+                              ["--tokenizer", "holds no tokenizer"], ["stats.json"]),
+    "stats-truncated-tar": ("stats", lambda e, t: [_truncate(t / "ds" / "000000.tar", 3000), "--tokenizer", e["hf"]],
+                            ["ds/000000.tar: unreadable tar", "copy it again"], ["stats.json"]),
+    "stats-not-prepared": ("stats", lambda e, t: [e["empty"], "--tokenizer", e["hf"]],
+                           ["is not a prepared energon dataset"], ["stats.json"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input(case, env, vqa_dataset, tmp_path, capsys):  # noqa: F811
+    cmd, build, expect, absent = CASES[case]
+    if cmd == "stats":
+        shutil.copytree(vqa_dataset.output, tmp_path / "ds")  # the datasets' parent gets stats.json by default
+    args = build(env, tmp_path)
+    rc, text = run_command(cmd, args, capsys)
+    assert_clean_failure(rc, text, expect, [tmp_path / a for a in absent])
+    if cmd == "stats":
+        assert not (tmp_path / "metadataset.yaml").exists()
+
+
+# ---- faults the environment causes (simulated where root cannot cause them: CI runs as root) -------------------
+@pytest.mark.parametrize("fault,expect", [
+    ("enospc", ["no space left on the device", "free space"]),
+    ("safetensors_enospc", ["writing safetensors: no space left on the device"]),
+    ("eacces", ["permission denied", "choose a directory you can write"]),
+])
+def test_filesystem_faults(fault, expect, env, tmp_path, capsys, monkeypatch):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    import megatron_vlm.atomic
+
+    def full_disk(tensors, filename, metadata=None):
+        if fault == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    def read_only(prefix=None, dir=None, **kw):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
+
+    if fault == "eacces":
+        monkeypatch.setattr(megatron_vlm.atomic.tempfile, "mkdtemp", read_only)
+    else:
+        monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    rc, text = run_command("m2h", _m2h([])(env, tmp_path), capsys)
+    assert rc == 2
+    assert_clean_failure(rc, text, expect, [tmp_path / "hf"])
+    if fault == "eacces":
+        assert f"{tmp_path}: permission denied" in text
+    # -v shows the traceback (and still ends with the one line)
+    rc, text = run_command("m2h", _m2h(["-v"])(env, tmp_path), capsys)
+    assert rc == 2 and "Traceback" in text and text.strip().splitlines()[-1].startswith("error: ")
+
+
+# ---- positive controls: the refusals above are not blanket refusals --------------------------------------------
+def test_symlink_flag_and_inside_links(env, tmp_path, capsys):
+    rc, text = run_command("wds", _wds(["--max-bad-fraction", "0", "--allow-symlinks-outside-image-root"],
+                                       inp="link.jsonl")(env, tmp_path), capsys)
+    assert rc == 0, text
+    assert "wrote 3 samples" in text  # the inside link and, with the flag, the outside one
+    rc, text = run_command("wds", _wds(["--max-bad-fraction", "0"])(env, tmp_path / "b"), capsys)
+    assert rc == 0 and "wrote 2 samples" in text, text
+    rc, text = run_command("wds", ["--help"], capsys)
+    assert "--allow-symlinks-outside-image-root" in text and "symlinks whose target" in text
+
+
+def test_stats_stays_bounded_on_a_huge_sample(env, tmp_path, capsys):
+    """A 1,100,000-character answer (accepted with a raised --max-text-chars) is counted, not tokenized."""
+    rc, text = run_command("wds", _wds(["--max-text-chars", "2000000"], inp="huge.jsonl")(env, tmp_path), capsys)
+    assert rc == 0, text
+    from megatron_vlm.data.prepare import run_energon_prepare
+    ds = tmp_path / "ds"
+    run_energon_prepare(ds, "vqa", {"train": sorted(p.name for p in ds.glob("*.tar")), "val": [], "test": []})
+    t0 = time.perf_counter()
+    rc, text = run_command("stats", [ds, "--tokenizer", env["hf"], "--seq-length", "64", "--no-progress"], capsys)
+    elapsed = time.perf_counter() - t0
+    assert rc == 0, text
+    st = json.loads((tmp_path / "stats.json").read_text())["datasets"][str(ds)]["train"]
+    assert (st["samples"], st["images"], st["too_long_to_count"], st["over_seq_length"]) == (3, 3, 1, 1)
+    assert st["text_tokens"] < 100  # only the two small samples were tokenized
+    assert elapsed < 20, elapsed
+
+
+# ---- train/run.py: the launcher checks the run it resumes and the data before any rank starts -------------------
+def _train_case(env, tmp_path, vqa_ds, how):
+    args = base_args(tmp_path)
+    run = tmp_path / "out" / "llava-stage1"
+    if how == "load_truncated":
+        d = damaged_checkpoint(env, tmp_path / "load", "truncate_shard")
+        args[args.index("--megatron-load-dir") + 1] = str(d)
+        return args
+    if how in ("resume_tracker", "resume_missing_iter", "resume_truncated"):
+        run.mkdir(parents=True)
+        if how == "resume_tracker":
+            (run / "latest_checkpointed_iteration.txt").write_text("\x00\x00garbage")
+        elif how == "resume_missing_iter":
+            (run / "latest_checkpointed_iteration.txt").write_text("40")
+        else:
+            shutil.copytree(env["meg"] / "release", run / "iter_0000010")
+            (run / "latest_checkpointed_iteration.txt").write_text("10")
+            shard = sorted((run / "iter_0000010").glob("*.distcp"))[0]
+            shard.write_bytes(shard.read_bytes()[:100])
+        return args
+    ds = tmp_path / "data_copy"
+    shutil.copytree(vqa_ds.output, ds)
+    i = args.index("--data-path") + 1
+    if how == "data_truncated":
+        tar = ds / "000000.tar"
+        tar.write_bytes(tar.read_bytes()[:1000])
+        args[i] = str(ds)
+    elif how == "data_missing_shard":
+        (ds / "000001.tar").unlink()
+        args[i] = str(ds)
+    elif how in ("blend_zero", "blend_missing"):
+        blend = tmp_path / "blend.yaml"
+        weight, path = (0.0, ds) if how == "blend_zero" else (1.0, tmp_path / "gone")
+        blend.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+                         f"    - {{weight: {weight}, path: {path}, split_part: train}}\n")
+        args[i] = str(blend)
+    return args
+
+
+@pytest.mark.parametrize("how,expect", [
+    ("resume_tracker", ["cannot resume the run in", "latest_checkpointed_iteration.txt reads", "another --name"]),
+    ("resume_missing_iter", ["iter_0000040 does not exist", "available: none"]),
+    ("resume_truncated", ["iter_0000010/", ".distcp: truncated"]),
+    ("load_truncated", ["--megatron-load-dir", "release/__0_0.distcp: truncated"]),
+    ("data_truncated", ["000000.tar is truncated (1000 bytes"]),
+    ("data_missing_shard", ["000001.tar is missing"]),
+    ("blend_zero", ["blend.yaml: split 'train' blends no dataset with a positive weight"]),
+    ("blend_missing", ["gone: no such file or directory", "blend.yaml, split 'train'"]),
+    ("lr_nan", ["--lr nan: must be a finite number"]),
+    ("seed_negative", ["--seed -1: must not be negative"]),
+])
+def test_launcher_refuses_before_starting(how, expect, env, vqa_dataset, tmp_path, capsys):  # noqa: F811
+    extra = {"lr_nan": ["--lr", "nan"], "seed_negative": ["--seed", "-1"]}.get(how, [])
+    args = _train_case(env, tmp_path, vqa_dataset, how) + extra
+    rc, text = run_command("train", args + ["--dry-run"], capsys)
+    assert rc == 2
+    assert_clean_failure(rc, text, expect)
+    rc, text = run_command("train", args, capsys)  # a real launch stops there too: nothing written, nothing started
+    assert rc == 2 and not (tmp_path / "out" / "llava-stage1" / "config.yaml").exists()
+
+
+# ---- the torchrun path (subprocesses): a rank's reason printed last; Ctrl-C saves and exits 130 --------------------
+FAILING_RANK = textwrap.dedent("""
+    import runpy, sys, types
+    sys.path.insert(0, {repo!r})
+    fake = types.ModuleType("megatron_vlm.training.trainer")
+    def train(cfg):
+        raise ValueError(f"--data-path {{cfg.data_path}}: sample 000000007 has no image part")
+    fake.train = train
+    sys.modules["megatron_vlm.training.trainer"] = fake  # the rank fails inside train(), as a real one would
+    dist = types.ModuleType("megatron_vlm.runtime.distributed")
+    dist.teardown = lambda: None  # (spares the test importing megatron-core)
+    sys.modules["megatron_vlm.runtime.distributed"] = dist
+    sys.exit(runpy.run_path({entry!r}, run_name="pretrain")["run"]())
+""")
+
+
+def test_rank_failure_reason_is_printed_last(tmp_path):
+    entry = tmp_path / "failing_rank.py"
+    entry.write_text(FAILING_RANK.format(repo=str(REPO), entry=str(REPO / "train" / "pretrain_vlm.py")))
+    environ = dict(os.environ, MEGATRON_VLM_ENTRYPOINT=str(entry))
+    environ = {k: v for k, v in environ.items() if not k.startswith("SLURM_")}
+    p = subprocess.run([sys.executable, str(REPO / "train" / "run.py"), *base_args(tmp_path), "-g", "1",
+                        "--gbs", "16"], env=environ, capture_output=True, text=True, timeout=120)
+    log = p.stdout + p.stderr
+    assert p.returncode == 1, log
+    assert "Traceback" not in log and "ChildFailedError" not in log, log
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("[train/run.py] rank 0 failed: --data-path ") and "sample 000000007 has no image" in last
+    tb = tmp_path / "out" / "llava-stage1" / "failures" / "rank0.traceback.txt"
+    assert str(tb) in last and "ValueError" in tb.read_text()
+
+
+def test_ctrl_c_exits_130_without_traceback(tmp_path):
+    out = tmp_path / "seen"
+    out.mkdir()
+    p = launcher([*base_args(tmp_path), "-g", "2", "--gbs", "32"], out, mode="signal")
+    deadline = time.time() + 60
+    while not all((out / f"ready{r}.txt").exists() for r in (0, 1)):
+        assert time.time() < deadline and p.poll() is None, p.stdout.read() if p.poll() is not None else "timeout"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    log, _ = p.communicate(timeout=60)
+    assert [(out / f"signal{r}.txt").read_text() for r in (0, 1)] == ["SIGINT", "SIGINT"], log  # ranks saved
+    assert p.returncode == 130, log
+    assert "Traceback" not in log and "SignalException" not in log, log
+    assert "stopped by SIGINT" in log
+
+
+def test_known_faults_raised_deep_inside_libraries_read_as_one_line():
+    """What a rank or a converter meets mid-write: torch.save's zip writer on a full disk, a torch.distributed
+    checkpoint failure wrapping a missing file or a full disk."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_vlm.cli import describe_error
+
+    zip_full = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+    assert "most likely the disk is full" in describe_error(zip_full)
+    gone = FileNotFoundError(errno.ENOENT, "No such file or directory", "/ckpt/iter_0000010/__0_1.distcp")
+    line = describe_error(CheckpointException("load failed", {0: gone}))
+    assert line == "/ckpt/iter_0000010/__0_1.distcp: no such file or directory; check the path"
+    full = OSError(errno.ENOSPC, "No space left on device", "/ckpt/iter_0000020/__0_0.distcp")
+    assert describe_error(CheckpointException("save failed", {1: full})) == (
+        "/ckpt/iter_0000020/__0_0.distcp: no space left on the device; free space there or write to another "
+        "directory")
+    line = describe_error(CheckpointException("load failed", {0: EOFError()}))
+    assert "EOFError" in line and ".distcp shard is missing or truncated" in line
+    assert describe_error(KeyError("x")) is None  # an unexpected error stays a bug report (traceback with -v)
