@@ -100,7 +100,7 @@ def _write_dist(reader, spec, rules, iter_dir, dtype) -> None:
                 if tuple(src.shape) != tuple(target.shape):
                     raise ValueError(f"{rule.hf} -> {rule.mcore}: shape {tuple(src.shape)} != {tuple(target.shape)}")
                 target.data = src.to(target.dtype).contiguous()  # a fresh tensor: adopted, not copied
-        sharded = model.sharded_state_dict(prefix="model.")
+        sharded = ckpt.model_sharded_state_dict(model)  # Megatron-LM's key convention (no prefix)
         del params
         _detach_views(sharded, model)
         dist_checkpointing.save(sharded, str(iter_dir))

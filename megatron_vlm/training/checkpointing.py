@@ -87,8 +87,10 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
-def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim: bool, loading: bool):
-    model_sd = _unwrap(model).sharded_state_dict(prefix="model.")
+def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim: bool, loading: bool,
+                layout: ckpt.DistKeyLayout = ckpt.DistKeyLayout()):
+    # Megatron-LM's convention: model keys without a prefix (older megatron-vlm checkpoints: "model.")
+    model_sd = ckpt.model_sharded_state_dict(_unwrap(model), layout)
     sd = {"model": model_sd, "iteration": iteration, **_rank_objects(loader_state, None if loading else rng_state())}
     if with_optim:
         # 'fully_reshardable': the distributed optimizer's state resumes at any TP/PP/DP
@@ -146,9 +148,10 @@ def load(iter_dir, model, optimizer, scheduler, with_optim: bool) -> dict:
     """Restore model (+ optimizer, scheduler) and return {'iteration', 'loader_state', 'rng_state'}."""
     from megatron.core import dist_checkpointing
 
-    sd = _state_dict(model, optimizer, scheduler, 0, None, with_optim, loading=True)
+    layout = ckpt.dist_key_layout(iter_dir)
+    sd = _state_dict(model, optimizer, scheduler, 0, None, with_optim, loading=True, layout=layout)
     loaded = dist_checkpointing.load(sd, str(iter_dir))  # a local path or an msc:// URL
-    _unwrap(model).load_state_dict({k[len("model."):]: v for k, v in loaded["model"].items()}, strict=True)
+    _unwrap(model).load_state_dict({k[len(layout.prefix):]: v for k, v in loaded["model"].items()}, strict=True)
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         if scheduler is not None and loaded.get("scheduler"):
