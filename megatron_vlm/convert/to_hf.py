@@ -1,7 +1,8 @@
 """Megatron checkpoint (converted or from training; any iteration, either format, any TP/PP) -> HF LLaVA dir.
 
 torch_dist is read through megatron's ``dist_checkpointing`` into a TP=1/PP=1 model (resharding on load);
-legacy rank files are memory-mapped and merged tensor by tensor. Weights stream into safetensors shards; the HF-only tensors carried by the checkpoint are added back, so HF -> Megatron ->
+legacy rank files are memory-mapped and merged tensor by tensor. Weights stream into safetensors shards, each
+in the checkpoint's dtype; the HF-only tensors carried by the checkpoint are added back, so HF -> Megatron ->
 HF is lossless. A checkpoint Megatron-LM wrote (no ``vlm_spec.json``) is described by
 :mod:`megatron_vlm.convert.megatron_lm` from an HF config and read the same way.
 """
@@ -124,18 +125,25 @@ def _export(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta, extra: dict, hf_
             )
     log.info("reading %s (%s, tp=%d pp=%d)", iter_dir, meta.format, meta.tp, meta.pp)
     state = read_full_megatron_state(iter_dir, spec, meta)
+    # Every tensor in the checkpoint's dtype: megatron holds local norms and the ViT's conv1 in fp32 whatever
+    # the model's dtype, which would otherwise reach the HF files.
+    dtype = getattr(torch, meta.dtype)
     with atomic_dir(hf_dir, overwrite=overwrite, what="--hf-dir") as tmp:
         writer = HFShardWriter(tmp, max_shard_bytes)
         for rule in tqdm(mapping.rules(spec), desc="writing HF tensors", unit="tensor"):
             full = state.pop(rule.mcore)
             for name, t in zip(rule.hf, mapping.to_hf(rule, full, spec)):
-                writer.add(name, t)
+                writer.add(name, _cast(t, dtype))
         for name, t in extra.items():
-            writer.add(name, t)
+            writer.add(name, _cast(t, dtype))
         writer.close()
         _write_configs(spec, tmp, meta.dtype, tok_dir)
     log.info("wrote HF LLaVA to %s", hf_dir)
     return Path(hf_dir)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
 
 
 def _write_configs(spec: VLMSpec, out_dir: Path, dtype: str, tok_dir: Path | None) -> None:
