@@ -28,17 +28,28 @@ from .conftest import script
 
 TOL = 1e-4
 NAME = "llama_clip"
+OTHER = "qwen2_siglip"
 
 
 @pytest.fixture(scope="module")
-def mlm(hf_models, tmp_path_factory):
+def written(hf_models, tmp_path_factory):
+    """Megatron-LM-style checkpoints of llama_clip and of qwen2_siglip (tied embeddings, qkv bias, no class
+    token), written in one world."""
     root = tmp_path_factory.mktemp("mlm")
-    converted = convert_hf_to_megatron(hf_models[NAME], root / "converted")
-    run_world(worlds.megatron_lm_checkpoints, 2, str(converted), str(root / "mlm"))
-    spec = VLMSpec.from_hf_dir(hf_models[NAME])
-    batch = reference_batch(spec)
-    return {"root": root / "mlm", "converted": converted, "spec": spec, "batch": batch,
-            "ref": hf_logits(hf_models[NAME], batch)}
+    out = {}
+    for name in (NAME, OTHER):
+        converted = convert_hf_to_megatron(hf_models[name], root / f"{name}_converted")
+        spec = VLMSpec.from_hf_dir(hf_models[name])
+        batch = reference_batch(spec)
+        out[name] = {"root": root / name, "converted": converted, "spec": spec, "batch": batch,
+                     "ref": hf_logits(hf_models[name], batch)}
+    run_world(worlds.megatron_lm_checkpoints, 2, [(str(v["converted"]), str(v["root"])) for v in out.values()])
+    return out
+
+
+@pytest.fixture(scope="module")
+def mlm(written):
+    return written[NAME]
 
 
 def _assert_same_model(src, out, mlm):
@@ -98,6 +109,12 @@ def test_legacy_tp2_exports_to_hf(hf_models, mlm, tmp_path):
     assert any(k.endswith("_extra_state") for k in rank0["model"])
     out = convert_megatron_to_hf(mlm["root"] / "legacy", tmp_path / "hf", hf_config=hf_models[NAME], tp=2)
     _assert_same_model(hf_models[NAME], out, mlm)
+
+
+@pytest.mark.parametrize("fmt", ["dist_te", "legacy"])
+def test_qwen2_siglip_tied_embeddings_export(fmt, hf_models, written, tmp_path):
+    out = convert_megatron_to_hf(written[OTHER]["root"] / fmt, tmp_path / "hf", hf_config=hf_models[OTHER])
+    _assert_same_model(hf_models[OTHER], out, written[OTHER])
 
 
 def test_old_model_prefix_checkpoint_still_loads(hf_models, mlm, tmp_path):

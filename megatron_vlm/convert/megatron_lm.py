@@ -176,7 +176,7 @@ def _check(spec: VLMSpec, shapes: dict, counts: dict, args: dict, where: str, ti
                       need(lay + "mlp.linear_fc1.weight"))
     conv, pos = need(V + "conv1.weight"), need(V + "position_embeddings.weight")
     vqkv, vfc1 = need(vlay + "self_attention.linear_qkv.weight"), need(vlay + "mlp.linear_fc1.weight")
-    pfc1 = need("vision_projection.encoder.linear_fc1.weight")
+    pfc1, pfc2 = need("vision_projection.encoder.linear_fc1.weight"), need("vision_projection.encoder.linear_fc2.weight")
     s = spec
     h, kv, heads, groups = s.hidden_size, s.kv_channels, s.num_attention_heads, s.num_query_groups
     patches = (s.image_size // s.patch_size) ** 2 + (1 if s.has_class_token else 0)
@@ -197,6 +197,12 @@ def _check(spec: VLMSpec, shapes: dict, counts: dict, args: dict, where: str, ti
         ("vision FFN size (vision_config.intermediate_size)", s.vision_ffn_hidden_size, vfc1[0],
          f"vision linear_fc1.weight {vfc1}"),
         ("projector input (vision hidden size)", s.vision_hidden_size, pfc1[1], f"projector linear_fc1.weight {pfc1}"),
+        # HF LLaVA's projector is hidden -> hidden with biases; Megatron-LM's examples/multimodal model types
+        # (e.g. mistral_7b: FFN 14336, no bias) are other architectures
+        ("projector hidden size (HF LLaVA: text hidden_size)", (h, h), (pfc1[0], pfc2[1]),
+         f"projector linear_fc1.weight {pfc1}, linear_fc2.weight {pfc2}"),
+        ("projector biases (multimodal_projector_bias)", s.projector_bias,
+         "vision_projection.encoder.linear_fc1.bias" in shapes, "vision_projection.encoder.linear_fc1.bias"),
     ]
     for what, ours, theirs, detail in checks:
         if ours != theirs:

@@ -80,9 +80,10 @@ def grads_job(megatron_dir, tp: int, batch: ReferenceBatch, targets: torch.Tenso
     return {"loss": loss.item(), "grads": result} if torch.distributed.get_rank() == 0 else None
 
 
-def megatron_lm_checkpoints(megatron_dir, out_root, seq_length: int = 64) -> None:
-    """From a converted checkpoint, write at TP=world size the checkpoints Megatron-LM would write, with none of
-    megatron-vlm's side files, plus one in megatron-vlm's older ``model.``-prefixed convention:
+def megatron_lm_checkpoints(jobs: list[tuple[str, str]], seq_length: int = 64) -> None:
+    """For each (converted checkpoint, output dir) of ``jobs``, write at TP=world size under the output dir the
+    checkpoints Megatron-LM would write, with none of megatron-vlm's side files, plus one in megatron-vlm's older
+    ``model.``-prefixed convention:
 
     - ``dist_te``: torch_dist, keys without prefix, Transformer Engine norm names, TE ``_extra_state`` objects,
       ``args`` in common.pt, ``iter_0000007`` + tracker (as ``megatron/training/checkpointing.py`` saves);
@@ -90,6 +91,11 @@ def megatron_lm_checkpoints(megatron_dir, out_root, seq_length: int = 64) -> Non
     - ``legacy``: ``mp_rank_XX/model_optim_rng.pt`` with ``args``, TE norm names and ``_extra_state`` tensors;
     - ``old_prefix``: torch_dist under ``model.`` with megatron-vlm's side files (backward compatibility).
     """
+    for megatron_dir, out_root in jobs:
+        _megatron_lm_checkpoints(megatron_dir, out_root, seq_length)
+
+
+def _megatron_lm_checkpoints(megatron_dir, out_root, seq_length: int) -> None:
     import argparse
     import os
     import io
