@@ -294,8 +294,10 @@ def load_model_weights(model, iter_dir, strict: bool = True) -> CheckpointMeta:
     check_meta(meta, spec, tp, pp, iter_dir)
     if meta.format == "torch_dist":
         layout = dist_key_layout(iter_dir)
-        state = dist_checkpointing.load(model_sharded_state_dict(model, layout), str(iter_dir))
-        state = {k[len(layout.prefix):]: v for k, v in state.items() if k.startswith(layout.prefix)}
+        sharded = model_sharded_state_dict(model, layout)
+        names = set(sharded)  # the result also holds the checkpoint's common entries (iteration, optimizer, ...)
+        state = dist_checkpointing.load(sharded, str(iter_dir))
+        state = {k[len(layout.prefix):]: v for k, v in state.items() if k in names}
     else:
         state = load_legacy_rank(iter_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp)["model"]
     _check_vocab(state, spec)
