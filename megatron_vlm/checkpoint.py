@@ -199,16 +199,16 @@ def normalize_legacy_names(state: dict) -> dict:
     """A rank file's model state under the local layer spec's names: Transformer Engine's fused norm names
     (``linear_qkv.layer_norm_weight``) become ``input_layernorm.weight`` etc., and TE's ``_extra_state``
     entries (FP8 scaling state, which no weight depends on) are dropped."""
+    return {local_norm_name(k): v for k, v in state.items() if not k.endswith("_extra_state")}
+
+
+def local_norm_name(key: str) -> str:
+    """``key`` with Transformer Engine's fused norm names replaced by the local layer spec's."""
     from megatron_vlm.model import LOCAL_TO_TE_KEYS
 
-    out = {}
-    for k, v in state.items():
-        if k.endswith("_extra_state"):
-            continue
-        for local, te in LOCAL_TO_TE_KEYS.items():
-            k = k.replace("." + te, "." + local)
-        out[k] = v
-    return out
+    for local, te in LOCAL_TO_TE_KEYS.items():
+        key = key.replace("." + te, "." + local)
+    return key
 
 
 def load_legacy_rank(iter_dir, tp_rank, pp_rank, pp, mmap: bool = True) -> dict:

@@ -76,8 +76,9 @@ def _args_of(obj) -> dict:
     return dict(vars(obj)) if hasattr(obj, "__dict__") else dict(obj)
 
 
-def _read_dist(iter_dir) -> tuple[dict, dict, int, str]:
-    """torch_dist: (full shapes by local-spec name with layers counted, args, dtype)."""
+def _read_dist(iter_dir) -> tuple[dict, dict, dict, dict]:
+    """torch_dist: (full shapes by local-spec name, with layer 0 standing for every layer; layer counts per
+    model; Megatron-LM's args; elements per dtype)."""
     from megatron.core import dist_checkpointing
 
     metadata = dist_checkpointing.load_tensors_metadata(str(iter_dir))
@@ -86,23 +87,20 @@ def _read_dist(iter_dir) -> tuple[dict, dict, int, str]:
     for key, sh in metadata.items():
         if not key.startswith(layout.prefix) or key.endswith("_extra_state"):
             continue
-        name = ckpt.normalize_legacy_names({key[len(layout.prefix):]: None})
-        if not name:
-            continue
-        name = next(iter(name))
+        name = ckpt.local_norm_name(key[len(layout.prefix):])
         shape = tuple(sh.global_shape)
         m = re.match(r"^(language_model|vision_model)\.decoder\.layers\.", name)
         if m:  # megatron stacks the layers of a model along a leading axis
             counts[m.group(1)] = shape[0]
             name, shape = name.replace("decoder.layers.", "decoder.layers.0.", 1), shape[1:]
         shapes[name] = shape
-        dtypes[sh.dtype] = dtypes.get(sh.dtype, 0) + math.prod(shape)
+        dtypes[sh.dtype] = dtypes.get(sh.dtype, 0) + math.prod(sh.global_shape)
     common = dist_checkpointing.load_common_state_dict(str(iter_dir))
     return shapes, counts, _args_of(common.get("args")), dtypes
 
 
 def _read_legacy(iter_dir, tp: int, pp: int, spec: VLMSpec) -> tuple[dict, dict, dict, dict, list[int]]:
-    """Legacy rank files: (full shapes, layer counts, args, dtypes, language layers per stage)."""
+    """Legacy rank files: as :func:`_read_dist`, plus the language layers of each pipeline stage."""
     split = {r.mcore: r.split for r in mapping.rules(spec)}
     shapes, dtypes, args, per_stage, vit = {}, {}, {}, [], 0
     for stage in range(pp):
@@ -176,7 +174,8 @@ def _check(spec: VLMSpec, shapes: dict, counts: dict, args: dict, where: str, ti
                       need(lay + "mlp.linear_fc1.weight"))
     conv, pos = need(V + "conv1.weight"), need(V + "position_embeddings.weight")
     vqkv, vfc1 = need(vlay + "self_attention.linear_qkv.weight"), need(vlay + "mlp.linear_fc1.weight")
-    pfc1, pfc2 = need("vision_projection.encoder.linear_fc1.weight"), need("vision_projection.encoder.linear_fc2.weight")
+    proj_enc = "vision_projection.encoder."
+    pfc1, pfc2 = need(proj_enc + "linear_fc1.weight"), need(proj_enc + "linear_fc2.weight")
     s = spec
     h, kv, heads, groups = s.hidden_size, s.kv_channels, s.num_attention_heads, s.num_query_groups
     patches = (s.image_size // s.patch_size) ** 2 + (1 if s.has_class_token else 0)
@@ -244,8 +243,7 @@ def describe(iter_dir, hf_config) -> tuple[VLMSpec, ckpt.CheckpointMeta, dict[st
     ``hf_config`` (an HF LLaVA dir or config.json). Raises :class:`MismatchError` naming both values."""
     spec = _spec_from_hf_config(hf_config)
     iter_dir = Path(iter_dir)
-    iteration = "release" if iter_dir.name == "release" else int(iter_dir.name[5:]) if re.fullmatch(
-        r"iter_\d+", iter_dir.name) else "release"
+    iteration = int(iter_dir.name[5:]) if re.fullmatch(r"iter_\d+", iter_dir.name) else "release"
     if (iter_dir / "metadata.json").is_file():
         fmt, tp, pp = "torch_dist", None, None
         shapes, counts, args, dtypes = _read_dist(iter_dir)

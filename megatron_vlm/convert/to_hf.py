@@ -36,7 +36,8 @@ def read_full_megatron_state(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta)
             for t in range(meta.tp):
                 key = (t, stage)
                 if key not in files:
-                    files[key] = ckpt.normalize_legacy_names(ckpt.load_legacy_rank(iter_dir, t, stage, meta.pp)["model"])
+                    rank_file = ckpt.load_legacy_rank(iter_dir, t, stage, meta.pp)
+                    files[key] = ckpt.normalize_legacy_names(rank_file["model"])  # TE names, _extra_state
                 name = mapping.local_name(rule, stage, meta.pp_layers)
                 if name not in files[key]:
                     raise ckpt.CheckpointLayoutError(f"{name} is missing from rank file tp={t} pp={stage} of {iter_dir}")
