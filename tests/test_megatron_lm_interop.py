@@ -173,6 +173,11 @@ def test_megatron_lm_checkpoint_without_hf_config_is_refused(mlm, tmp_path):
         convert_megatron_to_hf(mlm["root"] / "dist_te", tmp_path / "hf")
 
 
+def test_hf_config_of_another_model_is_refused_for_our_checkpoint(hf_models, mlm, tmp_path):
+    with pytest.raises(MismatchError, match=r"gives num_layers=3, but .* holds num_layers=2 \(its vlm_spec.json\)"):
+        convert_megatron_to_hf(mlm["converted"], tmp_path / "hf", hf_config=hf_models["llama3_clip"])
+
+
 def test_hf_only_tensors_are_initialised_without_hf_weights(hf_models, mlm, tmp_path, caplog):
     """With a config (and tokenizer) but no weights, the vision layer after vision_feature_layer and the
     post layernorm are initialised with a warning; LLaVA's logits are unchanged."""

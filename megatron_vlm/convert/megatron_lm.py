@@ -24,7 +24,7 @@ import torch
 
 from megatron_vlm import checkpoint as ckpt
 from megatron_vlm.convert import mapping
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.spec import SPEC_FILE, VLMSpec
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,21 @@ def _spec_from_hf_config(hf_config) -> VLMSpec:
     if (path.parent / "tokenizer_config.json").is_file():
         tok = AutoTokenizer.from_pretrained(str(path.parent))
     return VLMSpec.from_hf(cfg, tok)
+
+
+_ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "vocab_size", "tie_word_embeddings", "vision_num_layers", "vision_hidden_size",
+                "vision_feature_layer", "image_size", "patch_size")
+
+
+def check_spec_against_hf_config(spec: VLMSpec, hf_config, where) -> None:
+    """A megatron-vlm checkpoint carries its spec; a ``--hf-config`` given with it must describe the same model."""
+    other = _spec_from_hf_config(hf_config)
+    for name in _ARCH_FIELDS:
+        if getattr(spec, name) != getattr(other, name):
+            raise MismatchError(f"--hf-config {hf_config} gives {name}={getattr(other, name)}, but {where} holds "
+                                f"{name}={getattr(spec, name)} (its {SPEC_FILE}); drop --hf-config or name the "
+                                "model this checkpoint holds")
 
 
 # ---- what the checkpoint holds ---------------------------------------------------------------------------

@@ -109,6 +109,10 @@ def convert_megatron_to_hf(
                        overwrite, max_shard_bytes, tp, pp)
     meta = ckpt.CheckpointMeta.load(iter_dir)
     spec = VLMSpec.load(iter_dir)
+    if hf_config is not None:
+        from megatron_vlm.convert import megatron_lm
+
+        megatron_lm.check_spec_against_hf_config(spec, hf_config, iter_dir)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir else Path(megatron_dir) / ckpt.TOKENIZER_DIR
     if not tok_dir.is_dir():
         raise FileNotFoundError(f"no tokenizer at {tok_dir}; pass --tokenizer-dir HF_DIR")
