@@ -13,12 +13,19 @@ from megatron_vlm.cli import (add_debug_flag, iteration, positive_float, positiv
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--megatron-dir", required=True, help="checkpoint directory (with latest_checkpointed_iteration.txt)")
+    p.add_argument("--megatron-dir", required=True,
+                   help="checkpoint directory (with latest_checkpointed_iteration.txt) or one iteration directory; "
+                        "written by megatron-vlm or by Megatron-LM")
+    p.add_argument("--hf-config", default=None,
+                   help="HF LLaVA directory or config.json describing a checkpoint that Megatron-LM wrote (checked "
+                        "against the checkpoint's shapes and args; tokenizer, processor and the HF-only weights are "
+                        "taken from that directory); not needed for megatron-vlm checkpoints")
     p.add_argument("--iteration", type=iteration, default=None,
                    help="iteration to export (an integer or 'release'; default: the tracker's latest)")
     p.add_argument("--hf-dir", required=True, help="output HF directory (must not exist unless --overwrite)")
     p.add_argument("--tokenizer-dir", default=None,
-                   help="where to take tokenizer/processor files from (default: <megatron-dir>/tokenizer)")
+                   help="where to take tokenizer/processor files from (default: <megatron-dir>/tokenizer, or the "
+                        "--hf-config directory)")
     p.add_argument("--tp", type=positive_int, default=None, help="expected TP of the checkpoint (checked if given)")
     p.add_argument("--pp", type=positive_int, default=None, help="expected PP of the checkpoint (checked if given)")
     p.add_argument("--max-shard-size-gb", type=positive_float, default=5.0,
@@ -43,7 +50,8 @@ def main(argv=None):
     from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 
     convert_megatron_to_hf(a.megatron_dir, a.hf_dir, iteration=a.iteration, tokenizer_dir=a.tokenizer_dir, tp=a.tp,
-                           pp=a.pp, overwrite=a.overwrite, max_shard_bytes=int(a.max_shard_size_gb * 2**30))
+                           pp=a.pp, overwrite=a.overwrite, max_shard_bytes=int(a.max_shard_size_gb * 2**30),
+                           hf_config=a.hf_config)
     print(f"wrote HF LLaVA model to {a.hf_dir}")
 
 

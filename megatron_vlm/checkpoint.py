@@ -8,6 +8,11 @@ Layout (Megatron's)::
         ckpt_meta.json                            format, tp, pp, pp_layers, iteration, dtype
         hf_extra.safetensors                      HF tensors the Megatron model does not hold
         <torch_dist files>  or  mp_rank_XX[_YYY]/model_optim_rng.pt
+
+Model keys follow Megatron-LM's convention: ``model.sharded_state_dict()`` with no prefix (torch_dist) and
+``{"model": model.state_dict()}`` per rank file (legacy), norms under Transformer Engine names, so Megatron-LM
+loads these checkpoints. Checkpoints that megatron-vlm wrote before stored torch_dist keys under a ``model.``
+prefix; :func:`dist_key_layout` reads which convention a checkpoint uses from its metadata, so both load.
     <dir>/tokenizer/                              tokenizer + processor files (copied from the HF dir)
 
 An iteration directory is written under a temporary name and renamed when complete; the tracker is
@@ -87,7 +92,7 @@ def resolve_iteration_dir(ckpt_dir, iteration: int | str | None = None) -> Path:
     ckpt_dir = storage.path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise CheckpointLayoutError(f"--megatron-dir {ckpt_dir} does not exist")
-    if (ckpt_dir / META).is_file():  # pointed directly at an iteration directory
+    if is_iteration_dir(ckpt_dir):  # pointed directly at an iteration directory
         return ckpt_dir
     if iteration is None:
         iteration = read_tracker(ckpt_dir)
@@ -99,6 +104,15 @@ def resolve_iteration_dir(ckpt_dir, iteration: int | str | None = None) -> Path:
     if not path.is_dir():
         raise CheckpointLayoutError(f"{path} does not exist (iteration {iteration} of {ckpt_dir})")
     return path
+
+
+def is_iteration_dir(path) -> bool:
+    """An iteration directory of megatron-vlm (``ckpt_meta.json``) or Megatron-LM (torch_dist's
+    ``metadata.json``, or legacy ``mp_rank_*`` rank directories)."""
+    path = storage.path(path)
+    if (path / META).is_file() or (path / "metadata.json").is_file():
+        return True
+    return not storage.is_remote(path) and path.is_dir() and any(p.name.startswith("mp_rank_") for p in path.iterdir())
 
 
 def list_iterations(ckpt_dir, complete: bool = True) -> list[int]:
@@ -165,11 +179,90 @@ def save_legacy_rank(iter_dir, tp_rank, pp_rank, pp, state: dict, iteration) -> 
     os.replace(tmp, path)
 
 
+def legacy_layout(iter_dir) -> tuple[int, int]:
+    """(tp, pp) of a legacy checkpoint, from its ``mp_rank_XX[_YYY]`` directories."""
+    ranks = set()
+    for p in Path(iter_dir).iterdir():
+        m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?", p.name)
+        if m and (p / "model_optim_rng.pt").is_file():
+            ranks.add((int(m.group(1)), int(m.group(2) or 0)))
+    if not ranks:
+        raise CheckpointLayoutError(f"{iter_dir} has no mp_rank_XX[_YYY]/model_optim_rng.pt files")
+    tp, pp = max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
+    missing = [legacy_rank_dir(t, p, pp) for p in range(pp) for t in range(tp) if (t, p) not in ranks]
+    if missing:
+        raise CheckpointLayoutError(f"{iter_dir} lacks rank files {', '.join(missing)}; the checkpoint is incomplete")
+    return tp, pp
+
+
+def normalize_legacy_names(state: dict) -> dict:
+    """A rank file's model state under the local layer spec's names: Transformer Engine's fused norm names
+    (``linear_qkv.layer_norm_weight``) become ``input_layernorm.weight`` etc., and TE's ``_extra_state``
+    entries (FP8 scaling state, which no weight depends on) are dropped."""
+    return {local_norm_name(k): v for k, v in state.items() if not k.endswith("_extra_state")}
+
+
+def local_norm_name(key: str) -> str:
+    """``key`` with Transformer Engine's fused norm names replaced by the local layer spec's."""
+    from megatron_vlm.model import LOCAL_TO_TE_KEYS
+
+    for local, te in LOCAL_TO_TE_KEYS.items():
+        key = key.replace("." + te, "." + local)
+    return key
+
+
 def load_legacy_rank(iter_dir, tp_rank, pp_rank, pp, mmap: bool = True) -> dict:
     path = legacy_rank_file(iter_dir, tp_rank, pp_rank, pp)
     if not path.is_file():
         raise CheckpointLayoutError(f"{path} is missing; the checkpoint is incomplete")
+    import megatron.core  # noqa: F401  (registers the safe globals of Megatron-LM's files: args, RNG state)
+
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+# ---- torch_dist key convention ----------------------------------------------------------------------------
+OLD_PREFIX = "model."  # megatron-vlm checkpoints written before it followed Megatron-LM's convention
+
+
+@dataclass(frozen=True)
+class DistKeyLayout:
+    """How a torch_dist checkpoint names the model's tensors.
+
+    ``prefix``: ``""`` (Megatron-LM's convention) or ``"model."`` (older megatron-vlm checkpoints).
+    ``te_norms``: layer norms under Transformer Engine's fused names (``linear_qkv.layer_norm_weight``) rather
+    than the local spec's (``input_layernorm.weight``); megatron-vlm always writes TE names, Megatron-LM's
+    local spec writes local ones.
+    """
+
+    prefix: str = ""
+    te_norms: bool = True
+
+
+def dist_key_layout(iter_dir) -> DistKeyLayout:
+    """Read the key convention of the torch_dist checkpoint in ``iter_dir`` from its tensor metadata."""
+    from megatron.core import dist_checkpointing
+
+    keys = list(dist_checkpointing.load_tensors_metadata(str(iter_dir)))
+    prefix = OLD_PREFIX if any(k.startswith(OLD_PREFIX + "language_model.") for k in keys) else ""
+    te = any(".linear_qkv.layer_norm_weight" in k for k in keys) or not any(".input_layernorm." in k for k in keys)
+    return DistKeyLayout(prefix, te)
+
+
+def model_sharded_state_dict(model, layout: DistKeyLayout = DistKeyLayout()) -> dict:
+    """``model``'s sharded state dict with the checkpoint keys of ``layout`` (the dict's own keys are the
+    parameter names with ``layout.prefix``)."""
+    sharded = model.sharded_state_dict(prefix=layout.prefix)
+    if not layout.te_norms:
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+        from megatron_vlm.model import LOCAL_TO_TE_KEYS
+
+        for sh in nested_values(sharded):
+            if isinstance(sh, ShardedBase):
+                for local, te in LOCAL_TO_TE_KEYS.items():
+                    sh.key = sh.key.replace("." + te, "." + local)
+    return sharded
 
 
 # ---- model weights in a running world --------------------------------------------------------------
@@ -187,7 +280,7 @@ def save_model_weights(model, iter_dir) -> None:
     from megatron.core import dist_checkpointing
 
     Path(iter_dir).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(prefix="model."), str(iter_dir))
+    dist_checkpointing.save(model_sharded_state_dict(model), str(iter_dir))
 
 
 def load_model_weights(model, iter_dir, strict: bool = True) -> CheckpointMeta:
@@ -200,10 +293,12 @@ def load_model_weights(model, iter_dir, strict: bool = True) -> CheckpointMeta:
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     check_meta(meta, spec, tp, pp, iter_dir)
     if meta.format == "torch_dist":
-        sharded = model.sharded_state_dict(prefix="model.")
+        layout = dist_key_layout(iter_dir)
+        sharded = model_sharded_state_dict(model, layout)
         layer_impl.prepare_dist_load(sharded, iter_dir)  # TE _extra_state may be absent; nothing else
+        names = set(sharded)  # the result also holds the checkpoint's common entries (iteration, optimizer, ...)
         state = dist_checkpointing.load(sharded, str(iter_dir))
-        state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        state = {k[len(layout.prefix):]: v for k, v in state.items() if k in names}
     else:
         state = load_legacy_rank(iter_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp)["model"]
         state = layer_impl.adapt_state_dict(state, model.state_dict(), where=str(iter_dir))

@@ -175,6 +175,38 @@ def test_round_trip_bf16_and_sharded(hf_models, tmp_path):
         assert torch.equal(a.get(n).to(torch.bfloat16), b.get(n)), n
 
 
+@pytest.fixture(scope="module")
+def bf16_model(hf_models, tmp_path_factory):
+    """llama_clip (llava-1.5's shape: Llama + CLIP, layer -2) saved in bf16, as llava-hf publishes it."""
+    import shutil
+
+    from transformers import LlavaForConditionalGeneration
+
+    out = tmp_path_factory.mktemp("bf16") / "llava_bf16"
+    shutil.copytree(hf_models["llama_clip"], out)
+    (out / "model.safetensors").unlink()
+    LlavaForConditionalGeneration.from_pretrained(str(hf_models["llama_clip"]), dtype=torch.bfloat16).save_pretrained(
+        str(out))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_round_trip_bf16_keeps_every_dtype_and_byte(fmt, bf16_model, tmp_path):
+    """A bf16 model comes back byte-identical with every tensor in bf16, norms and conv1 included (megatron
+    builds those in fp32 whatever params_dtype says)."""
+    meg = convert_hf_to_megatron(bf16_model, tmp_path / "m", tp=2, pp=2, ckpt_format=fmt)
+    out = convert_megatron_to_hf(meg, tmp_path / "hf")
+    a, b = HFReader(bf16_model), HFReader(out)
+    assert a.names() == b.names()
+    assert {a.get(n).dtype for n in a.names()} == {torch.bfloat16}
+    assert any("layernorm" in n or "layer_norm" in n for n in a.names())
+    for n in a.names():
+        ta, tb = a.get(n), b.get(n)
+        assert tb.dtype == torch.bfloat16, f"{n} came back as {tb.dtype}"
+        assert torch.equal(ta.view(torch.int16), tb.view(torch.int16)), n  # bytes, not values
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_padding_is_recorded_and_trimmed(hf_models, converted):
     spec = VLMSpec.load(converted[("llama_clip", "torch_dist")] / "release")
     assert spec.vocab_size % 128 != 0 and spec.padded_vocab_size % 128 == 0

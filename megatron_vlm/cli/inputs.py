@@ -66,8 +66,9 @@ def iteration_dir(ckpt_dir: Path, iteration=None, flag: str = "--megatron-dir") 
     """The iteration directory ``iteration`` (or the tracker's) of a local Megatron checkpoint directory."""
     if not ckpt_dir.is_dir():
         raise InputError(f"{flag} {ckpt_dir}: no such directory")
-    if (ckpt_dir / "ckpt_meta.json").is_file() or (ckpt_dir / ".metadata").is_file():
-        return ckpt_dir  # pointed at an iteration directory
+    if (ckpt_dir / "ckpt_meta.json").is_file() or (ckpt_dir / ".metadata").is_file() or \
+            any(ckpt_dir.glob("mp_rank_*")):
+        return ckpt_dir  # pointed at an iteration directory (ours, torch_dist, or legacy rank directories)
     if iteration is None:
         tracker = ckpt_dir / TRACKER
         if not tracker.is_file():

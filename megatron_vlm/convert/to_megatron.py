@@ -99,8 +99,11 @@ def _write_dist(reader, spec, rules, iter_dir, dtype) -> None:
                 src = _full_tensor(rule, reader, spec, dtype)
                 if tuple(src.shape) != tuple(target.shape):
                     raise ValueError(f"{rule.hf} -> {rule.mcore}: shape {tuple(src.shape)} != {tuple(target.shape)}")
-                target.data = src.to(target.dtype).contiguous()  # a fresh tensor: adopted, not copied
-        sharded = model.sharded_state_dict(prefix="model.")
+                # A fresh tensor, adopted rather than copied, in the checkpoint's dtype: megatron creates
+                # local norms and the ViT's conv1 in fp32 whatever params_dtype says, and casting to the
+                # parameter's dtype would store them (and export them) in fp32.
+                target.data = src.contiguous()
+        sharded = ckpt.model_sharded_state_dict(model)  # Megatron-LM's key convention (no prefix)
         del params
         _detach_views(sharded, model)
         dist_checkpointing.save(sharded, str(iter_dir))

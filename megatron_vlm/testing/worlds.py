@@ -78,3 +78,88 @@ def grads_job(megatron_dir, tp: int, batch: ReferenceBatch, targets: torch.Tenso
         torch.distributed.all_gather(shards, g.contiguous(), group=group)
         result[rule.mcore] = mapping.tp_merge(rule, shards)
     return {"loss": loss.item(), "grads": result} if torch.distributed.get_rank() == 0 else None
+
+
+def megatron_lm_checkpoints(jobs: list[tuple[str, str]], seq_length: int = 64) -> None:
+    """For each (converted checkpoint, output dir) of ``jobs``, write at TP=world size under the output dir the
+    checkpoints Megatron-LM would write, with none of megatron-vlm's side files, plus one in megatron-vlm's older
+    ``model.``-prefixed convention:
+
+    - ``dist_te``: torch_dist, keys without prefix, Transformer Engine norm names, TE ``_extra_state`` objects,
+      ``args`` in common.pt, ``iter_0000007`` + tracker (as ``megatron/training/checkpointing.py`` saves);
+    - ``dist_local``: torch_dist with the local spec's norm names, no ``args``, ``release``;
+    - ``legacy``: ``mp_rank_XX/model_optim_rng.pt`` with ``args``, TE norm names and ``_extra_state`` tensors;
+    - ``old_prefix``: torch_dist under ``model.`` with megatron-vlm's side files (backward compatibility).
+    """
+    for megatron_dir, out_root in jobs:
+        _megatron_lm_checkpoints(megatron_dir, out_root, seq_length)
+
+
+def _megatron_lm_checkpoints(megatron_dir, out_root, seq_length: int) -> None:
+    import argparse
+    import os
+    import io
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_vlm.model import LOCAL_TO_TE_KEYS
+
+    tp = int(os.environ["WORLD_SIZE"])  # set by run_world
+    src = ckpt.resolve_iteration_dir(megatron_dir)
+    model = _model_for(src, tp, 1, seq_length)
+    spec = VLMSpec.load(src)
+    rank, out = ps.get_tensor_model_parallel_rank(), Path(out_root)
+    args = argparse.Namespace(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        group_query_attention=True, num_query_groups=spec.num_query_groups, kv_channels=spec.kv_channels,
+        ffn_hidden_size=spec.ffn_hidden_size, swiglu=True, padded_vocab_size=spec.padded_vocab_size,
+        make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by // tp,  # Megatron-LM pads to this x TP
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, attention_backend=AttnBackend.auto,
+        ckpt_format="torch_dist", bf16=False,
+    )
+
+    jobs = {
+        "dist_te": (ckpt.DistKeyLayout("", True), 7, {"args": args}),
+        "dist_local": (ckpt.DistKeyLayout("", False), "release", {}),
+        "old_prefix": (ckpt.DistKeyLayout(ckpt.OLD_PREFIX, True), "release", {}),
+    }
+    for name, (layout, iteration, common) in jobs.items():
+        iter_dir = out / name / ckpt.iter_dir_name(iteration)
+        sd = {"model": ckpt.model_sharded_state_dict(model, layout), "checkpoint_version": 3.0, **common}
+        if iteration != "release":
+            sd["iteration"] = iteration
+        if name == "dist_te":  # TE's _extra_state objects hold FP8 metadata (local layers save None)
+            for sh in nested_values(sd["model"]):
+                if isinstance(sh, ShardedObject) and sh.key.endswith("_extra_state"):
+                    sh.data = io.BytesIO(b"fp8 scaling metadata")
+        if rank == 0:
+            iter_dir.mkdir(parents=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(sd, str(iter_dir))
+        if rank == 0:
+            ckpt.write_tracker(out / name, iteration)
+            if name == "old_prefix":
+                ckpt.copy_side_files(src, iter_dir)
+                meta = ckpt.CheckpointMeta.load(src)
+                ckpt.CheckpointMeta("torch_dist", tp, 1, [spec.num_layers], "release", meta.dtype).save(iter_dir)
+        torch.distributed.barrier()
+    # legacy: each rank's model.state_dict() (the local spec's) renamed as a TE model names it
+    state = {}
+    for k, v in model.state_dict().items():
+        for local, te in LOCAL_TO_TE_KEYS.items():
+            k = k.replace("." + local, "." + te)
+        state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        if k.endswith("_extra_state"):
+            state[k] = torch.zeros(3, dtype=torch.uint8)  # TE's serialised FP8 metadata
+    args.ckpt_format = "torch"
+    path = ckpt.legacy_rank_file(out / "legacy" / "iter_0000007", rank, 0, 1)
+    path.parent.mkdir(parents=True)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 7, "model": state}, path)
+    torch.distributed.barrier()
+    if rank == 0:
+        ckpt.write_tracker(out / "legacy", 7)

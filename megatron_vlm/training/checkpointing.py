@@ -92,8 +92,9 @@ def _unwrap(model):
 
 
 def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim: bool, loading: bool,
-                with_rng: bool = True, with_data: bool = True):
-    model_sd = _unwrap(model).sharded_state_dict(prefix="model.")
+                with_rng: bool = True, with_data: bool = True, layout: ckpt.DistKeyLayout = ckpt.DistKeyLayout()):
+    # Megatron-LM's convention: model keys without a prefix (older megatron-vlm checkpoints: "model.")
+    model_sd = ckpt.model_sharded_state_dict(_unwrap(model), layout)
     sd = {"model": model_sd, "iteration": iteration,
           **_rank_objects(loader_state, None if loading else rng_state(), with_rng, with_data)}
     if with_optim:
@@ -170,13 +171,14 @@ def load(iter_dir, model, optimizer, scheduler, with_optim: bool, with_rng: bool
     from megatron.core import dist_checkpointing
 
     dummy = _dummy_optimizer_state(optimizer) if with_optim else []
+    layout = ckpt.dist_key_layout(iter_dir)
     sd = _state_dict(model, optimizer, scheduler, 0, None, with_optim, loading=True, with_rng=with_rng,
-                     with_data=with_data)
+                     with_data=with_data, layout=layout)
     for opt in dummy:
         opt.optimizer.state.clear()
     layer_impl.prepare_dist_load(sd["model"], iter_dir)  # TE _extra_state may be absent; nothing else
     loaded = dist_checkpointing.load(sd, str(iter_dir))  # a local path or an msc:// URL
-    _unwrap(model).load_state_dict({k[len("model."):]: v for k, v in loaded["model"].items()}, strict=True)
+    _unwrap(model).load_state_dict({k[len(layout.prefix):]: v for k, v in loaded["model"].items()}, strict=True)
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         if scheduler is not None and loaded.get("scheduler"):

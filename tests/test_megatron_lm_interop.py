@@ -1,0 +1,193 @@
+"""Checkpoints interoperable with Megatron-LM: export what Megatron-LM writes, write what it reads.
+
+One 2-process world (TP=2) writes, from a converted checkpoint, the checkpoints Megatron-LM's
+``megatron/training/checkpointing.py`` would: torch_dist with Transformer Engine norm names and ``_extra_state``
+objects at ``iter_0000007`` + tracker with ``args``, torch_dist with local names at ``release`` without ``args``,
+and legacy ``mp_rank_XX`` rank files; none carries megatron-vlm's side files. Each is exported with only an HF
+config and compared with the source HF model (logits in fp32 and every tensor's bytes).
+"""
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from megatron_vlm import checkpoint as ckpt
+from megatron_vlm.convert.hf_io import HFReader
+from megatron_vlm.convert.megatron_lm import MismatchError
+from megatron_vlm.convert.to_hf import convert_megatron_to_hf
+from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+from megatron_vlm.convert.verify import hf_logits, max_logit_diff, reference_batch
+from megatron_vlm.runtime.spawn import run_world
+from megatron_vlm.spec import SPEC_FILE, VLMSpec
+from megatron_vlm.testing import worlds
+
+from .conftest import script
+
+TOL = 1e-4
+NAME = "llama_clip"
+OTHER = "qwen2_siglip"
+
+
+@pytest.fixture(scope="module")
+def written(hf_models, tmp_path_factory):
+    """Megatron-LM-style checkpoints of llama_clip and of qwen2_siglip (tied embeddings, qkv bias, no class
+    token), written in one world."""
+    root = tmp_path_factory.mktemp("mlm")
+    out = {}
+    for name in (NAME, OTHER):
+        converted = convert_hf_to_megatron(hf_models[name], root / f"{name}_converted")
+        spec = VLMSpec.from_hf_dir(hf_models[name])
+        batch = reference_batch(spec)
+        out[name] = {"root": root / name, "converted": converted, "spec": spec, "batch": batch,
+                     "ref": hf_logits(hf_models[name], batch)}
+    run_world(worlds.megatron_lm_checkpoints, 2, [(str(v["converted"]), str(v["root"])) for v in out.values()])
+    return out
+
+
+@pytest.fixture(scope="module")
+def mlm(written):
+    return written[NAME]
+
+
+def _assert_same_model(src, out, mlm):
+    diff = max_logit_diff(mlm["ref"], hf_logits(out, mlm["batch"]), mlm["spec"].vocab_size)
+    assert diff < TOL, f"max |logit diff| {diff}"
+    a, b = HFReader(src), HFReader(out)
+    assert a.names() == b.names()
+    for n in a.names():
+        ta, tb = a.get(n), b.get(n)
+        assert ta.dtype == tb.dtype and torch.equal(ta, tb), n
+    return diff
+
+
+def test_converted_checkpoints_use_megatron_lm_keys(mlm):
+    from megatron.core import dist_checkpointing
+
+    iter_dir = mlm["converted"] / "release"
+    assert ckpt.dist_key_layout(iter_dir) == ckpt.DistKeyLayout("", True)
+    keys = list(dist_checkpointing.load_tensors_metadata(str(iter_dir)))
+    assert "language_model.embedding.word_embeddings.weight" in keys
+    assert "language_model.decoder.layers.self_attention.linear_qkv.layer_norm_weight" in keys
+    assert not [k for k in keys if k.startswith("model.")]
+
+
+def test_torch_dist_te_names_exports_to_hf(hf_models, mlm, tmp_path, capsys):
+    from megatron.core import dist_checkpointing
+
+    d = mlm["root"] / "dist_te"
+    assert (d / ckpt.TRACKER).read_text() == "7"
+    iter_dir = d / "iter_0000007"
+    assert not (iter_dir / ckpt.META).exists() and not (iter_dir / SPEC_FILE).exists()
+    assert ckpt.dist_key_layout(iter_dir) == ckpt.DistKeyLayout("", True)
+    common = dist_checkpointing.load_common_state_dict(str(iter_dir))
+    assert common["args"].tensor_model_parallel_size == 2 and common["iteration"] == 7
+    assert list(iter_dir.glob("*.distcp"))
+    out = tmp_path / "hf"
+    script("convert/megatron_to_hf.py").main(["--megatron-dir", str(d), "--hf-config", str(hf_models[NAME]),
+                                              "--hf-dir", str(out)])
+    assert "wrote HF LLaVA model" in capsys.readouterr().out
+    _assert_same_model(hf_models[NAME], out, mlm)
+    assert (out / "tokenizer.json").is_file() and (out / "processor_config.json").is_file()
+
+
+def test_torch_dist_local_names_release_exports_to_hf(hf_models, mlm, tmp_path):
+    d = mlm["root"] / "dist_local"
+    assert ckpt.dist_key_layout(d / "release") == ckpt.DistKeyLayout("", False)
+    out = convert_megatron_to_hf(d, tmp_path / "hf", hf_config=hf_models[NAME] / "config.json")
+    _assert_same_model(hf_models[NAME], out, mlm)
+
+
+def test_legacy_tp2_exports_to_hf(hf_models, mlm, tmp_path):
+    iter_dir = mlm["root"] / "legacy" / "iter_0000007"
+    assert ckpt.legacy_layout(iter_dir) == (2, 1)
+    rank0 = ckpt.load_legacy_rank(iter_dir, 0, 0, 1)  # weights_only: args and TE extra state are safe globals
+    assert rank0["args"].tensor_model_parallel_size == 2
+    assert any(k.endswith("linear_qkv.layer_norm_weight") for k in rank0["model"])
+    assert any(k.endswith("_extra_state") for k in rank0["model"])
+    out = convert_megatron_to_hf(mlm["root"] / "legacy", tmp_path / "hf", hf_config=hf_models[NAME], tp=2)
+    _assert_same_model(hf_models[NAME], out, mlm)
+
+
+@pytest.mark.parametrize("fmt", ["dist_te", "legacy"])
+def test_qwen2_siglip_tied_embeddings_export(fmt, hf_models, written, tmp_path):
+    out = convert_megatron_to_hf(written[OTHER]["root"] / fmt, tmp_path / "hf", hf_config=hf_models[OTHER])
+    _assert_same_model(hf_models[OTHER], out, written[OTHER])
+
+
+def test_old_model_prefix_checkpoint_still_loads(hf_models, mlm, tmp_path):
+    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.runtime.session import single_process_world
+
+    old, new = mlm["root"] / "old_prefix" / "release", mlm["converted"] / "release"
+    assert ckpt.dist_key_layout(old) == ckpt.DistKeyLayout(ckpt.OLD_PREFIX, True)
+    out = convert_megatron_to_hf(mlm["root"] / "old_prefix", tmp_path / "hf", tokenizer_dir=hf_models[NAME])
+    _assert_same_model(hf_models[NAME], out, mlm)
+    with single_process_world():
+        states = []
+        for d in (old, new):
+            model = build_model(mlm["spec"], ModelOptions(perform_initialization=False, seq_length=64))
+            ckpt.load_model_weights(model, d)
+            states.append({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)})
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def _config_dir(hf_dir, tmp_path, edit=None, tokenizer=True):
+    d = tmp_path / "cfg"
+    d.mkdir()
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    if edit:
+        edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    if tokenizer:
+        for p in hf_dir.iterdir():
+            if p.name.startswith(("tokenizer", "processor", "chat_template", "generation")):
+                shutil.copy(p, d / p.name)
+    return d
+
+
+@pytest.mark.parametrize("case,edit,message", [
+    ("hidden", lambda c: c["text_config"].update(hidden_size=128),
+     r"hidden size \(text_config.hidden_size\) = 128, but the checkpoint .* has 64"),
+    ("vocab", lambda c: c["text_config"].update(vocab_size=c["text_config"]["vocab_size"] + 500),
+     r"vocab_size=\d+ \(text_config.vocab_size\), but the checkpoint .* has an embedding of 384 rows"),
+    ("layers", lambda c: c["text_config"].update(num_hidden_layers=3),
+     r"args.num_layers=2|language layers \(text_config.num_hidden_layers\) = 3, but the checkpoint .* has 2"),
+    ("vit", lambda c: c.update(vision_feature_layer=-1),
+     r"vision_feature_layer=-1 of 3 vision layers makes LLaVA read the output of 3 layers, but the checkpoint .* "
+     r"holds a ViT of 2 layers .* set vision_feature_layer to -2"),
+])
+def test_wrong_hf_config_is_refused(case, edit, message, hf_models, mlm, tmp_path):
+    bad = _config_dir(hf_models[NAME], tmp_path, edit, tokenizer=False)
+    fmt = "legacy" if case == "layers" else "dist_te"
+    with pytest.raises(MismatchError, match=message):
+        convert_megatron_to_hf(mlm["root"] / fmt, tmp_path / "hf", hf_config=bad)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_megatron_lm_checkpoint_without_hf_config_is_refused(mlm, tmp_path):
+    with pytest.raises(ckpt.CheckpointLayoutError, match="pass --hf-config"):
+        convert_megatron_to_hf(mlm["root"] / "dist_te", tmp_path / "hf")
+
+
+def test_hf_config_of_another_model_is_refused_for_our_checkpoint(hf_models, mlm, tmp_path):
+    with pytest.raises(MismatchError, match=r"gives num_layers=3, but .* holds num_layers=2 \(its vlm_spec.json\)"):
+        convert_megatron_to_hf(mlm["converted"], tmp_path / "hf", hf_config=hf_models["llama3_clip"])
+
+
+def test_hf_only_tensors_are_initialised_without_hf_weights(hf_models, mlm, tmp_path, caplog):
+    """With a config (and tokenizer) but no weights, the vision layer after vision_feature_layer and the
+    post layernorm are initialised with a warning; LLaVA's logits are unchanged."""
+    cfg = _config_dir(hf_models[NAME], tmp_path)
+    with caplog.at_level(logging.WARNING, logger="megatron_vlm.convert.megatron_lm"):
+        out = convert_megatron_to_hf(mlm["root"] / "dist_te", tmp_path / "hf", hf_config=cfg)
+    assert "do not affect its outputs" in caplog.text
+    diff = max_logit_diff(mlm["ref"], hf_logits(out, mlm["batch"]), mlm["spec"].vocab_size)
+    assert diff < TOL
+    got = HFReader(out)
+    assert torch.equal(got.get("vision_tower.post_layernorm.weight"), torch.ones(32))
+    assert torch.equal(got.get("vision_tower.encoder.layers.2.layer_norm1.bias"), torch.zeros(32))
+    assert got.names() == HFReader(hf_models[NAME]).names()
