@@ -159,21 +159,21 @@ def test_local_checkpoint_loads_into_te_layout(local_world):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     iter_dir = local_world["iter_dir"]
-    sharded, added = _with_te_entries(local_world["build"]().sharded_state_dict(prefix="model."))
+    sharded, added = _with_te_entries(local_world["build"]().sharded_state_dict())
     assert len(added) == 4 and len(set(added.values())) == 2  # one object per layer, of the LM and the ViT
     assert sorted(layer_impl.prepare_dist_load(sharded, iter_dir)) == sorted(added.values())
     loaded = dist_checkpointing.load(sharded, str(iter_dir))
     for name in added:  # absent from the checkpoint: the module keeps its own state
         assert loaded[name].getvalue() == b"fresh TE state"
     want = local_world["model"].state_dict()
-    tensors = {k[len("model."):]: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+    tensors = {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
     assert len(tensors) == sum(isinstance(v, torch.Tensor) for v in want.values())
     for k, v in tensors.items():
         assert torch.equal(v, want[k]), k
     # A real tensor that the checkpoint lacks is never skipped.
-    sharded = local_world["build"]().sharded_state_dict(prefix="model.")
+    sharded = local_world["build"]().sharded_state_dict()
     qkv = next(k for k, v in sharded.items() if isinstance(v, ShardedTensor) and k.endswith("linear_qkv.weight"))
-    sharded["model.te_only.weight"] = dataclasses.replace(sharded[qkv], key="model.language_model.te_only.weight")
+    sharded["te_only.weight"] = dataclasses.replace(sharded[qkv], key="language_model.te_only.weight")
     with pytest.raises(layer_impl.CheckpointKeyError, match="lacks 1 tensor.*language_model.te_only.weight"):
         layer_impl.prepare_dist_load(sharded, iter_dir)
 
@@ -186,7 +186,7 @@ def test_te_checkpoint_loads_into_local_layers(local_world, tmp_path, caplog):
     src = local_world["model"]
     te_dir = tmp_path / "release"
     te_dir.mkdir()
-    sharded, added = _with_te_entries(src.sharded_state_dict(prefix="model."))
+    sharded, added = _with_te_entries(src.sharded_state_dict())
     dist_checkpointing.save(sharded, str(te_dir))
     ckpt.copy_side_files(local_world["iter_dir"], te_dir)
     ckpt.CheckpointMeta.load(local_world["iter_dir"]).save(te_dir)
