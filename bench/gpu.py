@@ -66,33 +66,9 @@ def _train_bench():
 
 # ---- set-up ----------------------------------------------------------------------------------------------
 def build_inputs(a, work: Path) -> tuple[Path, Path, Path]:
-    """(HF LLaVA dir, energon dataset, converted Megatron checkpoint at TP=1) with random weights: Llama-like LM,
-    CLIP ViT (patch 14), one image and a one-word answer per sample."""
-    from megatron_vlm.convert.build import build_llava
-    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
-    from megatron_vlm.data.make_wds import make_wds
-    from megatron_vlm.data.synthetic import COLOURS, write_image, write_jsonl
-    from megatron_vlm.testing.tiny import make_text_model, make_vision_model
-
-    texts = ["what colour is the square ? " + " ".join(COLOURS)] * 4
-    text = make_text_model(work / "parts" / "text", "llama", texts=texts, hidden_size=a.hidden,
-                           intermediate_size=a.hidden * 11 // 4, num_hidden_layers=a.layers,
-                           num_attention_heads=a.hidden // 64, num_key_value_heads=max(1, a.hidden // 128))
-    vision = make_vision_model(work / "parts" / "vision", "clip", image_size=a.image_size, patch_size=14,
-                               hidden_size=a.vision_hidden, intermediate_size=a.vision_hidden * 4,
-                               num_hidden_layers=a.vision_layers, num_attention_heads=a.vision_hidden // 64)
-    hf = work / "hf"
-    build_llava(text, vision, hf, vocab_size_padding=128)
-    rows = []
-    for i in range(a.samples):
-        write_image(work / "images" / f"{i:05d}.jpg", a.image_size, seed=i)
-        rows.append({"id": i, "image": f"{i:05d}.jpg", "question": "what colour is the square ?",
-                     "answer": list(COLOURS)[i % len(COLOURS)]})
-    write_jsonl(work / "qa.jsonl", rows)
-    data = work / "data"
-    make_wds("vqa", work / "qa.jsonl", data, image_root=work / "images", split="1,0,0", progress=False)
-    meg = convert_hf_to_megatron(hf, work / "megatron", tp=1)
-    return hf, data, meg
+    """(HF LLaVA dir, energon dataset, converted Megatron checkpoint at TP=1) with random weights: bench/train.py's
+    set-up (Llama-like LM, CLIP ViT with patch 14, one image and a one-word answer per sample)."""
+    return _train_bench().build_inputs(a, work)
 
 
 def versions() -> dict:

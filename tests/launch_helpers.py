@@ -78,3 +78,17 @@ def launcher(args: list[str], out_dir: Path, mode: str = "", **popen) -> subproc
             del env[k]
     return subprocess.Popen([sys.executable, str(RUN_PY), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def signal_when_ready(p: subprocess.Popen, out_dir: Path, sig: int, ranks=(0, 1)) -> str:
+    """Wait until every stand-in rank wrote ``ready<r>.txt`` (mode="signal"), send ``sig`` to the launcher and
+    return its output after it exits."""
+    import time
+
+    deadline = time.time() + 60
+    while not all((out_dir / f"ready{r}.txt").exists() for r in ranks):
+        assert time.time() < deadline and p.poll() is None, p.stdout.read() if p.poll() is not None else "timeout"
+        time.sleep(0.05)
+    p.send_signal(sig)
+    log, _ = p.communicate(timeout=60)
+    return log

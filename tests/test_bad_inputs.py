@@ -23,7 +23,7 @@ from megatron_vlm.data.synthetic import write_image, write_jsonl
 from tests.data_fixtures import vqa_dataset, vqa_inputs  # noqa: F401
 
 from .conftest import script
-from .launch_helpers import REPO, base_args, launcher, no_slurm_env  # noqa: F401 (autouse fixture)
+from .launch_helpers import REPO, base_args, launcher, no_slurm_env, signal_when_ready  # noqa: F401 (autouse fixture)
 
 CMD = {
     "build": "convert/build_llava.py",
@@ -426,12 +426,7 @@ def test_ctrl_c_exits_130_without_traceback(tmp_path):
     out = tmp_path / "seen"
     out.mkdir()
     p = launcher([*base_args(tmp_path), "-g", "2", "--gbs", "32"], out, mode="signal")
-    deadline = time.time() + 60
-    while not all((out / f"ready{r}.txt").exists() for r in (0, 1)):
-        assert time.time() < deadline and p.poll() is None, p.stdout.read() if p.poll() is not None else "timeout"
-        time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
-    log, _ = p.communicate(timeout=60)
+    log = signal_when_ready(p, out, signal.SIGINT)
     assert [(out / f"signal{r}.txt").read_text() for r in (0, 1)] == ["SIGINT", "SIGINT"], log  # ranks saved
     assert p.returncode == 130, log
     assert "Traceback" not in log and "SignalException" not in log, log

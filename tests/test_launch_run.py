@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from .launch_helpers import IMAGE_ID, REPO, base_args, launcher
+from .launch_helpers import IMAGE_ID, REPO, base_args, launcher, signal_when_ready
 
 from megatron_vlm.launch.process import run_forwarding_signals
 from megatron_vlm.launch.torchrun import free_port
@@ -73,12 +73,7 @@ def test_sigterm_reaches_every_rank(tmp_path):
     out = tmp_path / "seen"
     out.mkdir()
     p = launcher([*base_args(tmp_path), "-g", "2", "--gbs", "32"], out, mode="signal")
-    deadline = time.time() + 60
-    while not all((out / f"ready{r}.txt").exists() for r in (0, 1)):
-        assert time.time() < deadline and p.poll() is None, p.stdout.read() if p.poll() is not None else "timeout"
-        time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)
-    log, _ = p.communicate(timeout=60)
+    log = signal_when_ready(p, out, signal.SIGTERM)
     assert [(out / f"signal{r}.txt").read_text() for r in (0, 1)] == ["SIGTERM", "SIGTERM"], log
     assert p.returncode != 0
 
