@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from .launch_helpers import IMAGE_ID, REPO, base_args, launcher, signal_when_ready

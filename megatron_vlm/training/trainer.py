@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_vlm import checkpoint as ckpt
-from megatron_vlm import fp8, layer_impl, storage
+from megatron_vlm import fp8, storage
 from megatron_vlm.spec import VLMSpec
 from megatron_vlm.training import checkpointing, step
 from megatron_vlm.training.flops import StepFlops, peak_flops
