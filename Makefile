@@ -1,7 +1,16 @@
 # megatron-vlm: `make demo` runs the end-to-end demo, `make test` runs the test suite.
-# Both create the virtual environment (.venv) and install the pinned dependencies first.
+# Both create the virtual environment (.venv-pyXY) and install the pinned dependencies first.
+# PYTHON picks the lane: python3.11 -> megatron-core 0.16, python3.12 -> megatron-core 0.19
+# (`make test PYTHON=python3.12`); each lane has its own venv and constraints/pyXY.txt.
 PYTHON ?= python3
-VENV ?= .venv
+PYTHON_BIN := $(shell .ci/find-python $(PYTHON))
+ifeq ($(PYTHON_BIN),)
+$(error no working $(PYTHON): install it, or pass PYTHON=/path/to/python)
+endif
+PYDOT := $(shell $(PYTHON_BIN) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+PYVER := $(subst .,,$(PYDOT))
+CONSTRAINTS := constraints/py$(PYVER).txt
+VENV ?= .venv-py$(PYVER)
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DEMO_ARGS ?=
@@ -11,11 +20,12 @@ PYTEST_ARGS ?=
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(VENV)/.installed: setup.cfg pyproject.toml $(wildcard $(CONSTRAINTS))
+	@test -f $(CONSTRAINTS) || { echo "no $(CONSTRAINTS): Python $(PYDOT) is not a supported lane (3.11, 3.12)" >&2; exit 1; }
+	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[test,demo]"
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[test,demo]"
 	touch $@
 
 test: venv
