@@ -1,8 +1,9 @@
 """Where bytes live: local paths, or object-store URLs ``msc://PROFILE/...`` through multi-storage-client.
 
 The libraries underneath read and write ``msc://`` URLs themselves: energon opens datasets through its
-``EPath`` (which is MSC), and megatron-core's dist_checkpointing saves and loads through MSC when
-``MultiStorageClientFeature`` is on (its default when multi-storage-client imports). This module only adds
+``EPath`` (which is MSC), and megatron-core's dist_checkpointing saves and loads through MSC when its
+``MultiStorageClientFeature`` flag is on. That flag is on by default in megatron-core 0.16 but off in 0.19, so
+:func:`enable_object_store` switches it on explicitly wherever a URL is used (both versions have the flag). This module only adds
 what megatron-vlm's own files need (spec, metadata, tracker, tokenizer, upload of a staged dataset) and the
 checks that turn a missing configuration into an error naming the input and the fix.
 
@@ -89,13 +90,24 @@ def check_url(url: str, what: str) -> str:
                                  f"{EXTRA_HINT}") from None
     except Exception as e:  # the provider rejected the profile's options
         raise RemoteStorageError(f"{what} {url}: profile {profile!r} of {source} is not usable: {e}") from None
+    enable_object_store()
     return url
+
+
+def enable_object_store() -> None:
+    """Let megatron-core's dist_checkpointing read and write ``msc://`` URLs (idempotent; needs
+    multi-storage-client). Without it megatron-core 0.19 hands the URL to pathlib, which fails."""
+    from megatron.core.msc_utils import MultiStorageClientFeature
+
+    MultiStorageClientFeature.enable()
 
 
 def path(p):
     """A pathlib-like object: ``pathlib.Path`` for a local path, ``multistorageclient.Path`` for a URL."""
     if is_remote(p):
         import multistorageclient as msc
+
+        enable_object_store()
 
         return msc.Path(str(p))
     return Path(p)

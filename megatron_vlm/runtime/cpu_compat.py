@@ -9,8 +9,9 @@ makes the same code run on CPU:
   a no-op;
 - the same mode around megatron's activation-recomputation backward (which re-runs the forward inside the
   autograd engine, where the thread-local mode is not active);
-- CPU stand-ins for ``torch.cuda.current_device / synchronize / get_rng_state / set_rng_state /
-  manual_seed`` (the "CUDA" RNG state *is* the CPU default generator's state, so megatron's RNG tracker
+- CPU stand-ins for ``torch.cuda.current_device / synchronize / current_stream / get_rng_state /
+  set_rng_state / manual_seed`` (``current_stream`` is torch's no-op CPU stream: megatron-core 0.19's DDP grad
+  sync waits on the current stream's events) (the "CUDA" RNG state *is* the CPU default generator's state, so megatron's RNG tracker
   forks/restores the generator that CPU ops really use) and for megatron's own ``_get/_set_cuda_rng_state``.
 
 It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine). Separately, two fixes are
@@ -78,6 +79,7 @@ def enable() -> bool:
         return True
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda device=None: torch.cpu.current_stream()
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
     # torch.manual_seed itself calls torch.cuda.manual_seed_all (a no-op without CUDA): leave that alone.
