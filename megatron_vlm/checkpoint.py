@@ -5,7 +5,8 @@ Layout (Megatron's)::
     <dir>/latest_checkpointed_iteration.txt      "release" or an integer; written last
     <dir>/release/ or <dir>/iter_0000100/
         vlm_spec.json                             the architecture (megatron_vlm.spec)
-        ckpt_meta.json                            format, tp, pp, pp_layers, iteration, dtype
+        ckpt_meta.json                            format, tp, pp, pp_layers, iteration, dtype, and the
+                                                  versions that wrote it (megatron-core, torch)
         hf_extra.safetensors                      HF tensors the Megatron model does not hold
         <torch_dist files>  or  mp_rank_XX[_YYY]/model_optim_rng.pt
 
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_vlm import layer_impl, storage
+from megatron_vlm import layer_impl, mcore_version, storage
 from megatron_vlm.spec import SPEC_FILE, VLMSpec
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -54,8 +55,11 @@ class CheckpointMeta:
     iteration: int | str = "release"
     dtype: str = "float32"
     extra: dict = field(default_factory=dict)
+    #: the software that wrote the checkpoint (megatron_core, torch, python, megatron_vlm); set by save()
+    versions: dict = field(default_factory=dict)
 
     def save(self, iter_dir) -> None:
+        self.versions = mcore_version.writer_stamp()
         storage.write_text(storage.join(iter_dir, META), json.dumps(asdict(self), indent=2))
 
     @classmethod
@@ -93,6 +97,7 @@ def resolve_iteration_dir(ckpt_dir, iteration: int | str | None = None) -> Path:
     if not ckpt_dir.is_dir():
         raise CheckpointLayoutError(f"--megatron-dir {ckpt_dir} does not exist")
     if is_iteration_dir(ckpt_dir):  # pointed directly at an iteration directory
+        mcore_version.check_readable(ckpt_dir)
         return ckpt_dir
     if iteration is None:
         iteration = read_tracker(ckpt_dir)
@@ -103,6 +108,7 @@ def resolve_iteration_dir(ckpt_dir, iteration: int | str | None = None) -> Path:
     path = ckpt_dir / iter_dir_name(iteration)
     if not path.is_dir():
         raise CheckpointLayoutError(f"{path} does not exist (iteration {iteration} of {ckpt_dir})")
+    mcore_version.check_readable(path)
     return path
 
 
@@ -242,6 +248,7 @@ def dist_key_layout(iter_dir) -> DistKeyLayout:
     """Read the key convention of the torch_dist checkpoint in ``iter_dir`` from its tensor metadata."""
     from megatron.core import dist_checkpointing
 
+    mcore_version.check_readable(iter_dir)  # every torch_dist load asks this first
     keys = list(dist_checkpointing.load_tensors_metadata(str(iter_dir)))
     prefix = OLD_PREFIX if any(k.startswith(OLD_PREFIX + "language_model.") for k in keys) else ""
     te = any(".linear_qkv.layer_norm_weight" in k for k in keys) or not any(".input_layernorm." in k for k in keys)

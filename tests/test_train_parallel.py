@@ -14,36 +14,13 @@ Each world runs every job of its size in one process group (one start-up per wor
 from __future__ import annotations
 
 import pytest
-from megatron.energon import VQASample
-from PIL import Image
 
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
-from megatron_vlm.data.synthetic import image_array
-from megatron_vlm.data.task_encoder import VLMTaskEncoder
 from megatron_vlm.runtime.spawn import run_world
-from megatron_vlm.testing.train_jobs import BASE, train_jobs
+from megatron_vlm.testing.train_jobs import train_jobs
+from megatron_vlm.testing.train_jobs import variable_length_batches as global_batches
 
-QUESTIONS = ["what colour is the shape ?", "describe the picture in a few words please", "what ?",
-             "is there a square in the image , and what colour is it ?"]
-ANSWERS = ["red", "a red square on a smooth gradient background", "a shape", "yes"]
-SEQ = BASE["seq_length"]
 RTOL = 1e-5
-
-
-def global_batches(hf_dir, n: int, size: int = 8) -> list[list]:
-    """``n`` global batches of ``size`` samples with different lengths (so per-token normalisation matters)."""
-    enc = VLMTaskEncoder(hf_dir, SEQ)
-    meta = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
-    out = []
-    for b in range(n):
-        samples = []
-        for i in range(size):
-            j = (b + i) % len(QUESTIONS)
-            s = VQASample(__key__=f"{b}-{i}", image=Image.fromarray(image_array((40, 30), 8 * b + i)),
-                          context=QUESTIONS[j], answers=ANSWERS[(j + b) % len(ANSWERS)], answer_weights=None, **meta)
-            samples.append(enc.encode_sample(s))
-        out.append(samples)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -96,8 +96,8 @@ def _read_dist(iter_dir) -> tuple[dict, dict, dict, dict]:
     model; Megatron-LM's args; elements per dtype)."""
     from megatron.core import dist_checkpointing
 
+    layout = ckpt.dist_key_layout(iter_dir)  # (first: it refuses a format this megatron-core cannot read)
     metadata = dist_checkpointing.load_tensors_metadata(str(iter_dir))
-    layout = ckpt.dist_key_layout(iter_dir)
     shapes, counts, dtypes = {}, {}, {}
     for key, sh in metadata.items():
         if not key.startswith(layout.prefix) or key.endswith("_extra_state"):

@@ -27,6 +27,34 @@ BASE = dict(device="cpu", stage=2, freeze_vit=False, lr=2e-3, min_lr=0.0, lr_war
             deterministic=True)
 
 
+#: questions and answers of different lengths (so per-token loss normalisation matters)
+QUESTIONS = ["what colour is the shape ?", "describe the picture in a few words please", "what ?",
+             "is there a square in the image , and what colour is it ?"]
+ANSWERS = ["red", "a red square on a smooth gradient background", "a shape", "yes"]
+
+
+def variable_length_batches(hf_dir, n: int, size: int = 8) -> list[list]:
+    """``n`` global batches of ``size`` encoded samples of different lengths, the same on every call."""
+    from megatron.energon import VQASample
+    from PIL import Image
+
+    from megatron_vlm.data.synthetic import image_array
+    from megatron_vlm.data.task_encoder import VLMTaskEncoder
+
+    enc = VLMTaskEncoder(hf_dir, BASE["seq_length"])
+    meta = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
+    out = []
+    for b in range(n):
+        samples = []
+        for i in range(size):
+            j = (b + i) % len(QUESTIONS)
+            s = VQASample(__key__=f"{b}-{i}", image=Image.fromarray(image_array((40, 30), 8 * b + i)),
+                          context=QUESTIONS[j], answers=ANSWERS[(j + b) % len(ANSWERS)], answer_weights=None, **meta)
+            samples.append(enc.encode_sample(s))
+        out.append(samples)
+    return out
+
+
 def job_config(job: dict, n_steps: int, global_batch_size: int):
     from megatron_vlm.training.config import TrainConfig
 

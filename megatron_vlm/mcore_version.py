@@ -1,0 +1,112 @@
+"""Which megatron-core runs here, which wrote a checkpoint, and whether this one can read it.
+
+megatron-vlm supports two lanes, chosen by the Python version (``setup.cfg``, ``constraints/pyXY.txt``):
+
+- Python 3.11: megatron-core 0.16 (the newest release for 3.11);
+- Python 3.12: megatron-core 0.19 (NGC PyTorch / NeMo containers, the GPU machines).
+
+Their torch_dist checkpoints differ in one place: 0.16 keeps the common (non-tensor) state in ``common.pt``;
+0.17 and newer put it into the ``.distcp`` files and write no ``common.pt``. 0.19 reads both, 0.16 reads only
+its own (it fails with "Common file .../common.pt does not exist"). Every checkpoint megatron-vlm writes
+records the versions that wrote it (``ckpt_meta.json`` ``versions``); :func:`check_readable` turns the
+unreadable case into an error that names the writer and what to install.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import sys
+
+#: (python (major, minor) from, megatron-core requirement) per lane, newest first; matches setup.cfg
+LANES = (((3, 12), "megatron-core>=0.19.2,<0.20"), ((3, 10), "megatron-core>=0.16,<0.17"))
+#: the first megatron-core release whose torch_dist checkpoints have no common.pt
+NO_COMMON_PT_SINCE = (0, 17)
+COMMON_FILE = "common.pt"
+DIST_METADATA = "metadata.json"
+
+
+class CheckpointVersionError(RuntimeError):
+    """A checkpoint written by a megatron-core this one cannot read; the message says what to install."""
+
+
+def _parse(version: str) -> tuple[int, ...]:
+    out = []
+    for part in version.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def installed() -> str:
+    """The megatron-core version of this environment, e.g. ``'0.16.1'``."""
+    return md.version("megatron-core")
+
+
+def writes_common_file(version: str | None = None) -> bool:
+    """Whether megatron-core ``version`` (default: this one) writes ``common.pt`` in torch_dist checkpoints."""
+    return _parse(version or installed()) < NO_COMMON_PT_SINCE
+
+
+def lane_requirement(python: tuple[int, int] | None = None) -> str:
+    """The megatron-core requirement of the lane for ``python`` (default: this interpreter)."""
+    python = python or sys.version_info[:2]
+    for since, req in LANES:
+        if python >= since:
+            return req
+    raise RuntimeError(f"Python {python[0]}.{python[1]} is not supported; use Python 3.11 or 3.12")
+
+
+def writer_stamp() -> dict[str, str]:
+    """What ``ckpt_meta.json`` records about the software that wrote a checkpoint."""
+    import torch
+
+    stamp = {"megatron_core": installed(), "torch": torch.__version__.split("+")[0],
+             "python": "%d.%d" % sys.version_info[:2]}
+    try:
+        stamp["megatron_vlm"] = md.version("megatron-vlm")
+    except md.PackageNotFoundError:
+        pass
+    return stamp
+
+
+def check_readable(iter_dir, written_by: str | None = None) -> None:
+    """Raise :class:`CheckpointVersionError` if the torch_dist checkpoint in ``iter_dir`` was written in the
+    newer format (no ``common.pt``) and this megatron-core cannot read it. ``written_by`` is the writer's
+    megatron-core version when the checkpoint records it. Legacy and non-checkpoint directories pass."""
+    if not writes_common_file():
+        return  # 0.17+ reads both formats
+    from megatron_vlm import storage
+
+    d = storage.path(iter_dir)
+    if not (d / DIST_METADATA).is_file() or (d / COMMON_FILE).is_file():
+        return
+    if written_by is None:
+        written_by = _recorded_writer(d)
+    who = f"megatron-core {written_by}" if written_by else "megatron-core 0.17 or newer (it has no common.pt)"
+    raise CheckpointVersionError(
+        f"{iter_dir} was written by {who}, whose torch_dist format megatron-core {installed()} cannot read "
+        f"(0.16 needs {COMMON_FILE}). Read it with Python 3.12 and {LANES[0][1]} (`make venv PYTHON=python3.12`, "
+        f"or pip install '{LANES[0][1]}'). To bring the weights back to megatron-core 0.16, export them to HF "
+        "with convert/megatron_to_hf.py under 0.19 and convert that with convert/hf_to_megatron.py under 0.16. "
+        "Checkpoints move freely the other way (0.16 -> 0.19).")
+
+
+def _recorded_writer(d) -> str | None:
+    import json
+
+    from megatron_vlm.checkpoint import META
+
+    try:
+        meta = json.loads((d / META).read_text())
+    except (OSError, ValueError):
+        return None
+    return (meta.get("versions") or {}).get("megatron_core")
+
+
+def describe(versions: dict | None) -> str:
+    """``'megatron-core 0.16.1, torch 2.13.0'`` for a recorded stamp ('' when the checkpoint has none)."""
+    if not versions:
+        return ""
+    names = (("megatron_core", "megatron-core"), ("torch", "torch"), ("megatron_vlm", "megatron-vlm"))
+    return ", ".join(f"{label} {versions[k]}" for k, label in names if k in versions)
+

@@ -1,0 +1,125 @@
+"""Training checkpoints that cross the megatron-core lanes (0.16 on Python 3.11, 0.19 on Python 3.12).
+
+One lane cannot run the other's megatron-core, so each lane writes a tiny fixture that the other lane reads:
+
+    python -m megatron_vlm.testing.cross_version tests/fixtures/mcore-<major.minor>
+
+writes, with this environment's megatron-core,
+
+- ``run/``: a training run directory whose ``iter_0000001`` was saved after one step (model, optimizer,
+  scheduler, RNG), with the tokenizer next to it;
+- ``expected.json``: the loss and grad norm of steps 2 and 3 when training continues from that checkpoint
+  (asserted here to equal an uninterrupted run's), and the SHA-256 of every tensor the checkpoint exports to
+  HF, with the versions that wrote it.
+
+The tests (``tests/test_cross_version.py``) resume the other lane's fixture and compare with those numbers, or,
+where this megatron-core cannot read it, assert the error that says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+#: what the fixture trains: three global batches of four samples, one micro batch each
+N_BATCHES, BATCH = 3, 4
+SAVED_AT = 1
+RUN, EXPECTED = "run", "expected.json"
+
+
+def batches(tokenizer_dir) -> list[list]:
+    from megatron_vlm.testing.train_jobs import variable_length_batches
+
+    return variable_length_batches(tokenizer_dir, N_BATCHES, BATCH)
+
+
+def continue_job(run_dir) -> dict:
+    """The job that resumes ``run_dir``'s checkpoint and trains the steps after it."""
+    return dict(name="resume", micro_batch_size=BATCH, start=SAVED_AT, steps=N_BATCHES - SAVED_AT,
+                resume=str(Path(run_dir) / f"iter_{SAVED_AT:07d}"))
+
+
+def resume(run_dir) -> dict:
+    """Loss and grad norm of the steps after the checkpoint in ``run_dir``, resumed with this megatron-core."""
+    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.runtime.spawn import run_world
+    from megatron_vlm.testing.train_jobs import train_jobs
+
+    tok = Path(run_dir) / ckpt.TOKENIZER_DIR
+    (result,) = run_world(train_jobs, 1, [continue_job(run_dir)], run_dir, tok, batches(tok))[0]
+    return {"loss": result["loss"], "grad_norm": result["grad_norm"]}
+
+
+def exported_digests(run_dir, work_dir) -> dict[str, str]:
+    """SHA-256 of every tensor (its dtype, shape and bytes) of the HF export of the checkpoint in ``run_dir``."""
+    import torch
+    from safetensors import safe_open
+
+    from megatron_vlm.convert.to_hf import convert_megatron_to_hf
+
+    out = convert_megatron_to_hf(run_dir, Path(work_dir) / "hf_export", iteration=SAVED_AT, overwrite=True)
+    digests = {}
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name).contiguous()
+                h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+                h.update(t.view(-1).view(dtype=torch.uint8).numpy().tobytes())
+                digests[name] = h.hexdigest()
+    return digests
+
+
+def write_fixture(out_dir) -> dict:
+    """Write ``out_dir/run`` and ``out_dir/expected.json`` with this environment's megatron-core (see the
+    module docstring); returns the expected numbers."""
+    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm import mcore_version
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+    from megatron_vlm.runtime.spawn import run_world
+    from megatron_vlm.testing.tiny import make_tiny_llava
+    from megatron_vlm.testing.train_jobs import train_jobs
+
+    out_dir = Path(out_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        hf = make_tiny_llava(tmp / "hf")
+        meg = convert_hf_to_megatron(hf, tmp / "meg", tp=1)
+        gbs = batches(hf)
+        run = tmp / RUN
+        jobs = [dict(name="save", micro_batch_size=BATCH, steps=SAVED_AT, save=str(run)),
+                dict(name="full", micro_batch_size=BATCH)]
+        results = {r["name"]: r for r in run_world(train_jobs, 1, jobs, meg, hf, gbs)[0]}
+        ckpt.copy_tokenizer(hf, run)
+        resumed = resume(run)
+        full = {k: results["full"][k][SAVED_AT:] for k in ("loss", "grad_norm")}
+        if resumed != full:
+            raise RuntimeError(f"resuming the fixture does not continue exactly: {resumed} vs {full}")
+        expected = {**resumed, "hf_export_sha256": exported_digests(run, tmp),
+                    "written_by": mcore_version.writer_stamp()}
+        staged = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(staged, ignore_errors=True)
+        staged.mkdir(parents=True)
+        shutil.copytree(run, staged / RUN)
+        (staged / EXPECTED).write_text(json.dumps(expected, indent=1) + "\n")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        staged.rename(out_dir)
+    return expected
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Write the cross-lane checkpoint fixture with this megatron-core "
+                                            "(tests/fixtures/mcore-<version>).")
+    p.add_argument("out_dir", help="fixture directory to (re)write, e.g. tests/fixtures/mcore-0.16")
+    args = p.parse_args(argv)
+    expected = write_fixture(args.out_dir)
+    print(json.dumps({k: expected[k] for k in ("loss", "grad_norm", "written_by")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
