@@ -9,7 +9,8 @@ CPU machine, and carried over in parts:
 x86-64 Linux and with pip's own ``download`` command:
 
 - the wheels of megatron-core, megatron-energon, webdataset and their dependencies, at the versions installed in
-  this project's environment (known to work together), except torch, triton and NVIDIA's CUDA libraries, which
+  this project's Python 3.12 lane (``.venv-py312``: megatron-core 0.19, known to work together; the command
+  refuses to run under another Python), except torch, triton and NVIDIA's CUDA libraries, which
   the GPU machine's torch brings;
 - Transformer Engine for CUDA 13: the Python wheel ``transformer_engine`` and the core library wheel
   ``transformer_engine_cu13``;
@@ -169,6 +170,11 @@ def join(parts_dir: Path, out: Path) -> Path:
 
 
 def cmd_cpu(a) -> int:
+    if "%d.%d" % sys.version_info[:2] != PY_VERSION:
+        raise SystemExit(f"run this with the Python {PY_VERSION} lane's venv, whose megatron-core (0.19) is the one "
+                         f"the GPU machine's Python {PY_VERSION} gets: make venv PYTHON=python{PY_VERSION} && "
+                         f".venv-py312/bin/python bench/gpu_prepare.py cpu (this is Python "
+                         f"{'%d.%d' % sys.version_info[:2]})")
     out = (ROOT / a.out).resolve()
     parts_dir = out / "parts"
     shutil.rmtree(parts_dir, ignore_errors=True)

@@ -127,3 +127,29 @@ def test_probe_runs_inside_the_container(tmp_path, capsys, monkeypatch):
     assert len(calls) == 1 and calls[0][:2] == ["exec", "--nv"]
     assert calls[0][-5:] == [str(tmp_path / "vlm.sif"), "python", "-m", "megatron_vlm.launch.probe", "--cuda"]
     assert not (tmp_path / "out").exists()  # stopped before writing anything
+
+
+def test_image_build_installs_the_lane_of_the_images_python(tmp_path):
+    """containers/filter_constraints.py picks constraints/pyXY.txt for the running Python (NGC: 3.12 -> 0.19)."""
+    import importlib.util
+    import subprocess
+
+    script = REPO / "containers" / "filter_constraints.py"
+    spec = importlib.util.spec_from_file_location("filter_constraints", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    lane = "py%d%d.txt" % sys.version_info[:2]
+    assert mod.lane_file(str(REPO / "constraints")) == str(REPO / "constraints" / lane)
+    pins = dict(line.strip().split("==") for line in open(REPO / "constraints" / lane) if "==" in line)
+    import megatron.core
+
+    assert pins["megatron-core"] == megatron.core.__version__
+    assert any(line.startswith("megatron-core==0.16.") for line in open(REPO / "constraints" / "py311.txt"))
+    assert any(line.startswith("megatron-core==0.19.") for line in open(REPO / "constraints" / "py312.txt"))
+    for name in ("Dockerfile", "apptainer.def"):
+        assert "filter_constraints.py constraints " in (REPO / "containers" / name).read_text()
+    other = tmp_path / "constraints"
+    other.mkdir()
+    (other / "py39.txt").write_text("megatron-core==0.1\n")
+    r = subprocess.run([sys.executable, str(script), str(other)], capture_output=True, text=True)
+    assert r.returncode != 0 and f"has no {lane}" in r.stderr and "Python 3.11 or 3.12" in r.stderr
