@@ -238,3 +238,17 @@ def test_energon_loader_packs_and_resumes(vqa_dataset, tmp_path_factory):  # noq
     got = take(iter(second), 3)
     assert [g[0] for g in got] == [e[0] for e in expected]
     assert all(torch.equal(g[1], e[1]) and g[2] == e[2] for g, e in zip(got, expected))
+
+
+# ---- on a GPU with Transformer Engine --------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_packed_equals_unpacked_on_gpu(tmp_path_factory):
+    """The same samples packed into one 'thd' row and as separate rows: per-sample logits within the bf16
+    yardstick, per-sample losses within 1%, the same loss positions (megatron_vlm.testing.packing_check)."""
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+    from megatron_vlm.testing.packing_check import packed_vs_unpacked
+
+    hf = tiny_llava(tmp_path_factory)
+    meg = convert_hf_to_megatron(hf, tmp_path_factory.mktemp("packing_gpu") / "m")
+    r = packed_vs_unpacked(meg, hf)
+    assert r["ok"], r

@@ -94,8 +94,9 @@ def train_step(training, batches: list, cfg, device) -> StepResult:
     torch.distributed.broadcast(total, src=ps.get_pipeline_model_parallel_last_rank(),
                                 group=ps.get_pipeline_model_parallel_group())
     fed = [b for b in batches if b is not None and b.tokens is not None]  # middle stages hold no data
-    counts = torch.tensor([sum(getattr(b, "num_samples", None) or b.tokens.shape[0] for b in fed), sum(b.num_tokens for b in fed),
-                           sum(int(b.num_image_tiles.sum()) for b in fed)], device=device, dtype=torch.float64)
+    samples = sum(getattr(b, "num_samples", None) or b.tokens.shape[0] for b in fed)  # packs hold several
+    counts = torch.tensor([samples, sum(b.num_tokens for b in fed), sum(int(b.num_image_tiles.sum()) for b in fed)],
+                          device=device, dtype=torch.float64)
     torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
     samples, tokens, images = (int(c) for c in counts.tolist())
     return StepResult(total[0].item(), total[1].item(), float(grad_norm) if ok else None, samples, tokens, images)
