@@ -162,7 +162,7 @@ def test_packed_row_is_expanded_like_separate_rows(tmp_path_factory, packer):
 
     samples = _encoded(packer, 3)
     with single_process_world("cpu"):
-        model = build_model(packer.spec, ModelOptions(seq_length=4096))
+        model = build_model(packer.spec, ModelOptions(seq_length=4096, perform_initialization=False))
         k = model.img_seq_len
         assert k == packer.tokens_per_image
         sep, first = [], 0
