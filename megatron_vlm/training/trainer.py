@@ -81,7 +81,7 @@ class Run:
     spec: VLMSpec
     training: object  # megatron_vlm.training.build.Training
     encoder: object
-    loader: object
+    loader: object  # energon savable loader; None on ranks that do not read data (batch_feed.reads_data)
     iteration: int
     resumed: bool
     side_src: object
