@@ -15,14 +15,21 @@ What it measures, in one run (each part can be picked with ``--only``):
             local layers, Transformer Engine layers, and ``--fp8`` with each recipe of ``--recipes`` (those the
             GPU cannot run are reported as refused, with the trainer's message). Loss curves: TE vs local and each
             FP8 recipe vs TE bf16 must agree within ``--loss-tolerance`` (2%, largest relative per-iteration
-            difference). Speed: tokens/s and model TFLOP/s after ``--warmup`` iterations, and speed-ups.
+            difference). Speed: tokens/s, model TFLOP/s and MFU (H100/H200 peak) after ``--warmup`` iterations,
+            and speed-ups.
+``fusions`` (with ``train``) the Transformer Engine bf16 run again with every fusion off (Megatron-LM's ``--no-*``
+            flags): the same loss curve within ``--loss-tolerance``, and the speed-up the fusions give.
+``packing`` packed vs unpacked forward of the same samples with TE layers in bf16 (``thd`` with image-expanded
+            ``cu_seqlens``; megatron_vlm.testing.packing_check): logits within the bf16 yardstick, per-sample losses
+            within 1%; with ``train`` also a packed training row (``--packing-buffer-size 64 --packed-seq-length``
+            ``--pack-factor`` x ``--seq-length``): tokens/s, MFU and speed-up vs the unpacked TE run.
 
 Sizes: the default model is a ~1B Llama-like LM (hidden 2048, 22 layers, FFN 5632, 32 heads, 16 KV heads) with a
 CLIP-L/14-336-shaped ViT (hidden 1024, 24 layers, 16 heads, 336 px, 576 image tokens), random weights.
 ``--tiny`` shrinks everything to run on CPU in seconds (local layers only, fp32/bf16): the CPU test suite runs
 it to prove the plumbing.
 
-  python bench/gpu.py [--only logits,train] [--iters 50] [--recipes delayed,tensorwise,blockwise,mxfp8]
+  python bench/gpu.py [--only logits,packing,train,fusions] [--iters 50] [--recipes delayed,tensorwise,blockwise,mxfp8]
   python bench/gpu.py --tiny            # CPU, local layers
 The machine needs megatron-core, energon and Transformer Engine: see bench/GPU.md (bench/gpu_prepare.py).
 Results are also written as JSON to ``--out`` (default: $OUT/gpu_bench.json when $OUT is set).
@@ -168,7 +175,7 @@ def check_logits(hf, meg, impls, device: str) -> list[dict]:
 
 # ---- training ----------------------------------------------------------------------------------------------
 def train_run(a, work: Path, hf: Path, data: Path, meg: Path, name: str, impl: str, precision: str,
-              recipe: str | None = None) -> dict:
+              recipe: str | None = None, extra: tuple = ()) -> dict:
     """One training run through train/run.py; returns the summary (losses, tokens/s, ...) or an error note."""
     cmd = [sys.executable, "train/run.py", "--device", a.device, "-g", "1", "--stage", "2",
            "--megatron-load-dir", str(meg), "--tokenizer-load-dir", str(hf), "--data-path", str(data),
@@ -178,6 +185,7 @@ def train_run(a, work: Path, hf: Path, data: Path, meg: Path, name: str, impl: s
            "--log-interval", str(max(1, a.iters // 5)), "--precision", precision, "--transformer-impl", impl]
     if recipe:
         cmd += ["--fp8", "--fp8-recipe", recipe]
+    cmd += list(extra)  # later flags override (argparse keeps the last)
     t0 = time.time()
     log_path = work / f"{name}.log"
     with open(log_path, "w") as logf:
@@ -197,7 +205,47 @@ def train_run(a, work: Path, hf: Path, data: Path, meg: Path, name: str, impl: s
     out["name"] = name
     out["layers_line"] = next((ln.split("transformer layers: ", 1)[1] for ln in text.splitlines()
                                if "transformer layers: " in ln), "")
+    out["fusions_line"] = next((ln.split("fusions: ", 1)[1] for ln in text.splitlines() if "fusions: " in ln), "")
+    out["fp8"] = bool(recipe)
     return out
+
+
+#: every fusion switched off, with Megatron-LM's flag names (the "fusions off" training row)
+NO_FUSIONS = ("--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+              "--no-rope-fusion", "--no-masked-softmax-fusion", "--no-persist-layer-norm",
+              "--no-cross-entropy-loss-fusion")
+
+
+def packing_flags(a) -> tuple:
+    """The packed training row: packs of ``--pack-factor`` x --seq-length positions from a buffer of 64 samples;
+    a micro batch is one pack, and a global batch holds as many packs as the unpacked run has micro batches."""
+    return ("--packing-buffer-size", "64", "--packed-seq-length", str(a.pack_factor * a.seq_length),
+            "--micro-batch-size", "1", "--global-batch-size", str(max(1, a.gbs // a.mbs)))
+
+
+def mfu(row: dict) -> float | None:
+    """Model FLOPs utilisation of a training row on this GPU (None where its peak is not known)."""
+    import torch
+
+    from megatron_vlm.training.flops import peak_flops
+
+    peak = peak_flops(torch.device("cuda"), row.get("fp8", False)) if torch.cuda.is_available() else None
+    return row["tflops"] * 1e12 / peak if peak and "tflops" in row else None
+
+
+def check_packing(hf, meg, a) -> list[dict]:
+    """Packed ('thd') vs unpacked forward, TE layers in bf16 (megatron_vlm.testing.packing_check)."""
+    from megatron_vlm.testing.packing_check import packed_vs_unpacked
+
+    try:
+        r = packed_vs_unpacked(meg, hf, seq_length=a.seq_length)
+    except Exception as e:  # report it as a failed check
+        return [dict(part="packing", impl="transformer_engine", dtype="bf16", ok=False,
+                     note=f"{type(e).__name__}: {e}"[:300])]
+    return [dict(part="packing", impl="transformer_engine", dtype="bf16", diff=r["logit_diff"],
+                 tolerance=r["logit_tolerance"], ok=r["ok"],
+                 note=f"logits packed vs unpacked fp32 (unpacked bf16: {r['unpacked_bf16_error']:.3g}); per-sample "
+                      f"loss rel. diff {r['loss_rel_diff']:.2g} (<= {r['loss_rtol']:g}); cu_seqlens {r['cu_seqlens']}")]
 
 
 def curve_diff(x: list[float], ref: list[float]) -> float:
@@ -223,6 +271,13 @@ def check_training(a, work, hf, data, meg, impls, recipes) -> list[dict]:
     base = runs.get("transformer_engine") or runs["local"]
     for r in recipes:
         runs[f"fp8_{r}"] = train_run(a, work, hf, data, meg, f"fp8_{r}", "transformer_engine", "bf16", r)
+    te = "transformer_engine" in impls
+    if te and "fusions" in a.only:  # the same run with every fusion off: same losses, slower
+        runs["te_no_fusions"] = train_run(a, work, hf, data, meg, "bf16_te_no_fusions", "transformer_engine",
+                                          a.precision, extra=NO_FUSIONS)
+    if te and "packing" in a.only:  # other batches (packs), so no loss comparison: throughput and MFU
+        runs["te_packed"] = train_run(a, work, hf, data, meg, "bf16_te_packed", "transformer_engine", a.precision,
+                                      extra=packing_flags(a))
     rows = []
     local = runs.get("local")
     expected = set(runnable_recipes())
@@ -233,13 +288,18 @@ def check_training(a, work, hf, data, meg, impls, recipes) -> list[dict]:
             row.update(ok=None if refused else False, note=("refused as expected: " if refused else "") + r["error"])
             rows.append(row)
             continue
-        ref = local if key == "transformer_engine" else base if key.startswith("fp8") else None
+        ref = local if key == "transformer_engine" else base if key.startswith("fp8") or key == "te_no_fusions" \
+            else None
         diff = curve_diff(r["losses"], ref["losses"]) if ref and "error" not in ref and ref is not r else None
         speed = r["tokens_per_s"] / ref["tokens_per_s"] if diff is not None else None
+        if key == "te_packed" and "error" not in base:
+            speed = r["tokens_per_s"] / base["tokens_per_s"]
         row.update(loss_first=r["losses"][0], loss_last=r["losses"][-1], diff=diff, tolerance=a.loss_tolerance
                    if diff is not None else None, ok=None if diff is None else diff <= a.loss_tolerance,
                    tokens_per_s=r["tokens_per_s"], tflops=r["tflops"], speedup=speed, s_per_iter=r["s_per_iter"],
-                   losses=r["losses"], note=r.get("layers_line", ""))
+                   losses=r["losses"], mfu=mfu(r), note=r.get("layers_line", ""), fusions=r.get("fusions_line", ""))
+        if key == "te_packed":
+            row["note"] = "packed: " + " ".join(packing_flags(a)) + "; speed-up vs TE bf16 unpacked"
         rows.append(row)
     return rows
 
@@ -252,20 +312,24 @@ def _fmt(v, spec):
 def print_table(rows: list[dict], info: dict) -> None:
     print("\n" + ", ".join(f"{k} {v}" for k, v in info.items()))
     print(f"{'part':7s} {'layers / run':22s} {'dtype':9s} {'max diff':>10s} {'tolerance':>10s} {'ok':>4s} "
-          f"{'loss 1st->last':>17s} {'tokens/s':>9s} {'TFLOP/s':>8s} {'speed-up':>8s}  note")
+          f"{'loss 1st->last':>17s} {'tokens/s':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'speed-up':>8s}  note")
     for r in rows:
         ok = {True: "yes", False: "NO", None: "-"}[r.get("ok")]
         losses = f"{r['loss_first']:.3f}->{r['loss_last']:.3f}" if "loss_first" in r else "-"
         print(f"{r['part']:7s} {r['impl']:22s} {r['dtype']:9s} {_fmt(r.get('diff'), '10.3g'):>10s} "
               f"{_fmt(r.get('tolerance'), '10.3g'):>10s} {ok:>4s} {losses:>17s} "
               f"{_fmt(r.get('tokens_per_s'), '9.0f'):>9s} "
-              f"{_fmt(r.get('tflops'), '8.1f'):>8s} {_fmt(r.get('speedup'), '8.2f'):>8s}  {r.get('note', '')}")
+              f"{_fmt(r.get('tflops'), '8.1f'):>8s} {_fmt(r.get('mfu'), '6.1%'):>6s} "
+              f"{_fmt(r.get('speedup'), '8.2f'):>8s}  {r.get('note', '')}")
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU, local layers only (plumbing check)")
-    p.add_argument("--only", default="logits,train", help="comma-separated parts: logits, train")
+    p.add_argument("--only", default="logits,packing,train,fusions", help="comma-separated parts: logits (HF vs "
+                   "Megatron), packing (packed vs unpacked forward, and a packed training row), train (bf16 local/TE, "
+                   "FP8 recipes), fusions (a TE training row with every fusion off)")
+    p.add_argument("--pack-factor", type=int, default=4, help="packed sequence length = this x --seq-length")
     p.add_argument("--impls", default=None, help="layer implementations (default: transformer_engine,local on "
                    "CUDA; local with --tiny)")
     p.add_argument("--recipes", default=None, help=f"FP8 recipes to train with (default on CUDA: {','.join(RECIPES)};"
@@ -318,6 +382,8 @@ def main(argv=None) -> int:
         info["set-up s"] = round(time.perf_counter() - t, 1)
         if "logits" in a.only:
             rows += check_logits(hf, meg, a.impls, a.device)
+        if "packing" in a.only and "transformer_engine" in a.impls:
+            rows += check_packing(hf, meg, a)
         if "train" in a.only:
             rows += check_training(a, work, hf, data, meg, a.impls, a.recipes)
     finally:

@@ -50,6 +50,7 @@ class ModelOptions:
     sequence_parallel: bool = False
     per_token_loss: bool = False  # training: loss summed per token, normalised over the global batch
     perform_initialization: bool = True  # False when weights are loaded right after (conversion)
+    fusions: object = None  # megatron_vlm.fusions.Fusions (training); None: every fusion off
 
 
 def _activation(name: str):
@@ -63,7 +64,9 @@ def _activation(name: str):
     }[name]
 
 
-def _common(opts: ModelOptions) -> dict:
+def _common(opts: ModelOptions, part: str) -> dict:
+    from megatron_vlm.fusions import Fusions
+
     return dict(
         tensor_model_parallel_size=opts.tp,
         params_dtype=opts.params_dtype,
@@ -72,12 +75,7 @@ def _common(opts: ModelOptions) -> dict:
         pipeline_dtype=opts.params_dtype,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
+        **(opts.fusions or Fusions()).config_kwargs(part),
         init_method_std=opts.init_method_std,
         deterministic_mode=opts.deterministic,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -89,7 +87,7 @@ def language_config(spec: VLMSpec, opts: ModelOptions):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layers = spec.check_parallelism(opts.tp, opts.pp, opts.pp_layers)
-    kw = _common(opts)
+    kw = _common(opts, "language")
     if opts.pp > 1 and len(set(layers)) > 1:
         kw.update(num_layers_in_first_pipeline_stage=layers[0], num_layers_in_last_pipeline_stage=layers[-1])
     if opts.fp8:  # the language model only: the ViT's 577 (CLIP-L/14-336) tokens are no multiple of 16
@@ -130,7 +128,7 @@ def _recompute(opts: ModelOptions) -> dict:
 def vision_config(spec: VLMSpec, opts: ModelOptions):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kw = _common(opts)
+    kw = _common(opts, "vision")
     cfg = TransformerConfig(
         num_layers=spec.vit_num_layers,
         hidden_size=spec.vision_hidden_size,
@@ -155,7 +153,7 @@ def vision_config(spec: VLMSpec, opts: ModelOptions):
 def projection_config(spec: VLMSpec, opts: ModelOptions):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kw = _common(opts)
+    kw = _common(opts, "projector")
     return TransformerConfig(
         num_layers=1,
         hidden_size=spec.hidden_size,

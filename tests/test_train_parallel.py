@@ -111,3 +111,11 @@ def test_sequence_parallel_needs_transformer_engine_layers(hf_models):
 def test_bf16_distributed_optimizer_resume_is_exact(worlds):
     full, resumed = worlds["bf16-dp2-dist"], worlds["dist-resume"]
     assert resumed["loss"] == full["loss"][1:3] and resumed["grad_norm"] == full["grad_norm"][1:3]
+
+
+@pytest.mark.parametrize("name,readers", [("ref", [0]), ("tp2", [0]), ("bf16-tp2", [0]), ("pp2", [0, 1]),
+                                          ("dp2", [0, 1])])
+def test_data_is_read_once_per_tensor_parallel_group(worlds, name, readers):
+    """Only TP rank 0 of the first and last pipeline stage read data (the others receive it by broadcast); the
+    TP=2 runs above still give the TP=1 losses and grad norms."""
+    assert worlds[name]["readers"] == readers

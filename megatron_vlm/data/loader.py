@@ -56,8 +56,12 @@ def build_train_loader(
     shuffle_buffer_size: int = 100,
     max_samples_per_sequence: int = 100,
     checkpoint_every_min_n_samples: int | None = None,
+    packing_buffer_size: int | None = None,
 ):
-    """An infinite, shuffled, savable loader of ``VLMBatch``es of ``micro_batch_size`` for this DP rank."""
+    """An infinite, shuffled, savable loader of ``VLMBatch``es of ``micro_batch_size`` for this DP rank.
+
+    ``packing_buffer_size``: energon's sequence packing over buffers of that many encoded samples (the task
+    encoder must be a :class:`~megatron_vlm.data.packing.PackingTaskEncoder`)."""
     dataset = get_train_dataset(
         _check_path(data_path),
         split_part=split,
@@ -66,6 +70,7 @@ def build_train_loader(
         shuffle_buffer_size=shuffle_buffer_size,
         max_samples_per_sequence=max_samples_per_sequence,
         task_encoder=task_encoder,
+        packing_buffer_size=packing_buffer_size,
     )
     return get_savable_loader(dataset, checkpoint_every_min_n_samples=checkpoint_every_min_n_samples)
 
@@ -79,6 +84,7 @@ def build_eval_loader(
     num_workers: int,
     seed: int = 0,
     split: str = "val",
+    packing_buffer_size: int | None = None,
 ):
     """One deterministic pass (no shuffle, no repeat) over this DP rank's slice of ``split``.
 
@@ -91,5 +97,6 @@ def build_eval_loader(
         worker_config=worker_config(dp_rank, dp_world_size, num_workers, seed),
         batch_size=micro_batch_size,
         task_encoder=task_encoder,
+        packing_buffer_size=packing_buffer_size,
     )
     return get_loader(dataset)

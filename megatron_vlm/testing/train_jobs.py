@@ -78,7 +78,8 @@ def _setup(cfg):
 
 
 def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list]) -> list | None:
-    """Run each job; returns per job {'loss': [...], 'grad_norm': [...]} (on rank 0; None elsewhere).
+    """Run each job; returns per job {'loss': [...], 'grad_norm': [...], 'readers': [global ranks that read
+    data]} (on rank 0; None elsewhere).
 
     Job keys: TrainConfig fields (tp, pp, precision, dist_optim, micro_batch_size, overlap_grad_reduce, ...),
     plus ``steps`` (default: all global batches), ``start`` (the first global batch, default 0), ``save`` (a
@@ -88,7 +89,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     must avoid).
     """
     from megatron_vlm.data.task_encoder import VLMTaskEncoder
-    from megatron_vlm.training import checkpointing, resume
+    from megatron_vlm.training import batch_feed, checkpointing, resume
     from megatron_vlm.training.build import build_training
     from megatron_vlm.training.step import train_step
 
@@ -111,9 +112,13 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
                                    with_rng=False, with_data=False)
         losses, norms = [], []
         first = job.get("start", 0)
+        # as the trainer: only the ranks batch_feed.reads_data names read (batch) the data; distribute() hands
+        # it to the other TP ranks of the first/last stage
+        reads = batch_feed.reads_data(rt.tp_rank, rt.pp_rank, rt.pp)
         for gb in global_batches[first:first + steps]:
-            mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size)
-            r = train_step(training, mine, cfg, rt.device)
+            mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
+                [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
+            r = train_step(training, batch_feed.distribute(mine, rt.device), cfg, rt.device)
             losses.append(r.loss)
             norms.append(r.grad_norm)
         if job.get("save"):
@@ -124,7 +129,10 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             checkpointing.save(run_dir, first + steps, training.model, training.optimizer, training.scheduler, None,
                                spec=spec, meta=meta, side_src=iter_dir, with_optim=cfg.save_optim,
                                total_limit=None)
-        out.append({"name": job.get("name"), "loss": losses, "grad_norm": norms})
+        readers: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(readers, reads)
+        out.append({"name": job.get("name"), "loss": losses, "grad_norm": norms,
+                    "readers": [r for r, x in enumerate(readers) if x]})
         del training
         gc.collect()
     return out if torch.distributed.get_rank() == 0 else None

@@ -40,6 +40,7 @@ class Training:
     dtype: torch.dtype
     impl: str = "local"  # layer implementation: "transformer_engine" or "local"
     impl_reason: str = ""
+    fusions: object = None  # megatron_vlm.fusions.Fusions in effect
 
     @property
     def config(self):
@@ -53,17 +54,17 @@ class Training:
         return bool(self.ddp.ddp_config.use_distributed_optimizer and self.ddp.ddp_config.overlap_param_gather)
 
 
-def model_options(cfg, spec: VLMSpec, impl: str):
+def model_options(cfg, spec: VLMSpec, impl: str, fusions=None):
     from megatron_vlm.model import ModelOptions
 
     dtype = compute_dtype(cfg)
     return ModelOptions(
-        tp=cfg.tp, pp=cfg.pp, pp_layers=cfg.pp_layers, seq_length=cfg.seq_length, params_dtype=dtype,
+        tp=cfg.tp, pp=cfg.pp, pp_layers=cfg.pp_layers, seq_length=cfg.lm_seq_length, params_dtype=dtype,
         bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16", use_te=impl == "transformer_engine",
         fp8=cfg.fp8, fp8_recipe=cfg.fp8_recipe, fp8_format=cfg.fp8_format,
         deterministic=cfg.deterministic, recompute_granularity=cfg.recompute_granularity,
         recompute_method=cfg.recompute_method, recompute_num_layers=cfg.recompute_num_layers,
-        sequence_parallel=cfg.sequence_parallel, per_token_loss=True,
+        sequence_parallel=cfg.sequence_parallel, per_token_loss=True, fusions=fusions,
     )
 
 
@@ -88,11 +89,17 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
 
     from megatron_vlm.model import build_model
 
+    from megatron_vlm import fusions as fusions_mod
     from megatron_vlm import layer_impl
+    from megatron_vlm.data.packing import check_packing_supported
 
     dtype = compute_dtype(cfg)
-    impl, why = layer_impl.choose(cfg.transformer_impl, "cuda" if cfg.device == "cuda" else "cpu", cfg.fp8)
-    model = build_model(spec, model_options(cfg, spec, impl))
+    device = "cuda" if cfg.device == "cuda" else "cpu"
+    impl, why = layer_impl.choose(cfg.transformer_impl, device, cfg.fp8)
+    if cfg.packing:
+        check_packing_supported(impl, device)
+    fusions = fusions_mod.resolve(fusions_mod.requested(cfg), device, impl)
+    model = build_model(spec, model_options(cfg, spec, impl, fusions))
     if torch.cuda.is_available() and cfg.device != "cpu":
         model.cuda()
     if init_from is not None:
@@ -124,7 +131,7 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync
-    return Training(spec, model, ddp, optimizer, scheduler, trained, dtype, impl, why)
+    return Training(spec, model, ddp, optimizer, scheduler, trained, dtype, impl, why, fusions)
 
 
 def weights_changed(training: Training) -> None:

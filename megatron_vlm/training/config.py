@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ from typing import Any
 from megatron_vlm.fp8 import FORMATS as FP8_FORMATS
 from megatron_vlm.fp8 import RECIPES as FP8_RECIPES
 from megatron_vlm.fp8 import align_size as fp8_align_size
+from megatron_vlm.fusions import BY_NAME as FUSIONS
+from megatron_vlm.fusions import problems as fusion_problems
 
 CONFIG_FILE = "config.yaml"
 
@@ -59,6 +62,7 @@ _GROUPS = {
     "parallel": "parallelism and batch",
     "stage": "training stage and freezing",
     "optim": "optimizer and schedule",
+    "fusion": "kernel fusions (Megatron-LM's switches; default: on where they work, i.e. on CUDA, off on CPU)",
     "model": "model, tokenizer and data",
     "ckpt": "checkpoints",
     "log": "logging and evaluation",
@@ -68,6 +72,13 @@ _GROUPS = {
 
 # Kinds: int, float, str, path (made absolute), bool (--x/--no-x), flag (--x only), tristate (two flags, None = default),
 # choice, intlist ("0,1,3"), ranges ("A-B" ...), strlist (repeatable).
+
+
+def _fusion(name: str, help: str):
+    """A tristate field for one fusion of :data:`megatron_vlm.fusions.FUSIONS` (its Megatron-LM flags)."""
+    fu = FUSIONS[name]
+    return _f((fu.on_flag,), help + " Default: on where it works (logged at start-up).", "tristate", None, "fusion",
+              negative=fu.off_flags)
 
 
 def _f(flags, help, kind="str", default=None, group="launch", factory=None, **extra):
@@ -196,6 +207,24 @@ class TrainConfig:
         "by --fp8) or local (megatron-core's own). Default: transformer_engine when it imports on CUDA, else local "
         "(the choice is logged at start-up). Checkpoints load into either.", "choice", None, "optim",
         choices=("transformer_engine", "local"))
+    # ---- kernel fusions (see megatron_vlm.fusions) ---------------------------------------------------------
+    gradient_accumulation_fusion: bool | None = _fusion(
+        "gradient_accumulation_fusion", "Accumulate weight gradients inside the GEMM into the fp32 main_grad "
+        "buffers (Transformer Engine linears; apex's fused_weight_gradient_mlp_cuda for local layers).")
+    bias_activation_fusion: bool | None = _fusion(
+        "bias_activation_fusion", "Fused SwiGLU in the language model's MLP (--no-bias-gelu-fusion is accepted "
+        "as the same switch; the vision encoder's and projector's GELU are never fused, as megatron's fused "
+        "bias-GELU is the tanh approximation).")
+    bias_dropout_fusion: bool | None = _fusion("bias_dropout_fusion", "Fused bias + dropout + residual add.")
+    apply_rope_fusion: bool | None = _fusion(
+        "apply_rope_fusion", "Transformer Engine's fused rotary position embedding.")
+    masked_softmax_fusion: bool | None = _fusion(
+        "masked_softmax_fusion", "Fused scale + mask + softmax in megatron-core's own attention.")
+    persist_layer_norm: bool | None = _fusion(
+        "persist_layer_norm", "Persistent fused layer-norm kernel (apex layer norms; not torch norms).")
+    cross_entropy_loss_fusion: bool | None = _fusion(
+        "cross_entropy_loss_fusion", "megatron-core's fused vocab-parallel cross-entropy for the loss.")
+
     seed: int = _f(("--seed",), "Random seed (model init, data order, dropout).", "int", 1234, "optim")
     deterministic: bool = _f(("--deterministic",), "Bitwise reproducible kernels where possible "
                              "(slower; sets CUBLAS_WORKSPACE_CONFIG and NCCL_ALGO=Ring).", "bool", False,
@@ -229,6 +258,16 @@ class TrainConfig:
         ("--max-consecutive-skipped-samples",), "Stop training with the skip reasons counted when this many "
         "samples in a row (in one data-loader worker) are skipped, e.g. because the chat template drops the "
         "image token or samples do not fit --seq-length.", "int", 1000, "model", metavar="N")
+    packing_buffer_size: int | None = _f(
+        ("--packing-buffer-size",), "Sequence packing: pack variable-length samples into sequences of "
+        "--packed-seq-length image-expanded positions, chosen from a buffer of N encoded samples (energon's "
+        "packing; per-sample positions and loss are kept). Needs Transformer Engine attention on CUDA "
+        "(megatron-core's 'thd' format). A micro batch is then one packed sequence (--micro-batch-size 1) and "
+        "--global-batch-size counts packed sequences. Default: no packing.", "int", None, "model")
+    packed_seq_length: int | None = _f(
+        ("--packed-seq-length", "--packing-seq-length"), "Image-expanded positions of one packed sequence (the "
+        "language model's sequence length with --packing-buffer-size). At least --seq-length, which still "
+        "truncates each sample (never inside an image). Default: --seq-length.", "int", None, "model")
     skip_train_iteration_range: list[tuple[int, int]] = _f(
         ("--skip-train-iteration-range",), "Iteration ranges whose batches are consumed but not trained "
         "on, e.g. 1000-1010 2000-2005 (to step over a loss spike).", "ranges", None, "model",
@@ -315,6 +354,17 @@ class TrainConfig:
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
+
+    @property
+    def packing(self) -> bool:
+        """Sequence packing is on (``--packing-buffer-size``)."""
+        return self.packing_buffer_size is not None
+
+    @property
+    def lm_seq_length(self) -> int:
+        """Positions the language model sees per sequence: ``--packed-seq-length`` with packing, else
+        ``--seq-length``."""
+        return (self.packed_seq_length or self.seq_length) if self.packing else self.seq_length
 
     @property
     def grad_accum(self) -> int:
@@ -427,6 +477,11 @@ class TrainConfig:
         if cfg.sbatch and cfg.gpus_per_node is None:
             cfg.gpus_per_node = cfg.gpus
 
+        if cfg.packing:  # a micro batch is one packed sequence
+            if cfg.micro_batch_size is None:
+                cfg.micro_batch_size = 1
+            if cfg.packed_seq_length is None:
+                cfg.packed_seq_length = cfg.seq_length
         for key, value in STAGE_DEFAULTS[cfg.stage].items():
             if getattr(cfg, key) is None:
                 setattr(cfg, key, value)
@@ -484,7 +539,7 @@ def _check_types_and_ranges(cfg: TrainConfig) -> list[str]:
     positive = ["gpus", "nodes", "tp", "pp", "micro_batch_size", "global_batch_size", "train_iters",
                 "seq_length", "save_interval", "save_total_limit", "log_interval", "eval_interval",
                 "gpus_per_node", "cpus_per_task", "ddp_bucket_size", "recompute_num_layers",
-                "max_consecutive_skipped_samples"]
+                "max_consecutive_skipped_samples", "packing_buffer_size", "packed_seq_length"]
     for name in positive:
         v = getattr(cfg, name)
         if v is not None and v < 1:
@@ -573,6 +628,8 @@ def _check_consistency(cfg: TrainConfig) -> list[str]:
             up = -(-cfg.seq_length // align) * align
             p.append(f"--seq-length {cfg.seq_length}: with --fp8 (--fp8-recipe {cfg.fp8_recipe}) it must be a "
                      f"multiple of {align}, the token alignment of FP8 GEMMs; use --seq-length {up}")
+    p += fusion_problems({n: getattr(cfg, n) for n in FUSIONS}, cfg.device)
+    p += _check_packing(cfg)
     if cfg.transformer_impl == "transformer_engine" and cfg.device == "cpu":
         p.append("--transformer-impl transformer_engine needs a CUDA GPU; use --transformer-impl local (the "
                  "default on --device cpu)")
@@ -621,6 +678,35 @@ def _check_consistency(cfg: TrainConfig) -> list[str]:
     elif cfg.gpus_per_node != cfg.gpus:
         p.append(f"--gpus-per-node {cfg.gpus_per_node} disagrees with -g {cfg.gpus} (both count GPUs per "
                  "node); give one of them")
+    return p
+
+
+def _check_packing(cfg: TrainConfig) -> list[str]:
+    p: list[str] = []
+    if not cfg.packing:
+        if cfg.packed_seq_length is not None:
+            p.append("--packed-seq-length only applies with --packing-buffer-size N (packing is on only with a "
+                     "buffer of samples to pack from)")
+        return p
+    if cfg.device == "cpu" or cfg.transformer_impl == "local":
+        where = "--device cpu" if cfg.device == "cpu" else "--transformer-impl local"
+        p.append(f"--packing-buffer-size needs Transformer Engine attention (packed sequences use megatron-core's "
+                 f"'thd' format, which {where} lacks); use --transformer-impl transformer_engine on --device cuda, "
+                 "or drop --packing-buffer-size")
+    if cfg.micro_batch_size != 1:
+        p.append(f"--micro-batch-size {cfg.micro_batch_size} with --packing-buffer-size: a micro batch is one packed "
+                 "sequence; use --micro-batch-size 1 (more samples per step: a larger --packed-seq-length or "
+                 "--global-batch-size)")
+    if cfg.packed_seq_length < cfg.seq_length:
+        p.append(f"--packed-seq-length {cfg.packed_seq_length} is below --seq-length {cfg.seq_length}: every "
+                 f"sample (up to --seq-length) must fit in a pack; use --packed-seq-length {cfg.seq_length} or more")
+    align = fp8_align_size(cfg.fp8_recipe) if cfg.fp8 else 1
+    if cfg.sequence_parallel:
+        align = math.lcm(align, cfg.tp)
+    if align > 1 and cfg.packed_seq_length % align:
+        up = -(-cfg.packed_seq_length // align) * align
+        p.append(f"--packed-seq-length {cfg.packed_seq_length}: with " + ("--fp8" if cfg.fp8 else "--sequence-parallel")
+                 + f" it must be a multiple of {align}; use --packed-seq-length {up}")
     return p
 
 
@@ -680,7 +766,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif kind == "tristate":
             ex = g.add_mutually_exclusive_group()
             ex.add_argument(*flags, action="store_const", const=True, **kw)
-            ex.add_argument(m["negative"], action="store_const", const=False, dest=f.name,
+            negatives = m["negative"] if isinstance(m["negative"], tuple) else (m["negative"],)
+            ex.add_argument(*negatives, action="store_const", const=False, dest=f.name,
                             help=f"The opposite of {flags[0]}.")
         elif kind == "choice":
             choices = m["choices"]

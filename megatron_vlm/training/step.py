@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from types import SimpleNamespace
 
 import torch
+
+_NO_INPUTS = SimpleNamespace(images=None, tokens=None, labels=None, loss_mask=None, num_image_tiles=None)
 
 
 @dataclass
@@ -40,10 +43,23 @@ def loss_func(loss_mask, output):
     return total, n.int(), {"lm loss": torch.stack([total.detach(), n.detach()])}
 
 
+def _on(device, t):
+    return None if t is None else t.to(device)
+
+
 def forward_step(device, data_iterator, model):
+    """``None`` micro batches (middle pipeline stages) pass no inputs; a packed one (``cu_seqlens``) passes
+    megatron's PackedSeqParams (see :mod:`megatron_vlm.data.packing` and :mod:`.batch_feed`)."""
     b = next(data_iterator)
-    out, loss_mask = model(b.images.to(device), b.tokens.to(device), None, None, b.labels.to(device),
-                           b.loss_mask.to(device), None, b.num_image_tiles.to(device))
+    kwargs = {}
+    if b is None:
+        b = _NO_INPUTS
+    elif getattr(b, "cu_seqlens", None) is not None:
+        from megatron_vlm.data.packing import packed_seq_params
+
+        kwargs["packed_seq_params"] = packed_seq_params(b.cu_seqlens.to(device), b.max_seqlen)
+    out, loss_mask = model(_on(device, b.images), _on(device, b.tokens), None, None, _on(device, b.labels),
+                           _on(device, b.loss_mask), None, _on(device, b.num_image_tiles), **kwargs)
     return out, partial(loss_func, loss_mask)
 
 
@@ -69,7 +85,7 @@ def train_step(training, batches: list, cfg, device) -> StepResult:
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
         forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
-        num_microbatches=len(batches), seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+        num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
         forward_only=False)
     ok, grad_norm, _ = optimizer.step()
     training.scheduler.step(increment=1)
@@ -77,8 +93,10 @@ def train_step(training, batches: list, cfg, device) -> StepResult:
     # the logged loss comes from the last stage: share it with the whole pipeline so every rank reports it
     torch.distributed.broadcast(total, src=ps.get_pipeline_model_parallel_last_rank(),
                                 group=ps.get_pipeline_model_parallel_group())
-    counts = torch.tensor([sum(b.tokens.shape[0] for b in batches), sum(b.num_tokens for b in batches),
-                           sum(b.images.shape[0] for b in batches)], device=device, dtype=torch.float64)
+    fed = [b for b in batches if b is not None and b.tokens is not None]  # middle stages hold no data
+    samples = sum(getattr(b, "num_samples", None) or b.tokens.shape[0] for b in fed)  # packs hold several
+    counts = torch.tensor([samples, sum(b.num_tokens for b in fed), sum(int(b.num_image_tiles.sum()) for b in fed)],
+                          device=device, dtype=torch.float64)
     torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
     samples, tokens, images = (int(c) for c in counts.tolist())
     return StepResult(total[0].item(), total[1].item(), float(grad_norm) if ok else None, samples, tokens, images)
@@ -88,6 +106,8 @@ def pad_micro_batch(batch, micro_batch_size: int, image_token_id: int):
     """A partial last batch filled up to ``micro_batch_size`` rows with copies of its last row whose loss mask
     is zero: pipeline stages exchange activations of a fixed [seq, micro batch, hidden] shape, so every
     micro batch must have the same number of rows (a short one would leave the next stage waiting)."""
+    if batch is None or batch.tokens is None:  # a middle pipeline stage
+        return batch
     n = batch.tokens.shape[0]
     if n >= micro_batch_size:
         return batch
@@ -124,7 +144,7 @@ def evaluate(training, batches: list, cfg, device) -> float | None:
     with torch.no_grad():
         losses = get_forward_backward_func()(
             forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
-            num_microbatches=len(batches), seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+            num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
             forward_only=True)
     ddp.train()
     if overlap:

@@ -21,7 +21,7 @@ import torch
 from megatron_vlm import checkpoint as ckpt
 from megatron_vlm import fp8, storage
 from megatron_vlm.spec import VLMSpec
-from megatron_vlm.training import checkpointing, step
+from megatron_vlm.training import batch_feed, checkpointing, step
 from megatron_vlm.training.flops import StepFlops, peak_flops
 from megatron_vlm.training.metrics import MetricsLogger
 
@@ -81,7 +81,7 @@ class Run:
     spec: VLMSpec
     training: object  # megatron_vlm.training.build.Training
     encoder: object
-    loader: object
+    loader: object  # energon savable loader; None on ranks that do not read data (batch_feed.reads_data)
     iteration: int
     resumed: bool
     side_src: object
@@ -99,25 +99,37 @@ def start(cfg, rt) -> Run:
         raise ValueError(f"--image-token-id {cfg.image_token_id} differs from the checkpoint's {spec.image_token_id}")
     plan = resume.plan(cfg, load_dir, rt.tp, rt.pp, rt.dp) if resuming else None
     # the encoder first: it checks the image processor against the spec before the model is built
-    encoder = VLMTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, image_token_id=spec.image_token_id,
-                             pad_token_id=cfg.pad_token_id, spec=spec,
-                             max_consecutive_skips=cfg.max_consecutive_skipped_samples,
-                             pad_to_multiple_of=_pad_multiple(cfg))
+    kw = dict(image_token_id=spec.image_token_id, pad_token_id=cfg.pad_token_id, spec=spec,
+              max_consecutive_skips=cfg.max_consecutive_skipped_samples, pad_to_multiple_of=_pad_multiple(cfg))
+    if cfg.packing:
+        from megatron_vlm.data.packing import PackingTaskEncoder
+
+        encoder = PackingTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, packed_seq_length=cfg.packed_seq_length,
+                                     **kw)
+    else:
+        encoder = VLMTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, **kw)
     training = build_training(cfg, spec, init_from=None if resuming else load_dir)
     if rt.rank == 0:
         log.info("transformer layers: %s (%s)%s", training.impl, training.impl_reason,
                  f"; FP8 {cfg.fp8_format}, recipe {cfg.fp8_recipe}" if cfg.fp8 else "")
         log.info("precision %s (%s)", cfg.precision, "megatron Float16Module, fp32 main parameters in the "
                  "optimizer" if cfg.precision != "fp32" else "fp32 throughout")
+        log.info("fusions: %s; overlap_grad_reduce=%s overlap_param_gather=%s", training.fusions.summary(),
+                 cfg.overlap_grad_reduce, cfg.overlap_param_gather)
+        log.info("data: read on TP rank 0 of the first and last pipeline stage, broadcast to the other TP ranks%s",
+                 f"; sequence packing into {cfg.packed_seq_length} positions from buffers of "
+                 f"{cfg.packing_buffer_size} samples" if cfg.packing else "")
         if load_dir is not None and not resuming:
             log.info("loaded model weights from %s", load_dir)
         elif not resuming:
             log.info("random initialisation (--init)")
     loader_state = resume.restore(training, plan) if resuming else None
-    loader = build_train_loader(cfg.data_path, encoder, cfg.micro_batch_size, rt.dp_rank, rt.dp, cfg.num_workers,
-                                plan.loader_seed if plan else cfg.seed)
-    if loader_state is not None:
-        loader.restore_state_rank(loader_state)
+    loader = None  # only the ranks that read data build a loader (batch_feed.reads_data)
+    if batch_feed.reads_data(rt.tp_rank, rt.pp_rank, rt.pp):
+        loader = build_train_loader(cfg.data_path, encoder, cfg.micro_batch_size, rt.dp_rank, rt.dp, cfg.num_workers,
+                                    plan.loader_seed if plan else cfg.seed, packing_buffer_size=cfg.packing_buffer_size)
+        if loader_state is not None:
+            loader.restore_state_rank(loader_state)
     if resuming and rt.rank == 0:
         log.info("resumed from %s at iteration %d (optimizer %s, %s)", load_dir, plan.iteration,
                  "restored" if plan.load_optim else "fresh", "data position restored" if plan.load_data else
@@ -131,12 +143,22 @@ def evaluate(cfg, run: Run) -> float | None:
     """Mean validation loss (per assistant token) over ``cfg.eval_iters`` batches of the 'val' split."""
     from megatron_vlm.data.loader import build_eval_loader
 
+    rt = run.rt
     batches = []
-    for b in build_eval_loader(cfg.data_path, run.encoder, cfg.micro_batch_size, run.rt.dp_rank, run.rt.dp, 0):
-        batches.append(b)
-        if len(batches) == cfg.eval_iters:
-            break
-    return step.evaluate(run.training, batches, cfg, run.rt.device)
+    if run.loader is not None:  # this rank reads data (batch_feed.reads_data)
+        for b in build_eval_loader(cfg.data_path, run.encoder, cfg.micro_batch_size, rt.dp_rank, rt.dp, 0,
+                                   packing_buffer_size=cfg.packing_buffer_size):
+            batches.append(b)
+            if len(batches) == cfg.eval_iters:
+                break
+    n = torch.tensor([len(batches) if run.loader is not None else cfg.eval_iters], device=rt.device)
+    torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)  # as many batches on every rank
+    n = int(n.item())
+    if run.loader is not None:
+        batches = [step.pad_micro_batch(b, cfg.micro_batch_size, run.spec.image_token_id) for b in batches[:n]]
+    else:
+        batches = [None] * n
+    return step.evaluate(run.training, batch_feed.distribute(batches, rt.device, cfg.packing), cfg, rt.device)
 
 
 def save(cfg, run: Run, iteration: int) -> None:
@@ -149,9 +171,11 @@ def save(cfg, run: Run, iteration: int) -> None:
     from megatron_vlm.training.resume import layout_extra
 
     meta.extra.update(layout_extra(cfg, run.rt.dp, iteration * cfg.global_batch_size))
+    # the data position: from the ranks that own a loader (TP rank 0 of the first stage is the saved replica)
+    loader_state = run.loader.save_state_rank() if run.loader is not None else None
     checkpointing.save(cfg.checkpoint_dir, iteration, training.model, training.optimizer, training.scheduler,
-                       run.loader.save_state_rank(), spec=run.spec, meta=meta, side_src=run.side_src,
-                       with_optim=cfg.save_optim, total_limit=cfg.save_total_limit, config_yaml=cfg.to_yaml())
+                       loader_state, spec=run.spec, meta=meta, side_src=run.side_src, with_optim=cfg.save_optim,
+                       total_limit=cfg.save_total_limit, config_yaml=cfg.to_yaml())
     if overlap:
         training.ddp.enable_forward_pre_hook()
 
@@ -174,11 +198,12 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
         log.info("model: %.2fM parameters on this rank, %.2fM trainable (stage %d); tp=%d pp=%d dp=%d, "
                  "micro batch %d x %d accumulation -> global batch %d", total / 1e6, trainable / 1e6, cfg.stage,
                  cfg.tp, cfg.pp, rt.dp, cfg.micro_batch_size, cfg.grad_accum, cfg.global_batch_size)
-    data = iter(run.loader)
+    data = iter(run.loader) if run.loader is not None else None
     first_iter_time = None
     last_saved = iteration if run.resumed else None
     while iteration < cfg.train_iters:
-        batches = [next(data) for _ in range(cfg.grad_accum)]
+        batches = batch_feed.distribute([next(data) if data is not None else None for _ in range(cfg.grad_accum)],
+                                        rt.device, cfg.packing)
         iteration += 1
         if any(a <= iteration <= b for a, b in cfg.skip_train_iteration_range):
             training.scheduler.step(increment=1)

@@ -1,0 +1,164 @@
+"""Sequence packing: several encoded samples in one sequence the language model sees, with per-sample attention.
+
+Owns the packing arithmetic and energon's packing hooks (``--packing-buffer-size`` / ``--packed-seq-length``):
+
+- :func:`select_packs` (energon's ``select_samples_to_pack``): first-fit decreasing over a buffer of encoded
+  samples by their image-expanded length (``VLMSample.num_tokens``), into packs of at most ``packed_seq_length``
+  positions. Every sample of the buffer is placed, whole: truncation happens before, per sample, in the task
+  encoder (to ``--seq-length``, never inside an image), and a sample longer than a pack is refused.
+  A sample whose first token is the image token only ever opens a pack: megatron-core's LLaVAModel masks the
+  loss of the position just before an image (a text token does not predict image embeddings), which behind
+  another sample would drop that sample's last label.
+- :meth:`PackingTaskEncoder.pack_selected_samples` concatenates the samples' tokens, labels, loss masks and images
+  (images stay in token order) and records each sample's image-expanded length;
+- :meth:`PackingTaskEncoder.batch` pads the pack with pad tokens (loss mask 0) to exactly ``packed_seq_length``
+  image-expanded positions (a fixed shape: pipeline stages exchange [packed_seq_length, 1, hidden]) and builds
+  ``cu_seqlens``: the boundaries in IMAGE-EXPANDED positions, i.e. where LLaVAModel's ``_preprocess_data`` puts
+  each sample once every image token became its embeddings, with the padding as a last segment of its own;
+- :func:`packed_seq_params` turns them into megatron-core's ``PackedSeqParams`` (qkv_format 'thd'): Transformer
+  Engine attention then attends within each sample only, and the rotary embedding restarts at position 0 for
+  each sample (megatron applies RoPE per ``cu_seqlens`` segment). Labels and loss mask need nothing more: they
+  are shifted within each sample by the task encoder, and LLaVAModel expands them in the packed row exactly as
+  in separate rows.
+
+Packing needs Transformer Engine attention ('thd' format); local layers (and CPU) are refused by
+:func:`check_packing_supported`, naming the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.energon.edataclass import edataclass
+from megatron.energon.task_encoder.base import stateless
+
+from megatron_vlm.data.task_encoder import VLMBatch, VLMSample, VLMTaskEncoder
+
+
+def check_packing_supported(impl: str, device: str) -> None:
+    """Raise ValueError unless packed sequences can run with layer implementation ``impl`` on ``device``."""
+    if device != "cuda" or impl != "transformer_engine":
+        where = f"--device {device}" if device != "cuda" else "--transformer-impl local"
+        raise ValueError(
+            f"--packing-buffer-size needs Transformer Engine attention (packed sequences use megatron-core's 'thd' "
+            f"format, which megatron's local attention does not support; this run has {where}): use "
+            "--transformer-impl transformer_engine on --device cuda, or drop --packing-buffer-size")
+
+
+def select_packs(lengths: list[int], opens_only: list[bool], capacity: int) -> list[list[int]]:
+    """Indices of the samples grouped into packs of at most ``capacity`` positions (first-fit decreasing).
+
+    ``lengths``: each sample's image-expanded length; ``opens_only[i]``: sample i may only be the first of a pack
+    (it starts with an image token). Every sample is placed; packs keep the buffer order inside them except that
+    an ``opens_only`` sample comes first. Deterministic for the same input."""
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > capacity]
+    if too_long:
+        i, n = too_long[0]
+        raise ValueError(f"sample {i} has {n} image-expanded positions, more than --packed-seq-length {capacity}; "
+                         "raise --packed-seq-length to at least --seq-length")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    packs: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        if opens_only[i]:
+            packs.append([i])
+            room.append(capacity - lengths[i])
+            continue
+        for p, free in enumerate(room):
+            if lengths[i] <= free:
+                packs[p].append(i)
+                room[p] -= lengths[i]
+                break
+        else:
+            packs.append([i])
+            room.append(capacity - lengths[i])
+    return [[p[0]] + sorted(p[1:]) if opens_only[p[0]] else sorted(p) for p in packs]
+
+
+def boundaries(seq_lengths: list[int], packed_seq_length: int) -> list[int]:
+    """``cu_seqlens`` of a pack: 0, the running sums of its samples' image-expanded lengths, and
+    ``packed_seq_length`` closing the padding segment (when the samples do not fill the pack)."""
+    cu = [0]
+    for n in seq_lengths:
+        cu.append(cu[-1] + int(n))
+    if cu[-1] > packed_seq_length:
+        raise ValueError(f"pack of {cu[-1]} positions exceeds --packed-seq-length {packed_seq_length}")
+    if cu[-1] < packed_seq_length:
+        cu.append(packed_seq_length)
+    return cu
+
+
+@edataclass
+class VLMPackedSample(VLMSample):
+    """Several encoded samples concatenated (images in token order)."""
+
+    seq_lengths: list  # image-expanded length of each sample, in order
+
+
+@edataclass
+class VLMPackedBatch(VLMBatch):
+    """One packed sequence (B = 1) padded to ``packed_seq_length`` image-expanded positions."""
+
+    cu_seqlens: torch.Tensor  # int32 [segments + 1], image-expanded boundaries (last segment: padding)
+    max_seqlen: int  # longest segment
+    num_samples: int  # samples packed (the logged sample count)
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int):
+    """megatron-core ``PackedSeqParams`` ('thd') for one packed sequence with boundaries ``cu_seqlens``."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens.to(torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen),
+                           max_seqlen_kv=int(max_seqlen))
+
+
+class PackingTaskEncoder(VLMTaskEncoder):
+    """:class:`VLMTaskEncoder` with energon's packing hooks; use with ``packing_buffer_size`` in the loader."""
+
+    def __init__(self, *args, packed_seq_length: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packed_seq_length = int(packed_seq_length)
+        if self.packed_seq_length < self.seq_length:
+            raise ValueError(f"--packed-seq-length {self.packed_seq_length} is below --seq-length {self.seq_length}: "
+                             "every sample must fit in a pack")
+        multiple = self.pad_to_multiple_of or 1
+        if self.packed_seq_length % multiple:
+            raise ValueError(f"--packed-seq-length {self.packed_seq_length} must be a multiple of {multiple} "
+                             "(FP8 / sequence-parallel alignment)")
+
+    def select_samples_to_pack(self, samples: list[VLMSample]) -> list[list[VLMSample]]:
+        lengths = [int(s.num_tokens) for s in samples]
+        opens = [len(s.tokens) > 0 and int(s.tokens[0]) == self.image_token_id for s in samples]
+        return [[samples[i] for i in group] for group in select_packs(lengths, opens, self.packed_seq_length)]
+
+    @stateless
+    def pack_selected_samples(self, samples: list[VLMSample]) -> VLMPackedSample:
+        return VLMPackedSample.derive_from(
+            samples[0],
+            __key__=",".join(s.__key__ for s in samples),
+            images=torch.cat([s.images for s in samples], dim=0),
+            tokens=torch.cat([s.tokens for s in samples]),
+            labels=torch.cat([s.labels for s in samples]),
+            loss_mask=torch.cat([s.loss_mask for s in samples]),
+            num_tokens=int(sum(s.num_tokens for s in samples)),
+            seq_lengths=[int(s.num_tokens) for s in samples],
+        )
+
+    @stateless
+    def batch(self, samples: list[VLMPackedSample]) -> VLMPackedBatch:
+        if len(samples) != 1:
+            raise ValueError(f"a packed micro batch holds one packed sequence, got {len(samples)}; use "
+                             "--micro-batch-size 1 with --packing-buffer-size")
+        (s,) = samples
+        cu = boundaries(s.seq_lengths, self.packed_seq_length)
+        pad = self.packed_seq_length - int(s.num_tokens)  # text positions added (one each)
+        n = len(s.tokens)
+        tokens = torch.full((1, n + pad), self.pad_token_id, dtype=torch.int64)
+        labels = torch.full((1, n + pad), self.pad_token_id, dtype=torch.int64)
+        loss_mask = torch.zeros((1, n + pad), dtype=torch.float32)
+        tokens[0, :n], labels[0, :n], loss_mask[0, :n] = s.tokens, s.labels, s.loss_mask
+        return VLMPackedBatch.from_samples(
+            samples, images=s.images, num_image_tiles=torch.ones(s.images.shape[0], dtype=torch.int32),
+            tokens=tokens, labels=labels, loss_mask=loss_mask, num_tokens=int(s.num_tokens),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32), max_seqlen=max(b - a for a, b in zip(cu, cu[1:])),
+            num_samples=len(s.seq_lengths))

@@ -1,0 +1,135 @@
+"""Which ranks read training data, and how each micro batch reaches the ranks that need it (Megatron-LM's
+``get_batch``: read on tensor-parallel rank 0, broadcast to the other TP ranks).
+
+- :func:`reads_data`: only TP rank 0 of the FIRST and of the LAST pipeline stage build an energon loader and
+  decode samples. The first stage needs images and tokens; the last needs tokens, labels and loss mask (megatron's
+  LLaVAModel expands labels and loss mask with the image positions found in the tokens, so it needs the tokens
+  and the image count per image, not the pixels); middle stages need nothing (with packing: only each micro
+  batch's ``cu_seqlens``, for their attention). energon shards by data-parallel rank, so each DP rank's slice is
+  read once per stage that needs it instead of once per GPU. The loader state saved in checkpoints is that of
+  TP rank 0 of the first stage (the other reader of the same DP rank reads the same samples).
+- :func:`distribute`: the collective that turns what the readers hold into what every rank's forward step
+  takes: a reader's own batch, a :class:`MicroBatch` received over the tensor-parallel group, or ``None``
+  (middle stages without packing).
+
+The tensors go as one int64 and one float32 buffer after a small header (shapes and counts), so a micro batch
+costs three broadcasts whatever its contents; megatron's ``tensor_parallel.broadcast_data`` is not used because
+it cannot carry a zero-sized dimension (a micro batch without images).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_HEADER = 10  # B, S, images, C, H, W, num_tokens, cu_seqlens length, max_seqlen, pixels sent
+
+
+def reads_data(tp_rank: int, pp_rank: int, pp: int) -> bool:
+    """Whether this rank builds a loader and reads/decodes samples: TP rank 0 of the first and last stage."""
+    return tp_rank == 0 and needs_data(pp_rank, pp)
+
+
+def needs_data(pp_rank: int, pp: int) -> bool:
+    """Whether this pipeline stage consumes batch tensors (first: inputs; last: labels and loss mask)."""
+    return pp_rank == 0 or pp_rank == pp - 1
+
+
+@dataclass
+class MicroBatch:
+    """A micro batch as received from the TP group's reader (the attributes the training step reads)."""
+
+    images: torch.Tensor | None  # None off the first stage (the pixels are not sent there)
+    num_image_tiles: torch.Tensor | None
+    tokens: torch.Tensor | None
+    labels: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    num_tokens: int = 0
+    cu_seqlens: torch.Tensor | None = None  # packed sequences: image-expanded boundaries
+    max_seqlen: int | None = None
+
+
+def _groups():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()
+
+
+def broadcast_micro_batch(batch, device, with_pixels: bool):
+    """Collective over this rank's TP group: the TP rank 0 sends ``batch``, the others receive a
+    :class:`MicroBatch` (pixels only when ``with_pixels``). Returns ``batch`` itself on the sender."""
+    group, src = _groups()
+    sender = torch.distributed.get_rank() == src
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    if sender:
+        cu = getattr(batch, "cu_seqlens", None)
+        b, s = batch.tokens.shape
+        n, c, h, w = batch.images.shape
+        header.copy_(torch.tensor([b, s, n, c, h, w, int(batch.num_tokens), 0 if cu is None else cu.numel(),
+                                   int(getattr(batch, "max_seqlen", 0) or 0), int(with_pixels)]))
+    torch.distributed.broadcast(header, src=src, group=group)
+    b, s, n, c, h, w, num_tokens, n_cu, max_seqlen, pixels = header.tolist()
+    n_int = 2 * b * s + n + n_cu
+    n_float = b * s + (n * c * h * w if pixels else 0)
+    if sender:
+        ints = torch.cat([batch.tokens.reshape(-1), batch.labels.reshape(-1), batch.num_image_tiles.reshape(-1)]
+                         + ([batch.cu_seqlens.reshape(-1)] if n_cu else [])).to(device=device, dtype=torch.int64)
+        floats = torch.cat([batch.loss_mask.reshape(-1)] + ([batch.images.reshape(-1)] if pixels else [])).to(
+            device=device, dtype=torch.float32)
+    else:
+        ints = torch.empty(n_int, dtype=torch.int64, device=device)
+        floats = torch.empty(n_float, dtype=torch.float32, device=device)
+    torch.distributed.broadcast(ints, src=src, group=group)
+    torch.distributed.broadcast(floats, src=src, group=group)
+    if sender:
+        return batch
+    tokens, labels, tiles, cu = torch.split(ints, [b * s, b * s, n, n_cu])
+    loss_mask, images = torch.split(floats, [b * s, n_float - b * s])
+    return MicroBatch(images=images.view(n, c, h, w) if pixels else None, num_image_tiles=tiles.to(torch.int32),
+                      tokens=tokens.view(b, s), labels=labels.view(b, s), loss_mask=loss_mask.view(b, s),
+                      num_tokens=num_tokens, cu_seqlens=cu.to(torch.int32) if n_cu else None,
+                      max_seqlen=max_seqlen if n_cu else None)
+
+
+def _share_boundaries(batches: list, device) -> list:
+    """Packing with middle stages: the first stage sends each micro batch's ``cu_seqlens`` down the pipeline
+    group (collective over it); middle stages get :class:`MicroBatch` objects holding only those."""
+    from megatron.core import parallel_state as ps
+
+    group, src = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_first_rank()
+    first = ps.is_pipeline_first_stage(ignore_virtual=True)
+    lengths = torch.tensor([b.cu_seqlens.numel() for b in batches] if first else [0] * len(batches),
+                           dtype=torch.int64, device=device)
+    torch.distributed.broadcast(lengths, src=src, group=group)
+    flat = torch.cat([b.cu_seqlens.reshape(-1).to(device=device, dtype=torch.int64) for b in batches]) if first else \
+        torch.empty(int(lengths.sum()), dtype=torch.int64, device=device)
+    torch.distributed.broadcast(flat, src=src, group=group)
+    if not needs_data(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()):
+        out = []
+        for cu in torch.split(flat, lengths.tolist()):
+            cu = cu.to(torch.int32)
+            out.append(MicroBatch(None, None, None, None, None, cu_seqlens=cu,
+                                  max_seqlen=int((cu[1:] - cu[:-1]).max())))
+        return out
+    return batches
+
+
+def distribute(batches: list, device, packing: bool = False) -> list:
+    """What every rank's forward step takes, from what the readers hold (collective over the TP group of the
+    first/last stage, and with ``packing`` over the pipeline group when it has middle stages).
+
+    ``batches``: on a reader (:func:`reads_data`) its micro batches of one global batch, elsewhere a list of as
+    many ``None``. Returns the readers' batches unchanged, :class:`MicroBatch` objects on the other TP ranks of
+    the first/last stage (pixels on the first stage only), and ``None`` (or boundaries only, with packing) on
+    middle stages."""
+    from megatron.core import parallel_state as ps
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    out = list(batches)
+    if tp > 1 and needs_data(pp_rank, pp):
+        out = [broadcast_micro_batch(b, device, with_pixels=pp_rank == 0) for b in out]
+    if packing and pp > 2:
+        out = _share_boundaries(out, device)
+    return out
