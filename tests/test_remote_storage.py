@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron_vlm import storage
+from megatron_vlm import mcore_version, storage
 from megatron_vlm.launch import preflight
 from megatron_vlm.launch.container import mounts
 from megatron_vlm.launch.torchrun import free_port
@@ -115,8 +115,10 @@ def test_dataset_prepared_in_bucket_train_save_and_resume_there(s3, setup, tmp_p
     assert read(s3, "runs/remote/latest_checkpointed_iteration.txt") == b"8"
     for it in (4, 8):
         d = f"runs/remote/iter_{it:07d}/"
-        assert {d + n for n in ("ckpt_meta.json", "vlm_spec.json", "hf_extra.safetensors", "config.yaml",
-                                "common.pt", "metadata.json", ".metadata")} <= set(ckpt)
+        files = {"ckpt_meta.json", "vlm_spec.json", "hf_extra.safetensors", "config.yaml", "metadata.json", ".metadata"}
+        if mcore_version.writes_common_file():  # megatron-core 0.16; 0.17+ keep common state in the .distcp files
+            files.add(mcore_version.COMMON_FILE)
+        assert {d + n for n in files} <= set(ckpt)
         assert sum(k.startswith(d) and k.endswith(".distcp") for k in ckpt) >= 2  # the two TP ranks' shards
     assert "runs/remote/tokenizer/tokenizer.json" in ckpt and "runs/remote/vlm_spec.json" in ckpt
     assert not (tmp_path / "logs" / "iter_0000004").exists()  # nothing of the checkpoint on local disk
