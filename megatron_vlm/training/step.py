@@ -42,8 +42,9 @@ def loss_func(loss_mask, output):
 
 def forward_step(device, data_iterator, model):
     b = next(data_iterator)
+    extra = b.model_kwargs(device) if hasattr(b, "model_kwargs") else {}  # anyres: image sizes, token counts
     out, loss_mask = model(b.images.to(device), b.tokens.to(device), None, None, b.labels.to(device),
-                           b.loss_mask.to(device), None, b.num_image_tiles.to(device))
+                           b.loss_mask.to(device), None, b.num_image_tiles.to(device), **extra)
     return out, partial(loss_func, loss_mask)
 
 
