@@ -26,6 +26,7 @@ TOL = 1e-4
 SEQ = 96
 # (width, height) of the training images: square, tall, large (downsampled), small
 TRAIN_SIZES = [(20, 20), (33, 50), (61, 47), (15, 9)]
+ROUND_TRIPS = [("llava_onevision", "torch_dist"), ("llava_onevision", "torch"), ("llava_next", "torch_dist")]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def converted(models, tmp_path_factory):
     root = tmp_path_factory.mktemp("anyres_meg")
-    return {(arch, fmt): convert_hf_to_megatron(d, root / f"{arch}_{fmt}", tp=2, pp=2, ckpt_format=fmt)
-            for arch, d in models.items() for fmt in ("torch_dist", "torch")}
+    return {(arch, fmt): convert_hf_to_megatron(models[arch], root / f"{arch}_{fmt}", tp=2, pp=2, ckpt_format=fmt)
+            for arch, fmt in ROUND_TRIPS}
 
 
 def _samples(encoder):
@@ -118,12 +119,11 @@ def test_trained_checkpoint_exports_loads_and_generates(models, world, tmp_path)
     inputs = batch.hf_sample(0)
     gen = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     n = inputs["input_ids"].shape[1]
-    assert gen.shape == (1, n + 3)
-    assert int(gen[0, n]) == int(got[0, n - 1, : spec.vocab_size].argmax())
+    assert n < gen.shape[1] <= n + 3  # (it may stop early at eos)
+    assert int(gen[0, n]) == int(got[0, n - 1, : spec.vocab_size].argmax())  # greedy = Megatron's argmax
 
 
-@pytest.mark.parametrize("arch", ["llava_onevision", "llava_next"])
-@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("arch,fmt", ROUND_TRIPS)
 def test_round_trip_is_byte_identical(arch, fmt, models, converted, tmp_path):
     out = convert_megatron_to_hf(converted[(arch, fmt)], tmp_path / "hf")
     a, b = HFReader(models[arch]), HFReader(out)
