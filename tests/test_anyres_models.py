@@ -7,6 +7,8 @@ TP ranks), saves the TP=2 run and loads it again; the saved run is exported to H
 and generate.
 """
 
+import io
+
 import pytest
 import torch
 from PIL import Image
@@ -157,6 +159,12 @@ def test_task_encoder_tiles_and_counts_equal_hf_processor(models):
                                   [Image.fromarray(image_array((40, 30), 0))] * 2)
     assert two["num_image_tiles"].tolist() == [1, 1]  # OneVision: several images -> base tiles only
     assert two["num_image_tokens"].tolist() == [spec.anyres.side ** 2 + 1] * 2
+    from megatron_vlm.data.images import process_image
+    from megatron_vlm.data.synthetic import image_bytes
+
+    for fmt in ("PNG", "WEBP", "JPEG"):  # make_wds stores every image at its original size
+        ext, data = process_image(image_bytes((61, 47), 0, fmt), jpeg_only=fmt == "PNG")
+        assert Image.open(io.BytesIO(data)).size == (61, 47), (fmt, ext)
     with pytest.raises(VideoNotSupportedError, match="video inputs are not supported"):
         enc.encode_conversation([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]},
                                  {"role": "assistant", "content": [{"type": "text", "text": "no"}]}], [])
