@@ -6,7 +6,8 @@ projector and megatron's ``_preprocess_data``. The packed features enter ``_prep
 one token (``img_seq_len = 1``) with ``num_image_tiles`` = tokens per image, so megatron's own placement of
 image embeddings, labels and loss mask does the rest. The per-image token counts come with the batch
 (computed by the task encoder from the same geometry) and so reach every pipeline stage: the last stage, which
-has no image embeddings, lays out its labels and loss mask from them.
+has no image embeddings, lays out its labels and loss mask from them. ``image_newline`` is never frozen: it
+trains with the projector in every stage, as LLaVA-NeXT trains it.
 """
 
 from __future__ import annotations
