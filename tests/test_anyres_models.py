@@ -168,3 +168,25 @@ def test_task_encoder_tiles_and_counts_equal_hf_processor(models):
     with pytest.raises(VideoNotSupportedError, match="video inputs are not supported"):
         enc.encode_conversation([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]},
                                  {"role": "assistant", "content": [{"type": "text", "text": "no"}]}], [])
+
+
+def test_stats_counts_each_images_tokens_from_its_size(models, tmp_path):
+    import json
+
+    from megatron_vlm.data.make_wds import make_wds
+    from megatron_vlm.data.stats import dataset_stats
+
+    ov = models["llava_onevision"]
+    spec = VLMSpec.from_hf_dir(ov)
+    enc = task_encoder_for(spec, ov, SEQ)
+    rows, want = [], 0
+    (tmp_path / "img").mkdir()
+    for i, (w, h) in enumerate(TRAIN_SIZES):
+        Image.fromarray(image_array((w, h), i)).save(tmp_path / "img" / f"{i}.png")
+        rows.append({"id": i, "image": f"{i}.png", "question": "what colour ?", "answer": "red"})
+        want += spec.anyres.num_tokens(h, w)
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    make_wds("vqa", tmp_path / "qa.jsonl", tmp_path / "wds", image_root=tmp_path / "img", shard_size=10, workers=1,
+             split="1,0,0", prepare=True, progress=False)
+    got = dataset_stats(tmp_path / "wds", enc)["train"]
+    assert got["images"] == 4 and got["image_tokens"] == want
