@@ -151,5 +151,6 @@ def parse_vision_aspect_ratio(value: str) -> int:
     """OneVision's ``vision_aspect_ratio`` 'anyres_max_N' -> N."""
     prefix = "anyres_max_"
     if not isinstance(value, str) or not value.startswith(prefix) or not value[len(prefix):].isdigit():
-        raise AnyresConfigError(f"vision_aspect_ratio {value!r} is not supported; use 'anyres_max_N' (e.g. anyres_max_9)")
+        raise AnyresConfigError(f"vision_aspect_ratio {value!r} is not supported; use 'anyres_max_N' "
+                                "(e.g. anyres_max_9)")
     return int(value[len(prefix):])

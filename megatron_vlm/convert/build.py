@@ -135,7 +135,8 @@ def build_llava(
     image_seq_length = patches + (1 if has_cls and vision_feature_select_strategy == "full" else 0)
     text_config = lm.config
     if arch != "llava":
-        return _build_anyres(arch, lm, vit, tokenizer, image_token, image_processor, save_dir, family, vision_feature_layer,
+        return _build_anyres(arch, lm, vit, tokenizer, image_token, image_processor, save_dir, family,
+                             vision_feature_layer,
                              vision_feature_select_strategy, projector_bias, grid_pinpoints, vision_aspect_ratio,
                              max_grid, seed, overwrite)
     config = LlavaConfig(

@@ -62,7 +62,8 @@ def _refuse_video(messages, key) -> None:
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
         parts = content if isinstance(content, list) else []
-        if any(isinstance(p, dict) and p.get("type") == "video" for p in parts) or (isinstance(m, dict) and m.get("video")):
+        video_part = any(isinstance(p, dict) and p.get("type") == "video" for p in parts)
+        if video_part or (isinstance(m, dict) and m.get("video")):
             raise VideoNotSupportedError(
                 f"sample {key} has a video: video inputs are not supported (out of scope for LLaVA-NeXT / "
                 "OneVision training here); remove video samples from the dataset or give frames as images")
