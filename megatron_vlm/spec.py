@@ -111,9 +111,11 @@ class VLMSpec:
         """The :class:`~megatron_vlm.anyres.AnyresGeometry` of an anyres model (None for plain LLaVA)."""
         if not self.is_anyres:
             return None
-        from megatron_vlm.anyres import AnyresGeometry
+        from megatron_vlm.anyres import AnyresGeometry, parse_vision_aspect_ratio
 
-        return AnyresGeometry.from_hf(self.hf_config)
+        max_tiles = parse_vision_aspect_ratio(self.vision_aspect_ratio) if self.arch == "llava_onevision" else None
+        return AnyresGeometry(self.image_size, self.patch_size, tuple(tuple(p) for p in self.image_grid_pinpoints),
+                              max_tiles)
 
     @property
     def vit_image_size(self) -> int:
@@ -190,7 +192,8 @@ class VLMSpec:
 
             AnyresGeometry.from_hf(cfg)  # checks pinpoints and vision_aspect_ratio
             anyres = dict(arch=arch, image_grid_pinpoints=[list(map(int, p)) for p in cfg.image_grid_pinpoints],
-                          vision_aspect_ratio=getattr(cfg, "vision_aspect_ratio", None))
+                          vision_aspect_ratio=getattr(cfg, "vision_aspect_ratio", None) if arch == "llava_onevision"
+                          else None)
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
         spec = cls(
             text_family=t.model_type,
@@ -259,12 +262,6 @@ class VLMSpec:
 
     def to_hf_config(self):
         return hf_config_class(self.arch)(**{k: v for k, v in self.hf_config.items() if k != "model_type"})
-
-    def hf_model_class(self):
-        """The transformers class that loads this model (LlavaForConditionalGeneration, ...)."""
-        import transformers
-
-        return getattr(transformers, ARCHS[self.arch][1])
 
     # ---- persistence ------------------------------------------------------------------------------
     def to_json(self) -> str:
