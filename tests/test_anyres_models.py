@@ -190,3 +190,28 @@ def test_stats_counts_each_images_tokens_from_its_size(models, tmp_path):
              split="1,0,0", prepare=True, progress=False)
     got = dataset_stats(tmp_path / "wds", enc)["train"]
     assert got["images"] == 4 and got["image_tokens"] == want
+
+
+@pytest.mark.parametrize("edit,expect", [
+    ({"image_grid_pinpoints": [[20, 30]]}, "[20, 30] is not a multiple of the tile size 20"),
+    ({"vision_aspect_ratio": "anyres"}, "vision_aspect_ratio 'anyres' is not supported; use 'anyres_max_N'"),
+    ({"model_type": "qwen2_vl"}, "model_type 'qwen2_vl' is not one of llava, llava_next, llava_onevision"),
+])
+def test_bad_anyres_config_is_one_line_error(edit, expect, models, tmp_path, capsys):
+    import json
+    import shutil
+
+    from megatron_vlm.cli import run_cli
+
+    from .conftest import script
+
+    bad = tmp_path / "bad"
+    shutil.copytree(models["llava_onevision"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.update(edit)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    rc = run_cli(script("convert/hf_to_megatron.py").main, ["--hf-dir", str(bad), "--megatron-dir",
+                                                             str(tmp_path / "out")])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and line.startswith("error: ") and expect in line, line
+    assert not (tmp_path / "out").exists()
