@@ -1,5 +1,9 @@
 #!/usr/bin/env python
-"""Build an HF LLaVA directory from an HF causal LM and an HF vision encoder (CLIP or SigLIP)."""
+"""Build an HF LLaVA directory from an HF causal LM and an HF vision encoder (CLIP or SigLIP).
+
+--arch llava_onevision (or llava_next) builds the anyres model instead: image grid pinpoints, image_newline and
+(OneVision) anyres_max_N downsampling; e.g. a OneVision-style model from Qwen2 + SigLIP:
+  --arch llava_onevision --vision-feature-layer -1   (SigLIP so400m cut to 26 layers: drop its last layer first)"""
 
 import argparse
 import os
@@ -26,12 +30,38 @@ def main(argv=None):
     p.add_argument("--no-projector-bias", action="store_true", help="projector linear layers without bias")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="weight dtype of the saved model (auto: the text model's)")
+    p.add_argument("--arch", choices=["llava", "llava_next", "llava_onevision"], default="llava",
+                   help="llava: one tile per image; llava_next / llava_onevision: anyres tiles with image_newline")
+    p.add_argument("--image-grid-pinpoints", default=None,
+                   help="anyres resolutions as HxW,HxW,... (multiples of the vision image size; default: every "
+                        "grid up to --max-grid x --max-grid tiles)")
+    p.add_argument("--max-grid", type=positive_int, default=6,
+                   help="default pinpoints: rows, cols in 1..N tiles (OneVision: 6)")
+    p.add_argument("--vision-aspect-ratio", default="anyres_max_9",
+                   help="OneVision: downsample the grid's features to about N tiles (anyres_max_N)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the projector initialisation")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --save-dir")
     add_debug_flag(p)
     a = p.parse_args(argv)
     if not a.image_token.strip() or a.image_token != a.image_token.strip():
         p.error(f"argument --image-token: {a.image_token!r} must be a non-empty token without surrounding spaces")
+    pins = None
+    if a.image_grid_pinpoints:
+        try:
+            pins = [[int(v) for v in item.lower().split("x")] for item in a.image_grid_pinpoints.split(",")]
+        except ValueError:
+            pins = None
+        if not pins or any(len(p_) != 2 or min(p_) < 1 for p_ in pins):
+            p.error(f"argument --image-grid-pinpoints: {a.image_grid_pinpoints!r} must be HxW,HxW,... "
+                    "(e.g. 384x768,768x384)")
+    if a.arch != "llava_onevision" and a.vision_aspect_ratio != "anyres_max_9":
+        p.error("argument --vision-aspect-ratio: only --arch llava_onevision downsamples")
+    from megatron_vlm.anyres import AnyresConfigError, parse_vision_aspect_ratio
+
+    try:
+        parse_vision_aspect_ratio(a.vision_aspect_ratio)
+    except AnyresConfigError as e:
+        p.error(f"argument --vision-aspect-ratio: {e}")
     setup_logging(a.verbose)
     from megatron_vlm.cli.inputs import check_hf_dir
 
@@ -42,7 +72,8 @@ def main(argv=None):
     build_llava(a.text_model, a.vision_model, a.save_dir, vocab_size_padding=a.vocab_size_padding,
                 vision_feature_layer=a.vision_feature_layer,
                 vision_feature_select_strategy=a.vision_feature_select_strategy, image_token=a.image_token,
-                projector_bias=not a.no_projector_bias, dtype=a.dtype, seed=a.seed, overwrite=a.overwrite)
+                projector_bias=not a.no_projector_bias, dtype=a.dtype, seed=a.seed, overwrite=a.overwrite,
+                arch=a.arch, grid_pinpoints=pins, vision_aspect_ratio=a.vision_aspect_ratio, max_grid=a.max_grid)
     print(f"saved LLaVA model to {a.save_dir}")
 
 

@@ -58,10 +58,11 @@ def _run(argv) -> int:
         raise InputError(f"--weights has {len(weights)} values for {len(args.datasets)} datasets")
     check_tokenizer_dir(args.tokenizer, "--tokenizer")
 
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
     from megatron_vlm.data.stats import metadataset_yaml, summarize
-    from megatron_vlm.data.task_encoder import VLMTaskEncoder
+    from megatron_vlm.spec import VLMSpec
 
-    te = VLMTaskEncoder(args.tokenizer, args.seq_length)
+    te = task_encoder_for(VLMSpec.from_hf_dir(args.tokenizer), args.tokenizer, args.seq_length)
     summary = summarize(args.datasets, te, args.seq_length, progress=not args.no_progress,
                         max_text_bytes=args.max_text_bytes)
     if weights is None:

@@ -5,7 +5,7 @@ megatron-core's local layers, as :mod:`megatron_vlm.layer_impl` chose; FP8 on th
 recipe checked against the GPU by :mod:`megatron_vlm.fp8`), the pipeline stage placement (vision encoder
 and projector on the first stage) and the fixes that make megatron's LLaVA numerically equal to HF LLaVA
 (bidirectional ViT attention, ViT cut at ``vision_feature_layer``, no SigLIP post-layernorm, model_type
-for the PP schedules).
+for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get :class:`~megatron_vlm.anyres_model.AnyresLLaVAModel`.
 """
 
 from __future__ import annotations
@@ -241,7 +241,12 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
 
         lang_spec = TransformerBlockSubmodules(layer_specs=[lang_spec] * get_num_layers_to_build(lang_cfg),
                                                layer_norm=WrappedTorchNorm)
-    model = LLaVAModel(
+    cls, extra = LLaVAModel, {}
+    if spec.is_anyres:
+        from megatron_vlm.anyres_model import AnyresLLaVAModel
+
+        cls, extra = AnyresLLaVAModel, dict(anyres=spec.anyres)
+    model = cls(
         language_transformer_config=lang_cfg,
         language_transformer_layer_spec=lang_spec,
         language_vocab_size=spec.padded_vocab_size,
@@ -262,10 +267,11 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         post_process=post_process,
         add_encoder=pre_process,
         add_decoder=True,
-        img_h=spec.image_size,
-        img_w=spec.image_size,
+        img_h=spec.vit_image_size,
+        img_w=spec.vit_image_size,
         patch_dim=spec.patch_size,
         image_token_index=spec.image_token_id,
+        **extra,
     )
     if model.vision_model is not None and spec.vision_family == "siglip":
         # HF LLaVA reads hidden_states[k], which SigLIP's post_layernorm never touches.

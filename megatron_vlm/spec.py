@@ -19,6 +19,12 @@ from typing import Any
 SPEC_FILE = "vlm_spec.json"
 SUPPORTED_TEXT = ("llama", "mistral", "qwen2")
 SUPPORTED_VISION = ("clip", "siglip")
+# HF model_type -> (config class, model class) in transformers; anyres archs carry grid pinpoints + image_newline.
+ARCHS = {
+    "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
+    "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration"),
+    "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration"),
+}
 # Llama-3 rope scaling parameters that megatron-core's RotaryEmbedding hard-codes (only `factor` is free).
 _MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -69,6 +75,10 @@ class VLMSpec:
     image_token: str = "<image>"
     image_token_id: int = -1
     pad_token_id: int | None = None
+    # architecture: "llava" (one tile per image) or an anyres one ("llava_next", "llava_onevision")
+    arch: str = "llava"
+    image_grid_pinpoints: list[list[int]] | None = None
+    vision_aspect_ratio: str | None = None  # OneVision's anyres_max_N
     # the HF configs this spec came from (for an exact reconstruction on export)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -93,23 +103,45 @@ class VLMSpec:
         return self.has_class_token and self.vision_feature_select_strategy == "default"
 
     @property
+    def is_anyres(self) -> bool:
+        return self.arch != "llava"
+
+    @property
+    def anyres(self):
+        """The :class:`~megatron_vlm.anyres.AnyresGeometry` of an anyres model (None for plain LLaVA)."""
+        if not self.is_anyres:
+            return None
+        from megatron_vlm.anyres import AnyresGeometry, parse_vision_aspect_ratio
+
+        max_tiles = parse_vision_aspect_ratio(self.vision_aspect_ratio) if self.arch == "llava_onevision" else None
+        return AnyresGeometry(self.image_size, self.patch_size, tuple(tuple(p) for p in self.image_grid_pinpoints),
+                              max_tiles)
+
+    @property
+    def vit_image_size(self) -> int:
+        """The image side megatron's ViT is built with: whole patches only (384 px at patch 14 -> 378), as the
+        valid patch convolution of HF's encoders sees a 384-px tile (27 x 27 patches)."""
+        return self.image_size // self.patch_size * self.patch_size
+
+    @property
     def num_image_tokens(self) -> int:
+        """Image tokens of one tile (plain LLaVA: of one image); anyres counts per image come from ``anyres``."""
         n = (self.image_size // self.patch_size) ** 2
         return n + (1 if self.has_class_token and not self.drop_class_token else 0)
 
     # ---- construction -----------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, cfg, tokenizer=None) -> "VLMSpec":
-        """Build from an HF ``LlavaConfig`` (object or dict); ids come from ``tokenizer`` when given."""
-        from transformers import LlavaConfig
-
-        if isinstance(cfg, dict):
-            cfg = LlavaConfig(**cfg)
-        if getattr(cfg, "model_type", None) != "llava":
+        """Build from an HF ``LlavaConfig`` / ``LlavaNextConfig`` / ``LlavaOnevisionConfig`` (object or dict);
+        ids come from ``tokenizer`` when given."""
+        arch = cfg.get("model_type", "llava") if isinstance(cfg, dict) else getattr(cfg, "model_type", None)
+        if arch not in ARCHS:
             raise UnsupportedArchitectureError(
-                f"model_type {getattr(cfg, 'model_type', None)!r} is not 'llava'; build a LLaVA directory "
+                f"model_type {arch!r} is not one of {', '.join(ARCHS)}; build a LLaVA directory "
                 "first with convert/build_llava.py"
             )
+        if isinstance(cfg, dict):
+            cfg = hf_config_class(arch)(**{k: v for k, v in cfg.items() if k != "model_type"})
         t, v = cfg.text_config, cfg.vision_config
         if t.model_type not in SUPPORTED_TEXT:
             raise UnsupportedArchitectureError(
@@ -154,6 +186,14 @@ class VLMSpec:
         strategy = cfg.vision_feature_select_strategy
         if vfam == "siglip" and strategy != "full":
             raise UnsupportedArchitectureError("SigLIP has no CLS token: vision_feature_select_strategy must be 'full'")
+        anyres = {}
+        if arch != "llava":
+            from megatron_vlm.anyres import AnyresGeometry
+
+            AnyresGeometry.from_hf(cfg)  # checks pinpoints and vision_aspect_ratio
+            anyres = dict(arch=arch, image_grid_pinpoints=[list(map(int, p)) for p in cfg.image_grid_pinpoints],
+                          vision_aspect_ratio=getattr(cfg, "vision_aspect_ratio", None) if arch == "llava_onevision"
+                          else None)
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
         spec = cls(
             text_family=t.model_type,
@@ -186,6 +226,7 @@ class VLMSpec:
             image_token_id=int(cfg.image_token_id),
             pad_token_id=getattr(cfg, "pad_token_id", None),
             hf_config={k: v for k, v in cfg.to_dict().items() if k != "_name_or_path"},
+            **anyres,
         )
         if tokenizer is not None:
             from megatron_vlm.tokenizer import image_token_of, special_token_ids
@@ -220,9 +261,7 @@ class VLMSpec:
         return cls.from_hf(AutoConfig.from_pretrained(str(hf_dir)), tok)
 
     def to_hf_config(self):
-        from transformers import LlavaConfig
-
-        return LlavaConfig(**self.hf_config)
+        return hf_config_class(self.arch)(**{k: v for k, v in self.hf_config.items() if k != "model_type"})
 
     # ---- persistence ------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -293,6 +332,12 @@ class VLMSpec:
                 "split with --pp-layers"
             )
         return [self.num_layers // pp] * pp
+
+
+def hf_config_class(arch: str):
+    import transformers
+
+    return getattr(transformers, ARCHS[arch][0])
 
 
 def _divisors_pow2(n: int) -> list[int]:

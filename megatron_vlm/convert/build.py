@@ -3,6 +3,11 @@
 The result loads with ``LlavaForConditionalGeneration.from_pretrained`` and ``AutoProcessor.from_pretrained``:
 safetensors weights, a tokenizer with the image token (and a pad token), the vision encoder's image
 processor, and the chat template of :mod:`megatron_vlm.tokenizer`.
+
+``arch='llava_onevision'`` (or ``'llava_next'``) builds the anyres model instead: grid pinpoints (by default
+OneVision's 1x1..6x6 tiles), ``image_newline``, OneVision's ``vision_aspect_ratio`` (anyres_max_N), and the
+model's own image processor (the PIL one: HF's OneVision processor class needs torchvision for videos, so the
+directory holds the image processor and the tokenizer, not a processor).
 """
 
 from __future__ import annotations
@@ -63,11 +68,21 @@ def build_llava(
     dtype: str = "auto",
     seed: int = 0,
     overwrite: bool = False,
+    arch: str = "llava",
+    grid_pinpoints: list[list[int]] | None = None,
+    vision_aspect_ratio: str = "anyres_max_9",
+    max_grid: int = 6,
 ) -> Path:
     """Assemble and save the LLaVA directory; returns ``save_dir``.
 
     ``vision_feature_select_strategy`` defaults to 'default' (drop CLS) for CLIP and 'full' for SigLIP.
+    ``arch`` llava_next / llava_onevision: ``grid_pinpoints`` default to every rows x cols tiling up to
+    ``max_grid`` x ``max_grid`` tiles of the vision encoder's image size.
     """
+    from megatron_vlm.spec import ARCHS
+
+    if arch not in ARCHS:
+        raise ValueError(f"--arch {arch!r} is not one of {', '.join(ARCHS)}")
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -119,6 +134,11 @@ def build_llava(
     has_cls = family == "clip"
     image_seq_length = patches + (1 if has_cls and vision_feature_select_strategy == "full" else 0)
     text_config = lm.config
+    if arch != "llava":
+        return _build_anyres(arch, lm, vit, tokenizer, image_token, image_processor, save_dir, family,
+                             vision_feature_layer,
+                             vision_feature_select_strategy, projector_bias, grid_pinpoints, vision_aspect_ratio,
+                             max_grid, seed, overwrite)
     config = LlavaConfig(
         vision_config=vit.config.to_dict(),
         text_config=text_config.to_dict(),
@@ -159,4 +179,60 @@ def build_llava(
         processor.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
     log.info("saved LLaVA (%s + %s, vocab %d padded to %d) to %s", text_cfg.model_type, family, vocab, padded, save_dir)
+    return save_dir
+
+
+def _build_anyres(arch, lm, vit, tokenizer, image_token, base_processor, save_dir, family, vision_feature_layer,
+                  vision_feature_select_strategy, projector_bias, grid_pinpoints, vision_aspect_ratio, max_grid,
+                  seed, overwrite) -> Path:
+    import transformers
+
+    from megatron_vlm.anyres import AnyresGeometry, parse_vision_aspect_ratio
+    from megatron_vlm.spec import ARCHS
+
+    tile = vit.config.image_size
+    if grid_pinpoints is None:
+        grid_pinpoints = [[tile * r, tile * c] for r in range(1, max_grid + 1) for c in range(1, max_grid + 1)]
+    AnyresGeometry(tile, vit.config.patch_size, tuple(map(tuple, grid_pinpoints)))  # checks the pinpoints
+    text_config = lm.config
+    kw = dict(
+        vision_config=vit.config.to_dict(),
+        text_config=text_config.to_dict(),
+        image_token_index=tokenizer.convert_tokens_to_ids(image_token),
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy=vision_feature_select_strategy,
+        vision_feature_layer=vision_feature_layer,
+        image_grid_pinpoints=grid_pinpoints,
+        multimodal_projector_bias=projector_bias,
+        tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
+    )
+    proc_kw = dict(size={"height": tile, "width": tile}, image_grid_pinpoints=grid_pinpoints,
+                   image_mean=list(base_processor.image_mean), image_std=list(base_processor.image_std))
+    if arch == "llava_onevision":
+        parse_vision_aspect_ratio(vision_aspect_ratio)
+        kw["vision_aspect_ratio"] = vision_aspect_ratio
+        image_processor = transformers.LlavaOnevisionImageProcessorPil(**proc_kw)
+    else:
+        image_processor = transformers.LlavaNextImageProcessorPil(**proc_kw, crop_size={"height": tile, "width": tile})
+    config = getattr(transformers, ARCHS[arch][0])(**kw)
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = getattr(transformers, ARCHS[arch][1])(config).to(lm.dtype)
+    model.model.language_model.load_state_dict(lm.model.state_dict())
+    if not config.tie_word_embeddings:
+        model.lm_head.load_state_dict(lm.lm_head.state_dict())
+    else:
+        model.tie_weights()
+    model.model.vision_tower.load_state_dict(vit.state_dict())
+    gen = model.generation_config
+    gen.pad_token_id = tokenizer.pad_token_id
+    gen.eos_token_id = tokenizer.eos_token_id
+    if tokenizer.bos_token_id is not None:
+        gen.bos_token_id = tokenizer.bos_token_id
+    with atomic_dir(save_dir, overwrite=overwrite, what="--save-dir") as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        image_processor.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+    log.info("saved %s (%s + %s, %d grid pinpoints) to %s", arch, text_config.model_type, family,
+             len(grid_pinpoints), save_dir)
     return save_dir

@@ -54,6 +54,7 @@ _HF_PREFIXES = [
     ("language_model.model.", LM),
     ("language_model.lm_head.", "language_model.lm_head."),
     ("vision_tower.vision_model.", VT),
+    ("model.image_newline", "image_newline"),
 ]
 
 
@@ -137,9 +138,14 @@ def _projector_rules(spec: VLMSpec) -> list[Rule]:
     return rules
 
 
+def _anyres_rules(spec: VLMSpec) -> list[Rule]:
+    """LLaVA-NeXT / OneVision: the row-end embedding, replicated on the first stage."""
+    return [Rule("image_newline", ("image_newline",))] if spec.is_anyres else []
+
+
 def rules(spec: VLMSpec) -> list[Rule]:
     """Every tensor of the full Megatron LLaVAModel, with its HF source and layout rules."""
-    return _language_rules(spec) + _vision_rules(spec) + _projector_rules(spec)
+    return _language_rules(spec) + _vision_rules(spec) + _projector_rules(spec) + _anyres_rules(spec)
 
 
 def extra_hf_names(spec: VLMSpec, hf_names) -> list[str]:

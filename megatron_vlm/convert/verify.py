@@ -22,16 +22,43 @@ DEFAULT_TOLERANCE = 1e-4
 @dataclass
 class ReferenceBatch:
     tokens: torch.Tensor  # [B, L] Megatron input: one image token per image
-    hf_input_ids: torch.Tensor  # [B, L - 1 + N] HF input: image token expanded
-    images: torch.Tensor  # [B, 3, H, W]
+    hf_input_ids: torch.Tensor  # [B, L - 1 + N] HF input: image token expanded (anyres: right-padded)
+    images: torch.Tensor  # [B, 3, H, W]; anyres: the tiles of all images [sum tiles, 3, H, W]
+    # anyres models (LLaVA-NeXT / OneVision): one image per sample, of several sizes
+    image_sizes: torch.Tensor | None = None  # [B, 2] (h, w)
+    num_image_tiles: torch.Tensor | None = None  # [B]
+    num_image_tokens: torch.Tensor | None = None  # [B]
 
     @property
     def combined_length(self) -> int:
         return self.hf_input_ids.shape[1]
 
+    def model_kwargs(self) -> dict:
+        """Extra keyword arguments of the Megatron model's forward (none for plain LLaVA)."""
+        if self.image_sizes is None:
+            return {}
+        return dict(image_sizes=self.image_sizes, num_image_tiles=self.num_image_tiles,
+                    num_image_tokens=self.num_image_tokens)
+
+    def hf_sample(self, b: int) -> dict:
+        """HF forward inputs of sample ``b`` alone (anyres samples differ in length)."""
+        n = int(self.tokens.shape[1] - 1 + self.num_image_tokens[b])
+        start = int(self.num_image_tiles[:b].sum())
+        tiles = self.images[start:start + int(self.num_image_tiles[b])]
+        return dict(input_ids=self.hf_input_ids[b:b + 1, :n], pixel_values=tiles[None],
+                    image_sizes=self.image_sizes[b:b + 1])
+
+
+# anyres reference images (h, w) as multiples of the tile size: a wide, a tall, a large (downsampled by
+# OneVision when its grid exceeds anyres_max_N) and a small one
+ANYRES_SIZES = ((1.0, 1.6), (2.3, 0.9), (3.0, 3.0), (0.5, 0.7))
+
 
 def reference_batch(spec: VLMSpec, text_len: int = 12, positions=(1, 7), seed: int = 0) -> ReferenceBatch:
-    """A fixed batch: one image per sample at ``positions[b]`` among random text tokens."""
+    """A fixed batch: one image per sample at ``positions[b]`` among random text tokens (anyres models: four
+    samples with images of different sizes)."""
+    if spec.is_anyres:
+        return _anyres_reference_batch(spec, text_len, seed)
     g = torch.Generator().manual_seed(seed)
     vocab = spec.vocab_size
     rows, hf_rows = [], []
@@ -45,14 +72,62 @@ def reference_batch(spec: VLMSpec, text_len: int = 12, positions=(1, 7), seed: i
     return ReferenceBatch(torch.stack(rows), torch.stack(hf_rows), images)
 
 
-def hf_logits(hf_dir, batch: ReferenceBatch) -> torch.Tensor:
-    from transformers import LlavaForConditionalGeneration
+def _anyres_reference_batch(spec: VLMSpec, text_len: int, seed: int) -> ReferenceBatch:
+    geo = spec.anyres
+    g = torch.Generator().manual_seed(seed)
+    vocab = spec.vocab_size
+    sizes = [(max(8, round(a * geo.tile_size)), max(8, round(b * geo.tile_size))) for a, b in ANYRES_SIZES]
+    tiles = [geo.num_tiles(h, w) for h, w in sizes]
+    counts = [geo.num_tokens(h, w) for h, w in sizes]
+    width = text_len - 1 + max(counts)
+    rows, hf_rows = [], []
+    for b, n in enumerate(counts):
+        ids = torch.randint(0, vocab, (text_len,), generator=g)
+        ids[ids == spec.image_token_id] = (spec.image_token_id + 1) % vocab
+        pos = (1 + 3 * b) % text_len
+        ids[pos] = spec.image_token_id
+        rows.append(ids)
+        hf = torch.cat([ids[:pos], ids.new_full((n,), spec.image_token_id), ids[pos + 1:]])
+        hf_rows.append(torch.cat([hf, hf.new_zeros(width - hf.shape[0])]))
+    images = torch.randn(sum(tiles), 3, spec.image_size, spec.image_size, generator=g)
+    return ReferenceBatch(torch.stack(rows), torch.stack(hf_rows), images, torch.tensor(sizes),
+                          torch.tensor(tiles), torch.tensor(counts))
 
-    model = LlavaForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32)
-    model.eval()
+
+def load_hf_model(hf_dir, dtype=torch.float32):
+    """The HF model of ``hf_dir`` (LLaVA, LLaVA-NeXT or OneVision, by its config's model_type)."""
+    import json
+    from pathlib import Path
+
+    from megatron_vlm import spec as spec_mod
+
+    arch = json.loads((Path(hf_dir) / "config.json").read_text()).get("model_type", "llava")
+    if arch not in spec_mod.ARCHS:
+        raise spec_mod.UnsupportedArchitectureError(f"{hf_dir}: model_type {arch!r} is not one of "
+                                                    f"{', '.join(spec_mod.ARCHS)}")
+    import transformers
+
+    return getattr(transformers, spec_mod.ARCHS[arch][1]).from_pretrained(str(hf_dir), dtype=dtype).eval()
+
+
+def hf_logits(hf_dir, batch: ReferenceBatch) -> torch.Tensor:
+    """HF fp32 logits ``[B, S, vocab]`` (anyres: each sample alone, zero beyond its length)."""
+    model = load_hf_model(hf_dir)
     with torch.no_grad():
-        out = model(input_ids=batch.hf_input_ids, pixel_values=batch.images)
-    return out.logits
+        if batch.image_sizes is None:
+            return model(input_ids=batch.hf_input_ids, pixel_values=batch.images).logits
+        out = torch.zeros(*batch.hf_input_ids.shape, model.config.text_config.vocab_size)
+        for b in range(batch.tokens.shape[0]):
+            logits = model(**batch.hf_sample(b)).logits[0]
+            out[b, : logits.shape[0]] = logits
+        return out
+
+
+def valid_positions(batch: ReferenceBatch) -> torch.Tensor:
+    """[B, S] True where a sample has a token (anyres samples differ in length)."""
+    lengths = (batch.tokens.shape[1] - 1 + batch.num_image_tokens if batch.num_image_tokens is not None
+               else torch.full((batch.tokens.shape[0],), batch.combined_length))
+    return torch.arange(batch.combined_length)[None] < lengths[:, None]
 
 
 def megatron_forward_logits(model, batch: ReferenceBatch) -> torch.Tensor | None:
@@ -65,7 +140,8 @@ def megatron_forward_logits(model, batch: ReferenceBatch) -> torch.Tensor | None
 
     def step(data_iterator, chunk):
         b = next(data_iterator)
-        out, _ = chunk(images=b.images.to(device), input_ids=b.tokens.to(device), position_ids=None, attention_mask=None)
+        out, _ = chunk(images=b.images.to(device), input_ids=b.tokens.to(device), position_ids=None,
+                       attention_mask=None, **b.model_kwargs())
 
         def loss_func(output, non_loss_data=False):
             return tensor_parallel.gather_from_tensor_model_parallel_region(output)
@@ -118,8 +194,12 @@ def megatron_checkpoint_logits(megatron_dir, batch: ReferenceBatch, tp: int = 1,
     return next(r for r in results if r is not None)
 
 
-def max_logit_diff(a: torch.Tensor, b: torch.Tensor, vocab: int) -> float:
-    return (a[..., :vocab].float() - b[..., :vocab].float()).abs().max().item()
+def max_logit_diff(a: torch.Tensor, b: torch.Tensor, vocab: int, batch: ReferenceBatch | None = None) -> float:
+    """Max |a - b| over the true vocabulary (and, with ``batch``, over its samples' valid positions only)."""
+    d = (a[..., :vocab].float() - b[..., :vocab].float()).abs()
+    if batch is not None:
+        d = d[valid_positions(batch)[:, : d.shape[1]]]
+    return d.max().item()
 
 
 def verify_checkpoint(hf_dir, megatron_dir, tp: int = 1, pp: int = 1, iteration=None,
@@ -131,7 +211,7 @@ def verify_checkpoint(hf_dir, megatron_dir, tp: int = 1, pp: int = 1, iteration=
     batch = reference_batch(spec)
     ref = hf_logits(hf_dir, batch)
     got = megatron_checkpoint_logits(megatron_dir, batch, tp, pp, iteration)
-    diff = max_logit_diff(ref, got[:, : ref.shape[1]], spec.vocab_size)
+    diff = max_logit_diff(ref, got[:, : ref.shape[1]], spec.vocab_size, batch)
     log.info("max |logit diff| HF vs Megatron (tp=%d pp=%d, fp32): %.3g (tolerance %.1g)", tp, pp, diff, tolerance)
     if not diff <= tolerance:
         raise VerificationError(f"logits differ by {diff:.3g} > {tolerance:g} between HF and Megatron (tp={tp} pp={pp})")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_vlm import storage
-from megatron_vlm.atomic import atomic_dir, atomic_write_text
+from megatron_vlm.atomic import OutputExistsError, atomic_dir, atomic_write_text
 from megatron_vlm.data.conversation import FORMATS, Reject
 from megatron_vlm.data.images import process_image, read_ref
 from megatron_vlm.data.readers import RawRecord, parse, read_records, record_text

@@ -1,7 +1,8 @@
 """Sample and token counts of prepared datasets, and an energon metadataset blending them by weight.
 
 Counts are per split (energon's ``.nv-meta/split.yaml``): samples, images, text tokens (the model's chat
-template, image tokens not counted), image tokens (images x tokens per image), and how many samples
+template, image tokens not counted), image tokens (images x tokens per image; for anyres models each image's
+own count from its size, read from its header), and how many samples
 exceed ``seq_length`` once images are expanded (the task encoder truncates those). The tars are read
 directly (images are not decoded), with the same conversation rules the task encoder uses.
 
@@ -24,20 +25,37 @@ import yaml
 
 from megatron_vlm.data.conversation import vqa_messages
 from megatron_vlm.data.prepare import split_metas
-from megatron_vlm.data.sample import image_parts
+from megatron_vlm.data.sample import IMAGE_PART_RE, image_parts
 
 _NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 SPLITS = ("train", "val", "test")
 DEFAULT_MAX_TEXT_BYTES = 1 << 20
 OVERSIZED = "__oversized__"  # key set in a sample whose text parts were too large to read
+IMAGE_SIZES = "__image_sizes__"  # image part -> (width, height), for anyres models
+_HEADER_BYTES = 1 << 16
+
+
+def _image_size(tar, member) -> tuple[int, int]:
+    """(width, height) of an image member from its header (its first 64 KiB; all of it if that is not enough)."""
+    import io
+
+    from PIL import Image
+
+    f = tar.extractfile(member)
+    head = f.read(_HEADER_BYTES)
+    try:
+        return Image.open(io.BytesIO(head)).size
+    except Exception:  # noqa: BLE001 - a header beyond the first bytes (e.g. large EXIF): read the whole image
+        return Image.open(io.BytesIO(head + f.read())).size
 
 
 def iter_tar_samples(tar_path: Path, parts: tuple[str, ...] = ("json", "txt"),
-                     max_bytes: int | None = None) -> Iterator[tuple[str, dict]]:
+                     max_bytes: int | None = None, image_sizes: bool = False) -> Iterator[tuple[str, dict]]:
     """``(key, {part: bytes or None})`` per sample; only ``parts`` (and image parts' names) are read.
 
     With ``max_bytes``, a sample whose ``parts`` add up to more is yielded with ``OVERSIZED`` set to their
-    total size and none of them read (None), so memory stays bounded whatever the tar holds."""
+    total size and none of them read (None), so memory stays bounded whatever the tar holds. With
+    ``image_sizes``, ``IMAGE_SIZES`` maps each image part to its (width, height), read from its header."""
 
     def finish(key, sample, members):
         size = sum(m.size for m in members)
@@ -46,9 +64,11 @@ def iter_tar_samples(tar_path: Path, parts: tuple[str, ...] = ("json", "txt"),
         else:
             for m in members:
                 sample[_NAME_RE.match(m.name).group(2)] = tar.extractfile(m).read()
+        if image_sizes:
+            sample[IMAGE_SIZES] = {_NAME_RE.match(m.name).group(2): _image_size(tar, m) for m in image_members}
         return key, sample
 
-    key, sample, members = None, {}, []
+    key, sample, members, image_members = None, {}, [], []
     with tarfile.open(tar_path, "r") as tar:
         for member in tar:
             if not member.isfile():
@@ -60,18 +80,20 @@ def iter_tar_samples(tar_path: Path, parts: tuple[str, ...] = ("json", "txt"),
             if k != key:
                 if key is not None:
                     yield finish(key, sample, members)
-                key, sample, members = k, {}, []
+                key, sample, members, image_members = k, {}, [], []
             sample[part] = None
             if part in parts:
                 members.append(member)
+            elif image_sizes and (part in ("jpg", "png") or IMAGE_PART_RE.match(part)):
+                image_members.append(member)
         if key is not None:
             yield finish(key, sample, members)
 
 
-def _checked_samples(tar_path: Path, max_bytes: int) -> Iterator[tuple[str, dict]]:
+def _checked_samples(tar_path: Path, max_bytes: int, image_sizes: bool = False) -> Iterator[tuple[str, dict]]:
     """``iter_tar_samples`` with a damaged tar reported as a ``ValueError`` naming it."""
     try:
-        yield from iter_tar_samples(tar_path, max_bytes=max_bytes)
+        yield from iter_tar_samples(tar_path, max_bytes=max_bytes, image_sizes=image_sizes)
     except (tarfile.TarError, EOFError) as e:
         raise ValueError(f"{tar_path}: unreadable tar ({e}); the dataset is damaged: copy it again or rebuild it "
                          "with data_prep/make_wds.py") from None
@@ -92,6 +114,7 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
     path = Path(path)
     seq_length = seq_length or task_encoder.seq_length
     k = task_encoder.tokens_per_image
+    geo = getattr(getattr(task_encoder, "spec", None), "anyres", None)  # anyres: tokens depend on image size
     result = {}
     bar = None
     if progress:
@@ -102,7 +125,7 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
         s = dict(samples=0, images=0, text_tokens=0, image_tokens=0, tokens=0, max_tokens=0, over_seq_length=0,
                  too_long_to_count=0)
         for shard in meta.shards:
-            for key, raw in _checked_samples(path / shard.name, max_text_bytes):
+            for key, raw in _checked_samples(path / shard.name, max_text_bytes, image_sizes=geo is not None):
                 if f"{shard.name}/{key}" in meta.sample_excludes:
                     continue
                 if OVERSIZED in raw:
@@ -114,11 +137,17 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
                 messages, n_img = conversation_of_raw(raw)
                 ids = task_encoder.chat(messages).ids
                 text = len(ids) - n_img
-                total = text + n_img * k
+                image_tokens = n_img * k
+                if geo is not None:
+                    sizes = raw[IMAGE_SIZES]
+                    names = image_parts(raw) or [n for n in ("jpg", "png") if n in sizes]
+                    tiled = task_encoder.tiled(n_img)
+                    image_tokens = sum(geo.num_tokens(sizes[n][1], sizes[n][0], tiled) for n in names[:n_img])
+                total = text + image_tokens
                 s["samples"] += 1
                 s["images"] += n_img
                 s["text_tokens"] += text
-                s["image_tokens"] += n_img * k
+                s["image_tokens"] += image_tokens
                 s["tokens"] += total
                 s["max_tokens"] = max(s["max_tokens"], total)
                 s["over_seq_length"] += total > seq_length

@@ -111,8 +111,6 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         image size and image tokens per image come from it. ``max_consecutive_skips``: stop with
         :class:`~megatron_vlm.data.skips.TooManySkippedSamples` after that many skipped samples in a row. ``pad_to_multiple_of``: pad each batch so its
         image-expanded length is a multiple of this (FP8 GEMMs); None pads to the longest sample."""
-        from transformers import AutoProcessor
-
         from megatron_vlm.spec import VLMSpec
         from megatron_vlm.tokenizer import special_token_ids
 
@@ -128,7 +126,7 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         self.spec = spec
         #: pad each batch so the image-expanded length is a multiple of this (FP8 GEMMs), None: longest sample
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.processor = AutoProcessor.from_pretrained(self.hf_dir)
+        self.processor = self._load_processor()
         self.tokenizer = self.processor.tokenizer
         self.image_processor = self.processor.image_processor
         image_token = getattr(self.processor, "image_token", None)
@@ -144,7 +142,7 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         #: pixel shape and image tokens per image, from the spec (never from optional processor fields)
         self.geometry = ImageGeometry.from_spec(self.spec)
         self.tokens_per_image = self.geometry.tokens_per_image
-        check_image_processor(self.image_processor, self.geometry, self.hf_dir)
+        self._check_image_processor()
         image_token = image_token or self.tokenizer.convert_ids_to_tokens(self.tokenizer_image_token_id)
         k = self.tokens_per_image
         self.skips = SkipCounter(max_consecutive_skips, hints={
@@ -155,6 +153,15 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
                          "answers",
             "conversation": "check the dataset: rewrite it with data_prep/make_wds.py",
         })
+
+    def _load_processor(self):
+        """The HF processor of ``hf_dir`` (tokenizer, image processor, chat template)."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(self.hf_dir)
+
+    def _check_image_processor(self) -> None:
+        check_image_processor(self.image_processor, self.geometry, self.hf_dir)
 
     @property
     def skipped(self):

@@ -204,3 +204,18 @@ def make_tiny_llava(
     vision_dir = make_vision_model(work / f"vision_{vision_family}", vision_family, **(vision_overrides or {}))
     build_llava(text_dir, vision_dir, out_dir, **build_kwargs)
     return out_dir
+
+
+def make_tiny_onevision(out_dir, text_family: str = "qwen2", vision_family: str = "siglip", work_dir=None,
+                        arch: str = "llava_onevision", texts=None, vision_overrides: dict | None = None,
+                        **build_kwargs) -> Path:
+    """A tiny OneVision-style model (or ``arch='llava_next'``) through the real ``build_llava``: 20-px tiles at
+    patch 6 (a valid convolution of 3 x 3 patches with 2 px left over, as 384 px at patch 14), grids up to
+    3 x 3 tiles, ``anyres_max_2`` so that large images are downsampled, features of the last layer."""
+    build_kwargs.setdefault("max_grid", 3)
+    if arch == "llava_onevision":
+        build_kwargs.setdefault("vision_aspect_ratio", "anyres_max_2")
+    build_kwargs.setdefault("vision_feature_layer", -1)
+    return make_tiny_llava(out_dir, text_family, vision_family, work_dir=work_dir, texts=texts,
+                           vision_overrides=vision_overrides or {"image_size": 20, "patch_size": 6}, arch=arch,
+                           **build_kwargs)

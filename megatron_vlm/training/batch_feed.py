@@ -12,7 +12,8 @@
   takes: a reader's own batch, a :class:`MicroBatch` received over the tensor-parallel group, or ``None``
   (middle stages without packing).
 
-The tensors go as one int64 and one float32 buffer after a small header (shapes and counts), so a micro batch
+Anyres batches (LLaVA-NeXT / OneVision) also carry each image's original size and image-token count, which every
+stage's model needs. The tensors go as one int64 and one float32 buffer after a small header (shapes and counts), so a micro batch
 costs three broadcasts whatever its contents; megatron's ``tensor_parallel.broadcast_data`` is not used because
 it cannot carry a zero-sized dimension (a micro batch without images).
 """
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-_HEADER = 10  # B, S, images, C, H, W, num_tokens, cu_seqlens length, max_seqlen, pixels sent
+# B, S, pixel rows (images or anyres tiles), C, H, W, num_tokens, cu_seqlens length, max_seqlen, pixels sent,
+# num_image_tiles length, anyres images (0: not an anyres batch)
+_HEADER = 12
 
 
 def reads_data(tp_rank: int, pp_rank: int, pp: int) -> bool:
@@ -48,6 +51,14 @@ class MicroBatch:
     num_tokens: int = 0
     cu_seqlens: torch.Tensor | None = None  # packed sequences: image-expanded boundaries
     max_seqlen: int | None = None
+    image_sizes: torch.Tensor | None = None  # anyres: [images, 2] original (height, width)
+    num_image_tokens: torch.Tensor | None = None  # anyres: image tokens per image (every stage needs them)
+
+    def model_kwargs(self, device) -> dict:
+        """The anyres model's extra inputs, as :class:`~megatron_vlm.data.anyres_encoder.AnyresBatch` gives them."""
+        if self.num_image_tokens is None:
+            return {}
+        return dict(image_sizes=self.image_sizes, num_image_tokens=self.num_image_tokens.to(device))
 
 
 def _groups():
@@ -64,17 +75,22 @@ def broadcast_micro_batch(batch, device, with_pixels: bool):
     header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
     if sender:
         cu = getattr(batch, "cu_seqlens", None)
+        counts = getattr(batch, "num_image_tokens", None)
         b, s = batch.tokens.shape
         n, c, h, w = batch.images.shape
         header.copy_(torch.tensor([b, s, n, c, h, w, int(batch.num_tokens), 0 if cu is None else cu.numel(),
-                                   int(getattr(batch, "max_seqlen", 0) or 0), int(with_pixels)]))
+                                   int(getattr(batch, "max_seqlen", 0) or 0), int(with_pixels),
+                                   batch.num_image_tiles.numel(), -1 if counts is None else counts.numel()]))
     torch.distributed.broadcast(header, src=src, group=group)
-    b, s, n, c, h, w, num_tokens, n_cu, max_seqlen, pixels = header.tolist()
-    n_int = 2 * b * s + n + n_cu
+    b, s, n, c, h, w, num_tokens, n_cu, max_seqlen, pixels, n_tiles, n_anyres = header.tolist()
+    n_sizes = max(n_anyres, 0)
+    n_int = 2 * b * s + n_tiles + n_cu + 3 * n_sizes
     n_float = b * s + (n * c * h * w if pixels else 0)
     if sender:
+        anyres = [batch.image_sizes.reshape(-1), batch.num_image_tokens.reshape(-1)] if n_anyres >= 0 else []
         ints = torch.cat([batch.tokens.reshape(-1), batch.labels.reshape(-1), batch.num_image_tiles.reshape(-1)]
-                         + ([batch.cu_seqlens.reshape(-1)] if n_cu else [])).to(device=device, dtype=torch.int64)
+                         + ([batch.cu_seqlens.reshape(-1)] if n_cu else []) + anyres).to(device=device,
+                                                                                         dtype=torch.int64)
         floats = torch.cat([batch.loss_mask.reshape(-1)] + ([batch.images.reshape(-1)] if pixels else [])).to(
             device=device, dtype=torch.float32)
     else:
@@ -84,12 +100,15 @@ def broadcast_micro_batch(batch, device, with_pixels: bool):
     torch.distributed.broadcast(floats, src=src, group=group)
     if sender:
         return batch
-    tokens, labels, tiles, cu = torch.split(ints, [b * s, b * s, n, n_cu])
+    tokens, labels, tiles, cu, sizes, counts = torch.split(ints, [b * s, b * s, n_tiles, n_cu, 2 * n_sizes, n_sizes])
     loss_mask, images = torch.split(floats, [b * s, n_float - b * s])
+    anyres = n_anyres >= 0
     return MicroBatch(images=images.view(n, c, h, w) if pixels else None, num_image_tiles=tiles.to(torch.int32),
                       tokens=tokens.view(b, s), labels=labels.view(b, s), loss_mask=loss_mask.view(b, s),
                       num_tokens=num_tokens, cu_seqlens=cu.to(torch.int32) if n_cu else None,
-                      max_seqlen=max_seqlen if n_cu else None)
+                      max_seqlen=max_seqlen if n_cu else None,
+                      image_sizes=sizes.view(n_sizes, 2).cpu() if anyres else None,
+                      num_image_tokens=counts.to(torch.int32) if anyres else None)
 
 
 def _share_boundaries(batches: list, device) -> list:

@@ -54,10 +54,13 @@ def forward_step(device, data_iterator, model):
     kwargs = {}
     if b is None:
         b = _NO_INPUTS
-    elif getattr(b, "cu_seqlens", None) is not None:
-        from megatron_vlm.data.packing import packed_seq_params
+    else:
+        if getattr(b, "cu_seqlens", None) is not None:
+            from megatron_vlm.data.packing import packed_seq_params
 
-        kwargs["packed_seq_params"] = packed_seq_params(b.cu_seqlens.to(device), b.max_seqlen)
+            kwargs["packed_seq_params"] = packed_seq_params(b.cu_seqlens.to(device), b.max_seqlen)
+        if getattr(b, "model_kwargs", None) is not None:  # anyres: image sizes, image tokens per image
+            kwargs.update(b.model_kwargs(device))
     out, loss_mask = model(_on(device, b.images), _on(device, b.tokens), None, None, _on(device, b.labels),
                            _on(device, b.loss_mask), None, _on(device, b.num_image_tiles), **kwargs)
     return out, partial(loss_func, loss_mask)
@@ -117,13 +120,16 @@ def pad_micro_batch(batch, micro_batch_size: int, image_token_id: int):
         return torch.cat([t, t[-1:].expand(extra, *t.shape[1:])], dim=0)
 
     k = int((batch.tokens[-1] == image_token_id).sum())  # images are stacked in token order
-    last_images, last_tiles = batch.images[batch.images.shape[0] - k:], batch.num_image_tiles[
-        batch.num_image_tiles.shape[0] - k:]
+    n_images = batch.num_image_tiles.shape[0]
+    tiles = int(batch.num_image_tiles[n_images - k:].sum())  # anyres: several tiles per image
+    last_images, last_tiles = batch.images[batch.images.shape[0] - tiles:], batch.num_image_tiles[n_images - k:]
+    per_image = {name: torch.cat([getattr(batch, name)] + [getattr(batch, name)[n_images - k:]] * extra)
+                 for name in ("image_sizes", "num_image_tokens") if hasattr(batch, name)}  # anyres batches
     return type(batch).derive_from(
         batch, images=torch.cat([batch.images] + [last_images] * extra),
         num_image_tiles=torch.cat([batch.num_image_tiles] + [last_tiles] * extra), tokens=rows(batch.tokens),
         labels=rows(batch.labels), loss_mask=torch.cat([batch.loss_mask, batch.loss_mask.new_zeros(
-            extra, batch.loss_mask.shape[1])]), num_tokens=batch.num_tokens)
+            extra, batch.loss_mask.shape[1])]), num_tokens=batch.num_tokens, **per_image)
 
 
 def evaluate(training, batches: list, cfg, device) -> float | None:

@@ -90,7 +90,7 @@ class Run:
 def start(cfg, rt) -> Run:
     """Model, optimizer and data for this rank: fresh from a checkpoint's weights, random, or resumed."""
     from megatron_vlm.data.loader import build_train_loader
-    from megatron_vlm.data.task_encoder import VLMTaskEncoder
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
     from megatron_vlm.training import resume
     from megatron_vlm.training.build import build_training
 
@@ -99,15 +99,18 @@ def start(cfg, rt) -> Run:
         raise ValueError(f"--image-token-id {cfg.image_token_id} differs from the checkpoint's {spec.image_token_id}")
     plan = resume.plan(cfg, load_dir, rt.tp, rt.pp, rt.dp) if resuming else None
     # the encoder first: it checks the image processor against the spec before the model is built
-    kw = dict(image_token_id=spec.image_token_id, pad_token_id=cfg.pad_token_id, spec=spec,
+    kw = dict(image_token_id=spec.image_token_id, pad_token_id=cfg.pad_token_id,
               max_consecutive_skips=cfg.max_consecutive_skipped_samples, pad_to_multiple_of=_pad_multiple(cfg))
     if cfg.packing:
         from megatron_vlm.data.packing import PackingTaskEncoder
 
+        if spec.is_anyres:
+            raise ValueError(f"--packing-buffer-size: sequence packing is not supported for {spec.arch} (anyres) "
+                             "models yet; train them without packing")
         encoder = PackingTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, packed_seq_length=cfg.packed_seq_length,
-                                     **kw)
+                                     spec=spec, **kw)
     else:
-        encoder = VLMTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, **kw)
+        encoder = task_encoder_for(spec, cfg.tokenizer_load_dir, cfg.seq_length, **kw)
     training = build_training(cfg, spec, init_from=None if resuming else load_dir)
     if rt.rank == 0:
         log.info("transformer layers: %s (%s)%s", training.impl, training.impl_reason,
