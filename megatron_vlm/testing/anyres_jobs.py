@@ -47,7 +47,7 @@ def anyres_jobs(jobs: list[dict]) -> list | None:
     save?}}. Returns per job {logits, losses?, newline_equal?} on rank 0 (None elsewhere)."""
     from megatron_vlm.testing.train_jobs import _setup, job_config
     from megatron_vlm.testing.worlds import _model_for
-    from megatron_vlm.training import checkpointing, resume
+    from megatron_vlm.training import batch_feed, checkpointing, resume
     from megatron_vlm.training.build import build_training
     from megatron_vlm.training.step import train_step
 
@@ -67,8 +67,11 @@ def anyres_jobs(jobs: list[dict]) -> list | None:
             rt = _setup(cfg)
             training = build_training(cfg, spec, init_from=iter_dir)
             losses, equal = [], []
+            # as the trainer: TP rank 0 reads, the other TP ranks receive tiles, sizes and token counts by broadcast
+            reads = batch_feed.reads_data(rt.tp_rank, rt.pp_rank, rt.pp)
             for _ in range(train["steps"]):
-                losses.append(train_step(training, train["micro_batches"], cfg, rt.device).loss)
+                mine = train["micro_batches"] if reads else [None] * len(train["micro_batches"])
+                losses.append(train_step(training, batch_feed.distribute(mine, rt.device), cfg, rt.device).loss)
                 equal.append(_newline_grads_equal_over_tp(training.model))
             flags = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(flags, equal)
