@@ -101,6 +101,11 @@ def test_dataset_prepared_in_bucket_train_save_and_resume_there(s3, setup, tmp_p
     assert {"datasets/squares/.nv-meta/dataset.yaml", "datasets/squares/.nv-meta/split.yaml",
             "datasets/squares/.nv-meta/index.sqlite"} <= set(objects)  # written by energon prepare in the bucket
     assert json.loads(read(s3, "datasets/squares/make_wds.json"))["output"] == data
+    again = subprocess.run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input",
+                            str(setup["root"] / "qa.jsonl"), "--output", data, "--no-progress"],
+                           cwd=ROOT, capture_output=True, text=True)  # a non-empty bucket prefix is not overwritten
+    assert again.returncode != 0 and "already holds objects; remove them or pass --overwrite" in again.stderr
+    assert "Traceback" not in again.stderr and keys(s3, "datasets/squares/") == objects
     for name in (*tars, ".nv-meta/split.yaml"):  # the same bytes as prepared on local disk
         assert read(s3, f"datasets/squares/{name}") == (setup["data"] / name).read_bytes()
 
