@@ -1,10 +1,10 @@
 """LLaVA-OneVision and LLaVA-NeXT end to end on tiny models: build, HF -> Megatron -> HF, logits, training, export.
 
-One 2-process world computes, for images of four sizes in one batch (one downsampled by OneVision's
-anyres_max_N, one a single grid tile), the fp32 logits at TP=1, TP=2 and PP=2, trains 3 steps at TP=2 and at
-PP=2 (the same batches: the losses must agree and fall, and image_newline's gradient must be identical on both
-TP ranks), saves the TP=2 run and loads it again; the saved run is exported to HF and must give the same logits
-and generate.
+One 2-process world computes, for images of four sizes in one batch (one downsampled by OneVision's anyres_max_N,
+one a single grid tile), the fp32 logits at TP=1, TP=2 and PP=2, trains 3 steps at TP=2 and at PP=2 (the same
+batches: the losses must agree and fall, and image_newline's gradient must be identical on both TP ranks; again in
+bf16 at TP=2, within 1% of fp32), saves the TP=2 run and loads it again; the saved run is exported to HF and must
+give the same logits and generate.
 """
 
 import io
@@ -78,6 +78,7 @@ def world(models, converted, tmp_path_factory):
         dict(megatron_dir=str(run), tp=1, pp=2, batch=batches["llava_onevision"]),
         dict(megatron_dir=str(converted[("llava_next", "torch_dist")]), tp=2, pp=1, batch=batches["llava_next"]),
         dict(megatron_dir=str(converted[("llava_next", "torch_dist")]), tp=1, pp=2, batch=batches["llava_next"]),
+        dict(megatron_dir=ov_dir, tp=2, pp=1, batch=batches["llava_onevision"], train={**train, "precision": "bf16"}),
     ]
     return run_world(anyres_jobs, 2, jobs)[0], batches, run, micro
 
@@ -98,13 +99,17 @@ def test_logits_match_hf_at_tp1_tp2_pp2(models, world):
     assert any(ov.num_tiles(*s) == 2 for s in sizes)  # a single grid tile covered
 
 
-def test_training_tp2_pp2_same_losses_falling_newline_grad_equal_over_tp(world):
+def test_training_tp2_pp2_bf16_same_losses_falling_newline_grad_equal_over_tp(world):
     results, _, _, micro = world
     tp2, pp2 = results[1], results[2]
     assert len({int(n) for b in micro for n in b.num_image_tokens}) == 4  # images of varied sizes
     assert max(abs(a - b) for a, b in zip(tp2["losses"], pp2["losses"])) < 1e-5, (tp2["losses"], pp2["losses"])
     assert tp2["losses"][-1] < tp2["losses"][0] - 0.05, tp2["losses"]
     assert tp2["newline_equal"] and all(all(f) for f in tp2["newline_equal"])  # every step, nonzero, TP-equal
+    bf16 = results[6]  # megatron's Float16Module + mixed-precision optimizer, as GPU users train
+    assert abs(bf16["losses"][0] - tp2["losses"][0]) < 0.01 * tp2["losses"][0], (bf16["losses"], tp2["losses"])
+    assert bf16["losses"][-1] < bf16["losses"][0] - 0.05, bf16["losses"]
+    assert bf16["newline_equal"] and all(all(f) for f in bf16["newline_equal"])
 
 
 def test_trained_checkpoint_exports_loads_and_generates(models, world, tmp_path):

@@ -44,7 +44,7 @@ def _newline_grads_equal_over_tp(model) -> bool | None:
 
 def anyres_jobs(jobs: list[dict]) -> list | None:
     """Each job: {megatron_dir, tp, pp, batch (ReferenceBatch), train?: {micro_batches, steps, seq_length,
-    save?}}. Returns per job {logits, losses?, newline_equal?} on rank 0 (None elsewhere)."""
+    precision?, save?}}. Returns per job {logits, losses?, newline_equal?} on rank 0 (None elsewhere)."""
     from megatron_vlm.testing.train_jobs import _setup, job_config
     from megatron_vlm.testing.worlds import _model_for
     from megatron_vlm.training import batch_feed, checkpointing, resume
@@ -62,6 +62,7 @@ def anyres_jobs(jobs: list[dict]) -> list | None:
         if train:
             spec = VLMSpec.load(iter_dir)
             cfg = job_config(dict(tp=job["tp"], pp=job["pp"], seq_length=train["seq_length"],
+                                  precision=train.get("precision", "fp32"),
                                   micro_batch_size=train["micro_batches"][0].tokens.shape[0]),
                              train["steps"], sum(b.tokens.shape[0] for b in train["micro_batches"]))
             rt = _setup(cfg)
