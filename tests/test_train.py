@@ -179,25 +179,12 @@ def test_resume_at_another_layout(setup, bf16_full):
 
 
 def test_stage1_freezes_lm_and_vit_and_skips_iterations(setup, tmp_path):
-    import shutil
-
-    stage1 = ("--tp", "2", "--stage", "1", "--global-batch-size", "8", "--skip-train-iteration-range", "3-4",
-              "--save-interval", "7")
-    run(args(setup, "stage1", *stage1, iters=14, lr="1e-2"))
+    run(args(setup, "stage1", "--tp", "2", "--stage", "1", "--global-batch-size", "8",
+             "--skip-train-iteration-range", "3-4", iters=14, lr="1e-2"))
     ls = losses(setup["root"] / "ckpt" / "stage1")
     assert [i for i in sorted(ls) if ls[i]["skipped"]] == [3, 4]
     falls(ls, factor=0.98)  # only the projector learns in stage 1
-    # resumed at iteration 7: at TP=2 only TP rank 0 reads data (and saved the data position); rank 1 receives
-    # the batches by broadcast. The resumed iterations repeat the uninterrupted run's losses.
-    again = setup["root"] / "ckpt" / "stage1-again"
-    shutil.copytree(setup["root"] / "ckpt" / "stage1", again,
-                    ignore=shutil.ignore_patterns("iter_0000014", "tensorboard", "metrics.jsonl"))
-    (again / "latest_checkpointed_iteration.txt").write_text("7")
-    out = run(args(setup, "stage1-again", *stage1, iters=14, lr="1e-2"))
-    assert "data position restored" in out, out[-3000:]
-    resumed = losses(again)
-    assert sorted(resumed) == list(range(8, 15))
-    assert all(abs(resumed[i]["loss"] - ls[i]["loss"]) <= 1e-5 * ls[i]["loss"] for i in resumed), (resumed, ls)
+    # (a TP=2 resume, where only TP rank 0 reads data and saves its position, is exact in test_remote_storage)
     out = convert_megatron_to_hf(setup["root"] / "ckpt" / "stage1", tmp_path / "hf")
     a, b = HFReader(setup["hf"]), HFReader(out)
     for n in a.names():
