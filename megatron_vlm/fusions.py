@@ -72,32 +72,47 @@ def default_probes() -> dict[str, bool]:
     }
 
 
+@dataclass(frozen=True)
+class _Needs:
+    """Where a fusion runs on CUDA: with Transformer Engine layers (``with_te``: why; None: TE layers alone are not
+    enough), else when the extension ``probe`` imports (``probe_ok``: why), else not (``missing``: why)."""
+
+    with_te: str | None
+    probe: str | None
+    probe_ok: str
+    missing: str
+
+
+#: fusions that need more than CUDA (the others run wherever CUDA does)
+NEEDS = {
+    "gradient_accumulation_fusion": _Needs(
+        "Transformer Engine linears fuse it", "fused_weight_gradient_mlp_cuda", "apex fused_weight_gradient_mlp_cuda",
+        "local layers need apex's fused_weight_gradient_mlp_cuda, which does not import"),
+    "apply_rope_fusion": _Needs(
+        None, "te", "Transformer Engine's fused RoPE",
+        "megatron's fused RoPE is Transformer Engine's, which does not import"),
+    "masked_softmax_fusion": _Needs(
+        "Megatron-LM's default; Transformer Engine attention fuses the softmax itself",
+        "scaled_upper_triang_masked_softmax_cuda", "megatron fused softmax kernels",
+        "local attention needs the scaled_*_masked_softmax_cuda kernels, which do not import"),
+    "persist_layer_norm": _Needs(
+        "Megatron-LM's default (used by apex layer norms; Transformer Engine norms are fused)", None, "",
+        "local layers use torch norms, which refuse it"),
+}
+
+
 def _availability(name: str, device: str, impl: str, probes: dict[str, bool]) -> tuple[bool, str]:
     """(can it run here, why) for fusion ``name``."""
     if device != "cuda":
         return False, f"device {device}: fused kernels run on CUDA only"
-    te = impl == "transformer_engine"
-    if name == "gradient_accumulation_fusion":
-        if te:
-            return True, "Transformer Engine linears fuse it"
-        if probes.get("fused_weight_gradient_mlp_cuda"):
-            return True, "apex fused_weight_gradient_mlp_cuda"
-        return False, "local layers need apex's fused_weight_gradient_mlp_cuda, which does not import"
-    if name == "apply_rope_fusion":
-        if probes.get("te"):
-            return True, "Transformer Engine's fused RoPE"
-        return False, "megatron's fused RoPE is Transformer Engine's, which does not import"
-    if name == "masked_softmax_fusion":
-        if te:
-            return True, "Megatron-LM's default; Transformer Engine attention fuses the softmax itself"
-        if probes.get("scaled_upper_triang_masked_softmax_cuda"):
-            return True, "megatron fused softmax kernels"
-        return False, "local attention needs the scaled_*_masked_softmax_cuda kernels, which do not import"
-    if name == "persist_layer_norm":
-        if te:
-            return True, "Megatron-LM's default (used by apex layer norms; Transformer Engine norms are fused)"
-        return False, "local layers use torch norms, which refuse it"
-    return True, "CUDA"
+    needs = NEEDS.get(name)
+    if needs is None:
+        return True, "CUDA"
+    if impl == "transformer_engine" and needs.with_te:
+        return True, needs.with_te
+    if needs.probe and probes.get(needs.probe):
+        return True, needs.probe_ok
+    return False, needs.missing
 
 
 @dataclass

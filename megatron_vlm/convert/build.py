@@ -150,20 +150,7 @@ def build_llava(
         multimodal_projector_bias=projector_bias,
         tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
     )
-    config.pad_token_id = tokenizer.pad_token_id
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).to(lm.dtype)
-    model.model.language_model.load_state_dict(lm.model.state_dict())
-    if not config.tie_word_embeddings:
-        model.lm_head.load_state_dict(lm.lm_head.state_dict())
-    else:
-        model.tie_weights()
-    model.model.vision_tower.load_state_dict(vit.state_dict())
-    gen = model.generation_config
-    gen.pad_token_id = tokenizer.pad_token_id
-    gen.eos_token_id = tokenizer.eos_token_id
-    if tokenizer.bos_token_id is not None:
-        gen.bos_token_id = tokenizer.bos_token_id
+    model = _assemble(LlavaForConditionalGeneration, config, lm, vit, tokenizer, seed)
 
     processor = LlavaProcessor(
         image_processor=image_processor,
@@ -180,6 +167,27 @@ def build_llava(
         tokenizer.save_pretrained(str(tmp))
     log.info("saved LLaVA (%s + %s, vocab %d padded to %d) to %s", text_cfg.model_type, family, vocab, padded, save_dir)
     return save_dir
+
+
+def _assemble(model_cls, config, lm, vit, tokenizer, seed: int):
+    """An HF ``model_cls`` (LLaVA, LLaVA-NeXT or OneVision) from ``config`` holding ``lm``'s and ``vit``'s weights
+    (the projector, and ``image_newline`` where the architecture has one, initialised from ``seed``), with the
+    tokenizer's special tokens in its config and generation config."""
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = model_cls(config).to(lm.dtype)
+    model.model.language_model.load_state_dict(lm.model.state_dict())
+    if not config.tie_word_embeddings:
+        model.lm_head.load_state_dict(lm.lm_head.state_dict())
+    else:
+        model.tie_weights()
+    model.model.vision_tower.load_state_dict(vit.state_dict())
+    gen = model.generation_config
+    gen.pad_token_id = tokenizer.pad_token_id
+    gen.eos_token_id = tokenizer.eos_token_id
+    if tokenizer.bos_token_id is not None:
+        gen.bos_token_id = tokenizer.bos_token_id
+    return model
 
 
 def _build_anyres(arch, lm, vit, tokenizer, image_token, base_processor, save_dir, family, vision_feature_layer,
@@ -215,20 +223,7 @@ def _build_anyres(arch, lm, vit, tokenizer, image_token, base_processor, save_di
     else:
         image_processor = transformers.LlavaNextImageProcessorPil(**proc_kw, crop_size={"height": tile, "width": tile})
     config = getattr(transformers, ARCHS[arch][0])(**kw)
-    config.pad_token_id = tokenizer.pad_token_id
-    torch.manual_seed(seed)
-    model = getattr(transformers, ARCHS[arch][1])(config).to(lm.dtype)
-    model.model.language_model.load_state_dict(lm.model.state_dict())
-    if not config.tie_word_embeddings:
-        model.lm_head.load_state_dict(lm.lm_head.state_dict())
-    else:
-        model.tie_weights()
-    model.model.vision_tower.load_state_dict(vit.state_dict())
-    gen = model.generation_config
-    gen.pad_token_id = tokenizer.pad_token_id
-    gen.eos_token_id = tokenizer.eos_token_id
-    if tokenizer.bos_token_id is not None:
-        gen.bos_token_id = tokenizer.bos_token_id
+    model = _assemble(getattr(transformers, ARCHS[arch][1]), config, lm, vit, tokenizer, seed)
     with atomic_dir(save_dir, overwrite=overwrite, what="--save-dir") as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         image_processor.save_pretrained(str(tmp))

@@ -23,7 +23,7 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.task_encoder.base import stateless
 
 from megatron_vlm.data.sample import conversation_of
-from megatron_vlm.data.task_encoder import VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, padded_text_length
+from megatron_vlm.data.task_encoder import VLMBatch, VLMSample, VLMTaskEncoder, _as_pil
 
 IMAGE_PROCESSORS = {"llava_next": "LlavaNextImageProcessorPil", "llava_onevision": "LlavaOnevisionImageProcessorPil"}
 
@@ -158,20 +158,11 @@ class AnyresTaskEncoder(VLMTaskEncoder):
 
     @stateless
     def batch(self, samples: list[AnyresSample]) -> AnyresBatch:
-        seq = padded_text_length([len(s.tokens) for s in samples], [s.num_tokens - len(s.tokens) for s in samples],
-                                 self.pad_to_multiple_of)
-        tokens = torch.full((len(samples), seq), self.pad_token_id, dtype=torch.int64)
-        labels = torch.full((len(samples), seq), self.pad_token_id, dtype=torch.int64)
-        loss_mask = torch.zeros((len(samples), seq), dtype=torch.float32)
-        for b, s in enumerate(samples):
-            n = len(s.tokens)
-            tokens[b, :n], labels[b, :n], loss_mask[b, :n] = s.tokens, s.labels, s.loss_mask
         return AnyresBatch.from_samples(
             samples, images=torch.cat([s.images for s in samples]),
-            num_image_tiles=torch.cat([s.num_image_tiles for s in samples]), tokens=tokens, labels=labels,
-            loss_mask=loss_mask, num_tokens=int(sum(s.num_tokens for s in samples)),
+            num_image_tiles=torch.cat([s.num_image_tiles for s in samples]),
             image_sizes=torch.cat([s.image_sizes for s in samples]),
-            num_image_tokens=torch.cat([s.num_image_tokens for s in samples]))
+            num_image_tokens=torch.cat([s.num_image_tokens for s in samples]), **self.padded_text(samples))
 
 
 def task_encoder_for(spec, hf_dir, seq_length: int, **kwargs) -> VLMTaskEncoder:

@@ -223,8 +223,9 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         return VLMSample.derive_from(sample, **self.encode_conversation(messages, images, sample.__key__))
 
     # -- per batch --------------------------------------------------------------------------------
-    @stateless
-    def batch(self, samples: list[VLMSample]) -> VLMBatch:
+    def padded_text(self, samples: list) -> dict:
+        """``tokens``, ``labels`` (padded with the pad id) and ``loss_mask`` (0 on padding) of ``samples`` as
+        ``[batch, seq]`` rows, and their image-expanded ``num_tokens``; ``seq`` per :func:`padded_text_length`."""
         seq = padded_text_length([len(s.tokens) for s in samples], [s.num_tokens - len(s.tokens) for s in samples],
                                  self.pad_to_multiple_of)
         tokens = torch.full((len(samples), seq), self.pad_token_id, dtype=torch.int64)
@@ -235,13 +236,12 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
             tokens[b, :n] = s.tokens
             labels[b, :n] = s.labels
             loss_mask[b, :n] = s.loss_mask
+        return dict(tokens=tokens, labels=labels, loss_mask=loss_mask,
+                    num_tokens=int(sum(s.num_tokens for s in samples)))
+
+    @stateless
+    def batch(self, samples: list[VLMSample]) -> VLMBatch:
         images = torch.cat([s.images for s in samples], dim=0)
-        return VLMBatch.from_samples(
-            samples,
-            images=images,
-            num_image_tiles=torch.ones(images.shape[0], dtype=torch.int32),
-            tokens=tokens,
-            labels=labels,
-            loss_mask=loss_mask,
-            num_tokens=int(sum(s.num_tokens for s in samples)),
-        )
+        return VLMBatch.from_samples(samples, images=images,
+                                     num_image_tiles=torch.ones(images.shape[0], dtype=torch.int32),
+                                     **self.padded_text(samples))
