@@ -117,6 +117,17 @@ def test_pack_and_batch(packer):
         packer.batch([packer.pack_selected_samples(packs[0])] * 2)
 
 
+def test_packing_is_refused_for_anyres_models(tmp_path_factory):
+    import dataclasses
+
+    from megatron_vlm.spec import VLMSpec
+
+    hf = tiny_llava(tmp_path_factory)
+    spec = dataclasses.replace(VLMSpec.from_hf_dir(hf), arch="llava_onevision")
+    with pytest.raises(ValueError, match="sequence packing is not supported for llava_onevision"):
+        PackingTaskEncoder(hf, seq_length=64, packed_seq_length=96, spec=spec)
+
+
 def test_truncation_never_packs_a_partial_image(tmp_path_factory):
     """A conversation whose second image would cross --seq-length keeps its first image whole and loses the
     second (text cut before it, pixels dropped); the pack counts exactly the image positions that remain."""

@@ -112,11 +112,19 @@ def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int):
                            max_seqlen_kv=int(max_seqlen))
 
 
+def _refuse_anyres(spec) -> None:
+    if spec is not None and spec.is_anyres:
+        raise ValueError(f"--packing-buffer-size: sequence packing is not supported for {spec.arch} (anyres) "
+                         "models yet; train them without packing")
+
+
 class PackingTaskEncoder(VLMTaskEncoder):
     """:class:`VLMTaskEncoder` with energon's packing hooks; use with ``packing_buffer_size`` in the loader."""
 
     def __init__(self, *args, packed_seq_length: int, **kwargs):
+        _refuse_anyres(kwargs.get("spec"))  # before the parent loads a processor it may not understand
         super().__init__(*args, **kwargs)
+        _refuse_anyres(self.spec)
         self.packed_seq_length = int(packed_seq_length)
         if self.packed_seq_length < self.seq_length:
             raise ValueError(f"--packed-seq-length {self.packed_seq_length} is below --seq-length {self.seq_length}: "

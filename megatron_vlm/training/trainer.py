@@ -104,9 +104,6 @@ def start(cfg, rt) -> Run:
     if cfg.packing:
         from megatron_vlm.data.packing import PackingTaskEncoder
 
-        if spec.is_anyres:
-            raise ValueError(f"--packing-buffer-size: sequence packing is not supported for {spec.arch} (anyres) "
-                             "models yet; train them without packing")
         encoder = PackingTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, packed_seq_length=cfg.packed_seq_length,
                                      spec=spec, **kw)
     else:
