@@ -13,7 +13,7 @@ def main(argv=None):
     p.add_argument("--config", required=True, help="resolved TrainConfig YAML written by train/run.py")
     p.add_argument("-v", "--verbose", action="store_true", help="show library warnings")
     a = p.parse_args(argv)
-    from megatron_vlm.cli import setup_logging
+    from megatron_vlm.cli import setup_logging, stderr_line
 
     setup_logging(a.verbose)
     from megatron_vlm.runtime.distributed import teardown
@@ -29,7 +29,7 @@ def main(argv=None):
         line = skip_error_line(e)  # the data stops the run: one line instead of worker tracebacks
         if line is None:
             raise
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        stderr_line(f"error: {line}")
         sys.exit(1)
     finally:
         teardown()
@@ -44,10 +44,12 @@ def run(argv=None) -> int:
         main(argv)
         return 0
     except KeyboardInterrupt:
-        print(f"[rank {rank}] interrupted before training started", file=sys.stderr, flush=True)
+        from megatron_vlm.cli import stderr_line
+
+        stderr_line(f"[rank {rank}] interrupted before training started")
         return 130
     except Exception as e:  # noqa: BLE001 - the rank's boundary
-        from megatron_vlm.cli import debug_requested
+        from megatron_vlm.cli import debug_requested, stderr_line
         from megatron_vlm.launch import failures
 
         run_dir = None
@@ -67,7 +69,7 @@ def run(argv=None) -> int:
 
             traceback.print_exc()
         where = f" (traceback: {tb})" if tb is not None and not debug_requested(argv) else ""
-        print(f"[rank {rank}] error: {reason}{where}", file=sys.stderr, flush=True)
+        stderr_line(f"[rank {rank}] error: {reason}{where}")
         return 1
 
 

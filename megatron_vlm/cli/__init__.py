@@ -34,6 +34,16 @@ def setup_logging(verbose: bool = False) -> None:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+def stderr_line(text: str) -> None:
+    """Write ``text`` and its newline to stderr in ONE write. Ranks of a torchrun job share the launcher's
+    stderr pipe; ``print`` writes the text and the newline separately, so two ranks' lines could interleave
+    mid-line. A pipe write of at most PIPE_BUF (4096) bytes is atomic."""
+    sys.stderr.flush()
+    data = (text + "\n").encode(errors="replace")
+    while data:
+        data = data[os.write(2, data):]
+
+
 # ---- argparse types: the range is checked at parse time, the message names the value --------------------
 def _number(kind, low=None, high=None, low_open=False, what=""):
     def convert(text: str):
