@@ -28,7 +28,8 @@ TOL = 1e-4
 SEQ = 96
 # (width, height) of the training images: square, tall, large (downsampled), small
 TRAIN_SIZES = [(20, 20), (33, 50), (61, 47), (15, 9)]
-ROUND_TRIPS = [("llava_onevision", "torch_dist"), ("llava_onevision", "torch"), ("llava_next", "torch_dist")]
+ROUND_TRIPS = [("llava_onevision", "torch_dist"), ("llava_onevision", "torch"), ("llava_next", "torch_dist"),
+               ("llava_next", "torch")]
 
 
 @pytest.fixture(scope="module")
