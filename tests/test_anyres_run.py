@@ -81,7 +81,7 @@ def stage2(ov, stage1):
 
 
 def test_stage1_dp2_bf16_trains_only_the_projector_and_image_newline(ov, stage1, tmp_path):
-    falls(losses(stage1), factor=0.99)  # only the projector and image_newline learn, under a frozen random LM
+    falls(losses(stage1), factor=0.995)  # only the projector and image_newline learn, under a frozen random LM
     out = convert_megatron_to_hf(stage1, tmp_path / "hf")
     a, b = HFReader(ov["hf"]), HFReader(out)
     assert a.names() == b.names()
