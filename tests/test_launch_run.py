@@ -4,9 +4,11 @@ exit codes and signal forwarding."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from .launch_helpers import IMAGE_ID, REPO, base_args, launcher, signal_when_ready
@@ -98,3 +100,26 @@ def test_exit_code_and_signal_forwarding_of_the_process_runner(tmp_path):
     p.send_signal(signal.SIGINT)
     rest, _ = p.communicate(timeout=30)
     assert rest.strip() == "child got SIGINT" and p.returncode == 5
+
+
+WRITER = """
+import sys, time
+from megatron_vlm.cli import stderr_line
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # both start writing at once
+for i in range(2000):
+    stderr_line(f"error: rank {sys.argv[1]} line {i} " + sys.argv[1] * 300)
+"""
+
+
+def test_ranks_error_lines_on_a_shared_stderr_never_interleave():
+    """Two "ranks" writing to one stderr pipe at once: every line arrives whole (``print`` writes the text and
+    the newline apart, so a line could be cut by the other rank's; this failed test_data_guard once in CI)."""
+    r, w = os.pipe()
+    start = str(time.time() + 1.5)
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, c, start], stderr=w, cwd=REPO) for c in "ab"]
+    os.close(w)
+    with open(r) as f:
+        lines = f.read().splitlines()
+    assert all(p.wait(timeout=60) == 0 for p in procs)
+    expect = {f"error: rank {c} line {i} " + c * 300 for c in "ab" for i in range(2000)}
+    assert len(lines) == 4000 and set(lines) == expect
