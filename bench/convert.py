@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import shutil
 import subprocess
 import sys
