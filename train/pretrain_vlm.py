@@ -39,17 +39,16 @@ def run(argv=None) -> int:
     """``main`` with this rank's failure recorded for the launcher (``megatron_vlm.launch.failures``): one
     line on stderr and in ``<run_dir>/failures/rank<R>.txt``, the traceback in ``rank<R>.traceback.txt``
     (also on stderr with -v or MVLM_DEBUG=1). Ctrl-C before the trainer's own handler is set exits 130."""
+    from megatron_vlm.cli import debug_requested, stderr_line
+
     rank = int(os.environ.get("RANK", "0"))
     try:
         main(argv)
         return 0
     except KeyboardInterrupt:
-        from megatron_vlm.cli import stderr_line
-
         stderr_line(f"[rank {rank}] interrupted before training started")
         return 130
     except Exception as e:  # noqa: BLE001 - the rank's boundary
-        from megatron_vlm.cli import debug_requested, stderr_line
         from megatron_vlm.launch import failures
 
         run_dir = None
