@@ -70,6 +70,21 @@ class CheckpointMeta:
         return cls(**json.loads(path.read_text()))
 
 
+def recorded_writer(iter_dir) -> str | None:
+    """The megatron-core version recorded in ``iter_dir``'s ``ckpt_meta.json`` (None when it records none)."""
+    try:
+        meta = json.loads((storage.path(iter_dir) / META).read_text())
+    except (OSError, ValueError):
+        return None
+    return (meta.get("versions") or {}).get("megatron_core")
+
+
+def check_readable(iter_dir) -> None:
+    """:func:`megatron_vlm.mcore_version.check_readable` with the writer this checkpoint records."""
+    if mcore_version.unreadable(iter_dir):
+        mcore_version.check_readable(iter_dir, recorded_writer(iter_dir))
+
+
 def iter_dir_name(iteration: int | str) -> str:
     return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
 
@@ -97,7 +112,7 @@ def resolve_iteration_dir(ckpt_dir, iteration: int | str | None = None) -> Path:
     if not ckpt_dir.is_dir():
         raise CheckpointLayoutError(f"--megatron-dir {ckpt_dir} does not exist")
     if is_iteration_dir(ckpt_dir):  # pointed directly at an iteration directory
-        mcore_version.check_readable(ckpt_dir)
+        check_readable(ckpt_dir)
         return ckpt_dir
     if iteration is None:
         iteration = read_tracker(ckpt_dir)
@@ -108,7 +123,7 @@ def resolve_iteration_dir(ckpt_dir, iteration: int | str | None = None) -> Path:
     path = ckpt_dir / iter_dir_name(iteration)
     if not path.is_dir():
         raise CheckpointLayoutError(f"{path} does not exist (iteration {iteration} of {ckpt_dir})")
-    mcore_version.check_readable(path)
+    check_readable(path)
     return path
 
 
@@ -248,7 +263,7 @@ def dist_key_layout(iter_dir) -> DistKeyLayout:
     """Read the key convention of the torch_dist checkpoint in ``iter_dir`` from its tensor metadata."""
     from megatron.core import dist_checkpointing
 
-    mcore_version.check_readable(iter_dir)  # every torch_dist load asks this first
+    check_readable(iter_dir)  # every torch_dist load asks this first
     keys = list(dist_checkpointing.load_tensors_metadata(str(iter_dir)))
     prefix = OLD_PREFIX if any(k.startswith(OLD_PREFIX + "language_model.") for k in keys) else ""
     te = any(".linear_qkv.layer_norm_weight" in k for k in keys) or not any(".input_layernorm." in k for k in keys)

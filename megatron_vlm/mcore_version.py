@@ -8,8 +8,11 @@ megatron-vlm supports two lanes, chosen by the Python version (``setup.cfg``, ``
 Their torch_dist checkpoints differ in one place: 0.16 keeps the common (non-tensor) state in ``common.pt``;
 0.17 and newer put it into the ``.distcp`` files and write no ``common.pt``. 0.19 reads both, 0.16 reads only
 its own (it fails with "Common file .../common.pt does not exist"). Every checkpoint megatron-vlm writes
-records the versions that wrote it (``ckpt_meta.json`` ``versions``); :func:`check_readable` turns the
-unreadable case into an error that names the writer and what to install.
+records the versions that wrote it (``ckpt_meta.json`` ``versions``, from :func:`writer_stamp`);
+:func:`check_readable` turns the unreadable case into an error that names the writer and what to install.
+
+This module knows versions and the two torch_dist formats only; it imports nothing of megatron-vlm's checkpoint
+layout (:mod:`megatron_vlm.checkpoint` depends on it, not the other way).
 """
 
 from __future__ import annotations
@@ -69,19 +72,23 @@ def writer_stamp() -> dict[str, str]:
     return stamp
 
 
-def check_readable(iter_dir, written_by: str | None = None) -> None:
-    """Raise :class:`CheckpointVersionError` if the torch_dist checkpoint in ``iter_dir`` was written in the
-    newer format (no ``common.pt``) and this megatron-core cannot read it. ``written_by`` is the writer's
-    megatron-core version when the checkpoint records it. Legacy and non-checkpoint directories pass."""
+def unreadable(iter_dir) -> bool:
+    """Whether ``iter_dir`` holds a torch_dist checkpoint in the newer format (no ``common.pt``) that this
+    megatron-core cannot read. Legacy and non-checkpoint directories are readable."""
     if not writes_common_file():
-        return  # 0.17+ reads both formats
+        return False  # 0.17+ reads both formats
     from megatron_vlm import storage
 
     d = storage.path(iter_dir)
-    if not (d / DIST_METADATA).is_file() or (d / COMMON_FILE).is_file():
+    return (d / DIST_METADATA).is_file() and not (d / COMMON_FILE).is_file()
+
+
+def check_readable(iter_dir, written_by: str | None = None) -> None:
+    """Raise :class:`CheckpointVersionError` if :func:`unreadable` (``iter_dir``). ``written_by`` is the
+    writer's megatron-core version when the checkpoint records it (the caller reads it: the metadata file is
+    :mod:`megatron_vlm.checkpoint`'s); without it the message explains the format alone."""
+    if not unreadable(iter_dir):
         return
-    if written_by is None:
-        written_by = _recorded_writer(d)
     who = f"megatron-core {written_by}" if written_by else "megatron-core 0.17 or newer (it has no common.pt)"
     raise CheckpointVersionError(
         f"{iter_dir} was written by {who}, whose torch_dist format megatron-core {installed()} cannot read "
@@ -89,18 +96,6 @@ def check_readable(iter_dir, written_by: str | None = None) -> None:
         f"or pip install '{LANES[0][1]}'). To bring the weights back to megatron-core 0.16, export them to HF "
         "with convert/megatron_to_hf.py under 0.19 and convert that with convert/hf_to_megatron.py under 0.16. "
         "Checkpoints move freely the other way (0.16 -> 0.19).")
-
-
-def _recorded_writer(d) -> str | None:
-    import json
-
-    from megatron_vlm.checkpoint import META
-
-    try:
-        meta = json.loads((d / META).read_text())
-    except (OSError, ValueError):
-        return None
-    return (meta.get("versions") or {}).get("megatron_core")
 
 
 def describe(versions: dict | None) -> str:

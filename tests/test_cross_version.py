@@ -94,3 +94,14 @@ def test_lane_requirements_match_setup_cfg():
     from packaging.requirements import Requirement
 
     assert mcore_version.installed() in Requirement(mcore_version.lane_requirement()).specifier
+
+
+def test_the_version_module_does_not_import_the_checkpoint_layout():
+    """The dependency runs one way: megatron_vlm.checkpoint -> mcore_version (which owns no file of the layout)."""
+    import ast
+
+    tree = ast.parse(Path(mcore_version.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "megatron_vlm.checkpoint" not in imported
+    assert not any(n.id == "META" for n in ast.walk(tree) if isinstance(n, ast.Name))
