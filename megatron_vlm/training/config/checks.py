@@ -1,0 +1,198 @@
+"""Validation of a training config: per-value types and ranges (before resolution) and the consistency of a
+resolved config (parallel layout, batch arithmetic, precision, FP8, fusions, packing, containers, SLURM).
+Each check returns a list of problems, one line each, naming the flag and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from megatron_vlm.fp8 import align_size as fp8_align_size
+from megatron_vlm.fusions import BY_NAME as FUSIONS
+from megatron_vlm.fusions import problems as fusion_problems
+from megatron_vlm.training.config.fields import STAGE_DEFAULTS, ConfigFields
+from megatron_vlm.training.config.fields import flag as _flag
+
+
+def join(problems: list[str]) -> str:
+    return problems[0] if len(problems) == 1 else "\n".join(f"- {p}" for p in problems)
+
+
+def check_types_and_ranges(cfg: ConfigFields) -> list[str]:
+    p: list[str] = []
+    for f in dataclasses.fields(cfg):  # nan and inf pass every comparison below
+        v = getattr(cfg, f.name)
+        if f.metadata["kind"] == "float" and isinstance(v, float) and v - v != 0:
+            p.append(f"{f.metadata['flags'][0]} {v}: must be a finite number")
+    positive = ["gpus", "nodes", "tp", "pp", "micro_batch_size", "global_batch_size", "train_iters",
+                "seq_length", "save_interval", "save_total_limit", "log_interval", "eval_interval",
+                "gpus_per_node", "cpus_per_task", "ddp_bucket_size", "recompute_num_layers",
+                "max_consecutive_skipped_samples", "packing_buffer_size", "packed_seq_length"]
+    for name in positive:
+        v = getattr(cfg, name)
+        if v is not None and v < 1:
+            p.append(f"{_flag(name)} {v}: must be at least 1")
+    for name in ("eval_iters", "num_workers", "min_lr", "weight_decay", "clip_grad", "seed", "image_token_id",
+                 "pad_token_id"):
+        v = getattr(cfg, name)
+        if v is not None and v < 0:
+            p.append(f"{_flag(name)} {v}: must not be negative")
+    if cfg.stage not in STAGE_DEFAULTS:
+        p.append(f"--stage {cfg.stage}: must be 1 (pretraining) or 2 (instruction tuning)")
+    if cfg.device not in (None, "cuda", "cpu"):
+        p.append(f"--device {cfg.device}: must be cuda or cpu")
+    if cfg.precision not in (None, "bf16", "fp16", "fp32"):
+        p.append(f"--precision {cfg.precision}: must be bf16, fp16 or fp32")
+    if cfg.lr_decay_style not in ("cosine", "linear", "constant"):
+        p.append(f"--lr-decay-style {cfg.lr_decay_style}: must be cosine, linear or constant")
+    if cfg.lr is not None and cfg.lr <= 0:
+        p.append(f"--lr {cfg.lr}: must be positive")
+    if not 0 <= cfg.lr_warmup_fraction < 1:
+        p.append(f"--lr-warmup-fraction {cfg.lr_warmup_fraction}: must be in [0, 1)")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            p.append(f"{_flag(name)} {getattr(cfg, name)}: must be in [0, 1)")
+    if cfg.node_rank is not None and cfg.node_rank < 0:
+        p.append(f"--rank {cfg.node_rank}: must not be negative")
+    if cfg.master_port is not None and not 0 < cfg.master_port < 65536:
+        p.append(f"--master-port {cfg.master_port}: must be a TCP port (1-65535)")
+    if cfg.gpu_ids is not None:
+        if not cfg.gpu_ids or min(cfg.gpu_ids) < 0 or len(set(cfg.gpu_ids)) != len(cfg.gpu_ids):
+            p.append(f"--gpu-ids {','.join(map(str, cfg.gpu_ids))}: give distinct non-negative GPU indices")
+    for a, b in cfg.skip_train_iteration_range:
+        if a < 0 or b < a:
+            p.append(f"--skip-train-iteration-range {a}-{b}: need 0 <= A <= B")
+    if cfg.name is not None and (not cfg.name or "/" in cfg.name or cfg.name in (".", "..")):
+        p.append(f"--name {cfg.name!r}: must be a plain directory name (no '/')")
+    return p
+
+
+def check_consistency(cfg: ConfigFields) -> list[str]:
+    p: list[str] = []
+    if cfg.gpu_ids is not None:
+        if cfg.device == "cpu":
+            p.append("--gpu-ids is for --device cuda; drop it for a CPU run")
+        elif len(cfg.gpu_ids) != cfg.gpus:
+            p.append(f"--gpu-ids {','.join(map(str, cfg.gpu_ids))} names {len(cfg.gpu_ids)} GPUs but -g is "
+                     f"{cfg.gpus}; give as many ids as --gpus (or leave -g out)")
+    if cfg.node_rank >= cfg.nodes:
+        p.append(f"--rank {cfg.node_rank} with --node {cfg.nodes}: node ranks run from 0 to {cfg.nodes - 1}")
+    if cfg.nodes > 1 and not cfg.master_addr and not cfg.sbatch:
+        p.append(f"--node {cfg.nodes}: give --master-addr (the address of node 0, reachable from every node)")
+    mp = cfg.tp * cfg.pp
+    if cfg.world_size % mp:
+        per = f"-g {cfg.gpus}" + (f" --node {cfg.nodes}" if cfg.nodes > 1 else "") + f" --tp {cfg.tp}" + \
+            (f" --pp {cfg.pp}" if cfg.pp > 1 else "")
+        total = f"{cfg.world_size} GPUs" + (f" ({cfg.gpus} per node x {cfg.nodes} nodes)" if cfg.nodes > 1 else "")
+        p.append(f"{per}: {total} is not a multiple of tp*pp={mp}; "
+                 f"use a GPU count that is a multiple of {mp} or lower --tp/--pp")
+    elif cfg.world_size < mp:  # pragma: no cover - implied by the modulo check
+        p.append(f"tp*pp={mp} exceeds {cfg.world_size} GPUs")
+    else:
+        unit = cfg.micro_batch_size * cfg.dp
+        if cfg.global_batch_size % unit:
+            src = "" if cfg.global_batch_size != STAGE_DEFAULTS[cfg.stage]["global_batch_size"] else \
+                f" (stage {cfg.stage} default)"
+            lo, hi = cfg.global_batch_size // unit * unit, (cfg.global_batch_size // unit + 1) * unit
+            p.append(f"global batch {cfg.global_batch_size}{src} is not divisible by micro batch "
+                     f"{cfg.micro_batch_size} x data-parallel {cfg.dp} = {unit}; pass --global-batch-size "
+                     f"{lo or hi}" + (f" or {hi}" if lo else "") + " (or change --micro-batch-size)")
+    if cfg.pp_layers is not None and (len(cfg.pp_layers) != cfg.pp or min(cfg.pp_layers) < 1):
+        p.append(f"--pp-layers {','.join(map(str, cfg.pp_layers))}: give {cfg.pp} positive layer counts, "
+                 f"one per pipeline stage of --pp {cfg.pp}")
+    if cfg.lr is not None and cfg.min_lr > cfg.lr:
+        p.append(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}")
+    if cfg.fp8:
+        if cfg.device == "cpu":
+            p.append("--fp8 needs a CUDA GPU of compute capability 8.9+ (Hopper/Ada) with Transformer Engine; "
+                     "drop --fp8 for --device cpu")
+        elif cfg.precision == "fp32":
+            p.append("--fp8 runs on top of bf16/fp16 weights; drop --precision fp32")
+        if cfg.transformer_impl == "local":
+            p.append("--fp8 needs --transformer-impl transformer_engine (FP8 GEMMs are Transformer Engine's); "
+                     "drop --transformer-impl local or --fp8")
+        align = fp8_align_size(cfg.fp8_recipe)
+        if cfg.seq_length % align:
+            up = -(-cfg.seq_length // align) * align
+            p.append(f"--seq-length {cfg.seq_length}: with --fp8 (--fp8-recipe {cfg.fp8_recipe}) it must be a "
+                     f"multiple of {align}, the token alignment of FP8 GEMMs; use --seq-length {up}")
+    p += fusion_problems({n: getattr(cfg, n) for n in FUSIONS}, cfg.device)
+    p += _check_packing(cfg)
+    if cfg.transformer_impl == "transformer_engine" and cfg.device == "cpu":
+        p.append("--transformer-impl transformer_engine needs a CUDA GPU; use --transformer-impl local (the "
+                 "default on --device cpu)")
+    if cfg.overlap_param_gather and not cfg.dist_optim:
+        p.append("--overlap-param-gather needs --dist-optim (it overlaps the distributed optimizer's "
+                 "parameter all-gather)")
+    if cfg.sequence_parallel and (cfg.transformer_impl == "local" or cfg.device == "cpu"):
+        p.append("--sequence-parallel needs Transformer Engine layers (megatron-core's LLaVAModel runs sequence "
+                 "parallelism only with TE attention); drop --sequence-parallel or use --transformer-impl "
+                 "transformer_engine on a GPU")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        p.append("--sequence-parallel needs --tp > 1 (it splits the sequence over tensor-parallel ranks)")
+    if cfg.recompute_granularity != "full":
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(cfg, name) is not None:
+                p.append(f"{_flag(name)} only applies with --recompute-granularity full")
+    if cfg.precision == "fp16" and cfg.device == "cpu":
+        p.append("--precision fp16 is not supported on --device cpu; use fp32 (default) or bf16")
+    if cfg.train_iters is None:
+        p.append("--train-iters is required: how many optimizer steps to train")
+    if not cfg.data_path:
+        p.append("--data-path is required: an energon dataset prepared with data_prep/")
+    if not cfg.tokenizer_load_dir:
+        p.append("--tokenizer-load-dir is required: the HF LLaVA directory from convert/build_llava.py")
+    if not cfg.megatron_load_dir and not cfg.init:
+        p.append("--megatron-load-dir is required (a checkpoint from convert/hf_to_megatron.py), "
+                 "or pass --init to start from random weights")
+    for name in ("log_dir", "tensorboard_dir", "tokenizer_load_dir", "sbatch", "sif_path"):
+        v = getattr(cfg, name)
+        if v and "://" in v:
+            p.append(f"{_flag(name)} {v}: must be a local path (only --data-path, --save-dir and "
+                     "--megatron-load-dir may be msc:// URLs)")
+    if cfg.sif_path and cfg.docker_image:
+        p.append("--sif-path and --docker-image both given; choose one container runtime")
+    if cfg.bind and not cfg.container:
+        p.append("--bind only applies with --sif-path or --docker-image")
+    if cfg.submit and not cfg.sbatch:
+        p.append("--submit needs --sbatch JOB.sh (the script to write and submit)")
+    if not cfg.sbatch:
+        for name in ("partition", "time", "account", "cpus_per_task"):
+            if getattr(cfg, name) is not None:
+                p.append(f"{_flag(name)} only applies with --sbatch JOB.sh")
+        if cfg.gpus_per_node is not None and cfg.gpus_per_node != cfg.gpus:
+            p.append(f"--gpus-per-node {cfg.gpus_per_node} disagrees with -g {cfg.gpus} (both count GPUs "
+                     "per node); give one of them")
+    elif cfg.gpus_per_node != cfg.gpus:
+        p.append(f"--gpus-per-node {cfg.gpus_per_node} disagrees with -g {cfg.gpus} (both count GPUs per "
+                 "node); give one of them")
+    return p
+
+
+def _check_packing(cfg: ConfigFields) -> list[str]:
+    p: list[str] = []
+    if not cfg.packing:
+        if cfg.packed_seq_length is not None:
+            p.append("--packed-seq-length only applies with --packing-buffer-size N (packing is on only with a "
+                     "buffer of samples to pack from)")
+        return p
+    if cfg.device == "cpu" or cfg.transformer_impl == "local":
+        where = "--device cpu" if cfg.device == "cpu" else "--transformer-impl local"
+        p.append(f"--packing-buffer-size needs Transformer Engine attention (packed sequences use megatron-core's "
+                 f"'thd' format, which {where} lacks); use --transformer-impl transformer_engine on --device cuda, "
+                 "or drop --packing-buffer-size")
+    if cfg.micro_batch_size != 1:
+        p.append(f"--micro-batch-size {cfg.micro_batch_size} with --packing-buffer-size: a micro batch is one packed "
+                 "sequence; use --micro-batch-size 1 (more samples per step: a larger --packed-seq-length or "
+                 "--global-batch-size)")
+    if cfg.packed_seq_length < cfg.seq_length:
+        p.append(f"--packed-seq-length {cfg.packed_seq_length} is below --seq-length {cfg.seq_length}: every "
+                 f"sample (up to --seq-length) must fit in a pack; use --packed-seq-length {cfg.seq_length} or more")
+    align = fp8_align_size(cfg.fp8_recipe) if cfg.fp8 else 1
+    if cfg.sequence_parallel:
+        align = math.lcm(align, cfg.tp)
+    if align > 1 and cfg.packed_seq_length % align:
+        up = -(-cfg.packed_seq_length // align) * align
+        p.append(f"--packed-seq-length {cfg.packed_seq_length}: with " + ("--fp8" if cfg.fp8 else "--sequence-parallel")
+                 + f" it must be a multiple of {align}; use --packed-seq-length {up}")
+    return p

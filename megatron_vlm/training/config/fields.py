@@ -1,0 +1,395 @@
+"""The field table of a training run: one dataclass field per launcher flag, and what is derived from it.
+
+Each field's metadata carries its flags, help text, kind (how the command line and YAML coerce it) and --help
+group; :mod:`.parse` builds the argument parser and reads YAML from this table, :mod:`.checks` validates a
+resolved config, :mod:`.resolve` fills what the user left open. The stage defaults and the ``--debug`` sizes
+live here too, since help texts quote them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_vlm.fp8 import FORMATS as FP8_FORMATS
+from megatron_vlm.fp8 import RECIPES as FP8_RECIPES
+from megatron_vlm.fusions import BY_NAME as FUSIONS
+
+CONFIG_FILE = "config.yaml"
+
+
+class ConfigError(ValueError):
+    """An impossible or incomplete training request; the message names the input and the fix."""
+
+
+# Stage defaults, applied only where the user gave nothing (LLaVA-1.5 recipe).
+STAGE_DEFAULTS: dict[int, dict[str, Any]] = {
+    1: dict(freeze_lm=True, freeze_vit=True, global_batch_size=256, micro_batch_size=16, lr=1e-3),
+    2: dict(freeze_lm=False, freeze_vit=True, global_batch_size=128, micro_batch_size=1, lr=2e-5),
+}
+DEBUG_TRAIN_ITERS = 10
+
+# Field groups, in --help order.
+GROUPS = {
+    "launch": "processes and nodes",
+    "parallel": "parallelism and batch",
+    "stage": "training stage and freezing",
+    "optim": "optimizer and schedule",
+    "fusion": "kernel fusions (Megatron-LM's switches; default: on where they work, i.e. on CUDA, off on CPU)",
+    "model": "model, tokenizer and data",
+    "ckpt": "checkpoints",
+    "log": "logging and evaluation",
+    "container": "containers",
+    "slurm": "SLURM batch jobs",
+}
+
+# Kinds: int, float, str, path (made absolute), bool (--x/--no-x), flag (--x only), tristate (two flags, None = default),
+# choice, intlist ("0,1,3"), ranges ("A-B" ...), strlist (repeatable).
+
+
+def _fusion(name: str, help: str):
+    """A tristate field for one fusion of :data:`megatron_vlm.fusions.FUSIONS` (its Megatron-LM flags)."""
+    fu = FUSIONS[name]
+    return _f((fu.on_flag,), help + " Default: on where it works (logged at start-up).", "tristate", None, "fusion",
+              negative=fu.off_flags)
+
+
+def _f(flags, help, kind="str", default=None, group="launch", factory=None, **extra):
+    meta = dict(flags=tuple(flags), help=help, kind=kind, group=group, **extra)
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ConfigFields:
+    """Every setting of a training run (the fields) and the values derived from them (properties).
+    :class:`~megatron_vlm.training.config.TrainConfig` adds construction, YAML and resolution."""
+
+    # ---- processes and nodes ------------------------------------------------------------------------
+    gpus: int | None = _f(
+        ("-g", "--gpus"), "Processes per node, one per GPU (on --device cpu: CPU processes). "
+        "Default: the number of --gpu-ids, else SLURM_GPUS_ON_NODE inside a SLURM job, else 1.", "int")
+    gpu_ids: list[int] | None = _f(
+        ("--gpu-ids",), "Comma-separated GPU indices to use on each node, e.g. 0,1,4,5 "
+        "(sets CUDA_VISIBLE_DEVICES). Default: the first --gpus GPUs.", "intlist", metavar="IDS")
+    device: str | None = _f(
+        ("--device",), "cuda (NCCL) or cpu (gloo, for tests and debugging). Default: cuda when a GPU is "
+        "visible, else cpu.", "choice", choices=("cuda", "cpu"))
+    nodes: int | None = _f(
+        ("--node", "--nodes"), "Number of nodes. Default: SLURM_NNODES inside a SLURM job, else 1.", "int")
+    node_rank: int | None = _f(
+        ("--rank", "--node-rank"), "Rank of this node, 0..nodes-1 (node 0 hosts the rendezvous). "
+        "Default: SLURM_PROCID inside a SLURM job, else 0.", "int")
+    master_addr: str | None = _f(
+        ("--master-addr",), "Address of node 0, reachable from every node. Default: 127.0.0.1 on one node, "
+        "the first host of SLURM_JOB_NODELIST in a SLURM job; required for --node > 1 otherwise.")
+    master_port: int | None = _f(
+        ("--master-port",), "Rendezvous TCP port on node 0. Default: a free port on one node, 29500 "
+        "(or a port derived from SLURM_JOB_ID) for several nodes.", "int")
+    interface: str | None = _f(
+        ("--interface",), "Network interface for NCCL and gloo traffic, e.g. ib0 or eth0 "
+        "(sets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME).", metavar="IFACE")
+    dry_run: bool = _f(
+        ("--dry-run",), "Validate, print the resolved config and the full command, and exit without "
+        "launching or writing anything.", "flag", False)
+
+    # ---- parallelism and batch ------------------------------------------------------------------------
+    tp: int = _f(("--tp",), "Tensor-parallel size (divides attention heads, FFN and vocab sizes).",
+                 "int", 1, "parallel")
+    pp: int = _f(("--pp",), "Pipeline-parallel size (language model layers split across stages).",
+                 "int", 1, "parallel")
+    pp_layers: list[int] | None = _f(
+        ("--pp-layers",), "Uneven pipeline split: language layers per stage, e.g. 3,1 for --pp 2. "
+        "Default: an even split.", "intlist", None, "parallel", metavar="N,N,...")
+    micro_batch_size: int | None = _f(
+        ("--micro-batch-size", "--mbs"), "Samples per GPU per forward pass. Default: 16 (stage 1), "
+        "1 (stage 2).", "int", None, "parallel")
+    global_batch_size: int | None = _f(
+        ("--global-batch-size", "--gbs"), "Samples per optimizer step over all data-parallel ranks; "
+        "must be a multiple of micro batch x data-parallel size. Default: 256 (stage 1), 128 (stage 2).",
+        "int", None, "parallel")
+    dist_optim: bool = _f(
+        ("--dist-optim", "--use-distributed-optimizer"), "Shard optimizer state over data-parallel ranks "
+        "(megatron distributed optimizer).", "bool", False, "parallel")
+    sequence_parallel: bool = _f(
+        ("--sequence-parallel",), "Split layer norms and dropout along the sequence over the tensor-parallel "
+        "ranks (needs --tp > 1 and Transformer Engine attention, which megatron-core's LLaVAModel requires "
+        "for it).", "bool", False, "parallel")
+    overlap_grad_reduce: bool = _f(
+        ("--overlap-grad-reduce",), "Overlap the data-parallel gradient reduction with the backward pass "
+        "(megatron-core DDP buckets).", "bool", False, "parallel")
+    overlap_param_gather: bool = _f(
+        ("--overlap-param-gather",), "Overlap the distributed optimizer's parameter all-gather with the "
+        "next forward pass (needs --dist-optim).", "bool", False, "parallel")
+    ddp_bucket_size: int | None = _f(
+        ("--ddp-bucket-size",), "Elements per DDP gradient bucket when overlapping. Default: megatron-core's "
+        "(one bucket without overlap; max(40M, 1M x data-parallel size) with --overlap-grad-reduce).", "int",
+        None, "parallel")
+    recompute_granularity: str | None = _f(
+        ("--recompute-granularity",), "Activation recomputation of the language model: full (whole layers, "
+        "see --recompute-method) or selective (only the attention core). Default: none.", "choice", None,
+        "parallel", choices=("full", "selective"))
+    recompute_method: str | None = _f(
+        ("--recompute-method",), "With --recompute-granularity full: uniform (recompute every chunk of "
+        "--recompute-num-layers layers) or block (recompute the first --recompute-num-layers layers of each "
+        "pipeline stage). Default: uniform.", "choice", None, "parallel", choices=("uniform", "block"))
+    recompute_num_layers: int | None = _f(
+        ("--recompute-num-layers",), "Layers per recomputed chunk (uniform) or recomputed layers per stage "
+        "(block). Default: 1.", "int", None, "parallel")
+
+    # ---- stage and freezing ---------------------------------------------------------------------------
+    stage: int = _f(
+        ("--stage",), "1 = pretraining (vision encoder and language model frozen, projector trained); "
+        "2 = instruction tuning (vision encoder frozen, language model and projector trained). "
+        "Sets the defaults of freezing, batch sizes and learning rate.", "choice", 1, "stage",
+        choices=(1, 2))
+    freeze_lm: bool | None = _f(
+        ("--freeze-lm",), "Freeze the language model. Default: frozen in stage 1, trained in stage 2.",
+        "tristate", None, "stage", negative="--unfreeze-lm")
+    freeze_vit: bool | None = _f(
+        ("--freeze-vit",), "Freeze the vision encoder. Default: frozen in both stages.",
+        "tristate", None, "stage", negative="--unfreeze-vit")
+
+    # ---- optimizer and schedule -----------------------------------------------------------------------
+    lr: float | None = _f(("--lr",), "Peak learning rate. Default: 1e-3 (stage 1), 2e-5 (stage 2).",
+                          "float", None, "optim")
+    min_lr: float = _f(("--min-lr",), "Learning rate at the end of the decay.", "float", 0.0, "optim")
+    lr_decay_style: str = _f(("--lr-decay-style",), "Learning-rate decay after warmup.", "choice",
+                             "cosine", "optim", choices=("cosine", "linear", "constant"))
+    lr_warmup_fraction: float = _f(("--lr-warmup-fraction",), "Fraction of --train-iters spent in "
+                                   "linear warmup.", "float", 0.03, "optim")
+    weight_decay: float = _f(("--weight-decay",), "AdamW weight decay (LLaVA uses 0).", "float", 0.0,
+                             "optim")
+    clip_grad: float = _f(("--clip-grad",), "Gradient-norm clipping threshold (0 disables).", "float",
+                          1.0, "optim")
+    adam_beta1: float = _f(("--adam-beta1",), "AdamW beta1.", "float", 0.9, "optim")
+    adam_beta2: float = _f(("--adam-beta2",), "AdamW beta2.", "float", 0.999, "optim")
+    train_iters: int | None = _f(("--train-iters",), "Optimizer steps to train (required; "
+                                 f"{DEBUG_TRAIN_ITERS} with --debug).", "int", None, "optim")
+    seq_length: int = _f(("--seq-length",), "Tokens per sample after image-token expansion (longer "
+                         "samples are truncated).", "int", 2048, "optim")
+    precision: str | None = _f(("--precision",), "Parameter/compute precision. Default: bf16 on cuda, "
+                               "fp32 on cpu.", "choice", None, "optim", choices=("bf16", "fp16", "fp32"))
+    fp8: bool = _f(("--fp8",), "FP8 matmuls through Transformer Engine (needs transformer_engine and a "
+                   "GPU of compute capability 8.9 or newer).", "bool", False, "optim")
+    fp8_recipe: str = _f(("--fp8-recipe",), "FP8 scaling recipe with --fp8 (megatron-core's): delayed, tensorwise "
+                         "(current scaling), blockwise (Hopper+, CUDA 12.9+) or mxfp8 (Blackwell); refused where the "
+                         "GPU cannot run it.", "choice", "delayed", "optim", choices=tuple(FP8_RECIPES))
+    fp8_format: str = _f(("--fp8-format",), "FP8 format with --fp8: hybrid (E4M3 forward, E5M2 gradients) or e4m3.",
+                         "choice", "hybrid", "optim", choices=FP8_FORMATS)
+    transformer_impl: str | None = _f(
+        ("--transformer-impl",), "Transformer layers: transformer_engine (fused Transformer Engine layers; needed "
+        "by --fp8) or local (megatron-core's own). Default: transformer_engine when it imports on CUDA, else local "
+        "(the choice is logged at start-up). Checkpoints load into either.", "choice", None, "optim",
+        choices=("transformer_engine", "local"))
+    # ---- kernel fusions (see megatron_vlm.fusions) ---------------------------------------------------------
+    gradient_accumulation_fusion: bool | None = _fusion(
+        "gradient_accumulation_fusion", "Accumulate weight gradients inside the GEMM into the fp32 main_grad "
+        "buffers (Transformer Engine linears; apex's fused_weight_gradient_mlp_cuda for local layers).")
+    bias_activation_fusion: bool | None = _fusion(
+        "bias_activation_fusion", "Fused SwiGLU in the language model's MLP (--no-bias-gelu-fusion is accepted "
+        "as the same switch; the vision encoder's and projector's GELU are never fused, as megatron's fused "
+        "bias-GELU is the tanh approximation).")
+    bias_dropout_fusion: bool | None = _fusion("bias_dropout_fusion", "Fused bias + dropout + residual add.")
+    apply_rope_fusion: bool | None = _fusion(
+        "apply_rope_fusion", "Transformer Engine's fused rotary position embedding.")
+    masked_softmax_fusion: bool | None = _fusion(
+        "masked_softmax_fusion", "Fused scale + mask + softmax in megatron-core's own attention.")
+    persist_layer_norm: bool | None = _fusion(
+        "persist_layer_norm", "Persistent fused layer-norm kernel (apex layer norms; not torch norms).")
+    cross_entropy_loss_fusion: bool | None = _fusion(
+        "cross_entropy_loss_fusion", "megatron-core's fused vocab-parallel cross-entropy for the loss.")
+
+    seed: int = _f(("--seed",), "Random seed (model init, data order, dropout).", "int", 1234, "optim")
+    deterministic: bool = _f(("--deterministic",), "Bitwise reproducible kernels where possible "
+                             "(slower; sets CUBLAS_WORKSPACE_CONFIG and NCCL_ALGO=Ring).", "bool", False,
+                             "optim")
+
+    # ---- model, tokenizer and data --------------------------------------------------------------------
+    megatron_load_dir: str | None = _f(
+        ("--megatron-load-dir",), "Megatron checkpoint to start from (from convert/hf_to_megatron.py or an "
+        "earlier stage): holds vlm_spec.json and latest_checkpointed_iteration.txt. Required unless --init.",
+        "path", None, "model", metavar="DIR")
+    tokenizer_load_dir: str | None = _f(
+        ("--tokenizer-load-dir",), "Hugging Face LLaVA directory (from convert/build_llava.py) whose "
+        "tokenizer, chat template and image processor are used. Required.", "path", None, "model",
+        metavar="DIR")
+    data_path: str | None = _f(
+        ("--data-path",), "Energon dataset prepared by data_prep/ (a directory with .nv-meta/dataset.yaml) "
+        "or an energon metadataset .yaml file. Required.", "path", None, "model", metavar="PATH")
+    init: bool = _f(("--init",), "Start from random weights instead of a checkpoint (architecture from "
+                    "--megatron-load-dir's vlm_spec.json or --tokenizer-load-dir's config.json).", "bool",
+                    False, "model")
+    image_token_id: int | None = _f(("--image-token-id",), "Id of the image token. Default: read from the "
+                                    "tokenizer in --tokenizer-load-dir.", "int", None, "model")
+    pad_token_id: int | None = _f(("--pad-token-id",), "Id of the pad token. Default: read from the "
+                                  "tokenizer in --tokenizer-load-dir.", "int", None, "model")
+    no_add_class_token: bool = _f(("--no-add-class-token",), "Require a vision encoder without a class token "
+                                  "(as Megatron's launcher takes it). The checkpoint's vlm_spec.json decides: "
+                                  "SigLIP has none; CLIP has one, and the flag is refused for it.", "flag", False,
+                                  "model")
+    num_workers: int = _f(("--num-workers",), "Data-loader worker processes per rank.", "int", 2, "model")
+    max_consecutive_skipped_samples: int = _f(
+        ("--max-consecutive-skipped-samples",), "Stop training with the skip reasons counted when this many "
+        "samples in a row (in one data-loader worker) are skipped, e.g. because the chat template drops the "
+        "image token or samples do not fit --seq-length.", "int", 1000, "model", metavar="N")
+    packing_buffer_size: int | None = _f(
+        ("--packing-buffer-size",), "Sequence packing: pack variable-length samples into sequences of "
+        "--packed-seq-length image-expanded positions, chosen from a buffer of N encoded samples (energon's "
+        "packing; per-sample positions and loss are kept). Needs Transformer Engine attention on CUDA "
+        "(megatron-core's 'thd' format). A micro batch is then one packed sequence (--micro-batch-size 1) and "
+        "--global-batch-size counts packed sequences. Default: no packing.", "int", None, "model")
+    packed_seq_length: int | None = _f(
+        ("--packed-seq-length", "--packing-seq-length"), "Image-expanded positions of one packed sequence (the "
+        "language model's sequence length with --packing-buffer-size). At least --seq-length, which still "
+        "truncates each sample (never inside an image). Default: --seq-length.", "int", None, "model")
+    skip_train_iteration_range: list[tuple[int, int]] = _f(
+        ("--skip-train-iteration-range",), "Iteration ranges whose batches are consumed but not trained "
+        "on, e.g. 1000-1010 2000-2005 (to step over a loss spike).", "ranges", None, "model",
+        factory=list, metavar="A-B")
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    save_dir: str = _f(("--save-dir",), "Parent directory of runs; checkpoints, config.yaml and "
+                       "tensorboard logs go to <save-dir>/<name>/. An object-store URL msc://PROFILE/PATH "
+                       "(profile from the MSC config named by MSC_CONFIG) keeps the checkpoints there and the "
+                       "logs in --log-dir.", "path", "outputs", "ckpt", metavar="DIR")
+    log_dir: str | None = _f(("--log-dir",), "Local directory for this run's config.yaml, metrics.jsonl, "
+                             "TensorBoard and W&B files. Default: <save-dir>/<name>; with a remote --save-dir "
+                             "(msc://...): outputs/<name> in the current directory.", "path", None, "ckpt",
+                             metavar="DIR")
+    name: str | None = _f(("--name",), "Run name (a directory under --save-dir). Default: "
+                          "llava-stage<stage>.", "str", None, "ckpt")
+    save: bool = _f(("--save",), "Save checkpoints.", "bool", True, "ckpt")
+    save_interval: int = _f(("--save-interval",), "Save a checkpoint every N iterations (and at the "
+                            "end).", "int", 1000, "ckpt")
+    save_optim: bool = _f(("--save-optim",), "Include optimizer and scheduler state in checkpoints.",
+                          "bool", True, "ckpt")
+    load_optim: bool = _f(("--load-optim",), "Load optimizer and scheduler state when resuming "
+                          "(--no-load-optim: continue from the checkpoint's weights with a fresh optimizer).",
+                          "bool", True, "ckpt")
+    load_rng: bool = _f(("--load-rng",), "Restore the random-number generators' state when resuming.",
+                        "bool", True, "ckpt")
+    reset_data_position: bool = _f(
+        ("--reset-data-position",), "When resuming at a different data-parallel size, read the data from a new "
+        "deterministic position (seeded by --seed and the iteration). energon's saved position is per "
+        "data-parallel rank and cannot move to another DP size; without this flag such a resume is refused.",
+        "flag", False, "ckpt")
+    save_total_limit: int | None = _f(("--save-total-limit",), "Keep only the newest N checkpoints. "
+                                      "Default: keep all.", "int", None, "ckpt")
+
+    # ---- logging and evaluation -----------------------------------------------------------------------
+    log_interval: int = _f(("--log-interval",), "Log loss, learning rate and throughput every N "
+                           "iterations.", "int", 10, "log")
+    eval_interval: int = _f(("--eval-interval",), "Evaluate on the validation split every N "
+                            "iterations (when --eval-iters > 0).", "int", 1000, "log")
+    eval_iters: int = _f(("--eval-iters",), "Validation batches per evaluation (0 disables "
+                         "evaluation).", "int", 0, "log")
+    wandb: bool = _f(("--wandb",), "Log to Weights & Biases.", "bool", False, "log")
+    wandb_project: str = _f(("--wandb-project",), "Weights & Biases project.", "str", "megatron-vlm",
+                            "log")
+    tensorboard_dir: str | None = _f(("--tensorboard-dir",), "TensorBoard log directory. Default: "
+                                     "<save-dir>/<name>/tensorboard.", "path", None, "log", metavar="DIR")
+    debug: bool = _f(("--debug",), f"Shrink the run for debugging: forces TP=PP=1, micro batch 1, "
+                     f"global batch = data-parallel size, logs every step, {DEBUG_TRAIN_ITERS} iterations "
+                     "unless --train-iters is given.", "bool", False, "log")
+
+    # ---- containers -----------------------------------------------------------------------------------
+    sif_path: str | None = _f(("--sif-path",), "Run each node's ranks inside this Apptainer/Singularity "
+                              "image (apptainer exec --nv).", "path", None, "container", metavar="IMG")
+    docker_image: str | None = _f(("--docker-image",), "Run each node's ranks inside this Docker image "
+                                  "(docker run --gpus all --ipc=host).", "str", None, "container",
+                                  metavar="IMAGE")
+    bind: list[str] = _f(("--bind",), "Extra container mount SRC[:DST[:ro]] (repeatable). The data, "
+                         "checkpoint, tokenizer, run and code directories are mounted automatically.",
+                         "strlist", None, "container", factory=list, metavar="SRC[:DST[:ro]]")
+
+    # ---- SLURM ----------------------------------------------------------------------------------------
+    sbatch: str | None = _f(("--sbatch",), "Write a SLURM batch script to this path (one task per node "
+                            "running this launcher; its settings go to JOB.yaml beside it; --device defaults "
+                            "to cuda) instead of launching.", "path", None, "slurm",
+                            metavar="JOB.sh")
+    submit: bool = _f(("--submit",), "Submit the --sbatch script with sbatch.", "flag", False, "slurm")
+    gpus_per_node: int | None = _f(("--gpus-per-node",), "GPUs to request per node in the --sbatch "
+                                   "script. Default: --gpus.", "int", None, "slurm")
+    partition: str | None = _f(("--partition",), "SLURM partition for --sbatch.", "str", None, "slurm")
+    time: str | None = _f(("--time",), "SLURM time limit for --sbatch, e.g. 24:00:00.", "str", None,
+                          "slurm")
+    account: str | None = _f(("--account",), "SLURM account for --sbatch.", "str", None, "slurm")
+    cpus_per_task: int | None = _f(("--cpus-per-task",), "CPUs per node task for --sbatch. Default: "
+                                   "request whole nodes (--exclusive).", "int", None, "slurm")
+
+    # Set by resolved(): what --debug changed (not a field; never written to YAML).
+    resolution_notes = ()
+
+    # ---- derived values -------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return (self.gpus or 1) * (self.nodes or 1)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def packing(self) -> bool:
+        """Sequence packing is on (``--packing-buffer-size``)."""
+        return self.packing_buffer_size is not None
+
+    @property
+    def lm_seq_length(self) -> int:
+        """Positions the language model sees per sequence: ``--packed-seq-length`` with packing, else
+        ``--seq-length``."""
+        return (self.packed_seq_length or self.seq_length) if self.packing else self.seq_length
+
+    @property
+    def grad_accum(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def run_name(self) -> str:
+        return self.name or f"llava-stage{self.stage}"
+
+    @property
+    def run_dir(self) -> Path:
+        """Local directory of this run's config.yaml, metrics and logs: ``--log-dir``, else ``<save_dir>/<name>``."""
+        return Path(self.log_dir) if self.log_dir else Path(self.save_dir) / self.run_name
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where the trainer saves and resumes checkpoints: ``<save_dir>/<name>`` (a path or an msc:// URL)."""
+        return str(self.save_dir).rstrip("/") + "/" + self.run_name if "://" in str(self.save_dir) else \
+            str(Path(self.save_dir) / self.run_name)
+
+    @property
+    def config_path(self) -> Path:
+        """The resolved config this node's trainer reads (node 0: ``config.yaml``, node r: ``config.node<r>.yaml``)."""
+        rank = self.node_rank or 0
+        return self.run_dir / (CONFIG_FILE if rank == 0 else f"config.node{rank}.yaml")
+
+    @property
+    def unfreeze_vit(self) -> bool:
+        return not self.freeze_vit
+
+    @property
+    def bf16(self) -> bool:
+        return self.precision == "bf16"
+
+    @property
+    def fp16(self) -> bool:
+        return self.precision == "fp16"
+
+    @property
+    def container(self) -> str | None:
+        return "apptainer" if self.sif_path else "docker" if self.docker_image else None
+
+
+#: field name -> dataclasses.Field, in --help order
+FIELDS = {f.name: f for f in dataclasses.fields(ConfigFields)}
+
+
+def flag(name: str) -> str:
+    """The first command-line flag of field ``name``, e.g. ``--micro-batch-size``."""
+    return FIELDS[name].metadata["flags"][0]

@@ -1,0 +1,87 @@
+"""Resolution: fill what the user left open (environment defaults, stage defaults, ``--debug`` shrinking,
+tensorboard dir, precision), make paths absolute, and validate (:mod:`.checks`).
+
+Precedence of a value: command line > YAML > environment (``env_defaults``) > ``--debug`` shrinking > stage
+default > field default; ``--debug`` forces its sizes whatever was asked and says so in ``resolution_notes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron_vlm.training.config import checks
+from megatron_vlm.training.config.fields import DEBUG_TRAIN_ITERS, STAGE_DEFAULTS, ConfigError, ConfigFields
+
+
+def absolute_path(p: str) -> str:
+    """``p`` made absolute (``~`` expanded); URLs such as ``s3://`` or ``msc://`` are returned as given."""
+    if "://" in p:
+        return p
+    return str(Path(os.path.expanduser(p)).absolute())
+
+
+
+def resolve(config: ConfigFields, env_defaults: dict[str, Any] | None = None) -> ConfigFields:
+    """A copy of ``config`` with open values filled in, paths absolute, and everything validated (``ConfigError``)."""
+    cfg = dataclasses.replace(config)
+    notes: list[str] = []
+    for key, value in (env_defaults or {}).items():
+        if key == "gpus" and cfg.gpu_ids:  # explicit --gpu-ids decide the count
+            continue
+        if getattr(cfg, key) is None and value is not None:
+            setattr(cfg, key, value)
+    problems = checks.check_types_and_ranges(cfg)
+    if problems:
+        raise ConfigError(checks.join(problems))
+
+    if cfg.gpus is None:
+        cfg.gpus = len(cfg.gpu_ids) if cfg.gpu_ids else (cfg.gpus_per_node or 1)
+    cfg.nodes = cfg.nodes or 1
+    cfg.node_rank = cfg.node_rank or 0
+    cfg.device = cfg.device or "cuda"
+    cfg.precision = cfg.precision or ("bf16" if cfg.device == "cuda" else "fp32")
+    if cfg.nodes == 1 and cfg.master_addr is None:
+        cfg.master_addr = "127.0.0.1"
+    cfg.name = cfg.name or f"llava-stage{cfg.stage}"
+    if cfg.sbatch and cfg.gpus_per_node is None:
+        cfg.gpus_per_node = cfg.gpus
+
+    if cfg.packing:  # a micro batch is one packed sequence
+        if cfg.micro_batch_size is None:
+            cfg.micro_batch_size = 1
+        if cfg.packed_seq_length is None:
+            cfg.packed_seq_length = cfg.seq_length
+    for key, value in STAGE_DEFAULTS[cfg.stage].items():
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
+    if cfg.debug:
+        forced = dict(tp=1, pp=1, pp_layers=None, micro_batch_size=1, log_interval=1)
+        changed = {k: v for k, v in forced.items() if getattr(cfg, k) != v}
+        for k, v in forced.items():
+            setattr(cfg, k, v)
+        if cfg.global_batch_size != cfg.dp:
+            changed["global_batch_size"] = cfg.dp
+            cfg.global_batch_size = cfg.dp
+        if cfg.train_iters is None:
+            cfg.train_iters = changed["train_iters"] = DEBUG_TRAIN_ITERS
+        if changed:
+            notes.append("--debug set " + ", ".join(f"{k}={v}" for k, v in changed.items()))
+
+    for f in dataclasses.fields(cfg):
+        if f.metadata["kind"] == "path" and getattr(cfg, f.name):
+            setattr(cfg, f.name, absolute_path(getattr(cfg, f.name)))
+    if cfg.log_dir is None and "://" in cfg.save_dir:
+        cfg.log_dir = absolute_path(str(Path("outputs") / cfg.name))
+        notes.append(f"--save-dir is remote: checkpoints go to {cfg.checkpoint_dir}, config and logs to "
+                     f"{cfg.log_dir} (set --log-dir to change)")
+    if cfg.tensorboard_dir is None:
+        cfg.tensorboard_dir = str(cfg.run_dir / "tensorboard")
+
+    problems = checks.check_consistency(cfg)
+    if problems:
+        raise ConfigError(checks.join(problems))
+    object.__setattr__(cfg, "resolution_notes", notes)
+    return cfg
