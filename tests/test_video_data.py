@@ -315,3 +315,27 @@ def test_stats_count_video_tokens(models, video_data):
         # the task encoder's own counts agree (it trains on a sample's tokens but the last, whose label it is)
         _, batches = _encoded(models["ov"], root / "vqa", video_fps=fps, video_frames=frames)
         assert sum(b.num_tokens + 1 for b in batches) == got["tokens"]
+
+
+def test_a_partial_last_batch_is_padded_with_its_last_rows_videos(models, clips):
+    """Evaluation fills a short micro batch with copies of its last row: the row's videos (frames, token
+    counts) are copied with it, as its images are."""
+    from megatron_vlm.data.anyres_encoder import AnyresSample, task_encoder_for
+    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.training.step import pad_micro_batch
+
+    spec = VLMSpec.from_hf_dir(models["ov"])
+    enc = task_encoder_for(spec, models["ov"], 512)
+    image = Image.new("RGB", (40, 30), (9, 9, 9))
+    rows = [enc.encode_conversation([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"}]},
+                                     {"role": "assistant", "content": [{"type": "text", "text": "b"}]}], [image]),
+            enc.encode_conversation([{"role": "user", "content": [{"type": "image"}, {"type": "video"}]},
+                                     {"role": "assistant", "content": [{"type": "text", "text": "b"}]}], [image], "k",
+                                    [clips[CLIPS[0]]])]
+    batch = enc.batch([AnyresSample(__key__=str(i), __restore_key__=(), **r) for i, r in enumerate(rows)])
+    padded = pad_micro_batch(batch, 3, spec.media_token_ids)
+    assert padded.tokens.shape[0] == 3 and torch.equal(padded.tokens[2], padded.tokens[1])
+    last = rows[1]
+    assert padded.num_image_tokens.tolist() == batch.num_image_tokens.tolist() + last["num_image_tokens"].tolist()
+    assert padded.num_image_tiles.tolist() == batch.num_image_tiles.tolist() + last["num_image_tiles"].tolist()
+    assert torch.equal(padded.images[batch.images.shape[0]:], last["images"]) and padded.loss_mask[2].sum() == 0
