@@ -13,8 +13,8 @@ and loss mask, truncation that never splits an image), with what anyres adds:
   ``batch_num_images`` does); LLaVA-NeXT tiles every image;
 - OneVision videos (:mod:`megatron_vlm.data.videos`): LLaVA-NeXT's frame choice (``video_fps``, ``video_frames``),
   only the chosen frames decoded through energon, each squashed to the tile size; a video is one item of the
-  sample's image list in token order (its frames as tiles, ``frames * ceil(side/2)**2 + 1`` tokens, its first
-  frame's size), marked by the video token. Truncation never cuts inside a video; a video that cannot fit is a
+  sample's image list in token order (its frames as tiles, ``frames * ceil(side/2)**2 + 1`` tokens, its frame
+  size), marked by the video token. Truncation never cuts inside a video; a video that cannot fit is a
   counted skip. A video for a model that is not OneVision (or has no ``<video>`` token) stops the run with
   :class:`~megatron_vlm.data.task_encoder.VideoNotSupportedError` naming the architecture.
 """
