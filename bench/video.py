@@ -146,8 +146,9 @@ def main(argv=None) -> int:
             data = clip(args.seconds, codec)
             made = time.perf_counter() - t
             d = bench_decode(data, ip)
-            print(f"(b) {args.seconds:g} s clip, 640x360 at 30 fps, {codec} (keyframe every {gop}; {len(data) / 1e6:.1f}"
-                  f" MB, encoded in {made:.1f} s): {d['frames']} of {d['total']} frames by seeking "
+            print(f"(b) {args.seconds:g} s clip, 640x360 at 30 fps, {codec} (keyframe every {gop}; "
+                  f"{len(data) / 1e6:.1f} MB, encoded in {made:.1f} s): {d['frames']} of {d['total']} frames by "
+                  "seeking "
                   f"{d['seek_ms']:.0f} ms ({d['seek_fps']:.0f} frames/s); with the task encoder's resize and "
                   f"normalise {d['encoder_ms']:.0f} ms ({d['encoder_fps']:.0f} frames/s); decoding all "
                   f"{d['all_frames']} frames {d['all_ms']:.0f} ms ({d['all_ms'] / d['seek_ms']:.1f}x the seeks)")

@@ -43,10 +43,10 @@ def _run(argv) -> int:
     p.add_argument("--max-text-bytes", type=positive_int, default=DEFAULT_MAX_TEXT_BYTES,
                    help="samples whose text is larger are counted as over --seq-length without tokenizing "
                    f"them, which keeps time and memory bounded (default {DEFAULT_MAX_TEXT_BYTES})")
-    p.add_argument("--video-fps", type=float, default=1.0, help="LLaVA-OneVision videos: one frame every "
-                   "round(fps / N) frames, as train/run.py --video-fps (default 1: one per second)")
-    p.add_argument("--video-frames", type=positive_int, default=32, help="at most N frames per video, evenly "
-                   "spaced, as train/run.py --video-frames (default 32)")
+    p.add_argument("--video-fps", type=float, default=1.0, metavar="N", help="LLaVA-OneVision videos: one frame "
+                   "every round(fps / N) frames, as train/run.py --video-fps (default 1: one per second)")
+    p.add_argument("--video-frames", type=positive_int, default=32, metavar="N", help="at most N frames per video, "
+                   "evenly spaced, as train/run.py --video-frames (default 32)")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="where stats.json and metadataset.yaml go (default: the first dataset's parent)")
     p.add_argument("--no-progress", action="store_true")

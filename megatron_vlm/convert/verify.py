@@ -3,8 +3,9 @@
 The reference batch holds images at different positions of the text (a OneVision model with a video token:
 also a video of 3 frames, and a sample with an image and a 2-frame video). HF takes the image (video) token
 expanded to its number of tokens and videos as ``pixel_values_videos``; Megatron's LLaVAModel takes one token
-per image or video and expands it itself. The Megatron side runs in a world of TP*PP processes, through megatron-core's pipeline schedule
-(forward only), and gathers the vocab-parallel logits; logits are compared on the true vocabulary.
+per image or video and expands it itself. The Megatron side runs in a world of TP*PP processes, through
+megatron-core's pipeline schedule (forward only), and gathers the vocab-parallel logits; logits are compared on
+the true vocabulary.
 """
 
 from __future__ import annotations
