@@ -339,3 +339,22 @@ def test_a_partial_last_batch_is_padded_with_its_last_rows_videos(models, clips)
     assert padded.num_image_tokens.tolist() == batch.num_image_tokens.tolist() + last["num_image_tokens"].tolist()
     assert padded.num_image_tiles.tolist() == batch.num_image_tiles.tolist() + last["num_image_tiles"].tolist()
     assert torch.equal(padded.images[batch.images.shape[0]:], last["images"]) and padded.loss_mask[2].sum() == 0
+
+
+def test_train_flags_video_fps_and_frames(tmp_path):
+    """--video-fps / --video-frames: LLaVA-NeXT's defaults (1, 32), checked, kept in the run's YAML."""
+    from megatron_vlm.training.config import ConfigError, TrainConfig
+
+    req = ["--data-path", "d", "--tokenizer-load-dir", "t", "--megatron-load-dir", "m", "--train-iters", "1"]
+    c = TrainConfig.from_args(req)
+    assert (c.video_fps, c.video_frames) == (1.0, 32)
+    c = TrainConfig.from_args([*req, "--video-fps", "0.5", "--video-frames", "8"])
+    assert (c.video_fps, c.video_frames) == (0.5, 8)
+    (tmp_path / "c.yaml").write_text(c.to_yaml())
+    assert (TrainConfig.from_yaml(tmp_path / "c.yaml").video_fps, TrainConfig.from_yaml(tmp_path / "c.yaml")
+            .video_frames) == (0.5, 8)
+    for flag, value, msg in (("--video-fps", "0", "--video-fps 0.0: must be positive"),
+                             ("--video-frames", "0", "--video-frames 0: must be at least 1")):
+        with pytest.raises(ConfigError) as e:
+            TrainConfig.from_args([*req, flag, value])
+        assert msg in str(e.value)
