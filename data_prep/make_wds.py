@@ -18,16 +18,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_vlm import storage  # noqa: E402
 from megatron_vlm.cli import add_debug_flag, fraction, positive_int, run_cli  # noqa: E402
 from megatron_vlm.data.make_wds import DEFAULT_MAX_TEXT_CHARS, make_wds  # noqa: E402
-from megatron_vlm.data.prepare import interactive_hint  # noqa: E402
+from megatron_vlm.data.prepare import dataset_layout, interactive_hint  # noqa: E402
 
 FORMAT_HELP = """input formats:
   vqa    jsonl or csv rows {image, question, answer}; optional id. Tars hold K.jpg, K.txt (answer),
          K.json ({"question", "id", "source"}): energon's VQASample with field map
-         image=jpg, context=json[question], answers=txt.
+         image=jpg, context=json[question], answers=txt. A row may give a video instead of the image:
+         {video, question, answer} -> K.mp4 in place of K.jpg (the dataset is then prepared as
+         ConversationSamples, whose loader reads both).
   llava  LLaVA json (array) or jsonl: {id, image (path, list of paths or absent), conversations:
-         [{from: human|gpt|system, value}]} with <image> placeholders; all turns are kept.
+         [{from: human|gpt|system, value}]} with <image> placeholders; all turns are kept. LLaVA-NeXT's
+         video records {id, video: path, conversations} too: their <image> placeholder is the video.
   chat   OpenAI chat-completion jsonl or jsonl.gz: {messages: [{role, content}]}, content a string or
-         parts of type text and image_url (base64 data URL, or a path under --image-root).
+         parts of type text, image_url and video_url (base64 data URL, or a path under --image-root).
+
+Videos (mp4/mov, mkv/webm, avi) are stored byte for byte after PyAV checked them (a video stream with a
+frame size, frames, a first frame that decodes, a frame rate and a duration); a bad video rejects its record.
 
 Rejected records (unreadable/missing image, <image> count not matching the images, empty answer or
 conversation, invalid UTF-8, a path that escapes --image-root, a message longer than --max-text-chars)
@@ -87,7 +93,7 @@ def _run(argv) -> int:
     if result.rejected:
         print("rejected: " + ", ".join(f"{k}: {v}" for k, v in result.reasons.items()))
     if args.no_prepare:
-        print(interactive_hint(result.output, args.format, args.split))
+        print(interactive_hint(result.output, dataset_layout(args.format, result.videos), args.split))
     else:
         for name, shards in result.splits.items():
             print(f"split {name}: {len(shards)} shards")

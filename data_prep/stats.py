@@ -4,7 +4,8 @@
   python data_prep/stats.py DATA/energon [DATA2/energon ...] --tokenizer HF_LLAVA_DIR [--seq-length 2048]
 
 Writes OUT_DIR/stats.json (per dataset and split: samples, images, text tokens with the model's chat
-template, image tokens, samples over --seq-length) and OUT_DIR/metadataset.yaml, an energon metadataset
+template, image tokens, videos and their tokens (frames chosen by --video-fps/--video-frames, as training
+chooses them), samples over --seq-length) and OUT_DIR/metadataset.yaml, an energon metadataset
 blending the datasets by weight (default: their train sample counts) that training can take as data path.
 """
 
@@ -42,6 +43,10 @@ def _run(argv) -> int:
     p.add_argument("--max-text-bytes", type=positive_int, default=DEFAULT_MAX_TEXT_BYTES,
                    help="samples whose text is larger are counted as over --seq-length without tokenizing "
                    f"them, which keeps time and memory bounded (default {DEFAULT_MAX_TEXT_BYTES})")
+    p.add_argument("--video-fps", type=float, default=1.0, metavar="N", help="LLaVA-OneVision videos: one frame "
+                   "every round(fps / N) frames, as train/run.py --video-fps (default 1: one per second)")
+    p.add_argument("--video-frames", type=positive_int, default=32, metavar="N", help="at most N frames per video, "
+                   "evenly spaced, as train/run.py --video-frames (default 32)")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="where stats.json and metadataset.yaml go (default: the first dataset's parent)")
     p.add_argument("--no-progress", action="store_true")
@@ -62,7 +67,10 @@ def _run(argv) -> int:
     from megatron_vlm.data.stats import metadataset_yaml, summarize
     from megatron_vlm.spec import VLMSpec
 
-    te = task_encoder_for(VLMSpec.from_hf_dir(args.tokenizer), args.tokenizer, args.seq_length)
+    if not args.video_fps > 0:
+        raise InputError(f"--video-fps {args.video_fps}: must be positive")
+    te = task_encoder_for(VLMSpec.from_hf_dir(args.tokenizer), args.tokenizer, args.seq_length,
+                          video_fps=args.video_fps, video_frames=args.video_frames)
     summary = summarize(args.datasets, te, args.seq_length, progress=not args.no_progress,
                         max_text_bytes=args.max_text_bytes)
     if weights is None:
@@ -79,8 +87,9 @@ def _run(argv) -> int:
     atomic_write_text(yaml_path, metadataset_yaml(yaml_path, [d for d in datasets if d[1] > 0], splits))
     for name, per in summary["datasets"].items():
         for split, s in per.items():
+            videos = f", {s['videos']} videos ({s['video_tokens']} video tokens)" if s.get("videos") else ""
             print(f"{name} {split}: {s['samples']} samples, {s['images']} images, {s['text_tokens']} text + "
-                  f"{s['image_tokens']} image tokens, {s['over_seq_length']} over {args.seq_length}"
+                  f"{s['image_tokens']} image tokens{videos}, {s['over_seq_length']} over {args.seq_length}"
                   + (f" ({s['too_long_to_count']} too long to tokenize)" if s.get("too_long_to_count") else ""))
     print(f"wrote {out_dir / 'stats.json'} and {yaml_path}")
     return 0

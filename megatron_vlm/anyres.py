@@ -11,7 +11,10 @@ The one place that knows how an image of size (h, w) becomes tiles and image tok
   feature map followed by ``image_newline``; an image given as a single tile (OneVision's multi-image
   samples) is its features plus one ``image_newline``;
 - ``pack(features, (h, w), newline)``: the same packing on tensors, operation for operation as HF's
-  ``pack_image_features`` so the numbers are identical.
+  ``pack_image_features`` so the numbers are identical;
+- videos (OneVision): ``video_tokens(frames)``, HF's ``frames * ceil(side/2)**2 + 1``, and
+  ``pack_video(features, newline)``: each frame's features pooled as HF's ``apply_pooling`` does (bilinear to
+  ceil(side/2) x ceil(side/2), after the projector), the frames one after the other, then ONE ``image_newline``.
 
 The data side (task encoder, statistics) and the model (:mod:`megatron_vlm.anyres_model`) both count tokens
 here, so the number of image tokens a sample carries always equals what the model produces.
@@ -111,6 +114,15 @@ class AnyresGeometry:
         rows, cols = self.packed_grid(h, w)
         return base + rows * (cols + 1)
 
+    @property
+    def pooled_side(self) -> int:
+        """Features per side of a video frame after OneVision's 2x pooling (ceil, as HF's ``apply_pooling``)."""
+        return math.ceil(self.side / 2)
+
+    def video_tokens(self, frames: int) -> int:
+        """Video tokens of a video of ``frames`` frames (HF's ``LlavaOnevisionProcessor.replace_video_token``)."""
+        return int(frames) * self.pooled_side**2 + 1
+
     # ---- packing (tensors) -----------------------------------------------------------------------------
     def pack(self, features, image_size, newline):
         """Pack one image's projected features ``[n_tiles, side*side, C]`` (base tile first) into
@@ -137,13 +149,33 @@ class AnyresGeometry:
         fmap = torch.cat([fmap, column], dim=-1)
         return torch.cat([base, fmap.flatten(1, 2).transpose(0, 1)], dim=0)
 
-    def pack_batch(self, features, image_sizes, tiles_per_image, newline):
-        """Pack a batch's tiles ``[sum tiles, side*side, C]`` image by image; returns ``[sum tokens, C]``."""
+    def pool_frames(self, features):
+        """HF's ``apply_pooling``: ``[F, side*side, C]`` -> ``[F, pooled_side**2, C]`` (bilinear, align_corners
+        False), the same operations so the numbers are bitwise HF's."""
+        import torch.nn.functional as F
+
+        frames, _, dim = features.shape
+        x = features.reshape(frames, self.side, self.side, dim).permute(0, 3, 1, 2).contiguous()
+        x = F.interpolate(x, size=[self.pooled_side, self.pooled_side], mode="bilinear")
+        return x.permute(0, 2, 3, 1).reshape(frames, -1, dim)
+
+    def pack_video(self, features, newline):
+        """One video's projected frame features ``[F, side*side, C]`` -> ``[video_tokens(F), C]``."""
+        import torch
+
+        pooled = self.pool_frames(features)
+        return torch.cat([pooled.reshape(-1, pooled.shape[-1]), newline[None].to(pooled)], dim=0)
+
+    def pack_batch(self, features, image_sizes, tiles_per_image, newline, videos=None):
+        """Pack a batch's tiles ``[sum tiles, side*side, C]`` image by image (``videos[i]``: item ``i`` is a video
+        whose frames are its tiles); returns ``[sum tokens, C]``."""
         import torch
 
         out = []
-        for feats, size in zip(features.split([int(n) for n in tiles_per_image], dim=0), image_sizes):
-            out.append(self.pack(feats, (int(size[0]), int(size[1])), newline))
+        videos = videos or [False] * len(tiles_per_image)
+        for feats, size, video in zip(features.split([int(n) for n in tiles_per_image], dim=0), image_sizes, videos):
+            out.append(self.pack_video(feats, newline) if video else
+                       self.pack(feats, (int(size[0]), int(size[1])), newline))
         return torch.cat(out, dim=0)
 
 

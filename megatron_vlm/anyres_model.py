@@ -8,6 +8,13 @@ image embeddings, labels and loss mask does the rest. The per-image token counts
 (computed by the task encoder from the same geometry) and so reach every pipeline stage: the last stage, which
 has no image embeddings, lays out its labels and loss mask from them. ``image_newline`` is never frozen: it
 trains with the projector in every stage, as LLaVA-NeXT trains it.
+
+Videos (OneVision, ``video_token_index``): a video is one more item of the batch's image list, in token order,
+whose "tiles" are its frames and whose token count is ``frames * ceil(side/2)**2 + 1``; which items are videos
+follows from the tokens (a video token instead of an image token). Its frames go through the same ViT and
+projector, are pooled as HF's ``apply_pooling`` pools them and end in one ``image_newline``
+(:meth:`~megatron_vlm.anyres.AnyresGeometry.pack_video`). Video tokens are then read as image tokens by
+megatron's ``_preprocess_data``, on every stage that has tokens, so labels and loss mask follow on the last one.
 """
 
 from __future__ import annotations
@@ -19,9 +26,10 @@ from megatron.core.models.multimodal.llava_model import LLaVAModel
 
 
 class AnyresLLaVAModel(LLaVAModel):
-    def __init__(self, *args, anyres, **kwargs):
+    def __init__(self, *args, anyres, video_token_index=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.anyres = anyres
+        self.video_token_index = video_token_index
         self.img_seq_len = 1  # one packed token per "tile" in _preprocess_data
         if self.add_encoder:
             cfg = kwargs["language_transformer_config"]
@@ -29,13 +37,15 @@ class AnyresLLaVAModel(LLaVAModel):
             self.image_newline = torch.nn.Parameter(
                 (torch.randn(cfg.hidden_size) / math.sqrt(cfg.hidden_size)).to(cfg.params_dtype))
 
-    def image_embeddings(self, images, image_sizes, num_image_tiles, num_image_tokens):
-        """Packed image features ``[1, sum tokens, h]`` of a batch's tiles ``[sum tiles, 3, H, W]``."""
+    def image_embeddings(self, images, image_sizes, num_image_tiles, num_image_tokens, videos=None):
+        """Packed image features ``[1, sum tokens, h]`` of a batch's tiles ``[sum tiles, 3, H, W]`` (``videos[i]``:
+        item ``i`` is a video, its tiles are frames)."""
         x = self.vision_model(images)  # [tiles, seq, h_vision]
         if self._drop_vision_class_token:
             x = x[:, self.vision_model.class_token_len:, :]
         x = self.vision_projection(x.permute(1, 0, 2).contiguous())  # [seq, tiles, h]
-        packed = self.anyres.pack_batch(x.permute(1, 0, 2), image_sizes, num_image_tiles, self.image_newline)
+        packed = self.anyres.pack_batch(x.permute(1, 0, 2), image_sizes, num_image_tiles, self.image_newline,
+                                        videos)
         want = int(num_image_tokens.sum())
         if packed.shape[0] != want:
             raise ValueError(f"the batch's {len(num_image_tiles)} images pack into {packed.shape[0]} tokens, but "
@@ -62,13 +72,19 @@ class AnyresLLaVAModel(LLaVAModel):
                              "embeds or computes the loss")
         device = input_ids.device
         num_image_tokens = torch.as_tensor(num_image_tokens, dtype=torch.int, device=device)  # as megatron's tiles
+        image_token_index = image_token_index if image_token_index is not None else self.image_token_index
+        videos = None
+        if self.video_token_index is not None:  # a video is an image item to megatron, packed as a video
+            is_video = input_ids == self.video_token_index
+            videos = is_video[(input_ids == image_token_index) | is_video].tolist()  # items in token order
+            input_ids = torch.where(is_video, image_token_index, input_ids)
         if self.add_encoder:
             if num_image_tokens.numel():
                 if image_sizes is None or num_image_tiles is None:
                     raise ValueError("anyres models need image_sizes and num_image_tiles with the images")
                 image_embeddings = self.image_embeddings(images, torch.as_tensor(image_sizes).tolist(),
                                                          torch.as_tensor(num_image_tiles).tolist(),
-                                                         num_image_tokens)
+                                                         num_image_tokens, videos)
             else:
                 image_embeddings = torch.zeros(0, 0, 0, dtype=images.dtype, device=device)
         else:
@@ -79,12 +95,12 @@ class AnyresLLaVAModel(LLaVAModel):
         language_embeddings = None
         if self.pre_process:
             ids = input_ids.clone()
-            ids[ids == self.image_token_index] = 0
+            ids[ids == image_token_index] = 0
             language_embeddings = self.language_model.embedding(input_ids=ids, position_ids=position_ids)
             language_embeddings = language_embeddings.transpose(1, 0).contiguous()  # [b, s, h]
         combined, new_labels, new_loss_mask = self._preprocess_data(
-            image_embeddings, language_embeddings, input_ids, loss_mask, labels, False, None,
-            image_token_index if image_token_index is not None else self.image_token_index, num_image_tokens)
+            image_embeddings, language_embeddings, input_ids, loss_mask, labels, False, None, image_token_index,
+            num_image_tokens)
         if self.context_parallel_lm > 1 or self.sequence_parallel_lm:
             combined, new_labels, new_loss_mask, packed_seq_params = self._process_embedding_token_parallel(
                 combined, new_labels, new_loss_mask, packed_seq_params)

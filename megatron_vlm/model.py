@@ -245,7 +245,7 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
     if spec.is_anyres:
         from megatron_vlm.anyres_model import AnyresLLaVAModel
 
-        cls, extra = AnyresLLaVAModel, dict(anyres=spec.anyres)
+        cls, extra = AnyresLLaVAModel, dict(anyres=spec.anyres, video_token_index=spec.video_token_id)
     model = cls(
         language_transformer_config=lang_cfg,
         language_transformer_layer_spec=lang_spec,

@@ -75,6 +75,9 @@ class VLMSpec:
     image_token: str = "<image>"
     image_token_id: int = -1
     pad_token_id: int | None = None
+    # LLaVA-OneVision's video token (HF video_token_index); None: the model takes no videos
+    video_token: str | None = None
+    video_token_id: int | None = None
     # architecture: "llava" (one tile per image) or an anyres one ("llava_next", "llava_onevision")
     arch: str = "llava"
     image_grid_pinpoints: list[list[int]] | None = None
@@ -122,6 +125,11 @@ class VLMSpec:
         """The image side megatron's ViT is built with: whole patches only (384 px at patch 14 -> 378), as the
         valid patch convolution of HF's encoders sees a 384-px tile (27 x 27 patches)."""
         return self.image_size // self.patch_size * self.patch_size
+
+    @property
+    def media_token_ids(self) -> tuple[int, ...]:
+        """The ids that stand for an image or a video in the tokens (one per image / video)."""
+        return (self.image_token_id,) + ((self.video_token_id,) if self.video_token_id is not None else ())
 
     @property
     def num_image_tokens(self) -> int:
@@ -228,6 +236,11 @@ class VLMSpec:
             hf_config={k: v for k, v in cfg.to_dict().items() if k != "_name_or_path"},
             **anyres,
         )
+        video_index = getattr(cfg, "video_token_index", None) if arch == "llava_onevision" else None
+        if video_index is not None and 0 <= int(video_index) < spec.vocab_size:
+            from megatron_vlm.tokenizer import DEFAULT_VIDEO_TOKEN
+
+            spec.video_token, spec.video_token_id = DEFAULT_VIDEO_TOKEN, int(video_index)
         if tokenizer is not None:
             from megatron_vlm.tokenizer import image_token_of, special_token_ids
 
@@ -238,6 +251,11 @@ class VLMSpec:
                     f"tokenizer's {spec.image_token!r} id {ids.image} != config image_token_id {spec.image_token_id}"
                 )
             spec.pad_token_id = ids.pad
+            if spec.arch != "llava_onevision" or ids.video is None:
+                spec.video_token = spec.video_token_id = None  # videos need the tokenizer's <video>
+            elif ids.video != video_index:
+                raise ValueError(f"tokenizer's '<video>' id {ids.video} != config video_token_index {video_index}; "
+                                 "rebuild the model with convert/build_llava.py --arch llava_onevision")
             if len(tokenizer) > spec.vocab_size:
                 raise ValueError(
                     f"tokenizer has {len(tokenizer)} tokens but the embedding only {spec.vocab_size} rows; "

@@ -1,10 +1,12 @@
 """LLaVA-OneVision and LLaVA-NeXT end to end on tiny models: build, HF -> Megatron -> HF, logits, training, export.
 
 One 2-process world computes, for images of four sizes in one batch (one downsampled by OneVision's anyres_max_N,
-one a single grid tile), the fp32 logits at TP=1, TP=2 and PP=2, trains 3 steps at TP=2 and at PP=2 (the same
+one a single grid tile) and, for OneVision, a 3-frame video and a sample with an image and a 2-frame video, the
+fp32 logits at TP=1, TP=2 and PP=2 (against HF's pixel_values_videos path), trains 3 steps at TP=2 and at PP=2 on
+micro batches mixing images of four sizes, videos of 3 and 1 frames made with PyAV and a text-only sample (the same
 batches: the losses must agree and fall, and image_newline's gradient must be identical on both TP ranks; again in
 bf16 at TP=2, within 1% of fp32), saves the TP=2 run and loads it again; the saved run is exported to HF and must
-give the same logits and generate.
+give the same logits and generate, from a video too.
 """
 
 import io
@@ -58,6 +60,20 @@ def _samples(encoder):
     return out
 
 
+def _video_samples(encoder):
+    """A 25-frame clip at 10 fps (3 frames chosen), one of 5 frames (1 chosen) with an image, a text-only one."""
+    from megatron_vlm.testing.videos import make_video
+
+    long, short = make_video(25, 33, 21, fps=10), make_video(5, 48, 32, fps=7)
+    user = [{"type": "video"}, {"type": "text", "text": "what colour is the shape ?"}]
+    return [encoder.encode_conversation(vqa_messages("what happens ?", "red", "video"), [], "v0", [long]),
+            encoder.encode_conversation([{"role": "user", "content": user + [{"type": "image"}]},
+                                         {"role": "assistant", "content": [{"type": "text", "text": "blue"}]}],
+                                        [Image.fromarray(image_array((30, 40), 9))], "v1", [short]),
+            encoder.encode_conversation([{"role": "user", "content": [{"type": "text", "text": "hello"}]},
+                                         {"role": "assistant", "content": [{"type": "text", "text": "red"}]}], [], "t")]
+
+
 @pytest.fixture(scope="module")
 def world(models, converted, tmp_path_factory):
     from megatron_vlm.data.anyres_encoder import AnyresSample
@@ -66,8 +82,8 @@ def world(models, converted, tmp_path_factory):
     spec = VLMSpec.from_hf_dir(ov)
     enc = task_encoder_for(spec, ov, SEQ)
     samples = [AnyresSample(__key__=str(i), __restore_key__=(), __subflavors__=None, **s)
-               for i, s in enumerate(_samples(enc))]
-    micro = [enc.batch(samples[:2]), enc.batch(samples[2:])]
+               for i, s in enumerate(_samples(enc) + _video_samples(enc))]
+    micro = [enc.batch(samples[:2] + samples[4:6]), enc.batch(samples[2:4] + samples[6:] + samples[4:5])]
     run = tmp_path_factory.mktemp("anyres_run") / "tp2"
     batches = {arch: reference_batch(VLMSpec.from_hf_dir(d)) for arch, d in models.items()}
     ov_dir = str(converted[("llava_onevision", "torch_dist")])
@@ -89,7 +105,10 @@ def test_logits_match_hf_at_tp1_tp2_pp2(models, world):
     for arch, idx in (("llava_onevision", (0, 1, 2)), ("llava_next", (4, 5))):
         spec = VLMSpec.from_hf_dir(models[arch])
         batch = batches[arch]
-        assert len(set(batch.num_image_tokens.tolist())) == 4  # four image sizes, four token counts
+        assert len(set(batch.num_image_tokens.tolist()[:4])) == 4  # four image sizes, four token counts
+        if arch == "llava_onevision":  # a 3-frame video alone, a 2-frame one after an image
+            assert batch.tokens.shape[0] == 6 and [batch.items(b)[1] for b in (4, 5)] == [[True], [False, True]]
+            assert batch.num_image_tiles.tolist()[4:] == [3, 3, 2]
         ref = hf_logits(models[arch], batch)
         for i in idx:
             diff = max_logit_diff(ref, results[i]["logits"][:, : ref.shape[1]], spec.vocab_size, batch)
@@ -100,10 +119,15 @@ def test_logits_match_hf_at_tp1_tp2_pp2(models, world):
     assert any(ov.num_tiles(*s) == 2 for s in sizes)  # a single grid tile covered
 
 
-def test_training_tp2_pp2_bf16_same_losses_falling_newline_grad_equal_over_tp(world):
+def test_training_tp2_pp2_bf16_same_losses_falling_newline_grad_equal_over_tp(models, world):
     results, _, _, micro = world
     tp2, pp2 = results[1], results[2]
-    assert len({int(n) for b in micro for n in b.num_image_tokens}) == 4  # images of varied sizes
+    spec = VLMSpec.from_hf_dir(models["llava_onevision"])
+    kinds = [[int(t) == spec.video_token_id for t in b.tokens.flatten() if int(t) in spec.media_token_ids]
+             for b in micro]
+    videos = [[int(n) for n, v in zip(b.num_image_tokens, k) if v] for b, k in zip(micro, kinds)]
+    images = [int(n) for b, k in zip(micro, kinds) for n, v in zip(b.num_image_tokens, k) if not v]
+    assert videos == [[13, 5], [13]] and len(images) == 5 and len(set(images)) == 4  # 3- and 1-frame videos
     assert max(abs(a - b) for a, b in zip(tp2["losses"], pp2["losses"])) < 1e-5, (tp2["losses"], pp2["losses"])
     assert tp2["losses"][-1] < tp2["losses"][0] - 0.05, tp2["losses"]
     assert tp2["newline_equal"] and all(all(f) for f in tp2["newline_equal"])  # every step, nonzero, TP-equal
@@ -124,11 +148,13 @@ def test_trained_checkpoint_exports_loads_and_generates(models, world, tmp_path)
     assert max_logit_diff(ref, results[0]["logits"][:, : ref.shape[1]], spec.vocab_size, batch) > 1e-3  # trained
     model = load_hf_model(out)
     assert type(model).__name__ == "LlavaOnevisionForConditionalGeneration"
-    inputs = batch.hf_sample(0)
-    gen = model.generate(**inputs, max_new_tokens=3, do_sample=False)
-    n = inputs["input_ids"].shape[1]
-    assert n < gen.shape[1] <= n + 3  # (it may stop early at eos)
-    assert int(gen[0, n]) == int(got[0, n - 1, : spec.vocab_size].argmax())  # greedy = Megatron's argmax
+    for b in (0, 4, 5):  # an image; a video (pixel_values_videos); an image and a video
+        inputs = batch.hf_sample(b)
+        assert ("pixel_values_videos" in inputs) == (b > 3) and ("pixel_values" in inputs) == (b != 4)
+        gen = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        n = inputs["input_ids"].shape[1]
+        assert n < gen.shape[1] <= n + 3  # (it may stop early at eos)
+        assert int(gen[0, n]) == int(got[b, n - 1, : spec.vocab_size].argmax())  # greedy = Megatron's argmax
 
 
 @pytest.mark.parametrize("arch,fmt", ROUND_TRIPS)
@@ -171,9 +197,12 @@ def test_task_encoder_tiles_and_counts_equal_hf_processor(models):
     for fmt in ("PNG", "WEBP", "JPEG"):  # make_wds stores every image at its original size
         ext, data = process_image(image_bytes((61, 47), 0, fmt), jpeg_only=fmt == "PNG")
         assert Image.open(io.BytesIO(data)).size == (61, 47), (fmt, ext)
-    with pytest.raises(VideoNotSupportedError, match="video inputs are not supported"):
-        enc.encode_conversation([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]},
-                                 {"role": "assistant", "content": [{"type": "text", "text": "no"}]}], [])
+    video = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "no"}]}]
+    nxt = task_encoder_for(VLMSpec.from_hf_dir(models["llava_next"]), models["llava_next"], SEQ)
+    with pytest.raises(VideoNotSupportedError, match="has a video, but the model is llava_next, and only "
+                                                     "llava_onevision models take videos"):
+        nxt.encode_conversation(video, [])  # OneVision takes videos (tests/test_video_data.py), LLaVA-NeXT not
 
 
 def test_stats_counts_each_images_tokens_from_its_size(models, tmp_path):

@@ -7,11 +7,15 @@ processor, and the chat template of :mod:`megatron_vlm.tokenizer`.
 ``arch='llava_onevision'`` (or ``'llava_next'``) builds the anyres model instead: grid pinpoints (by default
 OneVision's 1x1..6x6 tiles), ``image_newline``, OneVision's ``vision_aspect_ratio`` (anyres_max_N), and the
 model's own image processor (the PIL one: HF's OneVision processor class needs torchvision for videos, so the
-directory holds the image processor and the tokenizer, not a processor).
+directory holds the image processor and the tokenizer, not a processor). OneVision also gets the ``<video>``
+token (``video_token_index``), a chat template that renders video parts as it, and the
+``video_preprocessor_config.json`` that HF's OneVision conversion writes (frames at the tile size, the image
+processor's mean/std), so that a user with torchvision loads HF's video processor.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -20,7 +24,9 @@ import torch
 
 from megatron_vlm.atomic import atomic_dir
 from megatron_vlm.spec import SUPPORTED_TEXT, SUPPORTED_VISION, UnsupportedArchitectureError
-from megatron_vlm.tokenizer import DEFAULT_IMAGE_TOKEN, add_vlm_tokens, default_chat_template
+from megatron_vlm.tokenizer import DEFAULT_IMAGE_TOKEN, DEFAULT_VIDEO_TOKEN, add_vlm_tokens, default_chat_template
+
+VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +126,9 @@ def build_llava(
         )
 
     tokenizer = AutoTokenizer.from_pretrained(str(text_dir))
-    add_vlm_tokens(tokenizer, image_token)
-    tokenizer.chat_template = default_chat_template(image_token)
+    video_token = DEFAULT_VIDEO_TOKEN if arch == "llava_onevision" else None
+    add_vlm_tokens(tokenizer, image_token, video_token)
+    tokenizer.chat_template = default_chat_template(image_token, video_token)
     vocab = len(tokenizer)
     padded = vocab if not vocab_size_padding else int(math.ceil(vocab / vocab_size_padding) * vocab_size_padding)
     torch.manual_seed(seed)
@@ -219,6 +226,7 @@ def _build_anyres(arch, lm, vit, tokenizer, image_token, base_processor, save_di
     if arch == "llava_onevision":
         parse_vision_aspect_ratio(vision_aspect_ratio)
         kw["vision_aspect_ratio"] = vision_aspect_ratio
+        kw["video_token_index"] = tokenizer.convert_tokens_to_ids(DEFAULT_VIDEO_TOKEN)
         image_processor = transformers.LlavaOnevisionImageProcessorPil(**proc_kw)
     else:
         image_processor = transformers.LlavaNextImageProcessorPil(**proc_kw, crop_size={"height": tile, "width": tile})
@@ -228,6 +236,33 @@ def _build_anyres(arch, lm, vit, tokenizer, image_token, base_processor, save_di
         model.save_pretrained(str(tmp), safe_serialization=True)
         image_processor.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        if arch == "llava_onevision":
+            (tmp / VIDEO_PROCESSOR_FILE).write_text(json.dumps(video_processor_config(image_processor), indent=2,
+                                                               sort_keys=True) + "\n")
     log.info("saved %s (%s + %s, %d grid pinpoints) to %s", arch, text_config.model_type, family,
              len(grid_pinpoints), save_dir)
     return save_dir
+
+
+def video_processor_config(image_processor) -> dict:
+    """HF's ``LlavaOnevisionVideoProcessor`` settings as its ``save_pretrained`` writes them, for frames as
+    the training data gives them (:mod:`megatron_vlm.data.videos`): resized to the tile size with BICUBIC,
+    rescaled, normalised with ``image_processor``'s mean/std. HF's OneVision conversion builds it from the
+    vision encoder's processor the same way; written by hand because the class needs torchvision."""
+    size = dict(image_processor.size)
+    return {
+        "video_processor_type": "LlavaOnevisionVideoProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"height": int(size["height"]), "width": int(size["width"])},
+        "default_to_square": False,
+        "resample": int(image_processor.resample),
+        "do_center_crop": None,
+        "crop_size": None,
+        "do_rescale": True,
+        "rescale_factor": float(image_processor.rescale_factor),
+        "do_normalize": True,
+        "image_mean": [float(x) for x in image_processor.image_mean],
+        "image_std": [float(x) for x in image_processor.image_std],
+        "do_sample_frames": False,
+    }

@@ -1,9 +1,11 @@
 """Numerical verification: HF LLaVA logits vs the Megatron model loaded from a checkpoint, in fp32.
 
-The reference batch holds images at different positions of the text. HF takes the image token expanded
-to ``num_image_tokens`` copies; Megatron's LLaVAModel takes one image token per image and expands it
-itself. The Megatron side runs in a world of TP*PP processes, through megatron-core's pipeline schedule
-(forward only), and gathers the vocab-parallel logits; logits are compared on the true vocabulary.
+The reference batch holds images at different positions of the text (a OneVision model with a video token:
+also a video of 3 frames, and a sample with an image and a 2-frame video). HF takes the image (video) token
+expanded to its number of tokens and videos as ``pixel_values_videos``; Megatron's LLaVAModel takes one token
+per image or video and expands it itself. The Megatron side runs in a world of TP*PP processes, through
+megatron-core's pipeline schedule (forward only), and gathers the vocab-parallel logits; logits are compared on
+the true vocabulary.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ class ReferenceBatch:
     tokens: torch.Tensor  # [B, L] Megatron input: one image token per image
     hf_input_ids: torch.Tensor  # [B, L - 1 + N] HF input: image token expanded (anyres: right-padded)
     images: torch.Tensor  # [B, 3, H, W]; anyres: the tiles of all images [sum tiles, 3, H, W]
-    # anyres models (LLaVA-NeXT / OneVision): one image per sample, of several sizes
-    image_sizes: torch.Tensor | None = None  # [B, 2] (h, w)
-    num_image_tiles: torch.Tensor | None = None  # [B]
-    num_image_tokens: torch.Tensor | None = None  # [B]
+    # anyres models (LLaVA-NeXT / OneVision): images of several sizes (and OneVision videos), one list of items
+    # in token order; a video's tiles are its frames
+    image_sizes: torch.Tensor | None = None  # [items, 2] (h, w)
+    num_image_tiles: torch.Tensor | None = None  # [items]
+    num_image_tokens: torch.Tensor | None = None  # [items]
+    image_token_id: int | None = None  # anyres: which tokens are images, and which videos
+    video_token_id: int | None = None
 
     @property
     def combined_length(self) -> int:
@@ -40,18 +45,36 @@ class ReferenceBatch:
         return dict(image_sizes=self.image_sizes, num_image_tiles=self.num_image_tiles,
                     num_image_tokens=self.num_image_tokens)
 
+    def items(self, b: int) -> tuple[int, list[bool]]:
+        """Index of sample ``b``'s first image/video item, and for each of its items whether it is a video."""
+        ids = (self.image_token_id, self.video_token_id)
+        media = [[int(t) for t in row if int(t) in ids] for row in self.tokens]
+        return sum(len(m) for m in media[:b]), [t == self.video_token_id for t in media[b]]
+
+    def length(self, b: int) -> int:
+        """Positions of sample ``b`` with its images and videos expanded."""
+        first, kinds = self.items(b)
+        return int(self.tokens.shape[1] - len(kinds) + self.num_image_tokens[first:first + len(kinds)].sum())
+
     def hf_sample(self, b: int) -> dict:
         """HF forward inputs of sample ``b`` alone (anyres samples differ in length)."""
-        n = int(self.tokens.shape[1] - 1 + self.num_image_tokens[b])
-        start = int(self.num_image_tiles[:b].sum())
-        tiles = self.images[start:start + int(self.num_image_tiles[b])]
-        return dict(input_ids=self.hf_input_ids[b:b + 1, :n], pixel_values=tiles[None],
-                    image_sizes=self.image_sizes[b:b + 1])
+        first, kinds = self.items(b)
+        starts = [0] + self.num_image_tiles.cumsum(0).tolist()
+        out = dict(input_ids=self.hf_input_ids[b:b + 1, :self.length(b)])
+        for j, video in enumerate(kinds, start=first):
+            rows = self.images[starts[j]:starts[j + 1]][None]
+            if video:
+                out["pixel_values_videos"] = rows
+            else:
+                out.update(pixel_values=rows, image_sizes=self.image_sizes[j:j + 1])
+        return out
 
 
 # anyres reference images (h, w) as multiples of the tile size: a wide, a tall, a large (downsampled by
 # OneVision when its grid exceeds anyres_max_N) and a small one
 ANYRES_SIZES = ((1.0, 1.6), (2.3, 0.9), (3.0, 3.0), (0.5, 0.7))
+# OneVision with a video token adds two samples: [(item, position)] with an item an image size or a frame count
+VIDEO_SAMPLES = ([(3, 5)], [((1.2, 0.8), 2), (2, 8)])
 
 
 def reference_batch(spec: VLMSpec, text_len: int = 12, positions=(1, 7), seed: int = 0) -> ReferenceBatch:
@@ -76,22 +99,38 @@ def _anyres_reference_batch(spec: VLMSpec, text_len: int, seed: int) -> Referenc
     geo = spec.anyres
     g = torch.Generator().manual_seed(seed)
     vocab = spec.vocab_size
-    sizes = [(max(8, round(a * geo.tile_size)), max(8, round(b * geo.tile_size))) for a, b in ANYRES_SIZES]
-    tiles = [geo.num_tiles(h, w) for h, w in sizes]
-    counts = [geo.num_tokens(h, w) for h, w in sizes]
-    width = text_len - 1 + max(counts)
-    rows, hf_rows = [], []
-    for b, n in enumerate(counts):
+    media = spec.media_token_ids
+
+    def size(a, b):
+        return max(8, round(a * geo.tile_size)), max(8, round(b * geo.tile_size))
+
+    samples = [[(size(a, b), (1 + 3 * i) % text_len)] for i, (a, b) in enumerate(ANYRES_SIZES)]
+    if spec.video_token_id is not None:
+        samples += [[(size(*it) if isinstance(it, tuple) else it, pos) for it, pos in s] for s in VIDEO_SAMPLES]
+    sizes, tiles, counts, rows, expanded = [], [], [], [], []
+    for sample in samples:
         ids = torch.randint(0, vocab, (text_len,), generator=g)
-        ids[ids == spec.image_token_id] = (spec.image_token_id + 1) % vocab
-        pos = (1 + 3 * b) % text_len
-        ids[pos] = spec.image_token_id
+        for t in media:  # no stray image/video tokens in the text
+            ids[ids == t] = (max(media) + 1) % vocab
+        first = len(counts)
+        for item, pos in sample:  # in token order
+            video = isinstance(item, int)
+            ids[pos] = spec.video_token_id if video else spec.image_token_id
+            h, w = (geo.tile_size, geo.tile_size) if video else item
+            sizes.append((h, w))
+            tiles.append(item if video else geo.num_tiles(h, w))
+            counts.append(geo.video_tokens(item) if video else geo.num_tokens(h, w))
+        hf, k = [], first
+        for t in ids.tolist():  # each image / video token expanded to its count, as HF's processor writes it
+            hf += [t] * counts[k] if t in media else [t]
+            k += t in media
         rows.append(ids)
-        hf = torch.cat([ids[:pos], ids.new_full((n,), spec.image_token_id), ids[pos + 1:]])
-        hf_rows.append(torch.cat([hf, hf.new_zeros(width - hf.shape[0])]))
+        expanded.append(hf)
+    width = max(len(e) for e in expanded)
+    hf_rows = torch.tensor([e + [0] * (width - len(e)) for e in expanded])
     images = torch.randn(sum(tiles), 3, spec.image_size, spec.image_size, generator=g)
-    return ReferenceBatch(torch.stack(rows), torch.stack(hf_rows), images, torch.tensor(sizes),
-                          torch.tensor(tiles), torch.tensor(counts))
+    return ReferenceBatch(torch.stack(rows), hf_rows, images, torch.tensor(sizes), torch.tensor(tiles),
+                          torch.tensor(counts), spec.image_token_id, spec.video_token_id)
 
 
 def load_hf_model(hf_dir, dtype=torch.float32):
@@ -125,8 +164,8 @@ def hf_logits(hf_dir, batch: ReferenceBatch) -> torch.Tensor:
 
 def valid_positions(batch: ReferenceBatch) -> torch.Tensor:
     """[B, S] True where a sample has a token (anyres samples differ in length)."""
-    lengths = (batch.tokens.shape[1] - 1 + batch.num_image_tokens if batch.num_image_tokens is not None
-               else torch.full((batch.tokens.shape[0],), batch.combined_length))
+    lengths = (torch.tensor([batch.length(b) for b in range(batch.tokens.shape[0])])
+               if batch.num_image_tokens is not None else torch.full((batch.tokens.shape[0],), batch.combined_length))
     return torch.arange(batch.combined_length)[None] < lengths[:, None]
 
 

@@ -11,7 +11,12 @@ and loss mask, truncation that never splits an image), with what anyres adds:
   pipeline stage has them;
 - OneVision's multi-image rule: a sample with several images gives each its base tile only (as HF's
   ``batch_num_images`` does); LLaVA-NeXT tiles every image;
-- video inputs are refused (out of scope).
+- OneVision videos (:mod:`megatron_vlm.data.videos`): LLaVA-NeXT's frame choice (``video_fps``, ``video_frames``),
+  only the chosen frames decoded through energon, each squashed to the tile size; a video is one item of the
+  sample's image list in token order (its frames as tiles, ``frames * ceil(side/2)**2 + 1`` tokens, its frame
+  size), marked by the video token. Truncation never cuts inside a video; a video that cannot fit is a
+  counted skip. A video for a model that is not OneVision (or has no ``<video>`` token) stops the run with
+  :class:`~megatron_vlm.data.task_encoder.VideoNotSupportedError` naming the architecture.
 """
 
 from __future__ import annotations
@@ -22,21 +27,21 @@ import torch
 from megatron.energon.edataclass import edataclass
 from megatron.energon.task_encoder.base import stateless
 
-from megatron_vlm.data.sample import conversation_of
-from megatron_vlm.data.task_encoder import VLMBatch, VLMSample, VLMTaskEncoder, _as_pil
+from megatron_vlm.data import videos as vid
+from megatron_vlm.data.sample import conversation_of, videos_of
+from megatron_vlm.data.task_encoder import VideoNotSupportedError  # noqa: F401 - re-exported (its old home)
+from megatron_vlm.data.task_encoder import VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, refuse_videos
 
 IMAGE_PROCESSORS = {"llava_next": "LlavaNextImageProcessorPil", "llava_onevision": "LlavaOnevisionImageProcessorPil"}
 
 
-class VideoNotSupportedError(ValueError):
-    pass
-
-
 @edataclass
 class AnyresSample(VLMSample):
-    image_sizes: torch.Tensor  # int64 [n_images, 2] original (h, w)
-    num_image_tiles: torch.Tensor  # int32 [n_images]
-    num_image_tokens: torch.Tensor  # int32 [n_images]
+    """Images and videos are one list of items in token order: ``images`` holds their tiles / frames."""
+
+    image_sizes: torch.Tensor  # int64 [n_items, 2] original (h, w) (a video: its frames')
+    num_image_tiles: torch.Tensor  # int32 [n_items] (a video: its frames)
+    num_image_tokens: torch.Tensor  # int32 [n_items]
 
 
 @edataclass
@@ -58,19 +63,30 @@ def load_image_processor(hf_dir, arch: str):
     return getattr(transformers, IMAGE_PROCESSORS[arch]).from_pretrained(str(hf_dir))
 
 
-def _refuse_video(messages, key) -> None:
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        parts = content if isinstance(content, list) else []
-        video_part = any(isinstance(p, dict) and p.get("type") == "video" for p in parts)
-        if video_part or (isinstance(m, dict) and m.get("video")):
-            raise VideoNotSupportedError(
-                f"sample {key} has a video: video inputs are not supported (out of scope for LLaVA-NeXT / "
-                "OneVision training here); remove video samples from the dataset or give frames as images")
-
-
 class AnyresTaskEncoder(VLMTaskEncoder):
-    """Energon task encoder for LLaVA-NeXT / OneVision training; see the module docstring."""
+    """Energon task encoder for LLaVA-NeXT / OneVision training; see the module docstring.
+
+    ``video_fps`` / ``video_frames``: LLaVA-NeXT's frame choice (``--video-fps``, ``--video-frames``)."""
+
+    def __init__(self, *args, video_fps: float = vid.DEFAULT_VIDEO_FPS,
+                 video_frames: int = vid.DEFAULT_VIDEO_FRAMES, **kwargs):
+        if not video_fps > 0 or int(video_frames) < 1:
+            raise ValueError(f"--video-fps {video_fps} must be positive and --video-frames {video_frames} at "
+                             "least 1")
+        self.video_fps, self.video_frames = float(video_fps), int(video_frames)
+        super().__init__(*args, **kwargs)
+        self.skips.hints.update({
+            "video_tokens": f"check the chat template in {self.hf_dir}: it must render every video part of a "
+                            "message as '<video>', once per video",
+            "video": "the video does not decode; rebuild the dataset with data_prep/make_wds.py (it checks videos)",
+        })
+        #: the tokenizer's and the model's video token ids (None: the model takes no videos)
+        self.tokenizer_video_token_id = self.video_token_id = None
+        if self.spec.video_token_id is not None:
+            from megatron_vlm.tokenizer import video_token_id
+
+            self.tokenizer_video_token_id = video_token_id(self.tokenizer)
+            self.video_token_id = int(self.spec.video_token_id)
 
     def _load_processor(self):
         from transformers import AutoTokenizer
@@ -118,35 +134,85 @@ class AnyresTaskEncoder(VLMTaskEncoder):
         geo = self.spec.anyres
         return [geo.num_tokens(im.height, im.width, tiled) for im in (_as_pil(i) for i in images)]
 
-    def encode_conversation(self, messages: list[dict], images: list, key: str = "?") -> dict:
-        _refuse_video(messages, key)
+    def frame_indices(self, video) -> tuple[list[int], vid.VideoInfo]:
+        """The frames LLaVA-NeXT's rule takes from ``video`` (an energon ``AVDecoder`` or bytes), and its probe."""
+        info = vid.probe(vid.av_decoder(video).stream)
+        return vid.frame_indices(info.frames, info.fps, self.video_fps, self.video_frames), info
+
+    def video_inputs(self, video, indices: list[int], info: vid.VideoInfo) -> dict:
+        """Frames (pixel values at the tile size), size, frame and token counts of one video, as one item."""
+        s = self.spec.anyres.tile_size
+        pixels = vid.frame_pixels(vid.decode_frames(video, indices), self.image_processor, s)
+        return dict(images=pixels, image_sizes=torch.tensor([[info.height, info.width]], dtype=torch.int64),
+                    num_image_tiles=torch.tensor([len(indices)], dtype=torch.int32),
+                    num_image_tokens=torch.tensor([self.spec.anyres.video_tokens(len(indices))], dtype=torch.int32))
+
+    def _model_ids(self, x: list[int]) -> list[int]:
+        """Tokenizer ids -> the ids the model takes for the image and video tokens."""
+        swap = {self.tokenizer_image_token_id: self.image_token_id}
+        if self.video_token_id is not None:
+            swap[self.tokenizer_video_token_id] = self.video_token_id
+        swap = {a: b for a, b in swap.items() if a != b}
+        return [swap.get(t, t) for t in x] if swap else x
+
+    def encode_conversation(self, messages: list[dict], images: list, key: str = "?", videos=()) -> dict:
+        videos = list(videos)
+        if videos or any(p.get("type") == "video" for m in messages for p in m.get("content") or []
+                         if isinstance(p, dict)):
+            refuse_videos(self.spec, key, has_video_token=self.video_token_id is not None)
         conv = self.chat(messages)
-        x, assistant = conv.ids, conv.assistant
-        if self.image_token_id != self.tokenizer_image_token_id:
-            x = [self.image_token_id if t == self.tokenizer_image_token_id else t for t in x]
-        positions = [i for i, t in enumerate(x) if t == self.image_token_id]
-        if len(positions) != len(images):
-            self.skips.skip(key, "image_tokens", f"{len(positions)} image tokens but {len(images)} images")
+        x, assistant = self._model_ids(conv.ids), conv.assistant
+        image_id, video_id = self.image_token_id, self.video_token_id
+        n_image_tokens, n_video_tokens = x.count(image_id), x.count(video_id) if video_id is not None else 0
+        if n_image_tokens != len(images):
+            self.skips.skip(key, "image_tokens", f"{n_image_tokens} image tokens but {len(images)} images")
+        if n_video_tokens != len(videos):
+            self.skips.skip(key, "video_tokens", f"{n_video_tokens} video tokens but {len(videos)} videos")
         tiled = self.tiled(len(images))
-        costs = self.image_costs(images, tiled)
-        if sum(costs) > self.seq_length:
-            self.skips.skip(key, "too_long", f"{len(images)} images need {sum(costs)} > seq_length "
-                                             f"{self.seq_length} tokens")
-        # keep x[:m] with text + image tokens <= seq_length; an image past the cut goes with its pixels
-        m, used, n_img = 0, 0, 0
+        image_costs = self.image_costs(images, tiled)
+        plans = []
+        for v in videos:
+            try:
+                plans.append(self.frame_indices(v))
+            except Exception as e:  # noqa: BLE001 - any PyAV failure on a stored video: the sample is skipped
+                self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
+        video_costs = [self.spec.anyres.video_tokens(len(idx)) for idx, _ in plans]
+        total = sum(image_costs) + sum(video_costs)
+        if total > self.seq_length:
+            self.skips.skip(key, "too_long", f"{len(images)} images and {len(videos)} videos need {total} > "
+                                             f"seq_length {self.seq_length} tokens")
+        # keep x[:m] with text + image/video tokens <= seq_length; media past the cut go with their pixels
+        m, used, n_img, n_vid = 0, 0, 0, 0
         for i in range(len(x) - 1):
-            cost = costs[n_img] if x[i] == self.image_token_id else 1
+            cost = (image_costs[n_img] if x[i] == image_id else video_costs[n_vid] if x[i] == video_id else 1)
             if used + cost > self.seq_length:
                 break
             used, m = used + cost, i + 1
-            n_img += x[i] == self.image_token_id
+            n_img += x[i] == image_id
+            n_vid += x[i] == video_id
         loss_mask = torch.tensor(assistant[1:m + 1], dtype=torch.float32)
         if loss_mask.sum() == 0:
             self.skips.skip(key, "no_answer", "no answer token left within seq_length")
+        items = []  # per image / video in token order: its inputs
+        image_part = self.image_inputs(images[:n_img], tiled)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), image_part["num_image_tiles"].cumsum(0)]).tolist()
+        i_img = i_vid = 0
+        for t in x[:m]:
+            if t == image_id:
+                items.append({k: (v[starts[i_img]:starts[i_img + 1]] if k == "images" else v[i_img:i_img + 1])
+                              for k, v in image_part.items()})
+                i_img += 1
+            elif t == video_id:
+                try:
+                    items.append(self.video_inputs(videos[i_vid], *plans[i_vid]))
+                except Exception as e:  # noqa: BLE001 - as above
+                    self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
+                i_vid += 1
         self.skips.kept()
-        inputs = self.image_inputs(images[:n_img], tiled)
+        inputs = {k: torch.cat([it[k] for it in items]) if items else v for k, v in self.image_inputs([]).items()}
         return dict(tokens=torch.tensor(x[:m], dtype=torch.int64), labels=torch.tensor(x[1:m + 1], dtype=torch.int64),
-                    loss_mask=loss_mask, num_tokens=m - n_img + int(inputs["num_image_tokens"].sum()), **inputs)
+                    loss_mask=loss_mask, num_tokens=m - len(items) + int(inputs["num_image_tokens"].sum()),
+                    **inputs)
 
     @stateless
     def encode_sample(self, sample) -> AnyresSample:
@@ -154,7 +220,8 @@ class AnyresTaskEncoder(VLMTaskEncoder):
             messages, images = conversation_of(sample)
         except ValueError as e:
             self.skips.skip(sample.__key__, "conversation", str(e))
-        return AnyresSample.derive_from(sample, **self.encode_conversation(messages, images, sample.__key__))
+        return AnyresSample.derive_from(sample, **self.encode_conversation(messages, images, sample.__key__,
+                                                                           videos_of(sample)))
 
     @stateless
     def batch(self, samples: list[AnyresSample]) -> AnyresBatch:
@@ -165,7 +232,10 @@ class AnyresTaskEncoder(VLMTaskEncoder):
             num_image_tokens=torch.cat([s.num_image_tokens for s in samples]), **self.padded_text(samples))
 
 
-def task_encoder_for(spec, hf_dir, seq_length: int, **kwargs) -> VLMTaskEncoder:
-    """The task encoder of ``spec``'s architecture (anyres or plain LLaVA)."""
-    cls = AnyresTaskEncoder if spec.is_anyres else VLMTaskEncoder
-    return cls(hf_dir, seq_length, spec=spec, **kwargs)
+def task_encoder_for(spec, hf_dir, seq_length: int, video_fps: float = vid.DEFAULT_VIDEO_FPS,
+                     video_frames: int = vid.DEFAULT_VIDEO_FRAMES, **kwargs) -> VLMTaskEncoder:
+    """The task encoder of ``spec``'s architecture (anyres or plain LLaVA; the frame choice for anyres)."""
+    if spec.is_anyres:
+        return AnyresTaskEncoder(hf_dir, seq_length, spec=spec, video_fps=video_fps, video_frames=video_frames,
+                                 **kwargs)
+    return VLMTaskEncoder(hf_dir, seq_length, spec=spec, **kwargs)

@@ -1,9 +1,11 @@
 """The one conversation format megatron-vlm stores and trains on, and its conversions.
 
 A conversation is a list of messages ``{"role": "system"|"user"|"assistant", "content": [part, ...]}``
-whose parts are ``{"type": "text", "text": str}`` or ``{"type": "image"}`` -- the HF multimodal chat format
-that :func:`megatron_vlm.tokenizer.default_chat_template` (and HF processors) render. Images are kept
-apart, in the order their image parts appear.
+whose parts are ``{"type": "text", "text": str}``, ``{"type": "image"}`` or ``{"type": "video"}`` -- the HF
+multimodal chat format that :func:`megatron_vlm.tokenizer.default_chat_template` (and HF processors) render.
+Images and videos are kept apart, each in the order their parts appear. As in LLaVA-NeXT, the ``<image>``
+placeholder of a record with a video stands for the video; ``<video>`` is refused in text (the tokenizer would
+read it as the video token).
 
 Converters from the three input formats (VQA rows, LLaVA ``conversations``, OpenAI ``messages``) live here
 so that the writer, the task encoder and ``stats.py`` agree on what a sample means. They raise
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 
 ROLE_ALIASES = {
     "human": "user",
@@ -33,15 +36,17 @@ class Reject(ValueError):
 
 @dataclass
 class Conversation:
-    """Messages in the stored format plus the image references in the order their image parts appear.
+    """Messages in the stored format plus the image (video) references in the order their image (video) parts
+    appear.
 
-    ``images`` hold whatever the reader found (a path relative to the image root, or ``bytes`` of an
-    embedded image); the writer replaces them by validated image bytes.
+    ``images`` and ``videos`` hold whatever the reader found (a path relative to the image root, or a ``data:``
+    URL); the writer replaces them by validated bytes.
     """
 
     messages: list[dict]
     images: list = field(default_factory=list)
     fields: dict = field(default_factory=dict)  # format-specific fields to store (VQA: question, answer)
+    videos: list = field(default_factory=list)
 
 
 def text_part(text: str) -> dict:
@@ -49,10 +54,11 @@ def text_part(text: str) -> dict:
 
 
 IMAGE_PART = {"type": "image"}
+VIDEO_PART = {"type": "video"}
 
 
-def split_placeholders(text: str) -> list[dict]:
-    """``"<image>\\nWhat is it?"`` -> [image, text "What is it?"].
+def split_placeholders(text: str, kind: str = "image") -> list[dict]:
+    """``"<image>\\nWhat is it?"`` -> [image, text "What is it?"] (``kind='video'``: a video part).
 
     The chat template writes a newline after every image part, so the one newline that follows a
     placeholder in LLaVA data is dropped to render the original text back exactly.
@@ -61,7 +67,7 @@ def split_placeholders(text: str) -> list[dict]:
     pieces = text.split(PLACEHOLDER)
     for i, piece in enumerate(pieces):
         if i > 0:
-            parts.append(dict(IMAGE_PART))
+            parts.append({"type": kind})
             if piece.startswith("\n"):
                 piece = piece[1:]
         if piece:
@@ -69,8 +75,8 @@ def split_placeholders(text: str) -> list[dict]:
     return parts
 
 
-def count_images(messages: list[dict]) -> int:
-    return sum(1 for m in messages for p in m["content"] if p["type"] == "image")
+def count_images(messages: list[dict], kind: str = "image") -> int:
+    return sum(1 for m in messages for p in m["content"] if p["type"] == kind)
 
 
 def message_text(message: dict) -> str:
@@ -88,22 +94,31 @@ def has_lone_surrogate(obj) -> bool:
     return False
 
 
-def check_conversation(messages: list[dict], n_images: int) -> None:
-    """Shared rules: a non-empty conversation with an answer, images only in user turns, counts matching."""
+def check_conversation(messages: list[dict], n_images: int, n_videos: int = 0) -> None:
+    """Shared rules: a non-empty conversation with an answer, images and videos only in user turns, no
+    ``<video>`` in text, counts matching."""
     if not messages:
         raise Reject("empty conversation")
     if not any(m["role"] == "assistant" for m in messages):
         raise Reject("conversation has no assistant turn")
     for i, m in enumerate(messages):
-        if not m["content"] or (not message_text(m).strip() and count_images([m]) == 0):
+        media = count_images([m]) + count_images([m], "video")
+        if not m["content"] or (not message_text(m).strip() and media == 0):
             raise Reject(f"empty {'answer' if m['role'] == 'assistant' else 'turn'} (turn {i}, {m['role']})")
         if m["role"] == "assistant" and not message_text(m).strip():
             raise Reject(f"empty answer (turn {i})")
-        if m["role"] != "user" and count_images([m]):
-            raise Reject(f"image in a {m['role']} turn (turn {i}); images are supported in user turns only")
+        if m["role"] != "user" and media:
+            kind = "image" if count_images([m]) else "video"
+            raise Reject(f"{kind} in a {m['role']} turn (turn {i}); {kind}s are supported in user turns only")
+        if VIDEO_PLACEHOLDER in message_text(m):
+            raise Reject(f"<video> in the text of turn {i}; a video is a 'video' field (its placeholder is "
+                         "<image>, as in LLaVA-NeXT) or a video_url part")
     found = count_images(messages)
     if found != n_images:
         raise Reject(f"{found} <image> placeholder(s) but {n_images} image(s)")
+    found = count_images(messages, "video")
+    if found != n_videos:
+        raise Reject(f"{found} <image> placeholder(s) but {n_videos} video(s)")
 
 
 def _text_field(row: dict, names: tuple[str, ...], what: str) -> str:
@@ -118,45 +133,70 @@ def _text_field(row: dict, names: tuple[str, ...], what: str) -> str:
     raise Reject(f"missing {what} (expected a field {' or '.join(repr(n) for n in names)})")
 
 
+IMAGE_FIELDS = ("image", "image_path", "file_name")
+
+
 def from_vqa(row: dict) -> Conversation:
     """A VQA row ``{image, question, answer}`` -> [user: image + question, assistant: answer].
 
     ``answers`` (a list; the first is used) is accepted for ``answer``. The question may hold one
-    ``<image>`` to place the image; without one the image comes first.
+    ``<image>`` to place the image; without one the image comes first. A row with a ``video`` field instead
+    of an image gives the same conversation with a video (its placeholder is ``<image>`` too).
     """
-    image = _text_field(row, ("image", "image_path", "file_name"), "image")
+    has_image = any(row.get(n) not in (None, "") for n in IMAGE_FIELDS)
+    kind = "video" if row.get("video") not in (None, "") and not has_image else "image"
+    if kind == "image" and row.get("video") not in (None, ""):
+        raise Reject("both an image and a video; a VQA row holds one of them")
+    ref = _text_field(row, ("video",) if kind == "video" else IMAGE_FIELDS, kind)
     question = _text_field(row, ("question", "query", "prompt"), "question")
     answer = _text_field(row, ("answer", "answers"), "answer")
     if not answer.strip():
         raise Reject("empty answer")
-    if PLACEHOLDER in answer:
-        raise Reject("<image> in the answer")
+    for mark in (PLACEHOLDER, VIDEO_PLACEHOLDER):
+        if mark in answer:
+            raise Reject(f"{mark} in the answer")
+    if VIDEO_PLACEHOLDER in question:
+        raise Reject("<video> in the question; the placeholder of a video is <image>, as in LLaVA-NeXT")
     n = question.count(PLACEHOLDER)
     if n > 1:
-        raise Reject(f"{n} <image> placeholders in the question but 1 image")
-    return Conversation(vqa_messages(question, answer), [image], {"question": question, "answer": answer})
+        raise Reject(f"{n} <image> placeholders in the question but 1 {kind}")
+    fields = {"question": question, "answer": answer}
+    messages = vqa_messages(question, answer, kind)
+    return Conversation(messages, [ref], fields) if kind == "image" else Conversation(messages, [], fields, [ref])
 
 
-def vqa_messages(question: str, answer: str) -> list[dict]:
-    """The conversation of a VQA sample (also used for energon ``VQASample``s at training time)."""
-    user = split_placeholders(question) if PLACEHOLDER in question else [dict(IMAGE_PART)] + (
+def vqa_messages(question: str, answer: str, kind: str = "image") -> list[dict]:
+    """The conversation of a VQA sample (also used for energon ``VQASample``s at training time); ``kind``
+    'video' for a VQA video sample."""
+    user = split_placeholders(question, kind) if PLACEHOLDER in question else [{"type": kind}] + (
         [text_part(question)] if question else []
     )
     return [{"role": "user", "content": user}, {"role": "assistant", "content": [text_part(answer)]}]
 
 
+def _paths(item: dict, key: str) -> list[str]:
+    value = item.get(key)
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not (isinstance(value, list) and all(isinstance(x, str) for x in value)):
+        raise Reject(f"'{key}' must be a path or a list of paths")
+    return list(value)
+
+
 def from_llava(item: dict) -> Conversation:
-    """A LLaVA record ``{id, image?, conversations: [{from, value}]}`` -> conversation (all turns kept)."""
+    """A LLaVA record ``{id, image? | video?, conversations: [{from, value}]}`` -> conversation (all turns kept).
+
+    As in LLaVA-NeXT, a record's ``video`` (a path) takes the place of its image: its ``<image>`` placeholder
+    stands for the video."""
     turns = item.get("conversations")
     if not isinstance(turns, list) or not turns:
         raise Reject("empty conversation")
-    images = item.get("image")
-    if images is None or images == "":
-        images = []
-    elif isinstance(images, str):
-        images = [images]
-    elif not (isinstance(images, list) and all(isinstance(x, str) for x in images)):
-        raise Reject("'image' must be a path or a list of paths")
+    images, videos = _paths(item, "image"), _paths(item, "video")
+    if images and videos:
+        raise Reject("both 'image' and 'video'; a LLaVA-NeXT record holds one of them")
+    kind = "video" if videos else "image"
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
@@ -167,22 +207,22 @@ def from_llava(item: dict) -> Conversation:
         value = turn.get("value", turn.get("content"))
         if not isinstance(value, str):
             raise Reject(f"turn {i} has no text 'value'")
-        messages.append({"role": role, "content": split_placeholders(value)})
-    check_conversation(messages, len(images))
-    return Conversation(messages, list(images))
+        messages.append({"role": role, "content": split_placeholders(value, kind)})
+    check_conversation(messages, len(images), len(videos))
+    return Conversation(messages, images, videos=videos)
 
 
 def from_chat(item: dict) -> Conversation:
     """An OpenAI chat-completion record ``{messages: [{role, content}]}`` -> conversation.
 
-    ``content`` is a string or a list of parts of type ``text`` and ``image_url`` (``{"url": ...}`` or a
-    plain string; a base64 data URL or a path relative to the image root). ``<image>`` must not appear in
-    text: images are ``image_url`` parts.
+    ``content`` is a string or a list of parts of type ``text``, ``image_url`` and ``video_url``
+    (``{"url": ...}`` or a plain string; a base64 data URL such as ``data:video/mp4;base64,...`` or a path
+    relative to the image root). ``<image>`` must not appear in text: images are ``image_url`` parts.
     """
     raw = item.get("messages")
     if not isinstance(raw, list) or not raw:
         raise Reject("empty conversation")
-    messages, images = [], []
+    messages, images, videos = [], [], []
     for i, msg in enumerate(raw):
         if not isinstance(msg, dict):
             raise Reject(f"message {i} is not an object")
@@ -208,6 +248,14 @@ def from_chat(item: dict) -> Conversation:
                         raise Reject(f"message {i}: image part without a url")
                     parts.append(dict(IMAGE_PART))
                     images.append(url)
+                elif kind in ("video_url", "video"):
+                    url = part.get("video_url", part.get("video"))
+                    if isinstance(url, dict):
+                        url = url.get("url")
+                    if not isinstance(url, str) or not url:
+                        raise Reject(f"message {i}: video part without a url")
+                    parts.append(dict(VIDEO_PART))
+                    videos.append(url)
                 else:
                     raise Reject(f"message {i}: unsupported content part type {kind!r}")
         elif content is not None:
@@ -217,8 +265,8 @@ def from_chat(item: dict) -> Conversation:
                 n = p["text"].count(PLACEHOLDER)
                 raise Reject(f"{n} <image> placeholder(s) in text; chat images must be image_url parts")
         messages.append({"role": role, "content": parts})
-    check_conversation(messages, len(images))
-    return Conversation(messages, images)
+    check_conversation(messages, len(images), len(videos))
+    return Conversation(messages, images, videos=videos)
 
 
 FORMATS = {"vqa": from_vqa, "llava": from_llava, "chat": from_chat}

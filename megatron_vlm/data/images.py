@@ -56,31 +56,31 @@ def resolve_path(ref: str, image_root: Path, allow_outside_symlinks: bool = Fals
     return path
 
 
-def read_ref(ref, image_root: Path, allow_outside_symlinks: bool = False) -> bytes:
-    """The bytes behind an image reference (a path, a ``data:`` URL, or bytes already)."""
+def read_ref(ref, image_root: Path, allow_outside_symlinks: bool = False, kind: str = "image") -> bytes:
+    """The bytes behind an image (``kind="video"``: a video) reference (a path, a ``data:`` URL, or bytes)."""
     if isinstance(ref, (bytes, bytearray)):
         return bytes(ref)
     if not isinstance(ref, str) or not ref:
-        raise Reject("empty image reference")
+        raise Reject(f"empty {kind} reference")
     if ref.startswith("data:"):
         header, _, payload = ref.partition(",")
         if ";base64" not in header:
-            raise Reject("data URL image is not base64-encoded")
+            raise Reject(f"data URL {kind} is not base64-encoded")
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as e:
-            raise Reject(f"invalid base64 image data: {e}") from None
+            raise Reject(f"invalid base64 {kind} data: {e}") from None
     if ref.startswith(("http://", "https://")):
-        raise Reject(f"remote image {ref[:80]!r} is not supported; download it and pass a path")
+        raise Reject(f"remote {kind} {ref[:80]!r} is not supported; download it and pass a path")
     path = resolve_path(ref, image_root, allow_outside_symlinks)
     try:
         return path.read_bytes()
     except FileNotFoundError:
-        raise Reject(f"missing image {ref!r}") from None
+        raise Reject(f"missing {kind} {ref!r}") from None
     except IsADirectoryError:
-        raise Reject(f"image {ref!r} is a directory") from None
+        raise Reject(f"{kind} {ref!r} is a directory") from None
     except OSError as e:
-        raise Reject(f"unreadable image {ref!r}: {e.strerror or e}") from None
+        raise Reject(f"unreadable {kind} {ref!r}: {e.strerror or e}") from None
 
 
 def _to_rgb(im):

@@ -1,7 +1,7 @@
 """Input file -> validated, deterministic webdataset shards -> energon-prepared dataset.
 
-Data flows forward: :mod:`readers` (records) -> :mod:`conversation` (meaning, rules) -> :mod:`images`
-(bytes, checks) -> :mod:`shards` (tars) -> :mod:`prepare` (energon metadata). This module owns the
+Data flows forward: :mod:`readers` (records) -> :mod:`conversation` (meaning, rules) -> :mod:`images` and
+:mod:`videos` (bytes, checks) -> :mod:`shards` (tars) -> :mod:`prepare` (energon metadata). This module owns the
 orchestration: worker processes, the progress bar, ``rejected.jsonl``, the bad-fraction limit and the
 atomic output directory. ``data_prep/make_wds.py`` is its command line.
 """
@@ -24,6 +24,7 @@ from megatron_vlm.data.conversation import FORMATS, Reject
 from megatron_vlm.data.images import process_image, read_ref
 from megatron_vlm.data.readers import RawRecord, parse, read_records, record_text
 from megatron_vlm.data.shards import SHARD_NAME, ShardWriter, sample_tar_bytes
+from megatron_vlm.data.videos import VIDEO_EXTENSIONS, check_video
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +47,14 @@ class MakeWdsResult:
     reasons: dict[str, int]
     shards: list[tuple[str, int]]
     splits: dict[str, list[str]] = field(default_factory=dict)  # split -> shard names (with prepare)
+    videos: int = 0  # videos written
 
     def summary(self) -> dict:
         return {
             "output": str(self.output),
             "records": self.total,
             "written": self.written,
+            "videos": self.videos,
             "rejected": self.rejected,
             "rejected_by_reason": self.reasons,
             "shards": {name: n for name, n in self.shards},
@@ -93,19 +96,26 @@ def convert_record(fmt: str, rec: RawRecord, image_root: Path, max_text_chars: i
             what = f"image {i}" if len(conv.images) > 1 else "image"
             data = read_ref(ref, image_root, allow_outside_symlinks)
             images.append(process_image(data, jpeg_only=jpeg_only, what=what))
+        videos = []  # stored byte for byte once PyAV has checked them
+        for i, ref in enumerate(conv.videos):
+            what = f"video {i}" if len(conv.videos) > 1 else "video"
+            videos.append(check_video(read_ref(ref, image_root, allow_outside_symlinks, kind="video"), what))
     except Reject as e:
         return None, str(e)
     meta = {"id": rec.obj.get("id", rec.obj.get("question_id")), "source": rec.source}
     if fmt == "vqa":
         members = {
-            "jpg": images[0][1],
             "txt": conv.fields["answer"].encode("utf-8"),
             "json": _json_bytes({"question": conv.fields["question"], **meta}),
         }
+        ext, data = (images or videos)[0]
+        members["jpg" if images else ext] = data
     else:
         members = {"json": _json_bytes({"messages": conv.messages, **meta})}
         for i, (ext, data) in enumerate(images):
             members[f"img{i}.{ext}"] = data
+        for i, (ext, data) in enumerate(videos):
+            members[f"vid{i}.{ext}"] = data
     return members, None
 
 
@@ -151,7 +161,8 @@ def _work(rec: RawRecord):
     blob = None if members is None else sample_tar_bytes(KEY_FORMAT.format(rec.index), members)
     obj_id = (rec.obj or {}).get("id")
     text = (rec.text or record_text(rec.obj)) if reason is not None else ""
-    return rec.index, rec.source, text, obj_id, blob, reason
+    videos = sum(1 for ext in members or () if ext.split(".")[-1] in VIDEO_EXTENSIONS)
+    return rec.index, rec.source, text, obj_id, blob, reason, videos
 
 
 def make_wds(
@@ -222,7 +233,7 @@ def make_wds(
         else:
             writers, assign = [ShardWriter(tmp, shard_size)], (lambda: 0)
         reasons: Counter = Counter()
-        total = written = 0
+        total = written = videos = 0
         records = read_records(input_path)
         pool = None
         if workers > 1:
@@ -235,7 +246,7 @@ def make_wds(
         bar = _progress(progress, fmt)
         try:
             with open(tmp / REJECTED_FILE, "w", encoding="utf-8") as rejected:
-                for index, source, text, obj_id, blob, reason in results:
+                for index, source, text, obj_id, blob, reason, n_videos in results:
                     total += 1
                     if reason is not None:
                         reasons[_reason_class(reason)] += 1
@@ -245,6 +256,7 @@ def make_wds(
                     else:
                         writers[assign()].write_sample_bytes(blob)
                         written += 1
+                        videos += n_videos
                     if bar is not None:
                         bar.update(1)
                         if reason is not None:
@@ -271,16 +283,18 @@ def make_wds(
                 + f". Each rejected record and its reason: {kept}"
             )
         shards, splits = _number_shards(tmp, writers, prep.SPLITS if prepare else None)
-        result = MakeWdsResult(output, total, written, n_rejected, dict(sorted(reasons.items())), shards, splits)
+        result = MakeWdsResult(output, total, written, n_rejected, dict(sorted(reasons.items())), shards, splits,
+                               videos)
         summary = json.dumps(result.summary(), indent=2) + "\n"
+        layout = prep.dataset_layout(fmt, videos)
         if not remote:
             if prepare:
-                prep.run_energon_prepare(tmp, fmt, splits, workers=min(workers, len(shards)))
+                prep.run_energon_prepare(tmp, layout, splits, workers=min(workers, len(shards)))
             atomic_write_text(tmp / SUMMARY_FILE, summary)
             _apply_umask(tmp)
     if remote:
         with staging:
-            _publish(local_out, output, summary, fmt if prepare else None, splits, min(workers, len(shards)))
+            _publish(local_out, output, summary, layout if prepare else None, splits, min(workers, len(shards)))
     return result
 
 

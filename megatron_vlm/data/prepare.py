@@ -4,9 +4,9 @@ It calls energon's own ``energon prepare`` command (in-process, ``--non-interact
 exactly what ``cd DATA && energon prepare ./`` produces: ``.nv-meta/.info.json``, ``split.yaml``,
 ``index.sqlite`` and the ``.tar.idx`` files. The dataset definition depends on the layout:
 - ``vqa``: energon's ``VQASample`` with field map image=jpg, context=json[question], answers=txt;
-- ``llava`` / ``chat``: :class:`megatron_vlm.data.sample.ConversationSample` with the sample loader
-  ``.nv-meta/sample_loader.py`` (energon only offers its own sample types on the command line, so this
-  dataset.yaml is written here).
+- ``llava`` / ``chat``, and ``vqa`` with videos (energon's ``VQASample`` has no video):
+  :class:`megatron_vlm.data.sample.ConversationSample` with the sample loader ``.nv-meta/sample_loader.py``
+  (energon only offers its own sample types on the command line, so this dataset.yaml is written here).
 
 :func:`interactive_hint` tells users of ``--no-prepare`` what to answer in ``energon prepare ./``.
 """
@@ -41,6 +41,12 @@ def parse_split(split: str | tuple | list) -> tuple[float, float, float]:
     if len(values) != 3 or any(v < 0 for v in values) or sum(values) <= 0:
         raise ValueError(f"--split {split!r}: expected three non-negative train,val,test weights like 9,1,0")
     return values
+
+
+def dataset_layout(fmt: str, videos: int) -> str:
+    """How a ``make_wds --format fmt`` dataset holding ``videos`` videos is prepared: 'vqa' (energon's
+    VQASample) or 'conversation' (ConversationSample, whose loader also reads VQA rows with a video)."""
+    return "vqa" if fmt == "vqa" and not videos else "conversation"
 
 
 def split_patterns(splits: dict[str, list[str]]) -> list[str]:
@@ -121,6 +127,8 @@ def split_metas(path: Path) -> dict:
 
 
 def interactive_hint(path: Path, fmt: str, split) -> str:
+    """What to answer in ``energon prepare`` for a ``make_wds --format fmt`` dataset (a VQA one with videos:
+    the conversation answers)."""
     split = ",".join(f"{v:g}" for v in parse_split(split))
     how = f"energon prepare {path}" if "://" in str(path) else f"cd {path} && energon prepare ./"
     head = (f"Prepare it with energon: {how}\n"

@@ -30,6 +30,8 @@ DEFAULT_MAX_CONSECUTIVE_SKIPS = 1000
 _PREFIX = "stopped after "
 # How the message appears in a traceback formatted in a data worker ("module.TooManySkippedSamples: ...").
 _IN_TRACEBACK = re.compile(r"TooManySkippedSamples: (" + _PREFIX + r"[^\n]*)")
+# A sample the model cannot take at all (megatron_vlm.data.task_encoder.VideoNotSupportedError) stops the run too.
+_FATAL_IN_TRACEBACK = re.compile(r"VideoNotSupportedError: ([^\n]*)")
 
 
 class TooManySkippedSamples(FatalSampleError):
@@ -99,9 +101,9 @@ def skip_error_line(exc: BaseException) -> str | None:
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, TooManySkippedSamples):
+        if isinstance(e, TooManySkippedSamples) or type(e).__name__ == "VideoNotSupportedError":
             return str(e)
-        m = _IN_TRACEBACK.search(str(e))
+        m = _IN_TRACEBACK.search(str(e)) or _FATAL_IN_TRACEBACK.search(str(e))
         if m:
             return m.group(1)
         e = e.__cause__ or e.__context__

@@ -2,9 +2,11 @@
 
 Counts are per split (energon's ``.nv-meta/split.yaml``): samples, images, text tokens (the model's chat
 template, image tokens not counted), image tokens (images x tokens per image; for anyres models each image's
-own count from its size, read from its header), and how many samples
-exceed ``seq_length`` once images are expanded (the task encoder truncates those). The tars are read
-directly (images are not decoded), with the same conversation rules the task encoder uses.
+own count from its size, read from its header), videos, their chosen frames and video tokens (OneVision: the
+frame count and rate read from each video's container, the frames chosen by the task encoder's
+``video_fps``/``video_frames`` rule, ``frames * ceil(side/2)**2 + 1`` tokens), and how many samples
+exceed ``seq_length`` once images and videos are expanded (the task encoder truncates those). The tars are read
+directly (images and videos are not decoded), with the same conversation rules the task encoder uses.
 
 Time and memory stay linear in the data and bounded per sample: a sample whose text parts exceed
 ``max_text_bytes`` is not read nor tokenized (tokenizing one huge string can take minutes and gigabytes);
@@ -25,13 +27,14 @@ import yaml
 
 from megatron_vlm.data.conversation import vqa_messages
 from megatron_vlm.data.prepare import split_metas
-from megatron_vlm.data.sample import IMAGE_PART_RE, image_parts
+from megatron_vlm.data.sample import IMAGE_PART_RE, VIDEO_PART_RE, VQA_PARTS, image_parts, video_parts, vqa_video_part
 
 _NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 SPLITS = ("train", "val", "test")
 DEFAULT_MAX_TEXT_BYTES = 1 << 20
 OVERSIZED = "__oversized__"  # key set in a sample whose text parts were too large to read
 IMAGE_SIZES = "__image_sizes__"  # image part -> (width, height), for anyres models
+VIDEOS = "__videos__"  # video part -> megatron_vlm.data.videos.VideoInfo (frames, fps, size)
 _HEADER_BYTES = 1 << 16
 
 
@@ -49,13 +52,18 @@ def _image_size(tar, member) -> tuple[int, int]:
         return Image.open(io.BytesIO(head + f.read())).size
 
 
+def _is_video(part: str) -> bool:
+    return VIDEO_PART_RE.match(part) is not None or part in VQA_PARTS[3:]
+
+
 def iter_tar_samples(tar_path: Path, parts: tuple[str, ...] = ("json", "txt"),
                      max_bytes: int | None = None, image_sizes: bool = False) -> Iterator[tuple[str, dict]]:
     """``(key, {part: bytes or None})`` per sample; only ``parts`` (and image parts' names) are read.
 
     With ``max_bytes``, a sample whose ``parts`` add up to more is yielded with ``OVERSIZED`` set to their
     total size and none of them read (None), so memory stays bounded whatever the tar holds. With
-    ``image_sizes``, ``IMAGE_SIZES`` maps each image part to its (width, height), read from its header."""
+    ``image_sizes``, ``IMAGE_SIZES`` maps each image part to its (width, height), read from its header, and
+    ``VIDEOS`` each video part to its :class:`~megatron_vlm.data.videos.VideoInfo` (read from its container)."""
 
     def finish(key, sample, members):
         size = sum(m.size for m in members)
@@ -65,10 +73,13 @@ def iter_tar_samples(tar_path: Path, parts: tuple[str, ...] = ("json", "txt"),
             for m in members:
                 sample[_NAME_RE.match(m.name).group(2)] = tar.extractfile(m).read()
         if image_sizes:
+            from megatron_vlm.data.videos import probe
+
             sample[IMAGE_SIZES] = {_NAME_RE.match(m.name).group(2): _image_size(tar, m) for m in image_members}
+            sample[VIDEOS] = {_NAME_RE.match(m.name).group(2): probe(tar.extractfile(m)) for m in video_members}
         return key, sample
 
-    key, sample, members, image_members = None, {}, [], []
+    key, sample, members, image_members, video_members = None, {}, [], [], []
     with tarfile.open(tar_path, "r") as tar:
         for member in tar:
             if not member.isfile():
@@ -80,12 +91,14 @@ def iter_tar_samples(tar_path: Path, parts: tuple[str, ...] = ("json", "txt"),
             if k != key:
                 if key is not None:
                     yield finish(key, sample, members)
-                key, sample, members, image_members = k, {}, [], []
+                key, sample, members, image_members, video_members = k, {}, [], [], []
             sample[part] = None
             if part in parts:
                 members.append(member)
             elif image_sizes and (part in ("jpg", "png") or IMAGE_PART_RE.match(part)):
                 image_members.append(member)
+            elif image_sizes and _is_video(part):
+                video_members.append(member)
         if key is not None:
             yield finish(key, sample, members)
 
@@ -100,12 +113,30 @@ def _checked_samples(tar_path: Path, max_bytes: int, image_sizes: bool = False) 
 
 
 def conversation_of_raw(sample: dict) -> tuple[list[dict], int]:
-    """``(messages, number of images)`` of a raw tar sample in either layout."""
+    """``(messages, number of images)`` of a raw tar sample in either layout (its videos: :func:`raw_videos`)."""
     meta = json.loads(sample["json"]) if sample.get("json") else {}
     if "messages" in meta:
         return meta["messages"], len(image_parts(sample))
     answer = sample["txt"].decode("utf-8") if sample.get("txt") is not None else ""
+    if vqa_video_part(sample) is not None:
+        return vqa_messages(meta.get("question", ""), answer, "video"), 0
     return vqa_messages(meta.get("question", ""), answer), 1
+
+
+def raw_videos(sample: dict) -> list[str]:
+    """The video part names of a raw tar sample in either layout, in video order."""
+    video = vqa_video_part(sample)
+    return video_parts(sample) or ([video] if video is not None else [])
+
+
+def _video_tokens(task_encoder, info, key: str) -> tuple[int, int]:
+    """(chosen frames, video tokens) of one video for ``task_encoder``'s model and frame choice."""
+    from megatron_vlm.data.task_encoder import refuse_videos
+    from megatron_vlm.data.videos import frame_indices
+
+    refuse_videos(task_encoder.spec, key, getattr(task_encoder, "video_token_id", None) is not None)
+    frames = len(frame_indices(info.frames, info.fps, task_encoder.video_fps, task_encoder.video_frames))
+    return frames, task_encoder.spec.anyres.video_tokens(frames)
 
 
 def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None, progress: bool = False,
@@ -122,8 +153,8 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
 
         bar = tqdm(desc=f"stats {path.name}", unit=" samples")
     for split, meta in split_metas(path).items():
-        s = dict(samples=0, images=0, text_tokens=0, image_tokens=0, tokens=0, max_tokens=0, over_seq_length=0,
-                 too_long_to_count=0)
+        s = dict(samples=0, images=0, text_tokens=0, image_tokens=0, videos=0, video_frames=0, video_tokens=0,
+                 tokens=0, max_tokens=0, over_seq_length=0, too_long_to_count=0)
         for shard in meta.shards:
             for key, raw in _checked_samples(path / shard.name, max_text_bytes, image_sizes=geo is not None):
                 if f"{shard.name}/{key}" in meta.sample_excludes:
@@ -131,23 +162,35 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
                 if OVERSIZED in raw:
                     s["samples"] += 1
                     s["images"] += len(image_parts(raw)) or ("jpg" in raw)  # messages layout, else VQA's one
+                    s["videos"] += len(raw_videos(raw))
                     s["over_seq_length"] += 1
                     s["too_long_to_count"] += 1
                     continue
                 messages, n_img = conversation_of_raw(raw)
+                names = raw_videos(raw)
+                if names and geo is None:  # plain LLaVA: no video token, nothing probed
+                    _video_tokens(task_encoder, None, f"{shard.name}/{key}")
+                videos = [raw[VIDEOS][n] for n in names]
                 ids = task_encoder.chat(messages).ids
-                text = len(ids) - n_img
+                text = len(ids) - n_img - len(videos)
                 image_tokens = n_img * k
+                frames = video_tokens = 0
+                for info in videos:
+                    f, t = _video_tokens(task_encoder, info, f"{shard.name}/{key}")
+                    frames, video_tokens = frames + f, video_tokens + t
                 if geo is not None:
                     sizes = raw[IMAGE_SIZES]
                     names = image_parts(raw) or [n for n in ("jpg", "png") if n in sizes]
                     tiled = task_encoder.tiled(n_img)
                     image_tokens = sum(geo.num_tokens(sizes[n][1], sizes[n][0], tiled) for n in names[:n_img])
-                total = text + image_tokens
+                total = text + image_tokens + video_tokens
                 s["samples"] += 1
                 s["images"] += n_img
                 s["text_tokens"] += text
                 s["image_tokens"] += image_tokens
+                s["videos"] += len(videos)
+                s["video_frames"] += frames
+                s["video_tokens"] += video_tokens
                 s["tokens"] += total
                 s["max_tokens"] = max(s["max_tokens"], total)
                 s["over_seq_length"] += total > seq_length
@@ -183,6 +226,8 @@ def summarize(paths: list[str | Path], task_encoder, seq_length: int | None = No
         "tokenizer": task_encoder.hf_dir,
         "seq_length": seq_length,
         "tokens_per_image": task_encoder.tokens_per_image,
+        **({"video_fps": task_encoder.video_fps, "video_frames": task_encoder.video_frames}
+           if hasattr(task_encoder, "video_fps") else {}),
         "datasets": {},
         "total": {},
     }

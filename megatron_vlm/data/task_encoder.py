@@ -31,13 +31,14 @@ from pathlib import Path
 import torch
 from megatron.energon import Batch, Sample, TaskEncoder
 from megatron.energon.edataclass import edataclass
+from megatron.energon.errors import FatalSampleError
 from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
 from megatron.energon.task_encoder.base import stateless
 from megatron.energon.task_encoder.cooking import Cooker
 
 from megatron_vlm.data.chat_tokens import ChatTokenizer
 from megatron_vlm.data.geometry import ImageGeometry, check_image_processor
-from megatron_vlm.data.sample import conversation_of, cook
+from megatron_vlm.data.sample import conversation_of, cook, videos_of
 from megatron_vlm.data.skips import DEFAULT_MAX_CONSECUTIVE_SKIPS, SkipCounter
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -80,6 +81,24 @@ def _as_pil(image):
         arr = t.to(torch.uint8).permute(1, 2, 0).numpy()
         return Image.fromarray(arr.squeeze(-1) if arr.shape[-1] == 1 else arr).convert("RGB")
     raise TypeError(f"unsupported image type {type(image).__name__}")
+
+
+class VideoNotSupportedError(FatalSampleError):
+    """A sample holds a video but the model is not a LLaVA-OneVision with a video token. An energon (ValueError)
+    ``FatalSampleError``: energon's error handler does not swallow it, it stops the run with its one line
+    (:func:`megatron_vlm.data.skips.skip_error_line`)."""
+
+
+def refuse_videos(spec, key: str, has_video_token: bool = False) -> None:
+    """Stop the run for a sample with a video unless the model is a OneVision with a video token (not a skip:
+    every video sample would fail the same way)."""
+    if spec.arch == "llava_onevision" and has_video_token:
+        return
+    why = ("its tokenizer has no '<video>' token" if spec.arch == "llava_onevision" else
+           f"the model is {spec.arch}, and only llava_onevision models take videos")
+    raise VideoNotSupportedError(
+        f"sample {key} has a video, but {why}; build the model with convert/build_llava.py --arch "
+        "llava_onevision (it adds '<video>'), or leave the video samples out of --data-path")
 
 
 def padded_text_length(text_lengths: list[int], image_extra: list[int], multiple: int | None) -> int:
@@ -220,6 +239,8 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
             messages, images = conversation_of(sample)
         except ValueError as e:
             self.skips.skip(sample.__key__, "conversation", str(e))
+        if videos_of(sample):
+            refuse_videos(self.spec, sample.__key__)
         return VLMSample.derive_from(sample, **self.encode_conversation(messages, images, sample.__key__))
 
     # -- per batch --------------------------------------------------------------------------------

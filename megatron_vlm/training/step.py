@@ -105,10 +105,11 @@ def train_step(training, batches: list, cfg, device) -> StepResult:
     return StepResult(total[0].item(), total[1].item(), float(grad_norm) if ok else None, samples, tokens, images)
 
 
-def pad_micro_batch(batch, micro_batch_size: int, image_token_id: int):
+def pad_micro_batch(batch, micro_batch_size: int, image_token_id):
     """A partial last batch filled up to ``micro_batch_size`` rows with copies of its last row whose loss mask
     is zero: pipeline stages exchange activations of a fixed [seq, micro batch, hidden] shape, so every
-    micro batch must have the same number of rows (a short one would leave the next stage waiting)."""
+    micro batch must have the same number of rows (a short one would leave the next stage waiting).
+    ``image_token_id``: the image token's id, or the ids of every image/video token (``spec.media_token_ids``)."""
     if batch is None or batch.tokens is None:  # a middle pipeline stage
         return batch
     n = batch.tokens.shape[0]
@@ -119,7 +120,8 @@ def pad_micro_batch(batch, micro_batch_size: int, image_token_id: int):
     def rows(t):
         return torch.cat([t, t[-1:].expand(extra, *t.shape[1:])], dim=0)
 
-    k = int((batch.tokens[-1] == image_token_id).sum())  # images are stacked in token order
+    media = torch.tensor(image_token_id if isinstance(image_token_id, (tuple, list)) else [image_token_id])
+    k = int(torch.isin(batch.tokens[-1], media.to(batch.tokens.device)).sum())  # images/videos in token order
     n_images = batch.num_image_tiles.shape[0]
     tiles = int(batch.num_image_tiles[n_images - k:].sum())  # anyres: several tiles per image
     last_images, last_tiles = batch.images[batch.images.shape[0] - tiles:], batch.num_image_tiles[n_images - k:]
@@ -136,7 +138,7 @@ def evaluate(training, batches: list, cfg, device) -> float | None:
     """Mean loss per loss token over ``batches`` (this rank's share of the validation set); None if empty."""
     n = torch.tensor([len(batches)], device=device)
     torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
-    batches = [pad_micro_batch(b, cfg.micro_batch_size, training.spec.image_token_id)
+    batches = [pad_micro_batch(b, cfg.micro_batch_size, training.spec.media_token_ids)
                for b in batches[: int(n.item())]]
     if not batches:
         return None

@@ -107,7 +107,8 @@ def start(cfg, rt) -> Run:
         encoder = PackingTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, packed_seq_length=cfg.packed_seq_length,
                                      spec=spec, **kw)
     else:
-        encoder = task_encoder_for(spec, cfg.tokenizer_load_dir, cfg.seq_length, **kw)
+        encoder = task_encoder_for(spec, cfg.tokenizer_load_dir, cfg.seq_length, video_fps=cfg.video_fps,
+                                   video_frames=cfg.video_frames, **kw)
     training = build_training(cfg, spec, init_from=None if resuming else load_dir)
     if rt.rank == 0:
         log.info("transformer layers: %s (%s)%s", training.impl, training.impl_reason,
@@ -155,7 +156,7 @@ def evaluate(cfg, run: Run) -> float | None:
     torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)  # as many batches on every rank
     n = int(n.item())
     if run.loader is not None:
-        batches = [step.pad_micro_batch(b, cfg.micro_batch_size, run.spec.image_token_id) for b in batches[:n]]
+        batches = [step.pad_micro_batch(b, cfg.micro_batch_size, run.spec.media_token_ids) for b in batches[:n]]
     else:
         batches = [None] * n
     return step.evaluate(run.training, batch_feed.distribute(batches, rt.device, cfg.packing), cfg, rt.device)

@@ -27,7 +27,7 @@ def check_types_and_ranges(cfg: ConfigFields) -> list[str]:
     positive = ["gpus", "nodes", "tp", "pp", "micro_batch_size", "global_batch_size", "train_iters",
                 "seq_length", "save_interval", "save_total_limit", "log_interval", "eval_interval",
                 "gpus_per_node", "cpus_per_task", "ddp_bucket_size", "recompute_num_layers",
-                "max_consecutive_skipped_samples", "packing_buffer_size", "packed_seq_length"]
+                "max_consecutive_skipped_samples", "packing_buffer_size", "packed_seq_length", "video_frames"]
     for name in positive:
         v = getattr(cfg, name)
         if v is not None and v < 1:
@@ -47,6 +47,8 @@ def check_types_and_ranges(cfg: ConfigFields) -> list[str]:
         p.append(f"--lr-decay-style {cfg.lr_decay_style}: must be cosine, linear or constant")
     if cfg.lr is not None and cfg.lr <= 0:
         p.append(f"--lr {cfg.lr}: must be positive")
+    if not cfg.video_fps > 0:
+        p.append(f"--video-fps {cfg.video_fps}: must be positive")
     if not 0 <= cfg.lr_warmup_fraction < 1:
         p.append(f"--lr-warmup-fraction {cfg.lr_warmup_fraction}: must be in [0, 1)")
     for name in ("adam_beta1", "adam_beta2"):

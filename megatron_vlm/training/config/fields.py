@@ -250,6 +250,13 @@ class ConfigFields:
         ("--skip-train-iteration-range",), "Iteration ranges whose batches are consumed but not trained "
         "on, e.g. 1000-1010 2000-2005 (to step over a loss spike).", "ranges", None, "model",
         factory=list, metavar="A-B")
+    video_fps: float = _f(
+        ("--video-fps",), "LLaVA-OneVision videos: one frame every round(fps / N) frames of a video (LLaVA-NeXT's "
+        "video_fps; 1: one frame per second); see --video-frames.", "float", 1.0, "model", metavar="N")
+    video_frames: int = _f(
+        ("--video-frames",), "At most N frames per video: when --video-fps gives more, N frames evenly spaced from "
+        "the first to the last (LLaVA-NeXT's frames_upbound). A frame costs ceil(side/2)^2 tokens "
+        "(196 at 384 px, patch 14), plus one per video.", "int", 32, "model", metavar="N")
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     save_dir: str = _f(("--save-dir",), "Parent directory of runs; checkpoints, config.yaml and "
