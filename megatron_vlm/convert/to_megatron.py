@@ -41,7 +41,11 @@ def convert_hf_to_megatron(
     ckpt_format: str = "torch_dist",
     dtype: str = "auto",
     overwrite: bool = False,
+    check=None,
 ) -> Path:
+    """Write ``megatron_dir``. ``check(tmp_dir)``, if given, runs on the complete checkpoint under its temporary
+    name before the rename (``--verify``): when it raises, the new checkpoint is deleted and ``megatron_dir`` is
+    left as it was (absent, or the previous checkpoint with ``overwrite``)."""
     if ckpt_format not in ckpt.FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {ckpt.FORMATS}")
     spec = VLMSpec.from_hf_dir(hf_dir)
@@ -66,7 +70,9 @@ def convert_hf_to_megatron(
         spec.save(tmp)
         ckpt.copy_tokenizer(hf_dir, tmp)
         ckpt.write_tracker(tmp, "release")
-    log.info("wrote %s checkpoint (tp=%d pp=%d, %s) to %s", ckpt_format, tp, pp, meta.dtype, megatron_dir)
+        if check is not None:
+            check(tmp)
+    log.debug("wrote %s checkpoint (tp=%d pp=%d, %s) to %s", ckpt_format, tp, pp, meta.dtype, megatron_dir)
     return Path(megatron_dir)
 
 
