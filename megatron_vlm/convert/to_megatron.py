@@ -78,7 +78,7 @@ def convert_hf_to_megatron(
 
 def _write_legacy(reader, spec, rules, iter_dir, tp, pp, layers, dtype) -> None:
     ranks = [(p, t) for p in range(pp) for t in range(tp)]
-    for p, t in tqdm(ranks, desc="writing rank files", unit="rank"):
+    for p, t in tqdm(ranks, desc="writing rank files", unit="rank", disable=None):
         state = {}
         for rule in rules:
             if p not in mapping.stages_of(rule, spec, layers):
@@ -100,7 +100,7 @@ def _write_dist(reader, spec, rules, iter_dir, dtype) -> None:
         model = build_model(spec, ModelOptions(params_dtype=dtype, perform_initialization=False, seq_length=64))
         params = dict(model.state_dict(keep_vars=True))
         with torch.no_grad():
-            for rule in tqdm(rules, desc="filling megatron model", unit="tensor"):
+            for rule in tqdm(rules, desc="filling megatron model", unit="tensor", disable=None):
                 target = params[rule.mcore]
                 src = _full_tensor(rule, reader, spec, dtype)
                 if tuple(src.shape) != tuple(target.shape):
