@@ -3,9 +3,11 @@
 
   python data_prep/stats.py DATA/energon [DATA2/energon ...] --tokenizer HF_LLAVA_DIR [--seq-length 2048]
 
-Writes OUT_DIR/stats.json (per dataset and split: samples, images, text tokens with the model's chat
-template, image tokens, samples over --seq-length) and OUT_DIR/metadataset.yaml, an energon metadataset
-blending the datasets by weight (default: their train sample counts) that training can take as data path.
+Writes stats.json (per dataset and split: samples, images, text tokens with the model's chat template, image
+tokens, samples over --seq-length) and metadataset.yaml, an energon metadataset blending the datasets by weight
+(default: their train sample counts) that training can take as --data-path. They go into --output-dir; for
+one dataset that defaults to the dataset's own directory (beside its make_wds.json), and several datasets need
+--output-dir. The paths are printed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_vlm.atomic import atomic_write_text  # noqa: E402
-from megatron_vlm.cli import InputError, add_debug_flag, positive_int, run_cli, weight_list  # noqa: E402
+from megatron_vlm.cli import InputError, add_debug_flag, positive_int, progress_bars, run_cli, weight_list  # noqa: E402
 from megatron_vlm.cli.inputs import check_tokenizer_dir  # noqa: E402
 
 
@@ -43,11 +45,13 @@ def _run(argv) -> int:
                    help="samples whose text is larger are counted as over --seq-length without tokenizing "
                    f"them, which keeps time and memory bounded (default {DEFAULT_MAX_TEXT_BYTES})")
     p.add_argument("--output-dir", type=Path, default=None,
-                   help="where stats.json and metadataset.yaml go (default: the first dataset's parent)")
+                   help="where stats.json and metadataset.yaml go (default, for one dataset: its own directory; "
+                   "required for several)")
     p.add_argument("--no-progress", action="store_true")
     add_debug_flag(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    progress_bars()
 
     for d in args.datasets:
         if not (d / ".nv-meta" / "split.yaml").is_file():
@@ -56,6 +60,9 @@ def _run(argv) -> int:
     weights = args.weights
     if weights is not None and len(weights) != len(args.datasets):
         raise InputError(f"--weights has {len(weights)} values for {len(args.datasets)} datasets")
+    if args.output_dir is None and len(args.datasets) > 1:
+        raise InputError(f"--output-dir is needed to blend {len(args.datasets)} datasets: name the directory for "
+                         "stats.json and metadataset.yaml (e.g. the one that holds the datasets)")
     check_tokenizer_dir(args.tokenizer, "--tokenizer")
 
     from megatron_vlm.data.anyres_encoder import task_encoder_for
@@ -70,7 +77,7 @@ def _run(argv) -> int:
         if not any(weights):
             raise InputError(f"no dataset among {', '.join(map(str, args.datasets))} has training samples, so the "
                              "blend would be empty; prepare datasets with a train split (make_wds --split)")
-    out_dir = args.output_dir or args.datasets[0].absolute().parent
+    out_dir = args.output_dir or args.datasets[0]
     yaml_path = out_dir / "metadataset.yaml"
     splits = [s for s in ("train", "val") if summary["total"].get(s, {}).get("samples")]
     summary["blend"] = {"metadataset": str(yaml_path), "weights": dict(zip(map(str, args.datasets), weights))}
