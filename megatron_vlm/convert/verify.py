@@ -248,7 +248,8 @@ class _OutputLayerTap(contextlib.AbstractContextManager):
     def __init__(self, layer):
         self.layer = layer
         self.forward = layer.forward
-        self.kwargs: dict | None = None
+        self.args: tuple = ()
+        self.kwargs: dict = {}
 
     def __enter__(self):
         def tap(hidden, *args, **kwargs):
