@@ -309,6 +309,14 @@ def _symlink(target: Path, link: Path) -> Path:
     return link
 
 
+def _relative_case(e, t, cd):
+    """--megatron-dir given relative to the working directory, holding the HF model."""
+    hf = _copy(e["hf"], t / "models" / "hf")
+    cd(t)
+    return (["--hf-dir", hf, "--megatron-dir", "models", "--overwrite"], t / "models",
+            [f"--megatron-dir models (= {t / 'models'}) contains --hf-dir {hf}", "would delete the input"])
+
+
 # Each builder gets (env, tmp_path, chdir) and returns (arguments, the input tree that must survive, words the
 # message must hold). Inputs are copies under tmp_path: a failed refusal must not delete the session's models.
 OVERLAP = {
@@ -318,11 +326,7 @@ OVERLAP = {
     "h2m-out-symlink-to-hf": ("h2m", lambda e, t, cd: (
         ["--hf-dir", h := _copy(e["hf"], t / "hf"), "--megatron-dir", _symlink(h, t / "link"), "--overwrite"], h,
         [f"--megatron-dir {t / 'link'} (= {h}) is the same as --hf-dir {h}"])),
-    "h2m-out-contains-hf-relative": ("h2m", lambda e, t, cd: (
-        [Path("models") / "hf" if cd(t) else None, "--megatron-dir", "models", "--overwrite", "--hf-dir",
-         _copy(e["hf"], t / "models" / "hf")][1:], t / "models",
-        [f"--megatron-dir models (= {t / 'models'}) contains --hf-dir {t / 'models' / 'hf'}",
-         "would delete the input"])),
+    "h2m-out-contains-hf-relative": ("h2m", lambda e, t, cd: _relative_case(e, t, cd)),
     "h2m-out-inside-hf": ("h2m", lambda e, t, cd: (
         ["--hf-dir", h := _copy(e["hf"], t / "hf"), "--megatron-dir", h / "meg"], h,
         [f"--megatron-dir {h / 'meg'} lies inside --hf-dir {h}"])),
@@ -355,11 +359,13 @@ OVERLAP = {
         ["--format", "vqa", "--input", (d := _copy(e["root"] / "in", t / "in")) / "good.jsonl", "--output", d,
          "--overwrite", "--no-progress", "--no-prepare"], d, [f"--output {d} contains --input {d / 'good.jsonl'}"])),
     "wds-out-is-image-root": ("wds", lambda e, t, cd: (
-        ["--format", "vqa", "--input", e["root"] / "in" / "good.jsonl", "--image-root", i := _copy(e["images"], t / "i"),
+        ["--format", "vqa", "--input", e["root"] / "in" / "good.jsonl",
+         "--image-root", i := _copy(e["images"], t / "i"),
          "--output", i, "--overwrite", "--no-progress", "--no-prepare"], i,
         [f"--output {i} is the same as --image-root {i}"])),
     "wds-out-replaces-images-inside-root": ("wds", lambda e, t, cd: (
-        ["--format", "vqa", "--input", e["root"] / "in" / "good.jsonl", "--image-root", i := _copy(e["root"] / "in", t / "i"),
+        ["--format", "vqa", "--input", e["root"] / "in" / "good.jsonl",
+         "--image-root", i := _copy(e["root"] / "in", t / "i"),
          "--output", i / "images", "--overwrite", "--no-progress", "--no-prepare"], i,
         [f"--output {i / 'images'} lies inside --image-root {i}"])),
 }
@@ -368,7 +374,7 @@ OVERLAP = {
 @pytest.mark.parametrize("case", sorted(OVERLAP))
 def test_output_overlapping_an_input_is_refused(case, env, tmp_path, capsys, monkeypatch):
     cmd, build = OVERLAP[case]
-    args, keep, expect = build(env, tmp_path, lambda d: monkeypatch.chdir(d) or True)
+    args, keep, expect = build(env, tmp_path, monkeypatch.chdir)
     before = _tree(keep)
     rc, text = run_command(cmd, args, capsys)
     assert_clean_failure(rc, text, expect)

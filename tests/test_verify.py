@@ -62,7 +62,7 @@ def test_logits_are_formed_a_chunk_of_positions_at_a_time(hf_models, tp1_checkpo
     with LargestLogits(spec.vocab_size) as seen:
         diff = verify_checkpoint(hf_models["llama_clip"], tp1_checkpoint)
     assert diff < 1e-5
-    assert seen.seen > 0 and seen.rows <= rows, f"a logits tensor of {seen.rows} rows ({seen.rows / rows:.0f}x the chunk)"
+    assert seen.seen > 0 and seen.rows <= rows, f"logits of {seen.rows} rows ({seen.rows / rows:.0f}x the chunk)"
     assert batch.num_samples * batch.combined_length > 10 * rows  # the old whole-batch logits would be 11x over
     # progress: a line per HF sample, per compared sample and for the Megatron load (verify at PP2 was ~60 s silent)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("verify: ")]
@@ -78,7 +78,8 @@ def test_logits_are_formed_a_chunk_of_positions_at_a_time(hf_models, tp1_checkpo
     assert weights[head].shape[0] == spec.vocab_size  # its last row is the last column that counts
     weights[head][spec.vocab_size - 1] += 1e-2
     save_file(weights, hf / "model.safetensors", metadata={"format": "pt"})
-    with LargestLogits(spec.vocab_size) as seen, pytest.raises(VerificationError, match=r"logits differ by 0\.\d+ > 0.0001"):
+    with LargestLogits(spec.vocab_size) as seen, \
+            pytest.raises(VerificationError, match=r"logits differ by 0\.\d+ > 0.0001"):
         verify_checkpoint(hf, tp1_checkpoint)
     assert seen.rows <= rows
 

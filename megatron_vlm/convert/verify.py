@@ -70,7 +70,8 @@ class ReferenceBatch:
             return replace(self, tokens=self.tokens[b:b + 1], hf_input_ids=self.hf_input_ids[b:b + 1],
                            images=self.images[b:b + 1])
         start = int(self.num_image_tiles[:b].sum())
-        return replace(self, tokens=self.tokens[b:b + 1], hf_input_ids=self.hf_input_ids[b:b + 1, :self.valid_length(b)],
+        return replace(self, tokens=self.tokens[b:b + 1],
+                       hf_input_ids=self.hf_input_ids[b:b + 1, :self.valid_length(b)],
                        images=self.images[start:start + int(self.num_image_tiles[b])],
                        image_sizes=self.image_sizes[b:b + 1], num_image_tiles=self.num_image_tiles[b:b + 1],
                        num_image_tokens=self.num_image_tokens[b:b + 1])
