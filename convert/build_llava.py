@@ -64,9 +64,11 @@ def main(argv=None):
         p.error(f"argument --vision-aspect-ratio: {e}")
     setup_logging(a.verbose)
     from megatron_vlm.cli.inputs import check_hf_dir
+    from megatron_vlm.cli.overlap import check_output_apart
 
     check_hf_dir(a.text_model, "--text-model")
     check_hf_dir(a.vision_model, "--vision-model")
+    check_output_apart("--save-dir", a.save_dir, [("--text-model", a.text_model), ("--vision-model", a.vision_model)])
     from megatron_vlm.convert.build import build_llava
 
     build_llava(a.text_model, a.vision_model, a.save_dir, vocab_size_padding=a.vocab_size_padding,
@@ -74,7 +76,7 @@ def main(argv=None):
                 vision_feature_select_strategy=a.vision_feature_select_strategy, image_token=a.image_token,
                 projector_bias=not a.no_projector_bias, dtype=a.dtype, seed=a.seed, overwrite=a.overwrite,
                 arch=a.arch, grid_pinpoints=pins, vision_aspect_ratio=a.vision_aspect_ratio, max_grid=a.max_grid)
-    print(f"saved LLaVA model to {a.save_dir}")
+    # the result is logged once, by build_llava ("saved LLaVA (<lm> + <vision>, vocab ...) to DIR")
 
 
 if __name__ == "__main__":

@@ -24,26 +24,43 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                    help="weight dtype in the checkpoint (auto: as stored in the HF files)")
     p.add_argument("--verify", action="store_true",
-                   help="load the written checkpoint into a TPxPP Megatron model (TP*PP local processes) and "
-                        "compare fp32 logits with HF; exit non-zero above --tolerance")
+                   help="before the checkpoint is committed, load it into a TPxPP Megatron model (TP*PP local "
+                        "processes) and compare fp32 logits with HF; above --tolerance it is deleted (nothing is "
+                        "written; with --overwrite the previous checkpoint stays) and the command exits non-zero")
     p.add_argument("--tolerance", type=positive_float, default=1e-4, help="max abs logit difference for --verify")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --megatron-dir")
     add_debug_flag(p)
     a = p.parse_args(argv)
     setup_logging(a.verbose)
     from megatron_vlm.cli.inputs import check_hf_dir
+    from megatron_vlm.cli.overlap import check_output_apart
 
     check_hf_dir(a.hf_dir, "--hf-dir")
+    check_output_apart("--megatron-dir", a.megatron_dir, [("--hf-dir", a.hf_dir)])
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 
+    existed = os.path.exists(a.megatron_dir)
+    diffs = []
+
+    def verify(tmp_dir):
+        from megatron_vlm.convert.verify import VerificationError, verify_checkpoint
+
+        try:
+            diffs.append(verify_checkpoint(a.hf_dir, tmp_dir, a.tp, a.pp, tolerance=a.tolerance))
+        except VerificationError as e:
+            kept = f"the previous checkpoint in {a.megatron_dir} is unchanged" if existed else \
+                f"nothing was written to {a.megatron_dir}"
+            raise VerificationError(
+                f"--verify: {e}; the new checkpoint was deleted ({kept}). After --dtype bf16/fp16 a difference of "
+                "that size is rounding: raise --tolerance; otherwise the conversion is wrong for this model: "
+                "rerun with -v and report it") from None
+
     convert_hf_to_megatron(a.hf_dir, a.megatron_dir, tp=a.tp, pp=a.pp, pp_layers=parse_pp_layers(a.pp_layers),
-                           ckpt_format=a.ckpt_format, dtype=a.dtype, overwrite=a.overwrite)
+                           ckpt_format=a.ckpt_format, dtype=a.dtype, overwrite=a.overwrite,
+                           check=verify if a.verify else None)
     print(f"wrote {a.ckpt_format} checkpoint (tp={a.tp} pp={a.pp}) to {a.megatron_dir}")
     if a.verify:
-        from megatron_vlm.convert.verify import verify_checkpoint
-
-        diff = verify_checkpoint(a.hf_dir, a.megatron_dir, a.tp, a.pp, tolerance=a.tolerance)
-        print(f"verify: max |logit diff| HF vs Megatron (fp32, tp={a.tp} pp={a.pp}) = {diff:.3g} "
+        print(f"verify: max |logit diff| HF vs Megatron (fp32, tp={a.tp} pp={a.pp}) = {diffs[0]:.3g} "
               f"<= {a.tolerance:g}: OK")
 
 

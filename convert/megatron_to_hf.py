@@ -4,6 +4,7 @@
 import argparse
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -14,18 +15,24 @@ from megatron_vlm.cli import (add_debug_flag, iteration, positive_float, positiv
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--megatron-dir", required=True,
-                   help="checkpoint directory (with latest_checkpointed_iteration.txt) or one iteration directory; "
-                        "written by megatron-vlm or by Megatron-LM")
+                   help="checkpoint directory (with latest_checkpointed_iteration.txt: a converted checkpoint or a "
+                        "training run) or one of its iteration directories (iter_XXXXXXX, release); written by "
+                        "megatron-vlm or by Megatron-LM")
     p.add_argument("--hf-config", default=None,
                    help="HF LLaVA directory or config.json describing a checkpoint that Megatron-LM wrote (checked "
                         "against the checkpoint's shapes and args; tokenizer, processor and the HF-only weights are "
                         "taken from that directory); not needed for megatron-vlm checkpoints")
     p.add_argument("--iteration", type=iteration, default=None,
-                   help="iteration to export (an integer or 'release'; default: the tracker's latest)")
+                   help="iteration to export (an integer or 'release'; default: the tracker's latest; with an "
+                        "iteration directory as --megatron-dir it must name that one)")
     p.add_argument("--hf-dir", required=True, help="output HF directory (must not exist unless --overwrite)")
     p.add_argument("--tokenizer-dir", default=None,
-                   help="where to take tokenizer/processor files from (default: <megatron-dir>/tokenizer, or the "
-                        "--hf-config directory)")
+                   help="where to take tokenizer/processor files from (default: the checkpoint directory's "
+                        "tokenizer/, also when --megatron-dir is one of its iteration directories; or the --hf-config "
+                        "directory)")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="weight dtype of the HF model (auto: the checkpoint's, from its ckpt_meta.json: a training "
+                        "run's precision, e.g. bf16, or the dtype a converted checkpoint was written in)")
     p.add_argument("--tp", type=positive_int, default=None, help="expected TP of the checkpoint (checked if given)")
     p.add_argument("--pp", type=positive_int, default=None, help="expected PP of the checkpoint (checked if given)")
     p.add_argument("--max-shard-size-gb", type=positive_float, default=5.0,
@@ -38,20 +45,33 @@ def main(argv=None):
                 "would be split into thousands of files")
     setup_logging(a.verbose)
     from megatron_vlm import storage
-    from megatron_vlm.cli.inputs import check_checkpoint, check_tokenizer_dir
+    from megatron_vlm.cli.inputs import ITERATION_DIR_RE, check_checkpoint, check_tokenizer_dir
+    from megatron_vlm.cli.overlap import check_output_apart
 
-    if not storage.is_remote(a.megatron_dir):
-        check_checkpoint(a.megatron_dir, a.iteration)
-        default_tok = os.path.join(a.megatron_dir, "tokenizer")
+    run = a.megatron_dir  # the checkpoint directory: a run's iteration directory lies in it
+    if storage.is_remote(a.megatron_dir):
+        if ITERATION_DIR_RE.fullmatch(a.megatron_dir.rstrip("/").rsplit("/", 1)[-1]):
+            run = a.megatron_dir.rstrip("/").rsplit("/", 1)[0]
+    else:
+        it_dir = check_checkpoint(a.megatron_dir, a.iteration)
+        if it_dir == Path(a.megatron_dir) and ITERATION_DIR_RE.fullmatch(it_dir.absolute().name):
+            run = str(it_dir.absolute().parent)  # it holds the tokenizer
+        default_tok = os.path.join(run, "tokenizer")
         if a.tokenizer_dir is None and os.path.isdir(default_tok):
             check_tokenizer_dir(default_tok, "the checkpoint's tokenizer directory")
     if a.tokenizer_dir is not None:  # copied into --hf-dir: an HF dir without a tokenizer looks complete but is not
         check_tokenizer_dir(a.tokenizer_dir, "--tokenizer-dir")
+    hf_config = a.hf_config and (os.path.dirname(os.path.abspath(a.hf_config)) if a.hf_config.endswith(".json")
+                                 else a.hf_config)
+    check_output_apart("--hf-dir", a.hf_dir, [
+        ("--megatron-dir", a.megatron_dir), ("the checkpoint directory of --megatron-dir", run if run != a.megatron_dir
+                                             else None),
+        ("--tokenizer-dir", a.tokenizer_dir), ("--hf-config", hf_config)])
     from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 
     convert_megatron_to_hf(a.megatron_dir, a.hf_dir, iteration=a.iteration, tokenizer_dir=a.tokenizer_dir, tp=a.tp,
                            pp=a.pp, overwrite=a.overwrite, max_shard_bytes=int(a.max_shard_size_gb * 2**30),
-                           hf_config=a.hf_config)
+                           hf_config=a.hf_config, dtype=None if a.dtype == "auto" else a.dtype)
     print(f"wrote HF LLaVA model to {a.hf_dir}")
 
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_vlm import storage  # noqa: E402
-from megatron_vlm.cli import add_debug_flag, fraction, positive_int, run_cli  # noqa: E402
-from megatron_vlm.data.make_wds import DEFAULT_MAX_TEXT_CHARS, make_wds  # noqa: E402
+from megatron_vlm.cli import add_debug_flag, fraction, positive_int, progress_bars, run_cli  # noqa: E402
+from megatron_vlm.cli.overlap import check_output_apart  # noqa: E402
+from megatron_vlm.data.make_wds import DEFAULT_MAX_TEXT_CHARS, SUMMARY_FILE, make_wds  # noqa: E402
 from megatron_vlm.data.prepare import dataset_layout, interactive_hint  # noqa: E402
 
 FORMAT_HELP = """input formats:
@@ -56,7 +58,9 @@ def _run(argv) -> int:
         epilog=FORMAT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--format", required=True, choices=("vqa", "llava", "chat"))
+    p.add_argument("--format", required=True, choices=("vqa", "llava", "chat"),
+                   help="input format: vqa (rows of image, question, answer), llava (LLaVA json: conversations "
+                   "with <image>), chat (OpenAI chat messages with image_url parts); see 'input formats' below")
     p.add_argument("--input", required=True, type=Path, help="input file (.jsonl, .jsonl.gz, .json, .csv)")
     p.add_argument("--image-root", type=Path, default=None,
                    help="directory image paths are relative to (default: the input file's directory)")
@@ -81,6 +85,13 @@ def _run(argv) -> int:
     add_debug_flag(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
+    progress_bars()
+    image_root = args.image_root if args.image_root is not None else args.input.parent
+    # --output may lie inside --image-root (a dataset beside the images), but not replace a directory there that
+    # make_wds did not write: it could hold the images
+    replaces_other = os.path.isdir(args.output) and not os.path.isfile(os.path.join(args.output, SUMMARY_FILE))
+    check_output_apart("--output", args.output, [("--input", args.input), ("--image-root", image_root)],
+                       inside_ok=() if replaces_other else ("--image-root",))
 
     result = make_wds(
         args.format, args.input, args.output, image_root=args.image_root, shard_size=args.shard_size,

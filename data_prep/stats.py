@@ -3,10 +3,12 @@
 
   python data_prep/stats.py DATA/energon [DATA2/energon ...] --tokenizer HF_LLAVA_DIR [--seq-length 2048]
 
-Writes OUT_DIR/stats.json (per dataset and split: samples, images, text tokens with the model's chat
-template, image tokens, videos and their tokens (frames chosen by --video-fps/--video-frames, as training
-chooses them), samples over --seq-length) and OUT_DIR/metadataset.yaml, an energon metadataset
-blending the datasets by weight (default: their train sample counts) that training can take as data path.
+Writes stats.json (per dataset and split: samples, images, text tokens with the model's chat template, image
+tokens, videos and their tokens (frames chosen by --video-fps/--video-frames, as training chooses them), samples
+over --seq-length) and metadataset.yaml, an energon metadataset blending the datasets by weight (default: their
+train sample counts) that training can take as --data-path. They go into --output-dir; for one dataset that
+defaults to the dataset's own directory (beside its make_wds.json), and several datasets need --output-dir. The
+paths are printed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_vlm.atomic import atomic_write_text  # noqa: E402
-from megatron_vlm.cli import InputError, add_debug_flag, positive_int, run_cli, weight_list  # noqa: E402
+from megatron_vlm.cli import InputError, add_debug_flag, positive_int, progress_bars, run_cli, weight_list  # noqa: E402
 from megatron_vlm.cli.inputs import check_tokenizer_dir  # noqa: E402
 
 
@@ -48,11 +50,13 @@ def _run(argv) -> int:
     p.add_argument("--video-frames", type=positive_int, default=32, metavar="N", help="at most N frames per video, "
                    "evenly spaced, as train/run.py --video-frames (default 32)")
     p.add_argument("--output-dir", type=Path, default=None,
-                   help="where stats.json and metadataset.yaml go (default: the first dataset's parent)")
+                   help="where stats.json and metadataset.yaml go (default, for one dataset: its own directory; "
+                   "required for several)")
     p.add_argument("--no-progress", action="store_true")
     add_debug_flag(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    progress_bars()
 
     for d in args.datasets:
         if not (d / ".nv-meta" / "split.yaml").is_file():
@@ -61,6 +65,9 @@ def _run(argv) -> int:
     weights = args.weights
     if weights is not None and len(weights) != len(args.datasets):
         raise InputError(f"--weights has {len(weights)} values for {len(args.datasets)} datasets")
+    if args.output_dir is None and len(args.datasets) > 1:
+        raise InputError(f"--output-dir is needed to blend {len(args.datasets)} datasets: name the directory for "
+                         "stats.json and metadataset.yaml (e.g. the one that holds the datasets)")
     check_tokenizer_dir(args.tokenizer, "--tokenizer")
 
     from megatron_vlm.data.anyres_encoder import task_encoder_for
@@ -78,7 +85,7 @@ def _run(argv) -> int:
         if not any(weights):
             raise InputError(f"no dataset among {', '.join(map(str, args.datasets))} has training samples, so the "
                              "blend would be empty; prepare datasets with a train split (make_wds --split)")
-    out_dir = args.output_dir or args.datasets[0].absolute().parent
+    out_dir = args.output_dir or args.datasets[0]
     yaml_path = out_dir / "metadataset.yaml"
     splits = [s for s in ("train", "val") if summary["total"].get(s, {}).get("samples")]
     summary["blend"] = {"metadataset": str(yaml_path), "weights": dict(zip(map(str, args.datasets), weights))}

@@ -112,6 +112,9 @@ def resolve_iteration_dir(ckpt_dir, iteration: int | str | None = None) -> Path:
     if not ckpt_dir.is_dir():
         raise CheckpointLayoutError(f"--megatron-dir {ckpt_dir} does not exist")
     if is_iteration_dir(ckpt_dir):  # pointed directly at an iteration directory
+        from megatron_vlm.cli.inputs import check_iteration_matches
+
+        check_iteration_matches(ckpt_dir, iteration)
         check_readable(ckpt_dir)
         return ckpt_dir
     if iteration is None:
@@ -125,6 +128,12 @@ def resolve_iteration_dir(ckpt_dir, iteration: int | str | None = None) -> Path:
         raise CheckpointLayoutError(f"{path} does not exist (iteration {iteration} of {ckpt_dir})")
     check_readable(path)
     return path
+
+
+def run_dir(iter_dir):
+    """The checkpoint directory (a converted checkpoint, or a training run) that holds ``iter_dir``; it has the
+    tracker and ``tokenizer/``."""
+    return storage.path(iter_dir).parent
 
 
 def is_iteration_dir(path) -> bool:

@@ -88,6 +88,12 @@ def env(hf_models, tmp_path_factory):
     write_jsonl(root / "in" / "good.jsonl", rows)
     write_jsonl(root / "in" / "link.jsonl", rows + [{"image": "link.jpg", "question": "q", "answer": "a"}])
     write_jsonl(root / "in" / "huge.jsonl", rows + [{"image": "1.jpg", "question": "q", "answer": "x" * 1_100_000}])
+    (root / "in" / "llava.json").write_text(json.dumps([{"id": "1", "image": "0.jpg", "conversations": [
+        {"from": "human", "value": "<image>\nwhat colour?"}, {"from": "gpt", "value": "red"}]}]))
+    import gzip
+
+    packed = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in rows * 200))
+    (root / "in" / "cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])
     bad_cfg = root / "badcfg"
     bad_cfg.mkdir()
     (bad_cfg / "config.json").write_text('{"model_type": "llava", "text_config": {\x01}')
@@ -200,6 +206,10 @@ CASES = {
                                                   e["empty"]], ["--tokenizer-dir", "holds no tokenizer"], ["hf"]),
     "m2h-tokenizer-missing": ("m2h", _m2h(["--tokenizer-dir", "/nonexistent/tok"]),
                               ["--tokenizer-dir /nonexistent/tok: no such directory"], ["hf"]),
+    "m2h-iteration-conflict": ("m2h", lambda e, t: ["--megatron-dir", e["meg"] / "release", "--hf-dir", t / "hf",
+                                                     "--iteration", "3"],
+                               ["--iteration 3 conflicts with --megatron-dir", "release, which is iteration release",
+                                "drop --iteration"], ["hf"]),
     "m2h-tokenizer-corrupt": ("m2h", lambda e, t: ["--megatron-dir", e["meg"], "--hf-dir", t / "hf",
                                                     "--tokenizer-dir", e["bad_tok"]],
                               ["badtok/tokenizer_config.json: invalid JSON"], ["hf"]),
@@ -233,6 +243,15 @@ CASES = {
                             ["symlink outside --image-root: 1", "ds.rejected.jsonl"], ["ds"]),
     "wds-output-under-file": ("wds", lambda e, t: _wds([])(e, t) + ["--output", e["a_file"] / "ds"],
                               ["a_file", "not a directory"], []),
+    "wds-format-mismatch": ("wds", _wds([], inp="llava.json"),
+                            ["--format vqa: the first record of --input", "llava.json[0]) is a LLaVA record (it has "
+                             "'conversations'), not a VQA row; use --format llava"], ["ds"]),
+    "wds-split-all-zero": ("wds", _wds(["--split", "0,0,0"]),
+                           ["--split '0,0,0': all three weights are 0", "e.g. 9,1,0"], ["ds"]),
+    "wds-split-nan": ("wds", _wds(["--split", "nan,1,0"]), ["--split 'nan,1,0'", "finite and not negative"], ["ds"]),
+    "wds-truncated-gz": ("wds", _wds([], inp="cut.jsonl.gz"),
+                         ["--input", "cut.jsonl.gz: the gzip file is truncated or corrupt", "after line",
+                          "download or compress it again"], ["ds"]),
     # stats
     "stats-seq-zero": ("stats", lambda e, t: [t / "ds", "--tokenizer", e["hf"], "--seq-length", "0"],
                        ["--seq-length", "must be at least 1"], ["stats.json"]),
@@ -250,6 +269,8 @@ CASES = {
                             ["ds/000000.tar: unreadable tar", "copy it again"], ["stats.json"]),
     "stats-not-prepared": ("stats", lambda e, t: [e["empty"], "--tokenizer", e["hf"]],
                            ["is not a prepared energon dataset"], ["stats.json"]),
+    "stats-blend-needs-output-dir": ("stats", lambda e, t: [t / "ds", t / "ds", "--tokenizer", e["hf"]],
+                                     ["--output-dir is needed to blend 2 datasets"], ["stats.json"]),
 }
 
 
@@ -257,12 +278,126 @@ CASES = {
 def test_bad_input(case, env, vqa_dataset, tmp_path, capsys):  # noqa: F811
     cmd, build, expect, absent = CASES[case]
     if cmd == "stats":
-        shutil.copytree(vqa_dataset.output, tmp_path / "ds")  # the datasets' parent gets stats.json by default
+        shutil.copytree(vqa_dataset.output, tmp_path / "ds")  # a dataset gets its stats.json by default
     args = build(env, tmp_path)
     rc, text = run_command(cmd, args, capsys)
-    assert_clean_failure(rc, text, expect, [tmp_path / a for a in absent])
-    if cmd == "stats":
-        assert not (tmp_path / "metadataset.yaml").exists()
+    assert_clean_failure(rc, text, expect, [tmp_path / a for a in absent] + (
+        [tmp_path / "ds" / "stats.json", tmp_path / "ds" / "metadataset.yaml", tmp_path / "metadataset.yaml"]
+        if cmd == "stats" else []))
+
+
+# ---- an output that is, contains or lies inside an input: refused before anything is touched (issue 27) ---------
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))}
+
+
+def _run_of(e, t) -> Path:
+    """A training run's layout: checkpoint iter_0000010 + tracker + tokenizer/, copied from the converted one."""
+    run = _copy(e["meg"], t / "runs" / "stage1")
+    (run / "release").rename(run / "iter_0000010")
+    (run / "latest_checkpointed_iteration.txt").write_text("10")
+    return run
+
+
+def _symlink(target: Path, link: Path) -> Path:
+    link.symlink_to(target, target_is_directory=True)
+    return link
+
+
+def _relative_case(e, t, cd):
+    """--megatron-dir given relative to the working directory, holding the HF model."""
+    hf = _copy(e["hf"], t / "models" / "hf")
+    cd(t)
+    return (["--hf-dir", hf, "--megatron-dir", "models", "--overwrite"], t / "models",
+            [f"--megatron-dir models (= {t / 'models'}) contains --hf-dir {hf}", "would delete the input"])
+
+
+# Each builder gets (env, tmp_path, chdir) and returns (arguments, the input tree that must survive, words the
+# message must hold). Inputs are copies under tmp_path: a failed refusal must not delete the session's models.
+OVERLAP = {
+    "h2m-out-is-hf": ("h2m", lambda e, t, cd: (
+        ["--hf-dir", h := _copy(e["hf"], t / "hf"), "--megatron-dir", h, "--overwrite"], h,
+        [f"--megatron-dir {h} is the same as --hf-dir {h}", "choose another --megatron-dir"])),
+    "h2m-out-symlink-to-hf": ("h2m", lambda e, t, cd: (
+        ["--hf-dir", h := _copy(e["hf"], t / "hf"), "--megatron-dir", _symlink(h, t / "link"), "--overwrite"], h,
+        [f"--megatron-dir {t / 'link'} (= {h}) is the same as --hf-dir {h}"])),
+    "h2m-out-contains-hf-relative": ("h2m", lambda e, t, cd: _relative_case(e, t, cd)),
+    "h2m-out-inside-hf": ("h2m", lambda e, t, cd: (
+        ["--hf-dir", h := _copy(e["hf"], t / "hf"), "--megatron-dir", h / "meg"], h,
+        [f"--megatron-dir {h / 'meg'} lies inside --hf-dir {h}"])),
+    "m2h-out-is-run": ("m2h", lambda e, t, cd: (
+        ["--megatron-dir", r := _run_of(e, t), "--hf-dir", r, "--overwrite"], r,
+        [f"--hf-dir {r} is the same as --megatron-dir {r}"])),
+    "m2h-out-parent-of-run": ("m2h", lambda e, t, cd: (
+        ["--megatron-dir", r := _run_of(e, t), "--hf-dir", t / "runs", "--overwrite"], r,
+        [f"--hf-dir {t / 'runs'} contains --megatron-dir {r}"])),
+    "m2h-iteration-out-is-run": ("m2h", lambda e, t, cd: (
+        ["--megatron-dir", (r := _run_of(e, t)) / "iter_0000010", "--hf-dir", r, "--overwrite"], r,
+        [f"--hf-dir {r} contains --megatron-dir {r / 'iter_0000010'}"])),
+    "m2h-iteration-out-beside-it": ("m2h", lambda e, t, cd: (
+        ["--megatron-dir", (r := _run_of(e, t)) / "iter_0000010", "--hf-dir", r / "hf"], r,
+        [f"--hf-dir {r / 'hf'} lies inside the checkpoint directory of --megatron-dir {r}"])),
+    "m2h-out-is-its-tokenizer": ("m2h", lambda e, t, cd: (
+        ["--megatron-dir", r := _run_of(e, t), "--hf-dir", r / "tokenizer", "--overwrite"], r,
+        [f"--hf-dir {r / 'tokenizer'} lies inside --megatron-dir {r}"])),
+    "m2h-out-is-tokenizer-dir": ("m2h", lambda e, t, cd: (
+        ["--megatron-dir", e["meg"], "--tokenizer-dir", h := _copy(e["hf"], t / "hf"), "--hf-dir", h,
+         "--overwrite"], h, [f"--hf-dir {h} is the same as --tokenizer-dir {h}"])),
+    "build-out-is-text-model": ("build", lambda e, t, cd: (
+        ["--text-model", x := _copy(e["text"], t / "text"), "--vision-model", e["vision"], "--save-dir", x,
+         "--overwrite"], x, [f"--save-dir {x} is the same as --text-model {x}"])),
+    "build-out-contains-vision-model": ("build", lambda e, t, cd: (
+        ["--text-model", e["text"], "--vision-model", v := _copy(e["vision"], t / "models" / "vision"),
+         "--save-dir", t / "models", "--overwrite"], v,
+        [f"--save-dir {t / 'models'} contains --vision-model {v}"])),
+    "wds-out-contains-input": ("wds", lambda e, t, cd: (
+        ["--format", "vqa", "--input", (d := _copy(e["root"] / "in", t / "in")) / "good.jsonl", "--output", d,
+         "--overwrite", "--no-progress", "--no-prepare"], d, [f"--output {d} contains --input {d / 'good.jsonl'}"])),
+    "wds-out-is-image-root": ("wds", lambda e, t, cd: (
+        ["--format", "vqa", "--input", e["root"] / "in" / "good.jsonl",
+         "--image-root", i := _copy(e["images"], t / "i"),
+         "--output", i, "--overwrite", "--no-progress", "--no-prepare"], i,
+        [f"--output {i} is the same as --image-root {i}"])),
+    "wds-out-replaces-images-inside-root": ("wds", lambda e, t, cd: (
+        ["--format", "vqa", "--input", e["root"] / "in" / "good.jsonl",
+         "--image-root", i := _copy(e["root"] / "in", t / "i"),
+         "--output", i / "images", "--overwrite", "--no-progress", "--no-prepare"], i,
+        [f"--output {i / 'images'} lies inside --image-root {i}"])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVERLAP))
+def test_output_overlapping_an_input_is_refused(case, env, tmp_path, capsys, monkeypatch):
+    cmd, build = OVERLAP[case]
+    args, keep, expect = build(env, tmp_path, monkeypatch.chdir)
+    before = _tree(keep)
+    rc, text = run_command(cmd, args, capsys)
+    assert_clean_failure(rc, text, expect)
+    assert rc == 2 and text.strip().splitlines()[-1].startswith("error: ")
+    assert _tree(keep) == before  # nothing touched
+    assert not [p for p in tmp_path.rglob(".*tmp*")]  # and nothing started
+
+
+def test_output_beside_an_input_is_fine(env, tmp_path, capsys):
+    """Controls: a dataset may go inside --image-root (fresh, or replacing one make_wds wrote); the overlap rule
+    compares whole path components (hf vs hf2) and object-store URLs by prefix."""
+    from megatron_vlm.cli.overlap import CONTAINS, INSIDE, SAME, relation
+
+    root = _copy(env["root"] / "in", tmp_path / "in")
+    args = ["--format", "vqa", "--input", root / "good.jsonl", "--image-root", root / "images", "--output",
+            root / "images" / "ds", "--no-progress", "--no-prepare"]
+    for extra in ([], ["--overwrite"]):
+        rc, text = run_command("wds", args + extra, capsys)
+        assert rc == 0 and "wrote 2 samples" in text, text
+    assert relation(tmp_path / "hf2", tmp_path / "hf") is None and relation(tmp_path / "a/b/..", tmp_path / "a") == SAME
+    assert relation("msc://s3/runs/a/hf", "msc://s3/runs/a") == INSIDE
+    assert relation("msc://s3/runs/", "msc://s3/runs/a") == CONTAINS
+    assert relation("msc://s3/runs/ab", "msc://s3/runs/a") is None and relation("msc://s3/x", tmp_path) is None
 
 
 # ---- faults the environment causes (simulated where root cannot cause them: CI runs as root) -------------------
@@ -323,7 +458,7 @@ def test_stats_stays_bounded_on_a_huge_sample(env, tmp_path, capsys):
     rc, text = run_command("stats", [ds, "--tokenizer", env["hf"], "--seq-length", "64", "--no-progress"], capsys)
     elapsed = time.perf_counter() - t0
     assert rc == 0, text
-    st = json.loads((tmp_path / "stats.json").read_text())["datasets"][str(ds)]["train"]
+    st = json.loads((ds / "stats.json").read_text())["datasets"][str(ds)]["train"]
     assert (st["samples"], st["images"], st["too_long_to_count"], st["over_seq_length"]) == (3, 3, 1, 1)
     assert st["text_tokens"] < 100  # only the two small samples were tokenized
     assert elapsed < 20, elapsed

@@ -257,3 +257,34 @@ def test_spec_json_round_trip(hf_models, converted):
     assert saved.to_json() == spec.to_json()
     assert VLMSpec.from_json(saved.to_json()) == saved
     assert json.loads(saved.to_json())["rope_scaling_factor"] == 8.0
+
+
+def test_export_cli_iteration_dir_dtype_and_one_result_line(hf_models, tmp_path, capsys):
+    """megatron_to_hf takes an iter_XXXXXXX directory of a run (the tokenizer comes from the run), --dtype (default:
+    the checkpoint's), and an --iteration that names the same iteration; each converter prints its result once,
+    and no progress bar writes a carriage return into a log (stderr is not a terminal here)."""
+    from megatron_vlm.cli import run_cli
+
+    h2m, m2h = script("convert/hf_to_megatron.py").main, script("convert/megatron_to_hf.py").main
+    run = tmp_path / "runs" / "stage1"
+    assert run_cli(h2m, ["--hf-dir", str(hf_models["llama_clip"]), "--megatron-dir", str(run), "--ckpt-format",
+                         "torch"]) == 0
+    out = capsys.readouterr()
+    assert "\r" not in out.out + out.err
+    assert [ln for ln in (out.out + out.err).splitlines() if str(run) in ln] == [
+        f"wrote torch checkpoint (tp=1 pp=1) to {run}"]
+    (run / "release").rename(run / "iter_0000010")  # as training lays out a run
+    (run / "latest_checkpointed_iteration.txt").write_text("10")
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    assert run_cli(m2h, ["--megatron-dir", str(run / "iter_0000010"), "--iteration", "10", "--hf-dir", str(fp32)]) == 0
+    assert run_cli(m2h, ["--megatron-dir", str(run), "--dtype", "bf16", "--hf-dir", str(bf16)]) == 0
+    out = capsys.readouterr()
+    assert "\r" not in out.out + out.err
+    assert [ln for ln in (out.out + out.err).splitlines() if "wrote" in ln] == [
+        f"wrote HF LLaVA model to {fp32}", f"wrote HF LLaVA model to {bf16}"]
+    src, a, b = HFReader(hf_models["llama_clip"]), HFReader(fp32), HFReader(bf16)
+    for n in src.names():
+        assert a.get(n).dtype == torch.float32 and torch.equal(a.get(n), src.get(n)), n
+        assert b.get(n).dtype == torch.bfloat16 and torch.equal(b.get(n), src.get(n).to(torch.bfloat16)), n
+    assert [json.loads((d / "config.json").read_text())["dtype"] for d in (fp32, bf16)] == ["float32", "bfloat16"]
+    assert (fp32 / "tokenizer_config.json").read_bytes() == (hf_models["llama_clip"] / "tokenizer_config.json").read_bytes()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -263,7 +264,11 @@ def test_cli_help_and_run(vqa_inputs, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             mod.main(["--help"])
         assert e.value.code == 0
-    assert "--max-bad-fraction" in capsys.readouterr().out
+    helps = capsys.readouterr().out
+    assert "--max-bad-fraction" in helps
+    # --format has its own help line; stats says where its files go
+    assert re.search(r"--format \{vqa,llava,chat\}\n\s+input format: vqa \(rows of image, question, answer\)", helps)
+    assert "default, for one dataset: its own directory; required for several" in re.sub(r"\s+", " ", helps)
     args = ["--format", "vqa", "--input", str(vqa_inputs["jsonl"]), "--image-root", str(vqa_inputs["images"]),
             "--output", str(tmp_path / "o"), "--no-prepare", "--no-progress", "--shard-size", "4"]
     assert make.main(args) == 2  # 8/18 rejected > 1 %

@@ -68,3 +68,27 @@ def test_cli_writes_summary_and_loadable_blend(vqa_dataset, chat_dataset, tmp_pa
     it = iter(build_train_loader(out / "metadataset.yaml", enc, 1, 0, 1, 0, seed=0))
     from_vqa = [" is shape " in enc.tokenizer.decode(next(it).tokens[0]) for _ in range(60)]
     assert 0 < sum(from_vqa) < 60
+
+
+def test_cli_writes_into_the_dataset_by_default(vqa_dataset, tmp_path, tmp_path_factory, capsys):
+    """`stats.py DIR` writes DIR/stats.json and DIR/metadataset.yaml (not into DIR's parent, where two datasets'
+    stats would overwrite each other), prints both paths, and the blend there loads."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "data_prep" / "stats.py"
+    spec = importlib.util.spec_from_file_location("data_prep_stats", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ds = shutil.copytree(vqa_dataset.output, tmp_path / "vqa")
+    llava = tiny_llava(tmp_path_factory)
+    assert mod.main([str(ds), "--tokenizer", str(llava), "--seq-length", "64", "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {ds / 'stats.json'} and {ds / 'metadataset.yaml'}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vqa"]
+    assert json.loads((ds / "stats.json").read_text())["datasets"][str(ds)]["train"]["samples"] == 9
+    meta = yaml.safe_load((ds / "metadataset.yaml").read_text())
+    assert [b["path"] for b in meta["splits"]["train"]["blend"]] == ["."]
+    enc = VLMTaskEncoder(llava, seq_length=256)
+    sample = next(iter(build_train_loader(ds / "metadataset.yaml", enc, 1, 0, 1, 0, seed=0)))
+    assert " is shape " in enc.tokenizer.decode(sample.tokens[0])

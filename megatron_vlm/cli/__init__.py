@@ -21,7 +21,26 @@ import warnings
 DEBUG_FLAGS = ("-v", "--verbose", "--debug")
 
 
+def progress_bars() -> bool:
+    """Whether progress bars may draw: only on a terminal. In a log file their ``\\r`` redraws pile up on one
+    line. When stderr is not a TTY, Hugging Face's own bars (transformers' "Loading weights", hub downloads) are
+    switched off too; megatron-vlm's tqdm bars use ``disable=None``, which is tqdm's same rule."""
+    if sys.stderr.isatty():
+        return True
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when huggingface_hub is imported
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
+    return False
+
+
 def setup_logging(verbose: bool = False) -> None:
+    progress_bars()
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

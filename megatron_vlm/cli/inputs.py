@@ -62,12 +62,34 @@ def check_tokenizer_dir(d: str | Path, flag: str) -> None:
         read_json(d / f, "copy the tokenizer files again from the HF model directory")
 
 
+ITERATION_DIR_RE = re.compile(r"iter_(\d{7})|release")
+
+
+def check_iteration_matches(it_dir, iteration, flag: str = "--megatron-dir") -> None:
+    """An ``--iteration`` given with an iteration directory must name that iteration."""
+    if iteration is None:
+        return
+    name = str(it_dir).rstrip("/").rsplit("/", 1)[-1]
+    m = ITERATION_DIR_RE.fullmatch(name)
+    if m is None:
+        raise InputError(f"--iteration {iteration}: {flag} {it_dir} is one iteration directory already (not named "
+                         f"iter_XXXXXXX or release); drop --iteration, or point {flag} at the checkpoint directory "
+                         "that holds it")
+    have = "release" if m.group(1) is None else int(m.group(1))
+    if have != (iteration if iteration == "release" else int(iteration)):
+        raise InputError(f"--iteration {iteration} conflicts with {flag} {it_dir}, which is iteration {have}; drop "
+                         f"--iteration, or point {flag} at the checkpoint directory {Path(str(it_dir)).parent} to "
+                         "pick an iteration there")
+
+
 def iteration_dir(ckpt_dir: Path, iteration=None, flag: str = "--megatron-dir") -> Path:
-    """The iteration directory ``iteration`` (or the tracker's) of a local Megatron checkpoint directory."""
+    """The iteration directory ``iteration`` (or the tracker's) of a local Megatron checkpoint directory, or
+    ``ckpt_dir`` itself when it is an iteration directory (``iteration``, if given, must name it)."""
     if not ckpt_dir.is_dir():
         raise InputError(f"{flag} {ckpt_dir}: no such directory")
     if (ckpt_dir / "ckpt_meta.json").is_file() or (ckpt_dir / ".metadata").is_file() or \
             any(ckpt_dir.glob("mp_rank_*")):
+        check_iteration_matches(ckpt_dir, iteration, flag)
         return ckpt_dir  # pointed at an iteration directory (ours, torch_dist, or legacy rank directories)
     if iteration is None:
         tracker = ckpt_dir / TRACKER

@@ -92,9 +92,15 @@ def convert_megatron_to_hf(
     overwrite: bool = False,
     max_shard_bytes: int = 5 * 2**30,
     hf_config=None,
+    dtype: str | None = None,
 ) -> Path:
-    """Export ``megatron_dir`` to ``hf_dir``. ``hf_config`` (an HF LLaVA dir or its config.json) describes a
-    checkpoint that Megatron-LM wrote; a megatron-vlm checkpoint carries its own spec and needs none."""
+    """Export ``megatron_dir`` (a checkpoint directory or one of its iteration directories) to ``hf_dir``.
+
+    ``hf_config`` (an HF LLaVA dir or its config.json) describes a checkpoint that Megatron-LM wrote; a
+    megatron-vlm checkpoint carries its own spec and needs none. ``dtype`` (``fp32``/``bf16``/``fp16``): the
+    weights' dtype in ``hf_dir``; default the checkpoint's (``ckpt_meta.json``: a training run's precision, or
+    the dtype a converted checkpoint was written in). The tokenizer comes from ``tokenizer_dir`` or the
+    checkpoint directory's ``tokenizer/``."""
     iter_dir = ckpt.resolve_iteration_dir(megatron_dir, iteration)
     if not (Path(iter_dir) / ckpt.META).is_file():
         from megatron_vlm.convert import megatron_lm
@@ -106,22 +112,25 @@ def convert_megatron_to_hf(
             )
         spec, meta, extra = megatron_lm.describe(iter_dir, hf_config)
         return _export(iter_dir, spec, meta, extra, hf_dir, megatron_lm.tokenizer_dir(hf_config, tokenizer_dir),
-                       overwrite, max_shard_bytes, tp, pp)
+                       overwrite, max_shard_bytes, tp, pp, dtype)
     meta = ckpt.CheckpointMeta.load(iter_dir)
     spec = VLMSpec.load(iter_dir)
     if hf_config is not None:
         from megatron_vlm.convert import megatron_lm
 
         megatron_lm.check_spec_against_hf_config(spec, hf_config, iter_dir)
-    tok_dir = Path(tokenizer_dir) if tokenizer_dir else Path(megatron_dir) / ckpt.TOKENIZER_DIR
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir else ckpt.run_dir(iter_dir) / ckpt.TOKENIZER_DIR
     if not tok_dir.is_dir():
         raise FileNotFoundError(f"no tokenizer at {tok_dir}; pass --tokenizer-dir HF_DIR")
     return _export(iter_dir, spec, meta, ckpt.read_extra(iter_dir), hf_dir, tok_dir, overwrite, max_shard_bytes,
-                   tp, pp)
+                   tp, pp, dtype)
+
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _export(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta, extra: dict, hf_dir, tok_dir: Path | None,
-            overwrite: bool, max_shard_bytes: int, tp: int | None, pp: int | None) -> Path:
+            overwrite: bool, max_shard_bytes: int, tp: int | None, pp: int | None, out_dtype: str | None) -> Path:
     for flag, given, have in (("--tp", tp, meta.tp), ("--pp", pp, meta.pp)):
         if given is not None and given != have:
             raise ckpt.CheckpointLayoutError(
@@ -130,20 +139,21 @@ def _export(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta, extra: dict, hf_
             )
     log.info("reading %s (%s, tp=%d pp=%d)", iter_dir, meta.format, meta.tp, meta.pp)
     state = read_full_megatron_state(iter_dir, spec, meta)
-    # Every tensor in the checkpoint's dtype: megatron holds local norms and the ViT's conv1 in fp32 whatever
-    # the model's dtype, which would otherwise reach the HF files.
-    dtype = getattr(torch, meta.dtype)
+    # Every tensor in one dtype (default the checkpoint's): megatron holds local norms and the ViT's conv1 in fp32
+    # whatever the model's dtype, which would otherwise reach the HF files.
+    dtype_name = DTYPES[out_dtype] if out_dtype else meta.dtype
+    dtype = getattr(torch, dtype_name)
     with atomic_dir(hf_dir, overwrite=overwrite, what="--hf-dir") as tmp:
         writer = HFShardWriter(tmp, max_shard_bytes)
-        for rule in tqdm(mapping.rules(spec), desc="writing HF tensors", unit="tensor"):
+        for rule in tqdm(mapping.rules(spec), desc="writing HF tensors", unit="tensor", disable=None):
             full = state.pop(rule.mcore)
             for name, t in zip(rule.hf, mapping.to_hf(rule, full, spec)):
                 writer.add(name, _cast(t, dtype))
         for name, t in extra.items():
             writer.add(name, _cast(t, dtype))
         writer.close()
-        _write_configs(spec, tmp, meta.dtype, tok_dir)
-    log.info("wrote HF LLaVA to %s", hf_dir)
+        _write_configs(spec, tmp, dtype_name, tok_dir)
+    log.debug("wrote HF LLaVA (%s) to %s", dtype_name, hf_dir)
     return Path(hf_dir)
 
 

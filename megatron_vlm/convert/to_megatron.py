@@ -41,7 +41,11 @@ def convert_hf_to_megatron(
     ckpt_format: str = "torch_dist",
     dtype: str = "auto",
     overwrite: bool = False,
+    check=None,
 ) -> Path:
+    """Write ``megatron_dir``. ``check(tmp_dir)``, if given, runs on the complete checkpoint under its temporary
+    name before the rename (``--verify``): when it raises, the new checkpoint is deleted and ``megatron_dir`` is
+    left as it was (absent, or the previous checkpoint with ``overwrite``)."""
     if ckpt_format not in ckpt.FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {ckpt.FORMATS}")
     spec = VLMSpec.from_hf_dir(hf_dir)
@@ -66,13 +70,15 @@ def convert_hf_to_megatron(
         spec.save(tmp)
         ckpt.copy_tokenizer(hf_dir, tmp)
         ckpt.write_tracker(tmp, "release")
-    log.info("wrote %s checkpoint (tp=%d pp=%d, %s) to %s", ckpt_format, tp, pp, meta.dtype, megatron_dir)
+        if check is not None:
+            check(tmp)
+    log.debug("wrote %s checkpoint (tp=%d pp=%d, %s) to %s", ckpt_format, tp, pp, meta.dtype, megatron_dir)
     return Path(megatron_dir)
 
 
 def _write_legacy(reader, spec, rules, iter_dir, tp, pp, layers, dtype) -> None:
     ranks = [(p, t) for p in range(pp) for t in range(tp)]
-    for p, t in tqdm(ranks, desc="writing rank files", unit="rank"):
+    for p, t in tqdm(ranks, desc="writing rank files", unit="rank", disable=None):
         state = {}
         for rule in rules:
             if p not in mapping.stages_of(rule, spec, layers):
@@ -94,7 +100,7 @@ def _write_dist(reader, spec, rules, iter_dir, dtype) -> None:
         model = build_model(spec, ModelOptions(params_dtype=dtype, perform_initialization=False, seq_length=64))
         params = dict(model.state_dict(keep_vars=True))
         with torch.no_grad():
-            for rule in tqdm(rules, desc="filling megatron model", unit="tensor"):
+            for rule in tqdm(rules, desc="filling megatron model", unit="tensor", disable=None):
                 target = params[rule.mcore]
                 src = _full_tensor(rule, reader, spec, dtype)
                 if tuple(src.shape) != tuple(target.shape):

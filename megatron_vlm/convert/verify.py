@@ -3,15 +3,27 @@
 The reference batch holds images at different positions of the text (a OneVision model with a video token:
 also a video of 3 frames, and a sample with an image and a 2-frame video). HF takes the image (video) token
 expanded to its number of tokens and videos as ``pixel_values_videos``; Megatron's LLaVAModel takes one token
-per image or video and expands it itself. The Megatron side runs in a world of TP*PP processes, through
-megatron-core's pipeline schedule (forward only), and gathers the vocab-parallel logits; logits are compared on
-the true vocabulary.
+per image or video and expands it itself. The Megatron side runs in a world of TP*PP processes (in this
+process at TP=PP=1), through megatron-core's pipeline schedule (forward only), and logits are compared on the
+true vocabulary.
+
+Memory stays bounded at any vocabulary and sequence length (:func:`verify_checkpoint`): full-vocabulary
+logits of image-expanded sequences are large (OneVision, 152k vocabulary, ~7k positions: 4.5 GB per sample
+in fp32), so neither side ever holds them whole. The HF side keeps each sample's final hidden states (its
+``lm_head`` input) and ``lm_head``'s weight; the HF model is freed before Megatron's is built. The Megatron
+side runs one sample per micro batch, and its output layer hands back its input
+(:class:`_OutputLayerTap`); the logits of both are then formed by each side's own output layer
+:data:`CHUNK_BYTES` worth of positions at a time, and only the running maximum of ``|HF - Megatron|`` is kept.
+The verdict is the same: the maximum absolute difference over every valid position and the true vocabulary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -19,6 +31,8 @@ from megatron_vlm.spec import VLMSpec
 
 log = logging.getLogger(__name__)
 DEFAULT_TOLERANCE = 1e-4
+#: logits formed at once per side while comparing (positions x vocabulary x 4 bytes)
+CHUNK_BYTES = 64 << 20
 
 
 @dataclass
@@ -55,6 +69,36 @@ class ReferenceBatch:
         """Positions of sample ``b`` with its images and videos expanded."""
         first, kinds = self.items(b)
         return int(self.tokens.shape[1] - len(kinds) + self.num_image_tokens[first:first + len(kinds)].sum())
+
+    @property
+    def num_samples(self) -> int:
+        return self.tokens.shape[0]
+
+    def valid_length(self, b: int) -> int:
+        """Positions of sample ``b`` (image-expanded); anyres samples differ in length."""
+        if self.num_image_tokens is None:
+            return self.combined_length
+        return self.length(b)
+
+    def sample(self, b: int) -> "ReferenceBatch":
+        """Sample ``b`` alone, as a batch of one (HF input trimmed to its length)."""
+        if self.image_sizes is None:
+            return replace(self, tokens=self.tokens[b:b + 1], hf_input_ids=self.hf_input_ids[b:b + 1],
+                           images=self.images[b:b + 1])
+        first, kinds = self.items(b)
+        last = first + len(kinds)
+        starts = [0] + self.num_image_tiles.cumsum(0).tolist()
+        return replace(self, tokens=self.tokens[b:b + 1],
+                       hf_input_ids=self.hf_input_ids[b:b + 1, :self.valid_length(b)],
+                       images=self.images[int(starts[first]):int(starts[last])],
+                       image_sizes=self.image_sizes[first:last], num_image_tiles=self.num_image_tiles[first:last],
+                       num_image_tokens=self.num_image_tokens[first:last])
+
+    def hf_inputs(self, b: int) -> dict:
+        """HF forward inputs of sample ``b`` alone."""
+        if self.image_sizes is None:
+            return dict(input_ids=self.hf_input_ids[b:b + 1], pixel_values=self.images[b:b + 1])
+        return self.hf_sample(b)
 
     def hf_sample(self, b: int) -> dict:
         """HF forward inputs of sample ``b`` alone (anyres samples differ in length)."""
@@ -203,13 +247,158 @@ def megatron_forward_logits(model, batch: ReferenceBatch) -> torch.Tensor | None
     return None
 
 
-def _verify_worker(megatron_dir, iteration, tp: int, pp: int, batch: ReferenceBatch, device=None):
-    from megatron.core import parallel_state as ps
+def max_logit_diff(a: torch.Tensor, b: torch.Tensor, vocab: int, batch: ReferenceBatch | None = None) -> float:
+    """Max |a - b| over the true vocabulary (and, with ``batch``, over its samples' valid positions only)."""
+    d = (a[..., :vocab].float() - b[..., :vocab].float()).abs()
+    if batch is not None:
+        d = d[valid_positions(batch)[:, : d.shape[1]]]
+    return d.max().item()
 
+
+# ---- bounded-memory verification (what convert/hf_to_megatron.py --verify runs) --------------------------------
+def _progress(text: str) -> None:
+    log.info("verify: %s", text)
+
+
+def write_hf_reference(hf_dir, batch: ReferenceBatch, path) -> None:
+    """HF's side of the comparison, in fp32: each sample's final hidden states (the input of ``lm_head``, valid
+    positions only) and ``lm_head`` itself, saved to ``path`` (safetensors). The HF model is freed on return."""
+    from safetensors.torch import save_file
+
+    model = load_hf_model(hf_dir)
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise VerificationError(f"{hf_dir}: the output layer is a {type(head).__name__}, not a Linear layer")
+    out = {"lm_head.weight": head.weight.detach().contiguous()}
+    if head.bias is not None:
+        out["lm_head.bias"] = head.bias.detach().contiguous()
+    with torch.no_grad():
+        for b in range(batch.num_samples):
+            _progress(f"HF forward, sample {b + 1} of {batch.num_samples} ({batch.valid_length(b)} positions)")
+            hidden = model.model(**batch.hf_inputs(b), use_cache=False)[0][0]  # what HF's forward gives lm_head
+            out[f"hidden.{b}"] = hidden[: batch.valid_length(b)].contiguous()
+            del hidden
+    del model, head
+    save_file(out, str(path))
+
+
+class _OutputLayerTap(contextlib.AbstractContextManager):
+    """While active, the Megatron model's output layer returns its input (the final hidden states ``[s, b, h]``)
+    instead of logits and remembers the arguments it was called with; :meth:`logits` then runs the same layer
+    on a slice of positions. The model's forward thus never forms full-vocabulary logits."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.forward = layer.forward
+        self.args: tuple = ()
+        self.kwargs: dict = {}
+
+    def __enter__(self):
+        def tap(hidden, *args, **kwargs):
+            self.args, self.kwargs = args, kwargs
+            return hidden, None
+
+        self.layer.forward = tap
+        return self
+
+    def __exit__(self, *exc):
+        del self.layer.forward  # the class's forward again
+        return None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[s, b, padded vocab]`` of ``hidden`` (gathered over TP; collective)."""
+        from megatron.core import tensor_parallel
+
+        out, _ = self.forward(hidden, *self.args, **self.kwargs)
+        return tensor_parallel.gather_from_tensor_model_parallel_region(out)
+
+
+def chunk_rows(vocab: int, chunk_bytes: int) -> int:
+    """Positions whose fp32 logits over ``vocab`` fit in ``chunk_bytes``."""
+    return max(1, chunk_bytes // (4 * vocab))
+
+
+def compare_chunked(n: int, hf_hidden: torch.Tensor | None, hf_head: dict, meg_hidden: torch.Tensor, tap,
+                    vocab: int, rows: int) -> torch.Tensor | None:
+    """Max ``|HF - Megatron|`` logit of one sample over its first ``n`` positions and the true ``vocab``, formed
+    ``rows`` positions at a time by each side's own output layer. ``hf_hidden``: HF's final hidden states
+    ``[n, h]``, ``hf_head``: its ``lm_head`` (``weight``, ``bias``); ``meg_hidden``: Megatron's ``[1, s, h]``.
+    Collective over the TP group (every TP rank forms Megatron's logits); ranks without ``hf_hidden`` only
+    take part and return None."""
+    if meg_hidden.shape[1] < n or (hf_hidden is not None and hf_hidden.shape[0] != n):
+        raise VerificationError(f"a reference sample of {n} positions came back with {meg_hidden.shape[1]} from "
+                                f"Megatron and {None if hf_hidden is None else hf_hidden.shape[0]} from HF")
+    # one running maximum, updated in place: a list of per-chunk results (small tensors outliving each chunk's
+    # large temporaries) fragments the heap, which then grew by ~20 MB per chunk (1.5 GB over a 7k sample)
+    worst = torch.zeros(()) if hf_hidden is not None else None
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        meg = tap.logits(meg_hidden[:, start:stop].transpose(0, 1).contiguous())[:, 0, :vocab].float()
+        if hf_hidden is not None:
+            ref = torch.nn.functional.linear(hf_hidden[start:stop], hf_head["weight"], hf_head.get("bias"))
+            torch.maximum(worst, (ref[:, :vocab] - meg).abs().max(), out=worst)  # a NaN stays in the verdict
+            del ref
+        del meg
+    return worst
+
+
+def megatron_max_diffs(model, batch: ReferenceBatch, reference_file, vocab: int, rows: int) -> list | None:
+    """Per-sample max ``|HF - Megatron|`` on TP rank 0 of the last pipeline stage (None elsewhere): one sample per
+    micro batch through megatron's pipeline schedule, compared chunk by chunk as it leaves the last stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    comparing = last and ps.get_tensor_model_parallel_rank() == 0
+    ref = None
+    if comparing:
+        from safetensors.torch import load_file
+
+        ref = load_file(str(reference_file))
+    head = {k.split(".", 1)[1]: v for k, v in (ref or {}).items() if k.startswith("lm_head.")}
+    device = next(model.parameters()).device
+    tap = _OutputLayerTap(model.language_model.output_layer) if last else contextlib.nullcontext()
+    samples = iter([(b, batch.sample(b)) for b in range(batch.num_samples)])
+
+    def step(data_iterator, chunk):
+        b, sb = next(data_iterator)
+        out, _ = chunk(images=sb.images.to(device), input_ids=sb.tokens.to(device), position_ids=None,
+                       attention_mask=None, **sb.model_kwargs())
+
+        def compare(output, non_loss_data=False):
+            hf_hidden = ref.pop(f"hidden.{b}") if comparing else None
+            diff = compare_chunked(batch.valid_length(b), hf_hidden, head, output, tap, vocab, rows)
+            if comparing:
+                _progress(f"sample {b + 1} of {batch.num_samples} ({batch.valid_length(b)} positions): "
+                          f"max |logit diff| {diff.item():.3g}")
+            return diff
+
+        return out, compare
+
+    with torch.no_grad(), tap:
+        result = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=samples,
+            model=[model],
+            num_microbatches=batch.num_samples,
+            seq_length=batch.combined_length,
+            micro_batch_size=1,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+    return [float(d.item()) for d in result] if comparing else None
+
+
+def _verify_worker(megatron_dir, iteration, tp: int, pp: int, batch: ReferenceBatch, reference_file, rows: int,
+                   device=None, progress: bool = False):
     from megatron_vlm import checkpoint as ckpt
     from megatron_vlm.model import ModelOptions, build_model
     from megatron_vlm.runtime import distributed
 
+    if progress and not logging.getLogger().handlers:  # a spawned rank: show the progress lines as the parent does
+        from megatron_vlm.cli import setup_logging
+
+        setup_logging()
     distributed.setup(tp, pp, device=device)
     iter_dir = ckpt.resolve_iteration_dir(megatron_dir, iteration)
     spec = VLMSpec.load(iter_dir)
@@ -221,36 +410,39 @@ def _verify_worker(megatron_dir, iteration, tp: int, pp: int, batch: ReferenceBa
         model.cuda()
     ckpt.load_model_weights(model, iter_dir)
     model.eval()
-    logits = megatron_forward_logits(model, batch)
-    return logits if ps.get_tensor_model_parallel_rank() == 0 else None
-
-
-def megatron_checkpoint_logits(megatron_dir, batch: ReferenceBatch, tp: int = 1, pp: int = 1, iteration=None):
-    """Logits of the checkpoint loaded into a TP x PP Megatron model (spawns TP*PP processes)."""
-    from megatron_vlm.runtime.spawn import run_world
-
-    results = run_world(_verify_worker, tp * pp, megatron_dir, iteration, tp, pp, batch)
-    return next(r for r in results if r is not None)
-
-
-def max_logit_diff(a: torch.Tensor, b: torch.Tensor, vocab: int, batch: ReferenceBatch | None = None) -> float:
-    """Max |a - b| over the true vocabulary (and, with ``batch``, over its samples' valid positions only)."""
-    d = (a[..., :vocab].float() - b[..., :vocab].float()).abs()
-    if batch is not None:
-        d = d[valid_positions(batch)[:, : d.shape[1]]]
-    return d.max().item()
+    return megatron_max_diffs(model, batch, reference_file, spec.vocab_size, rows)
 
 
 def verify_checkpoint(hf_dir, megatron_dir, tp: int = 1, pp: int = 1, iteration=None,
-                      tolerance: float = DEFAULT_TOLERANCE) -> float:
-    """Max |logit difference| between HF and the Megatron checkpoint; raises above ``tolerance``."""
+                      tolerance: float = DEFAULT_TOLERANCE, chunk_bytes: int | None = None) -> float:
+    """Max |logit difference| between HF and the Megatron checkpoint; raises above ``tolerance``.
+
+    Peak memory: the larger of HF's fp32 model and Megatron's (TP*PP ranks together hold one fp32 copy), plus
+    one sample's activations and ``chunk_bytes``-sized logit slices (default :data:`CHUNK_BYTES`); never a
+    batch's full-vocabulary logits."""
     from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.runtime.session import single_process_world
 
     spec = VLMSpec.load(ckpt.resolve_iteration_dir(megatron_dir, iteration))
     batch = reference_batch(spec)
-    ref = hf_logits(hf_dir, batch)
-    got = megatron_checkpoint_logits(megatron_dir, batch, tp, pp, iteration)
-    diff = max_logit_diff(ref, got[:, : ref.shape[1]], spec.vocab_size, batch)
+    rows = chunk_rows(spec.padded_vocab_size, chunk_bytes or CHUNK_BYTES)
+    where = Path(megatron_dir).absolute().parent  # beside the checkpoint: it has room for one lm_head
+    with tempfile.TemporaryDirectory(prefix=".verify-", dir=where) as tmp:
+        reference = Path(tmp) / "hf_reference.safetensors"
+        write_hf_reference(hf_dir, batch, reference)
+        _progress(f"loading the checkpoint into a tp={tp} pp={pp} Megatron model"
+                  + (f" ({tp * pp} processes)" if tp * pp > 1 else ""))
+        progress = log.isEnabledFor(logging.INFO)
+        if tp * pp == 1:
+            with single_process_world():
+                diffs = _verify_worker(megatron_dir, iteration, 1, 1, batch, reference, rows, progress=progress)
+        else:
+            from megatron_vlm.runtime.spawn import run_world
+
+            results = run_world(_verify_worker, tp * pp, megatron_dir, iteration, tp, pp, batch, reference, rows,
+                                progress=progress)
+            diffs = next(r for r in results if r is not None)
+    diff = float(torch.tensor(diffs).max())  # NaN stays NaN, and fails below
     log.info("max |logit diff| HF vs Megatron (tp=%d pp=%d, fp32): %.3g (tolerance %.1g)", tp, pp, diff, tolerance)
     if not diff <= tolerance:
         raise VerificationError(f"logits differ by {diff:.3g} > {tolerance:g} between HF and Megatron (tp={tp} pp={pp})")

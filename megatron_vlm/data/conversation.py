@@ -270,3 +270,28 @@ def from_chat(item: dict) -> Conversation:
 
 
 FORMATS = {"vqa": from_vqa, "llava": from_llava, "chat": from_chat}
+
+# What marks a record of each format: (description, keys it has -- one of each group)
+FORMAT_SIGNS = {
+    "vqa": ("a VQA row", (("question", "query", "prompt"), ("answer", "answers"))),
+    "llava": ("a LLaVA record", (("conversations",),)),
+    "chat": ("an OpenAI chat record", (("messages",),)),
+}
+
+
+def guess_format(record) -> str | None:
+    """The one input format whose keys ``record`` has (None: no format's, or several formats')."""
+    if not isinstance(record, dict):
+        return None
+    found = [f for f, (_, groups) in FORMAT_SIGNS.items() if all(any(k in record for k in g) for g in groups)]
+    return found[0] if len(found) == 1 else None
+
+
+def check_format(fmt: str, record, where: str) -> None:
+    """Refuse ``--format fmt`` when a record (the input's first) is clearly of another format."""
+    guess = guess_format(record)
+    if guess is not None and guess != fmt:
+        what, groups = FORMAT_SIGNS[guess]
+        keys = " and ".join(repr(next(k for k in g if k in record)) for g in groups)
+        raise ValueError(f"--format {fmt}: {where} is {what} (it has {keys}), not {FORMAT_SIGNS[fmt][0]}; "
+                         f"use --format {guess}")

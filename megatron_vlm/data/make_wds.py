@@ -8,6 +8,7 @@ atomic output directory. ``data_prep/make_wds.py`` is its command line.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import multiprocessing
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from megatron_vlm import storage
 from megatron_vlm.atomic import OutputExistsError, atomic_dir, atomic_write_text
-from megatron_vlm.data.conversation import FORMATS, Reject
+from megatron_vlm.data.conversation import FORMATS, Reject, check_format
 from megatron_vlm.data.images import process_image, read_ref
 from megatron_vlm.data.readers import RawRecord, parse, read_records, record_text
 from megatron_vlm.data.shards import SHARD_NAME, ShardWriter, sample_tar_bytes
@@ -212,6 +213,7 @@ def make_wds(
     image_root = Path(image_root) if image_root is not None else input_path.parent
     if not image_root.is_dir():
         raise FileNotFoundError(f"--image-root {image_root} is not a directory")
+    records = _checked_records(fmt, input_path)
     remote = storage.is_remote(output)
     if remote:
         output = storage.check_url(output, "--output")
@@ -234,7 +236,6 @@ def make_wds(
             writers, assign = [ShardWriter(tmp, shard_size)], (lambda: 0)
         reasons: Counter = Counter()
         total = written = videos = 0
-        records = read_records(input_path)
         pool = None
         if workers > 1:
             ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
@@ -298,6 +299,19 @@ def make_wds(
     return result
 
 
+def _checked_records(fmt: str, input_path: Path):
+    """The input's records, after checking that the first one is of format ``fmt`` (a LLaVA json given as
+    ``--format vqa`` is refused with the right ``--format``, instead of rejecting every record)."""
+    records = read_records(input_path)
+    first = next(records, None)
+    if first is None:
+        return iter(())
+    parse(first)
+    if first.obj is not None:
+        check_format(fmt, first.obj, f"the first record of --input {input_path} ({first.source})")
+    return itertools.chain([first], records)
+
+
 def _publish(local: Path, url: str, summary: str, fmt: str | None, splits, workers: int) -> None:
     """Upload a staged dataset to ``url``, run energon prepare there (``fmt`` None: not), summary last."""
     from megatron_vlm.data import prepare as prep
@@ -340,4 +354,4 @@ def _progress(enabled: bool, fmt: str):
         return None
     from tqdm import tqdm
 
-    return tqdm(desc=f"make_wds {fmt}", unit=" samples", dynamic_ncols=True)
+    return tqdm(desc=f"make_wds {fmt}", unit=" samples", dynamic_ncols=True, disable=None)  # no bar in a log file

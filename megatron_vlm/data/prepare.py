@@ -38,8 +38,13 @@ def parse_split(split: str | tuple | list) -> tuple[float, float, float]:
         values = tuple(float(x) for x in (split.split(",") if isinstance(split, str) else split))
     except ValueError:
         values = ()
-    if len(values) != 3 or any(v < 0 for v in values) or sum(values) <= 0:
+    if len(values) != 3:
         raise ValueError(f"--split {split!r}: expected three non-negative train,val,test weights like 9,1,0")
+    if any(v < 0 or v != v or v == float("inf") for v in values):
+        raise ValueError(f"--split {split!r}: the weights must be finite and not negative, e.g. 9,1,0")
+    if sum(values) <= 0:
+        raise ValueError(f"--split {split!r}: all three weights are 0, so no sample would go to any split; give "
+                         "train a positive weight, e.g. 9,1,0 (or 1,0,0 for training data only)")
     return values
 
 

@@ -7,10 +7,12 @@ is :mod:`megatron_vlm.data.conversation`'s business. Every record carries ``sour
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import io
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -40,6 +42,16 @@ def _open_binary(path: Path):
     return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
 
 
+@contextlib.contextmanager
+def _decompressing(path: Path, where=lambda: ""):
+    """A truncated or corrupt ``.gz`` input is a clear error naming the file (``where()``: how far it got)."""
+    try:
+        yield
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise ValueError(f"--input {path}: the gzip file is truncated or corrupt ({e}){where()}; download or "
+                         "compress it again") from None
+
+
 def _kind(path: Path) -> str:
     name = path.name.lower()
     if name.endswith(".gz"):
@@ -47,7 +59,7 @@ def _kind(path: Path) -> str:
     if name.endswith((".csv", ".tsv")):
         return "csv"
     if name.endswith(".json"):
-        with _open_binary(path) as f:
+        with _decompressing(path), _open_binary(path) as f:
             head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
         return "json" if head.startswith(b"[") else "jsonl"
     return "jsonl"
@@ -64,8 +76,8 @@ def read_records(path: str | Path) -> Iterator[RawRecord]:
 
 def _read_jsonl(path: Path) -> Iterator[RawRecord]:
     """Lines are only split here; :func:`parse` (run in the worker processes) decodes them."""
-    index = 0
-    with _open_binary(path) as f:
+    index = lineno = 0
+    with _decompressing(path, lambda: f" after line {lineno}"), _open_binary(path) as f:
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
@@ -99,7 +111,7 @@ def parse(rec: RawRecord) -> RawRecord:
 
 
 def _read_json_array(path: Path) -> Iterator[RawRecord]:
-    with _open_binary(path) as f:
+    with _decompressing(path), _open_binary(path) as f:
         data = f.read()
     try:
         items = json.loads(data.decode("utf-8", errors="surrogateescape"))
@@ -126,7 +138,7 @@ def record_text(obj) -> str:
 
 
 def _read_csv(path: Path) -> Iterator[RawRecord]:
-    with _open_binary(path) as f:
+    with _decompressing(path), _open_binary(path) as f:
         text = f.read().decode("utf-8-sig", errors="surrogateescape")
     dialect = "excel-tab" if path.name.lower().removesuffix(".gz").endswith(".tsv") else "excel"
     reader = csv.DictReader(io.StringIO(text, newline=""), dialect=dialect)

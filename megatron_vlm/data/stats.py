@@ -151,7 +151,7 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(desc=f"stats {path.name}", unit=" samples")
+        bar = tqdm(desc=f"stats {path.name}", unit=" samples", disable=None)  # no bar in a log file
     for split, meta in split_metas(path).items():
         s = dict(samples=0, images=0, text_tokens=0, image_tokens=0, videos=0, video_frames=0, video_tokens=0,
                  tokens=0, max_tokens=0, over_seq_length=0, too_long_to_count=0)
