@@ -21,8 +21,6 @@ from pathlib import Path
 import pytest
 
 from megatron_vlm.data.synthetic import write_image, write_jsonl
-from megatron_vlm.training import schedule
-from megatron_vlm.training.config import TrainConfig
 from tests.data_fixtures import vqa_dataset, vqa_inputs  # noqa: F401
 
 from .conftest import script
@@ -358,9 +356,10 @@ def _train_case(env, tmp_path, vqa_ds, how):
         shutil.copytree(env["meg"] / "release", it_dir)
         (run / "latest_checkpointed_iteration.txt").write_text("10")
         meta = json.loads((it_dir / "ckpt_meta.json").read_text())
-        saved_with = TrainConfig.from_args([*args, "--train-iters", "10"])
+        saved_with = dict(max_lr=1e-3, min_lr=0.0, lr_decay_steps=10, lr_warmup_steps=0, lr_decay_style="cosine",
+                          start_wd=0.0, end_wd=0.0, wd_incr_steps=10, wd_incr_style="constant")  # stage 1, 10 iters
         meta.update(iteration=10, extra={"stage": 1, "trained": ["projector"], "optimizer": True,
-                                         "schedule": schedule.settings(saved_with)})
+                                         "schedule": saved_with})
         (it_dir / "ckpt_meta.json").write_text(json.dumps(meta))
         # (stage 2 reusing stage 1's --name, the mistake of issue 27 item 5)
         return args + ["--train-iters", "20"] + (["--stage", "2", "--name", "llava-stage1"]
