@@ -50,7 +50,8 @@ def _fail_on(problems: list[str]) -> None:
 
 def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Command | None, list[str]]:
     """Everything up to (not including) writing and launching: the resolved config, this node's command
-    (None for --sbatch) and notes for the user. Raises ConfigError listing every problem found."""
+    (None for --sbatch) and notes for the user. Raises ConfigError listing every problem found, and
+    NothingToTrain (before the probe) when the run it resumes already reached --train-iters."""
     notes: list[str] = []
     request = TrainConfig.from_args(argv, resolve=False)
     job = None if request.sbatch else slurm.detect_slurm()

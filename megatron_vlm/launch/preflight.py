@@ -369,8 +369,7 @@ def check_request(cfg: TrainConfig) -> list[str]:
         problems.append(f"--save-dir/--name: {run} exists and is not a directory")
     else:
         problems += check_outputs(cfg)
-    if not problems:
-        problems += check_resume_layout(cfg)
+    problems += check_resume_layout(cfg)
     return problems
 
 
@@ -489,10 +488,10 @@ def finished_iteration(cfg: TrainConfig) -> int | None:
 
 
 def check_resume_layout(cfg: TrainConfig) -> list[str]:
-    """What the resumed checkpoint holds against this run, before ranks start (the ranks check it again): the
-    data-parallel size (unless --reset-data-position), the optimizer state against the parameters this run
-    trains, the learning-rate schedule (unless one of Megatron-LM's two scheduler flags), and the spec against
-    the tensors."""
+    """What the resumed checkpoint records (``ckpt_meta.json``) against this run, before ranks start (the ranks
+    check it again): the data-parallel size (unless --reset-data-position), the optimizer state against the
+    parameters this run trains, and the learning-rate schedule (unless one of Megatron-LM's two scheduler
+    flags; not for a finished run, which is not started at all)."""
     try:  # torch is imported here; a bare host that launches into a container leaves this to the trainer
         from megatron_vlm import checkpoint as ckpt
         from megatron_vlm.training import schedule
