@@ -51,7 +51,7 @@ def _fail_on(problems: list[str]) -> None:
 def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Command | None, list[str]]:
     """Everything up to (not including) writing and launching: the resolved config, this node's command
     (None for --sbatch) and notes for the user. Raises ConfigError listing every problem found, and
-    NothingToTrain (before the probe) when the run it resumes already reached --train-iters."""
+    NothingToTrain (before any other check) when the run it resumes already reached --train-iters."""
     notes: list[str] = []
     request = TrainConfig.from_args(argv, resolve=False)
     job = None if request.sbatch else slurm.detect_slurm()
@@ -60,6 +60,13 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
         notes.append(f"SLURM job {job.job_id}: " + ", ".join(f"{k}={v}" for k, v in env_defaults.items()
                                                                   if v is not None and getattr(request, k) is None))
     cfg = request.resolved(env_defaults)  # device still provisional ("cuda") when not given
+    done = None if cfg.sbatch else preflight.finished_iteration(cfg)
+    if done is not None:  # decided before anything heavy is imported or checked
+        raise NothingToTrain(
+            f"{cfg.checkpoint_dir} is already at iteration {done} of --train-iters {cfg.train_iters}: nothing to "
+            "train. To train further, raise --train-iters and pass --override-opt-param-scheduler (this command "
+            "line's learning-rate schedule) or --use-checkpoint-opt-param-scheduler (the checkpoint's); to start "
+            "over, use another --name")
 
     problems = preflight.check_request(cfg)
     try:
@@ -79,13 +86,6 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
     _fail_on(problems)
     if cfg.sbatch:
         return cfg, None, notes
-    done = preflight.finished_iteration(cfg)
-    if done is not None:
-        raise NothingToTrain(
-            f"{cfg.checkpoint_dir} is already at iteration {done} of --train-iters {cfg.train_iters}: nothing to "
-            "train. To train further, raise --train-iters and pass --override-opt-param-scheduler (this command "
-            "line's learning-rate schedule) or --use-checkpoint-opt-param-scheduler (the checkpoint's); to start "
-            "over, use another --name")
 
     # Ask the runtime that will train: the container when there is one (not in a dry run: that would start it).
     runtime = container.find_runtime(cfg, required=not cfg.dry_run) if cfg.container else None
