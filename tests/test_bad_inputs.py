@@ -349,7 +349,7 @@ def _train_case(env, tmp_path, vqa_ds, how):
             (run / "latest_checkpointed_iteration.txt").write_text("10")
             shard = sorted((run / "iter_0000010").glob("*.distcp"))[0]
             shard.write_bytes(shard.read_bytes()[:100])
-        return args
+        return args + ["--train-iters", "20"]  # beyond iteration 10: a resume (a finished run is not started)
     if how in ("resume_other_stage", "resume_other_schedule"):
         # a stage-1 run directory at iteration 10 whose ckpt_meta.json records what it trained and its schedule
         it_dir = run / "iter_0000010"

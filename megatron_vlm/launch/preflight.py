@@ -479,12 +479,14 @@ def finished_iteration(cfg: TrainConfig) -> int | None:
     """The iteration of the run in ``<save-dir>/<name>`` when it already reached ``--train-iters`` (nothing to
     train), else None."""
     try:
-        it = read_tracker(storage.path(cfg.checkpoint_dir))
+        d = storage.path(cfg.checkpoint_dir)
+        it = read_tracker(d)
+        if not re.fullmatch(r"\d+", it) or int(it) < cfg.train_iters:
+            return None
+        complete = (d / f"iter_{int(it):07d}" / "ckpt_meta.json").is_file()  # written last by a save
     except Exception:  # noqa: BLE001 - no tracker (a new run), or unreadable (reported by check_request)
         return None
-    if re.fullmatch(r"\d+", it) and int(it) >= cfg.train_iters:
-        return int(it)
-    return None
+    return int(it) if complete else None
 
 
 def check_resume_layout(cfg: TrainConfig) -> list[str]:
