@@ -22,6 +22,7 @@ How a save becomes visible (a crash at any point leaves the previous checkpoint 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -116,6 +117,24 @@ def _errno_hint(e: BaseException) -> str | None:
     return errno_hint(e)
 
 
+def _storage_problem(target, e: BaseException) -> str | None:
+    """Why a failed save failed when the error lost it (megatron-core 0.19's async file writer reports a full
+    disk as "error: <class 'OSError'>"): write 1 MiB where the save wrote and name the OS error, if any."""
+    if storage.is_remote(target) or isinstance(e, (KeyboardInterrupt, SystemExit)):
+        return None
+    probe = Path(target) / ".space-check"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as oe:
+        return _errno_hint(oe)
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
 def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spec: VLMSpec, meta: ckpt.CheckpointMeta,
          side_src: Path | None, with_optim: bool, total_limit: int | None, config_yaml: str | None = None) -> str:
     """Save iteration ``iteration`` under ``run_dir`` (a local directory or an ``msc://`` URL); returns its path."""
@@ -135,7 +154,7 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
     try:
         dist_checkpointing.save(sd, target)
     except BaseException as e:  # torch's CheckpointException derives from BaseException
-        hint = _errno_hint(e)
+        hint = _errno_hint(e) or _storage_problem(target, e)
         if hint is None:
             raise
         raise CheckpointWriteError(f"saving checkpoint {final}: {hint}") from e
