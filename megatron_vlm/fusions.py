@@ -129,9 +129,17 @@ class Fusions:
         return {f.name: bool(self.values[f.name]) and part in f.parts for f in FUSIONS}
 
     def summary(self) -> str:
-        """One line for the start-up log: ``name=on|off (why)`` for each fusion."""
-        return "; ".join(f"{f.name}={'on' if self.values[f.name] else 'off'} ({self.reasons.get(f.name, '')})"
-                         for f in FUSIONS)
+        """One line for the start-up log: ``name[, name...]=on|off (why)``, each reason said once (``all off
+        (device cpu: ...)`` when every fusion shares it)."""
+        groups: dict[tuple[bool, str], list[str]] = {}
+        for f in FUSIONS:
+            groups.setdefault((bool(self.values[f.name]), self.reasons.get(f.name, "")), []).append(f.name)
+        parts = []
+        for (on, why), names in groups.items():
+            state = "on" if on else "off"
+            who = f"all {state}" if len(names) == len(FUSIONS) else f"{', '.join(names)}={state}"
+            parts.append(f"{who} ({why})" if why else who)
+        return "; ".join(parts)
 
 
 def requested(cfg) -> dict[str, bool | None]:

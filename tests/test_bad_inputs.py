@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -483,10 +484,49 @@ def _train_case(env, tmp_path, vqa_ds, how):
             (run / "latest_checkpointed_iteration.txt").write_text("10")
             shard = sorted((run / "iter_0000010").glob("*.distcp"))[0]
             shard.write_bytes(shard.read_bytes()[:100])
+        return args + ["--train-iters", "20"]  # beyond iteration 10: a resume (a finished run is not started)
+    if how in ("resume_other_stage", "resume_other_schedule"):
+        # a stage-1 run directory at iteration 10 whose ckpt_meta.json records what it trained and its schedule
+        it_dir = run / "iter_0000010"
+        shutil.copytree(env["meg"] / "release", it_dir)
+        (run / "latest_checkpointed_iteration.txt").write_text("10")
+        meta = json.loads((it_dir / "ckpt_meta.json").read_text())
+        saved_with = dict(max_lr=1e-3, min_lr=0.0, lr_decay_steps=10, lr_warmup_steps=0, lr_decay_style="cosine",
+                          start_wd=0.0, end_wd=0.0, wd_incr_steps=10, wd_incr_style="constant")  # stage 1, 10 iters
+        meta.update(iteration=10, extra={"stage": 1, "trained": ["projector"], "optimizer": True,
+                                         "schedule": saved_with})
+        (it_dir / "ckpt_meta.json").write_text(json.dumps(meta))
+        # (stage 2 reusing stage 1's --name, the mistake of issue 27 item 5)
+        return args + ["--train-iters", "20"] + (["--stage", "2", "--name", "llava-stage1"]
+                                                 if how == "resume_other_stage" else [])
+    if how in ("spec_copies", "spec_tensors"):
+        d = tmp_path / "meg_copy"
+        shutil.copytree(env["meg"], d)
+        spec = json.loads((d / "vlm_spec.json").read_text())
+        if how == "spec_copies":  # the directory's copy no longer says what the iteration holds
+            (d / "vlm_spec.json").write_text(json.dumps({**spec, "num_layers": spec["num_layers"] + 1}))
+        else:  # both copies agree, and neither describes the tensors (another vocabulary)
+            for f in (d / "vlm_spec.json", d / "release" / "vlm_spec.json"):
+                f.write_text(json.dumps({**spec, "vocab_size": 400}))
+        args[args.index("--megatron-load-dir") + 1] = str(d)
         return args
+    if how == "tokenizer_corrupt":
+        (Path(args[args.index("--tokenizer-load-dir") + 1]) / "tokenizer_config.json").write_text("{not json")
+        return args
+    if how == "save_is_load":  # --save-dir/--name is the checkpoint the run starts from
+        load = Path(args[args.index("--megatron-load-dir") + 1])
+        return args + ["--save-dir", str(load.parent), "--name", load.name]
     ds = tmp_path / "data_copy"
     shutil.copytree(vqa_ds.output, ds)
     i = args.index("--data-path") + 1
+    if how == "eval_no_val":
+        (ds / ".nv-meta" / "split.yaml").write_text("split_parts:\n  train:\n  - '{000000..000004}.tar'\n"
+                                                    "  val: []\n  test: []\nexclude: []\n")
+        args[i] = str(ds)
+        return args + ["--eval-iters", "2"]
+    if how == "save_in_data":
+        args[i] = str(ds)
+        return args + ["--save-dir", str(ds / "runs")]
     if how == "data_truncated":
         tar = ds / "000000.tar"
         tar.write_bytes(tar.read_bytes()[:1000])
@@ -512,6 +552,19 @@ def _train_case(env, tmp_path, vqa_ds, how):
     ("data_missing_shard", ["000001.tar is missing"]),
     ("blend_zero", ["blend.yaml: split 'train' blends no dataset with a positive weight"]),
     ("blend_missing", ["gone: no such file or directory", "blend.yaml, split 'train'"]),
+    # issue 27: a resume the checkpoint cannot serve, a spec that does not describe the weights, every input
+    ("resume_other_stage", ["holds the optimizer state of a stage-1 run that trained the projector",
+                            "trains the projector and language model (--stage 2)", "another --name",
+                            "pass --no-load-optim"]),
+    ("resume_other_schedule", ["another learning-rate schedule: --train-iters 10 (this run: 20)",
+                               "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"]),
+    ("spec_copies", ["meg_copy/vlm_spec.json disagrees with", "release/vlm_spec.json (num_layers 3 vs 2)"]),
+    ("spec_tensors", ["release/vlm_spec.json does not describe the checkpoint's tensors",
+                      "language_model.embedding.word_embeddings.weight has shape (384, 64), the spec gives (512, 64)"]),
+    ("tokenizer_corrupt", ["tok/tokenizer_config.json: invalid JSON"]),
+    ("eval_no_val", ["has an empty 'val' split and --eval-iters 2 evaluates on it", "or pass --eval-iters 0"]),
+    ("save_in_data", ["runs/llava-stage1 lies inside --data-path", "choose another --save-dir or --name"]),
+    ("save_is_load", ["/ckpt is --megatron-load-dir", "would write its checkpoints into its own input"]),
     ("lr_nan", ["--lr nan: must be a finite number"]),
     ("seed_negative", ["--seed -1: must not be negative"]),
 ])
@@ -522,7 +575,7 @@ def test_launcher_refuses_before_starting(how, expect, env, vqa_dataset, tmp_pat
     assert rc == 2
     assert_clean_failure(rc, text, expect)
     rc, text = run_command("train", args, capsys)  # a real launch stops there too: nothing written, nothing started
-    assert rc == 2 and not (tmp_path / "out" / "llava-stage1" / "config.yaml").exists()
+    assert rc == 2 and not list(tmp_path.glob("**/llava-stage*/config.yaml"))
 
 
 # ---- the torchrun path (subprocesses): a rank's reason printed last; Ctrl-C saves and exits 130 --------------------
@@ -557,6 +610,89 @@ def test_rank_failure_reason_is_printed_last(tmp_path):
     assert str(tb) in last and "ValueError" in tb.read_text()
 
 
+# a rank failing inside torch.distributed.checkpoint: its CheckpointException derives from BaseException
+RANK_FAULTS = {
+    # a full disk during a training save; the run directory cannot take the failure report either
+    "full_disk_during_save": (
+        "from torch.distributed.checkpoint.api import CheckpointException\n"
+        "    path = cfg.checkpoint_dir + '/.iter_0000002.tmp/__0_0.distcp'\n"
+        "    raise CheckpointException('save', {0: OSError(errno.ENOSPC, 'No space left on device', path)})",
+        "{run}/.iter_0000002.tmp/__0_0.distcp: no space left on the device; free space there or write to another "
+        "directory"),
+    # vlm_spec.json disagreeing with the tensors: megatron's global shape check while loading
+    "spec_disagrees_with_tensors": (
+        "from torch.distributed.checkpoint.api import CheckpointException\n"
+        "    from megatron.core.dist_checkpointing.core import CheckpointingException\n"
+        "    raise CheckpointException('load', {0: CheckpointingException('Global shape mismatch for loaded "
+        "(torch.Size([384, 64])) and expected ((512, 64)) tensor for key "
+        "language_model.embedding.word_embeddings.weight')})",
+        "the checkpoint's tensor language_model.embedding.word_embeddings.weight has shape (384, 64), and the model "
+        "built from its vlm_spec.json expects (512, 64): vlm_spec.json does not describe these weights; restore the "
+        "vlm_spec.json that was saved with them"),
+}
+RANK_FAULT = textwrap.dedent("""
+    import errno, runpy, sys, types
+    sys.path.insert(0, {repo!r})
+    fake = types.ModuleType("megatron_vlm.training.trainer")
+    def train(cfg):
+        {fault}
+    fake.train = train
+    sys.modules["megatron_vlm.training.trainer"] = fake
+    dist = types.ModuleType("megatron_vlm.runtime.distributed")
+    dist.teardown = lambda: None
+    sys.modules["megatron_vlm.runtime.distributed"] = dist
+    sys.exit(runpy.run_path({entry!r}, run_name="pretrain")["run"]())
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", sorted(RANK_FAULTS))
+def test_rank_faults_in_the_checkpoint_layer_end_in_one_line(fault, tmp_path):
+    code, reason = RANK_FAULTS[fault]
+    entry = tmp_path / "failing_rank.py"
+    entry.write_text(RANK_FAULT.format(repo=str(REPO), entry=str(REPO / "train" / "pretrain_vlm.py"), fault=code))
+    run = tmp_path / "out" / "llava-stage1"
+    if fault == "full_disk_during_save":  # the report cannot go to <run>/failures: the launcher's fallback takes it
+        run.mkdir(parents=True)
+        (run / "failures").write_text("not a directory")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    environ["MEGATRON_VLM_ENTRYPOINT"] = str(entry)
+    p = subprocess.run([sys.executable, str(REPO / "train" / "run.py"), *base_args(tmp_path), "-g", "1",
+                        "--gbs", "16"], env=environ, capture_output=True, text=True, timeout=300)
+    log = p.stdout + p.stderr
+    assert p.returncode == 1, log
+    assert "Traceback" not in log, log
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("[train/run.py] rank 0 failed: " + reason.format(run=run)), last
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nobody can write: chmod for a user; for root (CI), whom permissions do not stop, a read-only
+    tmpfs mounted there."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+        yield d
+        d.chmod(0o755)
+        return
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot make a read-only directory here (root, and mount failed: {r.stderr.strip()})")
+    yield d
+    subprocess.run(["umount", str(d)], check=True)
+
+
+def test_read_only_save_dir_is_refused_before_starting(read_only_dir, tmp_path, capsys):
+    args = base_args(tmp_path)
+    args[args.index("--save-dir") + 1] = str(read_only_dir / "runs")
+    rc, text = run_command("train", args, capsys)
+    assert_clean_failure(rc, text, [f"--save-dir/--name {read_only_dir}/runs/llava-stage1: cannot write in "
+                                    f"{read_only_dir} (", "); choose a directory you can write"])
+    assert rc == 2 and not (read_only_dir / "runs").exists()
+
+
 def test_ctrl_c_exits_130_without_traceback(tmp_path):
     out = tmp_path / "seen"
     out.mkdir()
@@ -587,3 +723,112 @@ def test_known_faults_raised_deep_inside_libraries_read_as_one_line():
     line = describe_error(CheckpointException("load failed", {0: EOFError()}))
     assert "EOFError" in line and ".distcp shard is missing or truncated" in line
     assert describe_error(KeyError("x")) is None  # an unexpected error stays a bug report (traceback with -v)
+
+
+# ---- real training runs (issue 27 items 2, 5, 6): one finished run, shared --------------------------------------
+def _run_args(env, data, save_dir, *extra, iters=4):
+    return ["--device", "cpu", "-g", "1", "--megatron-load-dir", str(env["meg"]), "--tokenizer-load-dir",
+            str(env["hf"]), "--data-path", str(data), "--save-dir", str(save_dir), "--name", "s1",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length", "64", "--log-interval", "1",
+            "--num-workers", "1", "--lr-warmup-fraction", "0", "--train-iters", str(iters), *extra]
+
+
+def _train(argv, timeout=600):
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, str(REPO / "train" / "run.py"), *argv], capture_output=True, text=True,
+                       timeout=timeout, env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
+
+
+def _metrics(run_dir) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r for r in rows if "lr" in r}
+
+
+@pytest.fixture(scope="module")
+def finished_run(env, tmp_path_factory):
+    """A 4-iteration stage-1 run (cosine schedule, decayed to lr 0 at its end) and its data."""
+    from tests.data_fixtures import _prepared, build_vqa_inputs
+
+    data = _prepared("vqa_ds", tmp_path_factory, "vqa", "jsonl", build_vqa_inputs, shard_size=2).output
+    save = tmp_path_factory.mktemp("guards") / "runs"
+    rc, out, _ = _train(_run_args(env, data, save))
+    assert rc == 0, out[-4000:]
+    assert "start-up (" in out and "building the data loader" in out  # the phases before the first iteration
+    assert "fusions: all off (automatic: device cpu: fused kernels run on CUDA only)" in out
+    assert sorted(_metrics(save / "s1")) == [1, 2, 3, 4] and _metrics(save / "s1")[4]["lr"] == 0.0
+    return dict(data=data, save=save, run=save / "s1")
+
+
+@pytest.mark.slow
+def test_rerunning_a_finished_run_says_so_and_starts_nothing(env, finished_run):
+    before = (finished_run["run"] / "metrics.jsonl").read_text()
+    rc, out, took = _train(_run_args(env, finished_run["data"], finished_run["save"]))
+    assert rc == 0, out
+    assert out.strip().splitlines()[-1] == (
+        f"[train/run.py] {finished_run['run']} is already at iteration 4 of --train-iters 4: nothing to train. To "
+        "train further, raise --train-iters and pass --override-opt-param-scheduler (this command line's "
+        "learning-rate schedule) or --use-checkpoint-opt-param-scheduler (the checkpoint's); to start over, use "
+        "another --name")
+    assert "node 0/1:" not in out and (finished_run["run"] / "metrics.jsonl").read_text() == before  # no rank ran
+    assert took < 30, took  # decided before anything heavy is imported (0.7 s measured)
+
+
+@pytest.mark.slow
+def test_extending_a_finished_run_follows_the_chosen_schedule_and_a_full_disk_ends_in_one_line(env, finished_run,
+                                                                                             tmp_path):
+    """Without a flag the extension is refused before launch (it would train at lr 0); with
+    --override-opt-param-scheduler iterations 5-8 train on the 8-iteration cosine. The extension runs on a
+    tmpfs too small for its checkpoint (where one can be mounted): the save fails, the last line says why."""
+    rc, out, _ = _train(_run_args(env, finished_run["data"], finished_run["save"], iters=8))
+    assert rc == 2 and "node 0/1:" not in out, out
+    assert "--override-opt-param-scheduler" in out and "--use-checkpoint-opt-param-scheduler" in out
+    assert "--train-iters 4 (this run: 8)" in out
+
+    small = tmp_path / "small"
+    small.mkdir()
+    # room for a copy of the run and its logs, not for another checkpoint (~0.8 MB); tmpfs counts whole pages
+    pages = sum(-(-f.stat().st_size // 4096) + 1 for f in finished_run["run"].rglob("*")) + 64
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={pages * 4}k", "tmpfs",
+                                                    str(small)], capture_output=True).returncode == 0
+    try:
+        shutil.copytree(finished_run["run"], small / "s1")
+        rc, out, _ = _train(_run_args(env, finished_run["data"], small, "--override-opt-param-scheduler", iters=8))
+        lrs = {i: r["lr"] for i, r in _metrics(small / "s1").items() if i > 4}
+        assert lrs == pytest.approx({i: 1e-3 * 0.5 * (1 + math.cos(math.pi * i / 8)) for i in (5, 6, 7, 8)},
+                                    rel=1e-6, abs=1e-12), out[-3000:]
+        assert lrs[5] > 3e-4  # not lr 0: the run trains
+        assert "resume: --override-opt-param-scheduler: this command line's learning-rate schedule" in out
+        if mounted:
+            assert rc == 1 and "Traceback" not in out, out[-4000:]
+            last = out.strip().splitlines()[-1]
+            assert last.startswith(f"[train/run.py] rank 0 failed: saving checkpoint {small}/s1/iter_0000008: no "
+                                   "space left on the device; free space there or write to another directory"), last
+            assert (small / "s1" / "latest_checkpointed_iteration.txt").read_text() == "4"  # the tracker: untouched
+            assert not (small / "s1" / "iter_0000008").exists()
+        else:
+            assert rc == 0, out[-3000:]
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)], check=True)
+
+
+@pytest.mark.slow
+def test_stage2_reusing_the_stage1_name_is_refused_before_launch_and_inside_the_ranks(env, finished_run, tmp_path):
+    stage2 = ("--stage", "2", "--override-opt-param-scheduler")
+    rc, out, _ = _train(_run_args(env, finished_run["data"], finished_run["save"], *stage2, iters=8))
+    assert rc == 2 and "node 0/1:" not in out, out
+    assert "stage-1 run that trained the projector" in out and "another --name" in out and "--no-load-optim" in out
+    # a checkpoint that does not record what it trained (older megatron-vlm): the ranks find it in the tensors
+    old = tmp_path / "runs"
+    shutil.copytree(finished_run["run"], old / "s1")
+    meta_file = old / "s1" / "iter_0000004" / "ckpt_meta.json"
+    meta = json.loads(meta_file.read_text())
+    for key in ("trained", "schedule", "stage"):
+        meta["extra"].pop(key)
+    meta_file.write_text(json.dumps(meta))
+    rc, out, _ = _train(_run_args(env, finished_run["data"], old, *stage2, iters=8))
+    assert rc == 1 and "Traceback" not in out, out[-4000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"[train/run.py] rank 0 failed: {old}/s1/iter_0000004 holds no optimizer state for "), last
+    assert "pass --no-load-optim" in last and "another --name" in last

@@ -155,3 +155,41 @@ def test_explicit_gpu_ids_beat_slurm_gpu_count():
     c = TrainConfig.from_args(["--gpu-ids", "0,1", *REQ], env_defaults={"gpus": 8, "nodes": 1})
     assert c.gpus == 2
     assert TrainConfig.from_args(REQ, env_defaults={"gpus": 8}).gpus == 8
+
+
+def test_smoke_test_shrinks_and_debug_is_its_deprecated_alias(tmp_path, capsys):
+    """The run-shrinking option is --smoke-test; --debug (its old name) still works but warns, and -v is the
+    verbosity flag of train/run.py as of every other command (issue 27 item 7)."""
+    c = cfg_of("-g", "2", "--tp", "2", "--smoke-test")
+    assert (c.smoke_test, c.tp, c.micro_batch_size, c.global_batch_size, c.verbose) == (True, 1, 1, 2, False)
+    assert c.resolution_notes == ["--smoke-test set tp=1, micro_batch_size=1, log_interval=1, global_batch_size=2"]
+    assert capsys.readouterr().err == ""
+    old = cfg_of("-g", "2", "--tp", "2", "--debug")
+    assert old == c
+    assert capsys.readouterr().err.strip() == (
+        "train/run.py: warning: --debug is deprecated: it shrinks the run, as --smoke-test does; for verbose logs "
+        "and tracebacks use -v")
+    assert cfg_of("-v").verbose and cfg_of("--verbose").verbose and not cfg_of("-v").smoke_test
+    p = tmp_path / "old.yaml"
+    p.write_text("debug: true\n")  # a config.yaml written before the rename
+    assert TrainConfig.from_args(["--config", str(p), *REQ]).smoke_test
+    assert "smoke_test: true" in c.to_yaml() and "debug" not in c.to_yaml()
+
+
+def test_scheduler_flags_are_megatron_lms_and_exclusive():
+    for spelling in ("--override-opt-param-scheduler", "--override-opt_param-scheduler"):
+        assert cfg_of(spelling).override_opt_param_scheduler
+    for spelling in ("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"):
+        assert cfg_of(spelling).use_checkpoint_opt_param_scheduler
+    assert error_of("--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler") == (
+        "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler both given; choose one (follow "
+        "this command line's learning-rate schedule, or keep the checkpoint's)")
+
+
+def test_flags_of_a_config_give_the_same_config():
+    c = cfg_of("-g", "4", "--tp", "2", "--stage", "2", "--unfreeze-vit", "--no-save-optim", "--lr", "3e-4",
+               "--skip-train-iteration-range", "10-20", "30-31", "--pp-layers", "1,1", "--pp", "2", "--gbs", "8",
+               "--no-bias-dropout-fusion", "--device", "cpu", "-v")
+    argv = c.to_argv()
+    assert TrainConfig.from_args(argv, resolve=False) == c
+    assert "--no-save-optim" in argv and "--no-bias-dropout-fusion" in argv and "--dry-run" not in argv

@@ -78,3 +78,12 @@ def test_transformer_configs_receive_the_resolved_values(hf_models):
     with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
         language_config(spec, ModelOptions(fusions=te))
     assert vision_config(spec, ModelOptions(fusions=te)).persist_layer_norm is True
+
+
+def test_startup_line_gives_each_reason_once():
+    cpu = fusions.resolve(AUTO, "cpu", "local")
+    assert cpu.summary() == "all off (automatic: device cpu: fused kernels run on CUDA only)"
+    te = fusions.resolve({**AUTO, "persist_layer_norm": False}, "cuda", "transformer_engine", EVERYTHING)
+    line = te.summary()
+    assert line.count("(automatic: CUDA)") == 1 and "persist_layer_norm=off (--no-persist-layer-norm)" in line
+    assert "bias_activation_fusion, bias_dropout_fusion, cross_entropy_loss_fusion=on (automatic: CUDA)" in line

@@ -39,7 +39,8 @@ def test_apptainer_dry_run(tmp_path, capsys):
     env_end = next(i for i, a in enumerate(argv) if "=" not in a)
     argv = argv[env_end:]
     assert argv[:5] == ["apptainer", "exec", "--nv", "--pwd", str(REPO)]
-    binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
+    image_at = argv.index(str(img))  # (after it, the trainer's settings as flags: --bind is one of them)
+    binds = [argv[i + 1] for i, a in enumerate(argv[:image_at]) if a == "--bind"]
     run_dir = tmp_path / "out" / "llava-stage1"
     expected = sorted(f"{p}:{p}" for p in (REPO, run_dir, tmp_path / "data", tmp_path / "ckpt", tmp_path / "tok"))
     assert binds == expected + [f"{extra}:/mnt/extra:ro"]  # tensorboard dir lies in the run dir: no own mount

@@ -164,7 +164,8 @@ def test_resume_at_another_layout(setup, bf16_full):
     (moved / "latest_checkpointed_iteration.txt").write_text("12")
     (moved / "metrics.jsonl").unlink()
     other = ("--dist-optim", "--precision", "bf16", "--stage", "2", "--unfreeze-vit", "--global-batch-size", "8",
-             "--save-interval", "100", "--tp", "2")
+             "--save-interval", "100", "--tp", "2",
+             "--use-checkpoint-opt-param-scheduler")  # the 18-iteration run's schedule, continued to 14
     p = launch(args(setup, "moved", *other, iters=14))
     out, _ = p.communicate(timeout=120)
     assert p.returncode != 0 and "data-parallel size 2 and this run has 1" in out and "--reset-data-position" in out

@@ -1,26 +1,37 @@
 #!/usr/bin/env python
-"""Per-rank training entry point (started by torchrun from train/run.py): python train/pretrain_vlm.py --config X.yaml"""
+"""Per-rank training entry point (started by torchrun from train/run.py).
 
-import argparse
+``python train/pretrain_vlm.py --config X.yaml`` reads the resolved config train/run.py wrote; the same flags as
+train/run.py are accepted too (after ``--config``, or instead of it: what ``train/run.py --dry-run`` prints).
+"""
+
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _config(argv):
+    """The run's TrainConfig from ``--config`` and/or flags (as resolved by train/run.py; not resolved again)."""
+    from megatron_vlm.training.config import TrainConfig, build_parser
+
+    parser = build_parser()
+    parser.prog = "train/pretrain_vlm.py"
+    parser.description = __doc__
+    given = vars(parser.parse_args(argv))
+    if not given:
+        parser.error("give --config (the YAML train/run.py writes) or the run's flags")
+    return TrainConfig.from_args(argv, resolve=False)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--config", required=True, help="resolved TrainConfig YAML written by train/run.py")
-    p.add_argument("-v", "--verbose", action="store_true", help="show library warnings")
-    a = p.parse_args(argv)
+    cfg = _config(argv)
     from megatron_vlm.cli import setup_logging, stderr_line
 
-    setup_logging(a.verbose)
+    setup_logging(cfg.verbose)
     from megatron_vlm.runtime.distributed import teardown
-    from megatron_vlm.training.config import TrainConfig
     from megatron_vlm.training.trainer import train
 
-    cfg = TrainConfig.from_yaml(a.config)
     try:
         train(cfg)
     except Exception as e:
@@ -35,6 +46,12 @@ def main(argv=None):
         teardown()
 
 
+def _is_failure(e: BaseException) -> bool:
+    """A rank's failure: any Exception, and torch.distributed.checkpoint's CheckpointException, which derives
+    from BaseException (a save on a full disk, a load of tensors the model does not match)."""
+    return isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
+
+
 def run(argv=None) -> int:
     """``main`` with this rank's failure recorded for the launcher (``megatron_vlm.launch.failures``): one
     line on stderr and in ``<run_dir>/failures/rank<R>.txt``, the traceback in ``rank<R>.traceback.txt``
@@ -42,32 +59,30 @@ def run(argv=None) -> int:
     from megatron_vlm.cli import debug_requested, stderr_line
 
     rank = int(os.environ.get("RANK", "0"))
+    argv_ = sys.argv[1:] if argv is None else list(argv)
     try:
-        main(argv)
+        main(argv_)
         return 0
     except KeyboardInterrupt:
         stderr_line(f"[rank {rank}] interrupted before training started")
         return 130
-    except Exception as e:  # noqa: BLE001 - the rank's boundary
+    except BaseException as e:  # noqa: BLE001 - the rank's boundary
+        if not _is_failure(e):
+            raise
         from megatron_vlm.launch import failures
 
-        run_dir = None
+        run_dir, verbose = None, debug_requested(argv_)
         try:
-            argv_ = sys.argv[1:] if argv is None else argv
-            from megatron_vlm.training.config import TrainConfig
-
-            run_dir = TrainConfig.from_yaml(argv_[argv_.index("--config") + 1]).run_dir
-        except Exception:  # noqa: BLE001 - the config itself may be what failed
+            cfg = _config(argv_)
+            run_dir, verbose = cfg.run_dir, verbose or cfg.verbose
+        except BaseException:  # noqa: BLE001 - the config itself may be what failed
             pass
-        if run_dir is not None:
-            reason, tb = failures.record(run_dir, rank, e)
-        else:
-            reason, tb = failures.reason_of(e), None
-        if debug_requested(argv):
+        reason, tb = failures.record(run_dir, rank, e)
+        if verbose:
             import traceback
 
-            traceback.print_exc()
-        where = f" (traceback: {tb})" if tb is not None and not debug_requested(argv) else ""
+            traceback.print_exception(e)
+        where = f" (traceback: {tb})" if tb is not None and not verbose else ""
         stderr_line(f"[rank {rank}] error: {reason}{where}")
         return 1
 

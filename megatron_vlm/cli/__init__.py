@@ -14,6 +14,7 @@ import errno
 import json
 import logging
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -157,6 +158,41 @@ def _chain(e: BaseException):
         e = e.__cause__ or e.__context__
 
 
+_SHAPE_MISMATCH = re.compile(r"Global shape mismatch for loaded \((.*?)\) and expected \((.*?)\) tensor for key (\S+)")
+_KEY_MISSING = re.compile(r"""['"]?(\S+?) from model not in state dict""")
+
+
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]")
+
+
+def errno_hint(e: BaseException) -> str | None:
+    """What to do about the OS error in ``e`` or its causes (also one only quoted in a message, as
+    ``[Errno 28] No space left on device``), or None."""
+    for inner in _chain(e):
+        if isinstance(inner, OSError) and inner.errno in _ERRNO_HINTS:
+            return _ERRNO_HINTS[inner.errno]
+        m = _ERRNO_TEXT.search(str(inner))
+        if m and int(m.group(1)) in _ERRNO_HINTS:
+            return _ERRNO_HINTS[int(m.group(1))]
+    return None
+
+
+def _model_mismatch(e: BaseException) -> str | None:
+    """A checkpoint whose tensors do not fit the model built from its vlm_spec.json (or the run's settings)."""
+    text = str(e)
+    m = _SHAPE_MISMATCH.search(text)
+    if m:
+        have, want = (re.sub(r"torch\.Size\(\[(.*)\]\)", r"(\1)", g) for g in m.group(1, 2))
+        return (f"the checkpoint's tensor {m.group(3)} has shape {have}, and the model built from its "
+                f"vlm_spec.json expects {want}: vlm_spec.json does not describe these weights; restore the "
+                "vlm_spec.json that was saved with them")
+    m = _KEY_MISSING.search(text)
+    if isinstance(e, KeyError) and m:
+        return (f"the checkpoint holds no tensor {m.group(1)}, which this run needs: it was saved by another model "
+                "or with other settings (e.g. another --stage with its optimizer state: pass --no-load-optim)")
+    return None
+
+
 def describe_error(e: BaseException) -> str | None:
     """One line for a known fault (``None``: an unexpected error, a bug worth its traceback)."""
     name = type(e).__name__
@@ -181,6 +217,12 @@ def describe_error(e: BaseException) -> str | None:
             for inner in _chain(exc) if isinstance(exc, BaseException) else ():
                 if isinstance(inner, OSError) and inner.errno in _ERRNO_HINTS:
                     return describe_error(inner)
+                line = _model_mismatch(inner)
+                if line:
+                    return line
+                hint = errno_hint(inner)  # its writer threads pass an OSError on as text ("[Errno 28] ...")
+                if hint:
+                    return f"reading or writing the distributed checkpoint: {hint}"
             return f"the distributed checkpoint could not be read or written ({type(exc).__name__}: " \
                    f"{_first_line(exc)}); a .distcp shard is missing or truncated: re-save or re-convert it, or " \
                    "pick another --iteration"

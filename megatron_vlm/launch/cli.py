@@ -6,16 +6,21 @@ GPUs, FP8 and the tokenizer (``probe``; inside the container when there is one) 
 to ``<save_dir>/<name>/config.yaml`` (node r > 0: ``config.node<r>.yaml``) -> run torchrun, which starts
 ``train/pretrain_vlm.py --config <that file>`` on every rank -> exit with torchrun's exit code.
 
-``--dry-run`` stops before writing and prints the resolved config and the command. ``--sbatch`` writes a
-batch script instead of launching. The environment variable ``MEGATRON_VLM_ENTRYPOINT`` replaces the trainer
-script (tests use a stand-in); it is not a user option.
+A run that already reached ``--train-iters`` is not started: the launcher says so and exits 0 before the probe.
+``--dry-run`` stops before writing and prints the resolved config and the command (the trainer's settings given
+as flags, since the config file is not written). ``--sbatch`` writes a batch script instead of launching. Every
+failure ends in one line (``train/run.py: error: ...``, exit 2; a failed rank's reason is the last line); ``-v``
+adds the traceback. The environment variable ``MEGATRON_VLM_ENTRYPOINT`` replaces the trainer script (tests use a
+stand-in); it is not a user option.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from megatron_vlm.launch import container, failures, preflight, probe, process, sbatch, slurm
@@ -34,6 +39,10 @@ def entrypoint(repo_root: str) -> str:
     return os.path.abspath(os.environ.get(ENTRYPOINT_ENV) or Path(repo_root) / "train" / "pretrain_vlm.py")
 
 
+class NothingToTrain(Exception):
+    """The run in ``<save-dir>/<name>`` already reached ``--train-iters``; the message says so."""
+
+
 def _fail_on(problems: list[str]) -> None:
     if problems:
         raise ConfigError(problems[0] if len(problems) == 1 else "\n".join(f"- {p}" for p in problems))
@@ -41,7 +50,8 @@ def _fail_on(problems: list[str]) -> None:
 
 def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Command | None, list[str]]:
     """Everything up to (not including) writing and launching: the resolved config, this node's command
-    (None for --sbatch) and notes for the user. Raises ConfigError listing every problem found."""
+    (None for --sbatch) and notes for the user. Raises ConfigError listing every problem found, and
+    NothingToTrain (before any other check) when the run it resumes already reached --train-iters."""
     notes: list[str] = []
     request = TrainConfig.from_args(argv, resolve=False)
     job = None if request.sbatch else slurm.detect_slurm()
@@ -50,6 +60,13 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
         notes.append(f"SLURM job {job.job_id}: " + ", ".join(f"{k}={v}" for k, v in env_defaults.items()
                                                                   if v is not None and getattr(request, k) is None))
     cfg = request.resolved(env_defaults)  # device still provisional ("cuda") when not given
+    done = None if cfg.sbatch else preflight.finished_iteration(cfg)
+    if done is not None:  # decided before anything heavy is imported or checked
+        raise NothingToTrain(
+            f"{cfg.checkpoint_dir} is already at iteration {done} of --train-iters {cfg.train_iters}: nothing to "
+            "train. To train further, raise --train-iters and pass --override-opt-param-scheduler (this command "
+            "line's learning-rate schedule) or --use-checkpoint-opt-param-scheduler (the checkpoint's); to start "
+            "over, use another --name")
 
     problems = preflight.check_request(cfg)
     try:
@@ -112,7 +129,10 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
 
     cfg.master_port = rendezvous_port(cfg)  # recorded in the config: the port actually used
     python = "python" if cfg.container else sys.executable
-    cmd = torchrun_command(cfg, str(cfg.config_path), entry, python=python, port=cfg.master_port)
+    # a dry run writes no config file: its command gives the trainer the same settings as flags
+    trainer_args = dataclasses.replace(cfg, dry_run=False).to_argv() if cfg.dry_run else None
+    cmd = torchrun_command(cfg, str(cfg.config_path), entry, python=python, port=cfg.master_port,
+                           trainer_args=trainer_args)
     if cfg.container:
         cmd = container.wrap(cmd, cfg, repo_root, runtime)
     notes = list(cfg.resolution_notes) + notes
@@ -121,6 +141,7 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
 
 def main(argv: list[str] | None = None, repo_root: str | os.PathLike | None = None) -> int:
     repo_root = str(Path(repo_root or DEFAULT_REPO_ROOT).resolve())
+    cfg = None
     try:
         cfg, cmd, notes = prepare(argv, repo_root)
         for n in notes:
@@ -128,32 +149,63 @@ def main(argv: list[str] | None = None, repo_root: str | os.PathLike | None = No
         if cfg.sbatch:
             return _sbatch(cfg, repo_root)
         if cfg.dry_run:
-            print(f"# resolved config (dry run: not written; a launch writes it to {cfg.config_path})")
+            print(f"# resolved config (dry run: not written; a launch writes it to {cfg.config_path} and starts the "
+                  "trainer with --config)")
             print(cfg.to_yaml().rstrip())
-            print(f"# command on node {cfg.node_rank} of {cfg.nodes} (dry run: not started)")
+            print(f"# command on node {cfg.node_rank} of {cfg.nodes} (dry run: not started; the trainer's settings "
+                  "are given as flags)")
             print(cmd.display())
             return 0
-        from megatron_vlm.atomic import atomic_write_text
-
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(cfg.config_path, cfg.to_yaml())
-        _say(f"config: {cfg.config_path}")
-        _say(f"node {cfg.node_rank}/{cfg.nodes}: {cmd.display()}")
-        failures.clear(cfg.run_dir)
-        rc = process.run_forwarding_signals(cmd.argv, cmd.env)
-        if rc:
-            _say(f"training exited with code {rc}")
-            failed = failures.first(cfg.run_dir)
-            if failed is not None and rc < 128:  # a signal's ending is no rank's fault
-                _say(f"rank {failed[0]} failed: {failed[1]} (traceback: "
-                     f"{cfg.run_dir / failures.FAILURES_DIR / f'rank{failed[0]}.traceback.txt'})")
-        return rc
+        return _launch(cfg, cmd)
+    except NothingToTrain as e:
+        _say(str(e))
+        return 0
     except (ConfigError, probe.ProbeError) as e:
         text = str(e)
         print("train/run.py: error:" + ("\n" if "\n" in text else " ") + text, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 - the launcher's error boundary: known faults in one line
+        from megatron_vlm.cli import debug_requested, describe_error
+
+        verbose = (cfg is not None and cfg.verbose) or debug_requested([a for a in (argv or []) if a != "--debug"])
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        line = describe_error(e)
+        if line is None:
+            print(f"train/run.py: error: unexpected {type(e).__name__}: {e} (a bug: please report it with the "
+                  + ("traceback above)" if verbose else "traceback that -v prints)"), file=sys.stderr)
+            return 1
+        print(f"train/run.py: error: {line}", file=sys.stderr)
+        return 2
+
+
+def _launch(cfg: TrainConfig, cmd: Command) -> int:
+    """Write the config and run torchrun; a failed rank's reason is the last line."""
+    from megatron_vlm.atomic import atomic_write_text
+
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(cfg.config_path, cfg.to_yaml())
+    _say(f"config: {cfg.config_path}")
+    _say(f"node {cfg.node_rank}/{cfg.nodes}: {cmd.display()}")
+    failures.clear(cfg.run_dir)
+    # where a rank reports its failure when the run directory cannot take it (a full or read-only disk)
+    fallback = tempfile.mkdtemp(prefix="mvlm-failures-")
+    try:
+        rc = process.run_forwarding_signals(cmd.argv, {**cmd.env, failures.FALLBACK_ENV: fallback})
+        if rc:
+            _say(f"training exited with code {rc}")
+            failed = failures.first(cfg.run_dir, fallback)
+            if failed is not None and rc < 128:  # a signal's ending is no rank's fault
+                rank, reason, tb = failed
+                where = f" (traceback: {tb})" if tb.is_file() and Path(fallback) not in tb.parents else ""
+                _say(f"rank {rank} failed: {reason}{where}")
+        return rc
+    finally:
+        shutil.rmtree(fallback, ignore_errors=True)
 
 
 def _sbatch(cfg: TrainConfig, repo_root: str) -> int:

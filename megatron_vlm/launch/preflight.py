@@ -1,14 +1,22 @@
 """Checks before anything starts: paths, prepared data, the checkpoint and its spec, the hardware.
 
-Every check returns problems as strings that name the input and the fix; the launcher reports all of them
-at once (``ConfigError``) instead of failing on the first after minutes of start-up on a cluster.
-File-system checks (``check_request``) need only the config; hardware checks (``check_hardware``) take the
-facts ``probe`` gathered in the runtime that will train.
+Everything a run depends on is checked here, before any rank starts: the checkpoint it loads or the run it
+resumes (tracker, shards, the spec against the tensors, optimizer state and learning-rate schedule against
+this run), the tokenizer, every dataset split it reads (train; validation when ``--eval-iters`` > 0), and
+the directories it writes (writable, and not inside an input). Every check returns problems as strings that
+name the input and the fix; the launcher reports all of them at once (``ConfigError``) instead of failing on
+the first after minutes of start-up on a cluster. File-system checks (``check_request``) need only the
+config; hardware checks (``check_hardware``) take the facts ``probe`` gathered in the runtime that will
+train (which also loads the tokenizer). A finished run (``finished_iteration``) is not started at all.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import re
+import tempfile
 from pathlib import Path
 
 from megatron_vlm import storage
@@ -193,19 +201,105 @@ def check_checkpoint(ckpt_dir: str) -> list[str]:
             check_iteration_files(d / sub)
         except InputError as e:
             problems.append(f"--megatron-load-dir {d}: {e}")
+        else:
+            problems += _check_spec_files(d, d / sub, "--megatron-load-dir")
     return problems
 
 
+def resumes(cfg: TrainConfig) -> bool:
+    """Whether this launch resumes the run in ``<save-dir>/<name>`` (it has a tracker)."""
+    try:
+        return (storage.path(cfg.checkpoint_dir) / TRACKER_FILE).is_file()
+    except Exception:  # noqa: BLE001 - an unreachable object store is reported by check_request
+        return False
+
+
+def _iteration_dir(ckpt_dir):
+    """The iteration directory the tracker of ``ckpt_dir`` points at (``ckpt_dir`` itself when it is one), or
+    None when it cannot be told (no or bad tracker: reported by the other checks)."""
+    d = storage.path(ckpt_dir)
+    if (d / "ckpt_meta.json").is_file() or (d / ".metadata").is_file():
+        return d
+    try:
+        it = read_tracker(d)
+    except OSError:
+        return None
+    sub = "release" if it == "release" else f"iter_{int(it):07d}" if re.fullmatch(r"\d+", it) else None
+    return d / sub if sub is not None and (d / sub).is_dir() else None
+
+
 def load_spec(cfg: TrainConfig) -> tuple[VLMSpec | None, str]:
-    """The architecture the run will build, and where it came from ('' when unknown)."""
-    if cfg.megatron_load_dir and (storage.path(cfg.megatron_load_dir) / SPEC_FILE).is_file():
-        return VLMSpec.load(cfg.megatron_load_dir), storage.join(cfg.megatron_load_dir, SPEC_FILE)
+    """The architecture the run will build, and where it came from ('' when unknown): the ``vlm_spec.json``
+    of the iteration the trainer reads (the run it resumes, else ``--megatron-load-dir``), which travels with
+    the weights; the directory-level copy must agree with it (:func:`check_spec_copies`)."""
+    ckpt_dir = cfg.checkpoint_dir if resumes(cfg) else cfg.megatron_load_dir
+    if ckpt_dir:
+        it_dir = _iteration_dir(ckpt_dir)
+        for d in ([it_dir] if it_dir is not None else []) + [storage.path(ckpt_dir)]:
+            if (d / SPEC_FILE).is_file():
+                return VLMSpec.load(d), str(d / SPEC_FILE)
     if cfg.init and cfg.tokenizer_load_dir and (Path(cfg.tokenizer_load_dir) / "config.json").is_file():
         try:
             return VLMSpec.from_hf_dir(cfg.tokenizer_load_dir), str(Path(cfg.tokenizer_load_dir) / "config.json")
         except ImportError:  # a bare host that launches into a container: the trainer checks it
             return None, ""
     return None, ""
+
+
+def check_spec_copies(ckpt_dir, flag: str) -> list[str]:
+    """A checkpoint directory's ``vlm_spec.json`` and its iteration's copy (the one read with the weights) agree."""
+    d = storage.path(ckpt_dir)
+    it_dir = _iteration_dir(ckpt_dir)
+    top, inner = d / SPEC_FILE, (it_dir / SPEC_FILE) if it_dir is not None else None
+    if inner is None or it_dir == d or not top.is_file() or not inner.is_file():
+        return []
+    try:
+        a, b = json.loads(top.read_text()), json.loads(inner.read_text())
+    except ValueError:
+        return []  # an unreadable JSON file is reported by check_iteration_files
+    diff = sorted(k for k in set(a) | set(b) if k != "hf_config" and a.get(k) != b.get(k))
+    if not diff:
+        return []
+    shown = ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in diff[:3]) + (", ..." if len(diff) > 3 else "")
+    return [f"{flag} {d}: {top} disagrees with {inner} ({shown}); the iteration's copy was saved with the weights: "
+            f"restore {top} from it (cp {inner} {top}) if the weights are what you want"]
+
+
+def _expected_shapes(spec: VLMSpec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Global shapes of a few torch_dist tensors, from the spec (and the spec fields that give them)."""
+    h, vh = spec.hidden_size, spec.vision_hidden_size
+    return {
+        "language_model.embedding.word_embeddings.weight":
+            ((spec.padded_vocab_size, h), "vocab_size padded to make_vocab_size_divisible_by, hidden_size"),
+        "language_model.decoder.layers.self_attention.linear_proj.weight":
+            ((spec.num_layers, h, spec.num_attention_heads * spec.kv_channels),
+             "num_layers, hidden_size, num_attention_heads x kv_channels"),
+        "vision_model.decoder.layers.self_attention.linear_proj.weight":
+            ((spec.vit_num_layers, vh, vh), "vision layers up to vision_feature_layer, vision_hidden_size"),
+        "vision_projection.encoder.linear_fc1.weight": ((h, vh), "hidden_size, vision_hidden_size"),
+    }
+
+
+def check_spec_against_tensors(spec: VLMSpec, source: str, it_dir) -> list[str]:
+    """The spec's shapes against the tensors of a torch_dist checkpoint (its ``.metadata`` index): a spec that
+    does not describe the weights fails here instead of in every rank's load."""
+    it_dir = Path(it_dir)
+    if storage.is_remote(it_dir) or not (it_dir / ".metadata").is_file():
+        return []
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        meta = FileSystemReader(str(it_dir)).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - no torch here, or a damaged index (check_iteration_files reports it)
+        return []
+    for key, (want, fields) in _expected_shapes(spec).items():
+        for name in (key, "model." + key):  # older megatron-vlm checkpoints: keys under "model."
+            have = getattr(meta.get(name), "size", None)
+            if have is not None and tuple(have) != want:
+                return [f"{source} does not describe the checkpoint's tensors in {it_dir}: {key} has shape "
+                        f"{tuple(have)}, the spec gives {want} ({fields}); restore the {SPEC_FILE} that was saved "
+                        "with these weights"]
+    return []
 
 
 def check_spec(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
@@ -238,17 +332,20 @@ def check_token_ids(cfg: TrainConfig, spec: VLMSpec | None, source: str, origin:
 
 
 def check_request(cfg: TrainConfig) -> list[str]:
-    """File-system checks of a resolved config."""
+    """File-system checks of a resolved config: inputs, the run it resumes, outputs."""
     problems: list[str] = []
     if cfg.data_path:
         problems += check_data(cfg.data_path)
-    tok = Path(cfg.tokenizer_load_dir) if cfg.tokenizer_load_dir else None
-    if tok is not None:
-        if not tok.is_dir():
-            problems.append(f"--tokenizer-load-dir {tok}: no such directory")
-        elif not any((tok / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")):
-            problems.append(f"--tokenizer-load-dir {tok} holds no tokenizer (tokenizer_config.json); give the "
-                            "LLaVA directory written by convert/build_llava.py")
+        if not problems:
+            problems += check_splits(cfg)
+    if cfg.tokenizer_load_dir:
+        from megatron_vlm.cli import InputError
+        from megatron_vlm.cli.inputs import check_tokenizer_dir
+
+        try:  # its JSON files parse; the probe then loads it with transformers
+            check_tokenizer_dir(cfg.tokenizer_load_dir, "--tokenizer-load-dir")
+        except InputError as e:
+            problems.append(str(e))
     problems += check_resume(cfg)
     if cfg.megatron_load_dir and not cfg.init:
         problems += check_checkpoint(cfg.megatron_load_dir)
@@ -266,18 +363,141 @@ def check_request(cfg: TrainConfig) -> list[str]:
             storage.check_url(cfg.save_dir, "--save-dir")
         except storage.RemoteStorageError as e:
             problems.append(str(e))
+    problems += check_output_not_in_inputs(cfg)
     run = cfg.run_dir
     if run.exists() and not run.is_dir():
         problems.append(f"--save-dir/--name: {run} exists and is not a directory")
+    else:
+        problems += check_outputs(cfg)
     problems += check_resume_layout(cfg)
     return problems
 
 
+# ---- what the run reads: every split ---------------------------------------------------------------------
+def _split_names(data_path: str) -> dict[str, bool] | None:
+    """Split name -> has data, for an energon dataset directory (``split.yaml``) or a metadataset (its
+    ``splits``); None when it cannot be told here (energon decides)."""
+    import yaml
+
+    p = storage.path(data_path)
+    try:
+        if str(data_path).endswith((".yaml", ".yml")):
+            data = yaml.safe_load(p.read_text()) or {}
+            splits = data.get("splits") if isinstance(data, dict) else None
+            return {k: bool(v) for k, v in splits.items()} if isinstance(splits, dict) else None
+        data = yaml.safe_load((p / ".nv-meta" / "split.yaml").read_text()) or {}
+    except Exception:  # noqa: BLE001 - no split.yaml, unreadable: energon reports it
+        return None
+    parts = data.get("split_parts") if isinstance(data, dict) else None
+    return {k: bool(v) for k, v in parts.items()} if isinstance(parts, dict) else None
+
+
+def check_splits(cfg: TrainConfig) -> list[str]:
+    """The splits the run reads have data: 'train', and 'val' when --eval-iters > 0."""
+    names = _split_names(cfg.data_path)
+    if names is None:
+        return []
+    needed = [("train", "")] + ([("val", f" and --eval-iters {cfg.eval_iters} evaluates on it")]
+                                if cfg.eval_iters > 0 else [])
+    problems = []
+    for split, why in needed:
+        if not names.get(split):
+            what = "has no" if split not in names else "has an empty"
+            fix = "rebuild it with data_prep/make_wds.py --split (e.g. 9,1,0)" + \
+                (", or pass --eval-iters 0" if split == "val" else "")
+            problems.append(f"--data-path {cfg.data_path} {what} '{split}' split{why}; {fix}")
+    return problems
+
+
+# ---- what the run writes ------------------------------------------------------------------------------------
+def _nearest_existing(p: Path) -> Path:
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    return p
+
+
+def writable_problem(d, flag: str) -> str | None:
+    """None if a file can be created in directory ``d`` (or, when ``d`` does not exist yet, in its nearest
+    existing parent, where it would be created); else the problem, naming ``flag`` and the path."""
+    d = Path(d)
+    base = _nearest_existing(d)
+    if not base.is_dir():
+        return f"{flag} {d}: {base} is not a directory; choose another directory"
+    try:
+        fd, name = tempfile.mkstemp(prefix=".mvlm-write-check-", dir=base)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        why = {errno.EROFS: "read-only file system", errno.ENOSPC: "no space left on the device",
+               errno.EDQUOT: "disk quota exceeded"}.get(e.errno, os.strerror(e.errno) if e.errno else str(e))
+        return f"{flag} {d}: cannot write in {base} ({why.lower()}); choose a directory you can write"
+    return None
+
+
+def check_outputs(cfg: TrainConfig) -> list[str]:
+    """The local directories the run writes (checkpoints, config/metrics/logs, TensorBoard) can be written
+    (each existing directory tried once)."""
+    dirs = [("--save-dir/--name", cfg.checkpoint_dir)] if not storage.is_remote(cfg.checkpoint_dir) else []
+    dirs += [("--log-dir" if cfg.log_dir else "--save-dir/--name", cfg.run_dir)]
+    dirs += [("--tensorboard-dir", cfg.tensorboard_dir)] if cfg.tensorboard_dir else []
+    problems, tried = [], set()
+    for flag, d in dirs:
+        base = _nearest_existing(Path(d))
+        if base not in tried:
+            tried.add(base)
+            problem = writable_problem(d, flag)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+def _inside(inner: str, outer: str) -> bool:
+    """``inner`` is ``outer`` or lies inside it (real paths; URLs compared as text)."""
+    if storage.is_remote(inner) or storage.is_remote(outer):
+        a, b = str(inner).rstrip("/"), str(outer).rstrip("/")
+        return a == b or a.startswith(b + "/")
+    a, b = Path(os.path.realpath(inner)), Path(os.path.realpath(outer))
+    return a == b or a.is_relative_to(b)
+
+
+def check_output_not_in_inputs(cfg: TrainConfig) -> list[str]:
+    """``<save-dir>/<name>`` is not an input of the run, nor inside one: saving (and pruning with
+    --save-total-limit) would write into the checkpoint, dataset or tokenizer it reads."""
+    out = cfg.checkpoint_dir
+    problems = []
+    for flag, inp in (("--megatron-load-dir", cfg.megatron_load_dir), ("--data-path", cfg.data_path),
+                      ("--tokenizer-load-dir", cfg.tokenizer_load_dir)):
+        if inp and _inside(out, inp):
+            where = "is" if _inside(inp, out) else "lies inside"
+            problems.append(f"--save-dir/--name {out} {where} {flag} {inp}: the run would write its checkpoints "
+                            f"into its own input; choose another --save-dir or --name")
+    return problems
+
+
+# ---- the run this launch resumes ---------------------------------------------------------------------------
+def finished_iteration(cfg: TrainConfig) -> int | None:
+    """The iteration of the run in ``<save-dir>/<name>`` when it already reached ``--train-iters`` (nothing to
+    train), else None."""
+    try:
+        d = storage.path(cfg.checkpoint_dir)
+        it = read_tracker(d)
+        if not re.fullmatch(r"\d+", it) or int(it) < cfg.train_iters:
+            return None
+        complete = (d / f"iter_{int(it):07d}" / "ckpt_meta.json").is_file()  # written last by a save
+    except Exception:  # noqa: BLE001 - no tracker (a new run), or unreadable (reported by check_request)
+        return None
+    return int(it) if complete else None
+
+
 def check_resume_layout(cfg: TrainConfig) -> list[str]:
-    """A resume at another data-parallel size is refused before ranks start (unless --reset-data-position)."""
+    """What the resumed checkpoint records (``ckpt_meta.json``) against this run, before ranks start (the ranks
+    check it again): the data-parallel size (unless --reset-data-position), the optimizer state against the
+    parameters this run trains, and the learning-rate schedule (unless one of Megatron-LM's two scheduler
+    flags; not for a finished run, which is not started at all)."""
     try:  # torch is imported here; a bare host that launches into a container leaves this to the trainer
         from megatron_vlm import checkpoint as ckpt
-        from megatron_vlm.training.resume import check_data_position
+        from megatron_vlm.training import schedule
+        from megatron_vlm.training.resume import check_data_position, optimizer_problem
 
         if ckpt.read_tracker(cfg.checkpoint_dir) is None:
             return []
@@ -285,11 +505,14 @@ def check_resume_layout(cfg: TrainConfig) -> list[str]:
         meta = ckpt.CheckpointMeta.load(it_dir)
     except Exception:  # an unreadable run dir is reported by the trainer with its own message
         return []
+    where = f"--save-dir/--name {cfg.checkpoint_dir}"
+    problems = [optimizer_problem(cfg, meta, where)]
     world = cfg.world_size
-    if world % (cfg.tp * cfg.pp):
-        return []
-    problem = check_data_position(cfg, meta, world // (cfg.tp * cfg.pp), it_dir)
-    return [problem] if problem else []
+    if world % (cfg.tp * cfg.pp) == 0:
+        problems.append(check_data_position(cfg, meta, world // (cfg.tp * cfg.pp), it_dir))
+    if cfg.load_optim and meta.extra.get("optimizer") and finished_iteration(cfg) is None and problems[0] is None:
+        problems.append(schedule.problem(meta.extra.get("schedule"), cfg, where, int(meta.iteration)))
+    return [q for q in problems if q]
 
 
 def check_resume(cfg: TrainConfig) -> list[str]:
@@ -304,10 +527,22 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     from megatron_vlm.cli.inputs import check_checkpoint
 
     try:
-        check_checkpoint(d, flag="--save-dir/--name")
+        it_dir = check_checkpoint(d, flag="--save-dir/--name")
     except InputError as e:
         return [f"cannot resume the run in {d}: {e}; or start a new run with another --name"]
-    return []
+    return _check_spec_files(d, it_dir, "--save-dir/--name")
+
+
+def _check_spec_files(ckpt_dir, it_dir, flag: str) -> list[str]:
+    """The two copies of the spec agree, and the iteration's describes its tensors."""
+    problems = check_spec_copies(ckpt_dir, flag)
+    if not problems and (Path(it_dir) / SPEC_FILE).is_file():
+        try:
+            spec = VLMSpec.load(it_dir)
+        except Exception:  # noqa: BLE001 - reported when the spec is read for the other checks
+            return problems
+        problems += check_spec_against_tensors(spec, f"{flag} {Path(it_dir) / SPEC_FILE}", it_dir)
+    return problems
 
 
 def check_hardware(cfg: TrainConfig, facts: dict) -> list[str]:

@@ -81,8 +81,10 @@ def rank_env(cfg: TrainConfig, base_env: Mapping[str, str] | None = None) -> dic
 
 
 def torchrun_command(cfg: TrainConfig, config_path: str, entrypoint: str, python: str = "python",
-                     port: int | None = None, base_env: Mapping[str, str] | None = None) -> Command:
-    """This node's command: torchrun starting ``entrypoint --config config_path`` once per GPU."""
+                     port: int | None = None, base_env: Mapping[str, str] | None = None,
+                     trainer_args: list[str] | None = None) -> Command:
+    """This node's command: torchrun starting ``entrypoint --config config_path`` once per GPU (``entrypoint
+    *trainer_args`` instead when given: the settings as flags, for a command shown without its config file)."""
     port = port if port is not None else rendezvous_port(cfg)
     argv = [
         python, "-m", "megatron_vlm.launch.elastic",  # torch.distributed.run with one-line endings
@@ -93,6 +95,6 @@ def torchrun_command(cfg: TrainConfig, config_path: str, entrypoint: str, python
         "--master_addr", cfg.master_addr,
         "--master_port", str(port),
         "--max_restarts", "0",
-        entrypoint, "--config", str(config_path),
+        entrypoint, *(trainer_args if trainer_args is not None else ["--config", str(config_path)]),
     ]
     return Command(argv, rank_env(cfg, base_env))

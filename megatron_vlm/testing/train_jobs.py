@@ -61,6 +61,9 @@ def job_config(job: dict, n_steps: int, global_batch_size: int):
     fields = {k: v for k, v in job.items() if k not in ("name", "steps", "start", "save", "resume", "reload_weights")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
+    # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
+    # schedule, as megatron-core's scheduler did by default before the two Megatron-LM flags were adopted
+    cfg.use_checkpoint_opt_param_scheduler = bool(job.get("resume"))
     return cfg
 
 

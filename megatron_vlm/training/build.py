@@ -69,11 +69,12 @@ def model_options(cfg, spec: VLMSpec, impl: str, fusions=None):
 
 
 def freeze(model, cfg) -> tuple[bool, bool, bool]:
-    """Freeze per stage and overrides; returns what trains: (vision encoder, projector, language model)."""
-    freeze_vit = cfg.freeze_vit if cfg.freeze_vit is not None else True
-    freeze_lm = cfg.freeze_lm if cfg.freeze_lm is not None else cfg.stage == 1
-    model.freeze(freeze_language_model=freeze_lm, freeze_vision_model=freeze_vit, freeze_vision_projection=False)
-    return not freeze_vit, True, not freeze_lm
+    """Freeze per stage and overrides (``cfg.trained_parts``); returns what trains: (vision encoder, projector,
+    language model)."""
+    parts = cfg.trained_parts
+    model.freeze(freeze_language_model=not parts["language"], freeze_vision_model=not parts["vision"],
+                 freeze_vision_projection=False)
+    return parts["vision"], True, parts["language"]
 
 
 def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
@@ -84,7 +85,6 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import Float16Module
 
     from megatron_vlm.model import build_model
@@ -92,6 +92,7 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     from megatron_vlm import fusions as fusions_mod
     from megatron_vlm import layer_impl
     from megatron_vlm.data.packing import check_packing_supported
+    from megatron_vlm.training import schedule
 
     dtype = compute_dtype(cfg)
     device = "cuda" if cfg.device == "cuda" else "cpu"
@@ -122,12 +123,7 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
         overlap_param_gather=cfg.overlap_param_gather,
     )
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
-    warmup = int(cfg.lr_warmup_fraction * cfg.train_iters)
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=cfg.train_iters, lr_decay_style=cfg.lr_decay_style, start_wd=cfg.weight_decay,
-        end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_iters, wd_incr_style="constant",
-    )
+    scheduler = schedule.build(cfg, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync

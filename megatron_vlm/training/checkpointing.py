@@ -22,6 +22,7 @@ How a save becomes visible (a crash at any point leaves the previous checkpoint 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -104,6 +105,36 @@ def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim
     return sd
 
 
+class CheckpointWriteError(OSError):
+    """A save that the storage refused (a full disk, a read-only directory); the message names the checkpoint."""
+
+
+def _errno_hint(e: BaseException) -> str | None:
+    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        return None
+    from megatron_vlm.cli import errno_hint
+
+    return errno_hint(e)
+
+
+def _storage_problem(target, e: BaseException) -> str | None:
+    """Why a failed save failed when the error lost it (megatron-core 0.19's async file writer reports a full
+    disk as "error: <class 'OSError'>"): write 1 MiB where the save wrote and name the OS error, if any."""
+    if storage.is_remote(target) or isinstance(e, (KeyboardInterrupt, SystemExit)):
+        return None
+    probe = Path(target) / ".space-check"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as oe:
+        return _errno_hint(oe)
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
 def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spec: VLMSpec, meta: ckpt.CheckpointMeta,
          side_src: Path | None, with_optim: bool, total_limit: int | None, config_yaml: str | None = None) -> str:
     """Save iteration ``iteration`` under ``run_dir`` (a local directory or an ``msc://`` URL); returns its path."""
@@ -120,7 +151,13 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
             Path(target).mkdir(parents=True)
     torch.distributed.barrier()
     sd = _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim, loading=False)
-    dist_checkpointing.save(sd, target)
+    try:
+        dist_checkpointing.save(sd, target)
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        hint = _errno_hint(e) or _storage_problem(target, e)
+        if hint is None:
+            raise
+        raise CheckpointWriteError(f"saving checkpoint {final}: {hint}") from e
     torch.distributed.barrier()
     if rank0:
         if side_src is not None and (storage.path(side_src) / ckpt.EXTRA).is_file():
@@ -163,11 +200,43 @@ def _dummy_optimizer_state(optimizer) -> list:
     return filled
 
 
+class OptimizerStateMismatch(ValueError):
+    """The checkpoint holds no optimizer state for parameters this run trains."""
+
+
+def missing_optimizer_state(optimizer_sd: dict, iter_dir) -> list[str]:
+    """Keys of the optimizer's sharded state (``optimizer.state.exp_avg.<param>``, ...) that the checkpoint in
+    ``iter_dir`` does not hold: it was saved by a run that trained other parameters."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    have = set(dist_checkpointing.load_tensors_metadata(str(iter_dir)))
+    wanted = {v.key for v in nested_values(optimizer_sd) if isinstance(v, ShardedTensor)}
+    return sorted(wanted - have)
+
+
+def _check_optimizer_state(optimizer_sd: dict, iter_dir) -> None:
+    missing = missing_optimizer_state(optimizer_sd, iter_dir)
+    if missing:
+        params = sorted({k.split(".", 3)[-1] for k in missing if k.startswith("optimizer.state.")} or set(missing))
+        raise OptimizerStateMismatch(
+            f"{iter_dir} holds no optimizer state for {len(params)} parameter(s) this run trains (e.g. {params[0]}): "
+            "it was saved by a run that trained other parts of the model (another --stage or --freeze-*/--unfreeze-* "
+            "setting). Resume it with the settings it was saved with; to start a new stage from its weights, give "
+            "the new run another --name (with --megatron-load-dir); to continue in this run directory with a fresh "
+            "optimizer, pass --no-load-optim")
+
+
 def load(iter_dir, model, optimizer, scheduler, with_optim: bool, with_rng: bool = True,
-         with_data: bool = True) -> dict:
+         with_data: bool = True, schedule_check=None) -> dict:
     """Restore model (+ optimizer, scheduler) and return {'iteration', 'loader_state', 'rng_state'} (the last two
     None where not asked for). Without the optimizer, the caller must refresh the optimizer's main parameters
-    from the loaded weights (:func:`megatron_vlm.training.build.weights_changed`)."""
+    from the loaded weights (:func:`megatron_vlm.training.build.weights_changed`).
+
+    With the optimizer, the checkpoint must hold its state for every trained parameter
+    (:class:`OptimizerStateMismatch` otherwise, before anything is read), and ``schedule_check(state)`` (if given)
+    sees the saved scheduler state before it is loaded."""
     from megatron.core import dist_checkpointing
 
     dummy = _dummy_optimizer_state(optimizer) if with_optim else []
@@ -176,10 +245,14 @@ def load(iter_dir, model, optimizer, scheduler, with_optim: bool, with_rng: bool
                      with_data=with_data, layout=layout)
     for opt in dummy:
         opt.optimizer.state.clear()
+    if with_optim:
+        _check_optimizer_state(sd["optimizer"], iter_dir)
     layer_impl.prepare_dist_load(sd["model"], iter_dir)  # TE _extra_state may be absent; nothing else
     loaded = dist_checkpointing.load(sd, str(iter_dir))  # a local path or an msc:// URL
     _unwrap(model).load_state_dict({k[len(layout.prefix):]: v for k, v in loaded["model"].items()}, strict=True)
     if with_optim:
+        if scheduler is not None and loaded.get("scheduler") and schedule_check is not None:
+            schedule_check(loaded["scheduler"])
         optimizer.load_state_dict(loaded["optimizer"])
         if scheduler is not None and loaded.get("scheduler"):
             scheduler.load_state_dict(loaded["scheduler"])

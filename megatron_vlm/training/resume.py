@@ -10,7 +10,15 @@ precision, distributed optimizer, samples consumed). On resume:
 - the RNG state is per rank, so it loads only at the same TP/PP/DP (and unless ``--no-load-rng``);
 - energon's data position is per data-parallel rank, so it loads only at the same DP size. At another DP size
   the resume is refused unless ``--reset-data-position``, which reads from a fresh position seeded by the seed
-  and the iteration (deterministic, and logged with the samples consumed before it).
+  and the iteration (deterministic, and logged with the samples consumed before it);
+- optimizer state covers the parameters the saving run trained (``extra["trained"]``): a run that trains others
+  (stage 1's run directory resumed as stage 2) is refused, naming ``--name`` and ``--no-load-optim``;
+- the learning-rate schedule is the checkpoint's (``extra["schedule"]``); another one needs
+  ``--override-opt-param-scheduler`` or ``--use-checkpoint-opt-param-scheduler`` (:mod:`.schedule`).
+
+The launcher runs the same checks on ``ckpt_meta.json`` before any rank starts
+(:func:`megatron_vlm.launch.preflight.check_resume_layout`); the ranks check again against the tensors they load,
+for checkpoints that do not record it.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import logging
 from dataclasses import dataclass, field
 
 from megatron_vlm import checkpoint as ckpt
-from megatron_vlm.training import checkpointing
+from megatron_vlm.training import checkpointing, schedule
 
 log = logging.getLogger("megatron_vlm.train")
 
@@ -37,12 +45,44 @@ class ResumePlan:
     load_data: bool
     loader_seed: int
     notes: list[str] = field(default_factory=list)
+    cfg: object = None  # the run's TrainConfig: the scheduler state read is checked against it
 
 
-def layout_extra(cfg, dp: int, consumed_samples: int) -> dict:
-    """What a training checkpoint records about the run that saved it (``ckpt_meta.json`` ``extra``)."""
-    return {"dp": dp, "precision": cfg.precision, "dist_optim": bool(cfg.dist_optim),
-            "consumed_samples": int(consumed_samples), "global_batch_size": cfg.global_batch_size}
+PART_NAMES = {"vision": "vision encoder", "projector": "projector", "language": "language model"}
+
+
+def layout_extra(cfg, dp: int, consumed_samples: int, scheduler=None) -> dict:
+    """What a training checkpoint records about the run that saved it (``ckpt_meta.json`` ``extra``): layout,
+    precision, data consumed, what it trains (``trained``, whose optimizer state it holds) and, given the
+    ``scheduler``, its learning-rate schedule."""
+    out = {"dp": dp, "precision": cfg.precision, "dist_optim": bool(cfg.dist_optim),
+           "consumed_samples": int(consumed_samples), "global_batch_size": cfg.global_batch_size,
+           "stage": cfg.stage, "trained": [k for k, v in cfg.trained_parts.items() if v]}
+    if scheduler is not None:
+        out["schedule"] = schedule.saved(scheduler.state_dict())
+    return out
+
+
+def _parts(names) -> str:
+    names = [PART_NAMES.get(n, n) for n in PART_NAMES if n in names]
+    return " and ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def optimizer_problem(cfg, meta: ckpt.CheckpointMeta, where) -> str | None:
+    """The refusal of loading optimizer state saved for other trained parameters (None: it matches, it is not
+    loaded, or the checkpoint does not record what it trained)."""
+    saved = meta.extra.get("trained")
+    if saved is None or not cfg.load_optim or not meta.extra.get("optimizer", False):
+        return None
+    now = [k for k, v in cfg.trained_parts.items() if v]
+    if sorted(saved) == sorted(now):
+        return None
+    stage = meta.extra.get("stage")
+    then = f"a stage-{stage} run" if stage is not None else "a run"
+    return (f"{where} holds the optimizer state of {then} that trained the {_parts(saved)}, and this run trains the "
+            f"{_parts(now)} (--stage {cfg.stage}): that state does not cover the parameters this run trains. To "
+            f"start stage {cfg.stage} from its weights, give the new run another --name (with --megatron-load-dir "
+            f"{cfg.checkpoint_dir}); to continue in this run directory with a fresh optimizer, pass --no-load-optim")
 
 
 def check_data_position(cfg, meta: ckpt.CheckpointMeta, dp: int, where) -> str | None:
@@ -57,12 +97,18 @@ def check_data_position(cfg, meta: ckpt.CheckpointMeta, dp: int, where) -> str |
 
 
 def plan(cfg, iter_dir, tp: int, pp: int, dp: int) -> ResumePlan:
+    """What to restore from ``iter_dir`` at this layout; raises :class:`ResumeError` for a resume that cannot
+    continue as asked."""
     meta = ckpt.CheckpointMeta.load(iter_dir)
     problem = check_data_position(cfg, meta, dp, iter_dir)
     if problem:
         raise ResumeError(problem)
     iteration = int(meta.iteration)
     notes = []
+    for refusal in (optimizer_problem(cfg, meta, iter_dir),
+                    schedule.problem(meta.extra.get("schedule"), cfg, iter_dir, iteration) if cfg.load_optim else None):
+        if refusal:
+            raise ResumeError(refusal)
     saved_dp = meta.extra.get("dp", dp)
     same_layout = (meta.tp, meta.pp, saved_dp) == (tp, pp, dp)
     load_optim = bool(cfg.load_optim and meta.extra.get("optimizer", False))
@@ -74,6 +120,9 @@ def plan(cfg, iter_dir, tp: int, pp: int, dp: int) -> ResumePlan:
                     f"{iter_dir} holds optimizer state of a run with {key}={theirs}, this run has {key}={mine}; "
                     f"use the same setting, or pass --no-load-optim to continue from its weights with a fresh "
                     f"optimizer")
+        schedule_note = schedule.note(meta.extra.get("schedule"), cfg, iteration)
+        if schedule_note:
+            notes.append(schedule_note)
     elif cfg.load_optim:
         notes.append("the checkpoint has no optimizer state: fresh optimizer from its weights")
     else:
@@ -89,7 +138,15 @@ def plan(cfg, iter_dir, tp: int, pp: int, dp: int) -> ResumePlan:
         notes.append(f"data position reset (--reset-data-position): {meta.extra.get('consumed_samples', '?')} "
                      f"samples were consumed at dp={saved_dp}; reading from a fresh position seeded with "
                      f"{seed} at dp={dp}")
-    return ResumePlan(str(iter_dir), iteration, load_optim, load_rng, load_data, seed, notes)
+    return ResumePlan(str(iter_dir), iteration, load_optim, load_rng, load_data, seed, notes, cfg)
+
+
+def _check_schedule(state: dict, p: ResumePlan) -> None:
+    """The scheduler state read from the checkpoint against the run's config (for checkpoints whose
+    ckpt_meta.json does not record the schedule, which the launcher could not check)."""
+    refusal = schedule.problem(schedule.saved(state), p.cfg, p.iter_dir, p.iteration) if p.cfg is not None else None
+    if refusal:
+        raise ResumeError(refusal)
 
 
 def restore(training, p: ResumePlan):
@@ -97,7 +154,8 @@ def restore(training, p: ResumePlan):
     from megatron_vlm.training.build import weights_changed
 
     state = checkpointing.load(p.iter_dir, training.model, training.optimizer, training.scheduler, p.load_optim,
-                               with_rng=p.load_rng, with_data=p.load_data)
+                               with_rng=p.load_rng, with_data=p.load_data,
+                               schedule_check=lambda state: _check_schedule(state, p))
     if int(state["iteration"]) != p.iteration:
         raise ResumeError(f"{p.iter_dir}: its ckpt_meta.json says iteration {p.iteration} but the checkpoint "
                           f"holds {state['iteration']}")

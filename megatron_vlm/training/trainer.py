@@ -87,13 +87,22 @@ class Run:
     side_src: object
 
 
-def start(cfg, rt) -> Run:
+def _progress(rt, t_launch: float | None, what: str) -> None:
+    """A start-up phase, on rank 0, with the seconds since the rank started: the time to the first iteration
+    is spent in these."""
+    if rt.rank == 0:
+        since = f" ({time.time() - t_launch:.1f} s)" if t_launch is not None else ""
+        log.info("start-up%s: %s", since, what)
+
+
+def start(cfg, rt, t_launch: float | None = None) -> Run:
     """Model, optimizer and data for this rank: fresh from a checkpoint's weights, random, or resumed."""
     from megatron_vlm.data.loader import build_train_loader
     from megatron_vlm.data.anyres_encoder import task_encoder_for
     from megatron_vlm.training import resume
     from megatron_vlm.training.build import build_training
 
+    _progress(rt, t_launch, f"{rt.world_size} rank(s) joined; reading the checkpoint's metadata")
     spec, load_dir, side_src, resuming = _source(cfg)
     if cfg.image_token_id is not None and cfg.image_token_id != spec.image_token_id:
         raise ValueError(f"--image-token-id {cfg.image_token_id} differs from the checkpoint's {spec.image_token_id}")
@@ -109,6 +118,8 @@ def start(cfg, rt) -> Run:
     else:
         encoder = task_encoder_for(spec, cfg.tokenizer_load_dir, cfg.seq_length, video_fps=cfg.video_fps,
                                    video_frames=cfg.video_frames, **kw)
+    _progress(rt, t_launch, "building the model, optimizer and schedule" + (
+        f" (loading weights from {load_dir})" if load_dir is not None and not resuming else ""))
     training = build_training(cfg, spec, init_from=None if resuming else load_dir)
     if rt.rank == 0:
         log.info("transformer layers: %s (%s)%s", training.impl, training.impl_reason,
@@ -124,8 +135,12 @@ def start(cfg, rt) -> Run:
             log.info("loaded model weights from %s", load_dir)
         elif not resuming:
             log.info("random initialisation (--init)")
+    if resuming:
+        _progress(rt, t_launch, f"loading the checkpoint {load_dir} (model" + (", optimizer" if plan.load_optim else "")
+                  + (", RNG" if plan.load_rng else "") + (", data position" if plan.load_data else "") + ")")
     loader_state = resume.restore(training, plan) if resuming else None
     loader = None  # only the ranks that read data build a loader (batch_feed.reads_data)
+    _progress(rt, t_launch, "building the data loader")
     if batch_feed.reads_data(rt.tp_rank, rt.pp_rank, rt.pp):
         loader = build_train_loader(cfg.data_path, encoder, cfg.micro_batch_size, rt.dp_rank, rt.dp, cfg.num_workers,
                                     plan.loader_seed if plan else cfg.seed, packing_buffer_size=cfg.packing_buffer_size)
@@ -171,7 +186,7 @@ def save(cfg, run: Run, iteration: int) -> None:
                                dtype=str(training.dtype).replace("torch.", ""))
     from megatron_vlm.training.resume import layout_extra
 
-    meta.extra.update(layout_extra(cfg, run.rt.dp, iteration * cfg.global_batch_size))
+    meta.extra.update(layout_extra(cfg, run.rt.dp, iteration * cfg.global_batch_size, training.scheduler))
     # the data position: from the ranks that own a loader (TP rank 0 of the first stage is the saved replica)
     loader_state = run.loader.save_state_rank() if run.loader is not None else None
     checkpointing.save(cfg.checkpoint_dir, iteration, training.model, training.optimizer, training.scheduler,
@@ -199,6 +214,7 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
         log.info("model: %.2fM parameters on this rank, %.2fM trainable (stage %d); tp=%d pp=%d dp=%d, "
                  "micro batch %d x %d accumulation -> global batch %d", total / 1e6, trainable / 1e6, cfg.stage,
                  cfg.tp, cfg.pp, rt.dp, cfg.micro_batch_size, cfg.grad_accum, cfg.global_batch_size)
+    _progress(rt, t_launch, "first iteration (the data loader's workers start)")
     data = iter(run.loader) if run.loader is not None else None
     first_iter_time = None
     last_saved = iteration if run.resumed else None
@@ -243,5 +259,5 @@ def train(cfg) -> dict:
         torch.use_deterministic_algorithms(True, warn_only=True)
     rt = distributed.setup(cfg.tp, cfg.pp, device=cfg.device, seed=cfg.seed)
     stop = _StopFlag()
-    run = start(cfg, rt)
+    run = start(cfg, rt, t_launch)
     return loop(cfg, run, stop, t_launch)

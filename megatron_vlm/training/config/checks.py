@@ -123,6 +123,9 @@ def check_consistency(cfg: ConfigFields) -> list[str]:
     if cfg.transformer_impl == "transformer_engine" and cfg.device == "cpu":
         p.append("--transformer-impl transformer_engine needs a CUDA GPU; use --transformer-impl local (the "
                  "default on --device cpu)")
+    if cfg.override_opt_param_scheduler and cfg.use_checkpoint_opt_param_scheduler:
+        p.append("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler both given; choose one "
+                 "(follow this command line's learning-rate schedule, or keep the checkpoint's)")
     if cfg.overlap_param_gather and not cfg.dist_optim:
         p.append("--overlap-param-gather needs --dist-optim (it overlaps the distributed optimizer's "
                  "parameter all-gather)")

@@ -2,7 +2,7 @@
 
 Each field's metadata carries its flags, help text, kind (how the command line and YAML coerce it) and --help
 group; :mod:`.parse` builds the argument parser and reads YAML from this table, :mod:`.checks` validates a
-resolved config, :mod:`.resolve` fills what the user left open. The stage defaults and the ``--debug`` sizes
+resolved config, :mod:`.resolve` fills what the user left open. The stage defaults and the ``--smoke-test`` sizes
 live here too, since help texts quote them.
 """
 
@@ -29,7 +29,7 @@ STAGE_DEFAULTS: dict[int, dict[str, Any]] = {
     1: dict(freeze_lm=True, freeze_vit=True, global_batch_size=256, micro_batch_size=16, lr=1e-3),
     2: dict(freeze_lm=False, freeze_vit=True, global_batch_size=128, micro_batch_size=1, lr=2e-5),
 }
-DEBUG_TRAIN_ITERS = 10
+SMOKE_TEST_TRAIN_ITERS = 10
 
 # Field groups, in --help order.
 GROUPS = {
@@ -168,7 +168,17 @@ class ConfigFields:
     adam_beta1: float = _f(("--adam-beta1",), "AdamW beta1.", "float", 0.9, "optim")
     adam_beta2: float = _f(("--adam-beta2",), "AdamW beta2.", "float", 0.999, "optim")
     train_iters: int | None = _f(("--train-iters",), "Optimizer steps to train (required; "
-                                 f"{DEBUG_TRAIN_ITERS} with --debug).", "int", None, "optim")
+                                 f"{SMOKE_TEST_TRAIN_ITERS} with --smoke-test).", "int", None, "optim")
+    override_opt_param_scheduler: bool = _f(
+        ("--override-opt-param-scheduler", "--override-opt_param-scheduler"), "On resume, follow this command line's "
+        "learning-rate schedule (--lr, --min-lr, --lr-warmup-fraction, --lr-decay-style, --train-iters, "
+        "--weight-decay) instead of the checkpoint's; the schedule continues at the checkpoint's iteration "
+        "(Megatron-LM's flag). Without it or --use-checkpoint-opt-param-scheduler, a resume whose schedule differs "
+        "from the checkpoint's is refused.", "flag", False, "optim")
+    use_checkpoint_opt_param_scheduler: bool = _f(
+        ("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"), "On resume, keep the "
+        "checkpoint's learning-rate schedule and ignore this command line's (Megatron-LM's flag); past the "
+        "checkpoint's --train-iters the learning rate stays at its --min-lr.", "flag", False, "optim")
     seq_length: int = _f(("--seq-length",), "Tokens per sample after image-token expansion (longer "
                          "samples are truncated).", "int", 2048, "optim")
     precision: str | None = _f(("--precision",), "Parameter/compute precision. Default: bf16 on cuda, "
@@ -299,9 +309,14 @@ class ConfigFields:
                             "log")
     tensorboard_dir: str | None = _f(("--tensorboard-dir",), "TensorBoard log directory. Default: "
                                      "<save-dir>/<name>/tensorboard.", "path", None, "log", metavar="DIR")
-    debug: bool = _f(("--debug",), f"Shrink the run for debugging: forces TP=PP=1, micro batch 1, "
-                     f"global batch = data-parallel size, logs every step, {DEBUG_TRAIN_ITERS} iterations "
-                     "unless --train-iters is given.", "bool", False, "log")
+    smoke_test: bool = _f(
+        ("--smoke-test",), "Shrink the run to check that it starts: forces TP=PP=1, micro batch 1, global batch = "
+        f"data-parallel size, logs every step, {SMOKE_TEST_TRAIN_ITERS} iterations unless --train-iters is given. "
+        "(--debug is a deprecated alias; for verbose logs use -v.)", "flag", False, "log",
+        deprecated={"--debug": "it shrinks the run, as --smoke-test does; for verbose logs and tracebacks use -v"})
+    verbose: bool = _f(
+        ("-v", "--verbose"), "Verbose logs on every rank (library warnings too); on an error also print the Python "
+        "traceback (as every megatron-vlm command does with -v; MVLM_DEBUG=1 does the same).", "flag", False, "log")
 
     # ---- containers -----------------------------------------------------------------------------------
     sif_path: str | None = _f(("--sif-path",), "Run each node's ranks inside this Apptainer/Singularity "
@@ -328,7 +343,7 @@ class ConfigFields:
     cpus_per_task: int | None = _f(("--cpus-per-task",), "CPUs per node task for --sbatch. Default: "
                                    "request whole nodes (--exclusive).", "int", None, "slurm")
 
-    # Set by resolved(): what --debug changed (not a field; never written to YAML).
+    # Set by resolved(): what --smoke-test changed (not a field; never written to YAML).
     resolution_notes = ()
 
     # ---- derived values -------------------------------------------------------------------------------
@@ -375,6 +390,14 @@ class ConfigFields:
         """The resolved config this node's trainer reads (node 0: ``config.yaml``, node r: ``config.node<r>.yaml``)."""
         rank = self.node_rank or 0
         return self.run_dir / (CONFIG_FILE if rank == 0 else f"config.node{rank}.yaml")
+
+    @property
+    def trained_parts(self) -> dict[str, bool]:
+        """What this run trains: ``{"vision": ..., "projector": True, "language": ...}`` (unset freezing: the
+        stage's default, vision encoder frozen)."""
+        freeze_vit = self.freeze_vit if self.freeze_vit is not None else True
+        freeze_lm = self.freeze_lm if self.freeze_lm is not None else self.stage == 1
+        return {"vision": not freeze_vit, "projector": True, "language": not freeze_lm}
 
     @property
     def unfreeze_vit(self) -> bool:

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import difflib
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,20 @@ def _help(f: dataclasses.Field) -> str:
     return text.replace("%", "%%")
 
 
+class _DeprecatedFlag(argparse.Action):
+    """A deprecated spelling of a ``flag`` field (``deprecated={flag: why}`` in its metadata): sets the field and
+    prints a warning naming the replacement."""
+
+    def __init__(self, option_strings, dest, why: str = "", **kw):
+        kw.pop("nargs", None)
+        super().__init__(option_strings, dest, nargs=0, **kw)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True)
+        print(f"{parser.prog}: warning: {option_string} is deprecated: {self.why}", file=sys.stderr, flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argument parser. Only flags the user gave appear in the parsed namespace."""
     parser = argparse.ArgumentParser(
@@ -62,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
             g.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         elif kind == "flag":
             g.add_argument(*flags, action="store_true", **kw)
+            for old, why in m.get("deprecated", {}).items():
+                g.add_argument(old, action=_DeprecatedFlag, dest=f.name, why=why, help=argparse.SUPPRESS)
         elif kind == "tristate":
             ex = g.add_mutually_exclusive_group()
             ex.add_argument(*flags, action="store_const", const=True, **kw)
@@ -83,6 +100,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def to_argv(cfg: ConfigFields) -> list[str]:
+    """The command-line flags that give ``cfg`` (every field that differs from its default), so that
+    ``build_parser().parse_args(to_argv(cfg))`` builds the same config: what ``--dry-run`` prints instead of a
+    ``--config`` file it does not write."""
+    argv: list[str] = []
+    for f in dataclasses.fields(ConfigFields):
+        m, v = f.metadata, getattr(cfg, f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if v == default or v is None:
+            continue
+        kind, flag = m["kind"], m["flags"][0]
+        if kind in ("bool", "flag", "tristate"):
+            if v:
+                argv.append(flag)
+            elif kind == "bool":
+                argv.append("--no-" + flag[2:])
+            elif kind == "tristate":
+                argv.append(m["negative"][0] if isinstance(m["negative"], tuple) else m["negative"])
+        elif kind == "intlist":
+            argv += [flag, ",".join(map(str, v))]
+        elif kind == "ranges":
+            argv += [flag, *(f"{a}-{b}" for a, b in v)]
+        elif kind == "strlist":
+            for item in v:
+                argv += [flag, item]
+        else:
+            argv += [flag, str(v)]
+    return argv
+
+
 # ---- YAML -------------------------------------------------------------------------------------------
 def read_yaml_values(path) -> dict[str, Any]:
     import yaml
@@ -100,7 +147,7 @@ def read_yaml_values(path) -> dict[str, Any]:
 
 
 _ALIASES = {"unfreeze_vit": "freeze_vit", "unfreeze_lm": "freeze_lm", "mbs": "micro_batch_size",
-            "gbs": "global_batch_size"}
+            "gbs": "global_batch_size", "debug": "smoke_test"}
 
 
 def coerce_mapping(data: dict[str, Any], source: str) -> dict[str, Any]:

@@ -1,8 +1,8 @@
-"""Resolution: fill what the user left open (environment defaults, stage defaults, ``--debug`` shrinking,
-tensorboard dir, precision), make paths absolute, and validate (:mod:`.checks`).
+"""Resolution: fill what the user left open (environment defaults, stage defaults, ``--smoke-test``
+shrinking, tensorboard dir, precision), make paths absolute, and validate (:mod:`.checks`).
 
-Precedence of a value: command line > YAML > environment (``env_defaults``) > ``--debug`` shrinking > stage
-default > field default; ``--debug`` forces its sizes whatever was asked and says so in ``resolution_notes``.
+Precedence of a value: command line > YAML > environment (``env_defaults``) > ``--smoke-test`` shrinking > stage
+default > field default; ``--smoke-test`` forces its sizes whatever was asked and says so in ``resolution_notes``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_vlm.training.config import checks
-from megatron_vlm.training.config.fields import DEBUG_TRAIN_ITERS, STAGE_DEFAULTS, ConfigError, ConfigFields
+from megatron_vlm.training.config.fields import SMOKE_TEST_TRAIN_ITERS, STAGE_DEFAULTS, ConfigError, ConfigFields
 
 
 def absolute_path(p: str) -> str:
@@ -57,7 +57,7 @@ def resolve(config: ConfigFields, env_defaults: dict[str, Any] | None = None) ->
     for key, value in STAGE_DEFAULTS[cfg.stage].items():
         if getattr(cfg, key) is None:
             setattr(cfg, key, value)
-    if cfg.debug:
+    if cfg.smoke_test:
         forced = dict(tp=1, pp=1, pp_layers=None, micro_batch_size=1, log_interval=1)
         changed = {k: v for k, v in forced.items() if getattr(cfg, k) != v}
         for k, v in forced.items():
@@ -66,9 +66,9 @@ def resolve(config: ConfigFields, env_defaults: dict[str, Any] | None = None) ->
             changed["global_batch_size"] = cfg.dp
             cfg.global_batch_size = cfg.dp
         if cfg.train_iters is None:
-            cfg.train_iters = changed["train_iters"] = DEBUG_TRAIN_ITERS
+            cfg.train_iters = changed["train_iters"] = SMOKE_TEST_TRAIN_ITERS
         if changed:
-            notes.append("--debug set " + ", ".join(f"{k}={v}" for k, v in changed.items()))
+            notes.append("--smoke-test set " + ", ".join(f"{k}={v}" for k, v in changed.items()))
 
     for f in dataclasses.fields(cfg):
         if f.metadata["kind"] == "path" and getattr(cfg, f.name):

@@ -49,6 +49,10 @@ class TrainConfig(ConfigFields):
             out[f.name] = v
         return out
 
+    def to_argv(self) -> list[str]:
+        """Command-line flags that give this config (see :func:`megatron_vlm.training.config.parse.to_argv`)."""
+        return parse.to_argv(self)
+
     def to_yaml(self) -> str:
         import yaml
 
