@@ -2,7 +2,7 @@
 
 A conversation is a list of messages ``{"role": "system"|"user"|"assistant", "content": [part, ...]}``
 whose parts are ``{"type": "text", "text": str}`` or ``{"type": "image"}`` -- the HF multimodal chat format
-that :func:`megatron_vlm.tokenizer.default_chat_template` (and HF processors) render. Images are kept
+that :func:`megatron_vlm.chat_template.llava_chat_template` (and HF processors) render. Images are kept
 apart, in the order their image parts appear.
 
 Converters from the three input formats (VQA rows, LLaVA ``conversations``, OpenAI ``messages``) live here
