@@ -362,6 +362,7 @@ def _overfit(hf_dir, encoder, messages, image, steps: int, seed: int = 0):
     return model.eval(), float(loss)
 
 
+@pytest.mark.slow  # trains two tiny models for 40 steps each (~15 s on an idle 2-core machine)
 def test_a_model_trained_on_an_open_template_learns_to_stop(tmp_path):
     """Item 9: with llava-1.5-7b-hf's template (no end token after answers), a tiny LLaVA overfit on one sample
     of our training data says the answer and stops at the eos; the same training without the eos rule (the
