@@ -155,7 +155,8 @@ def test_user_path(world, data, tmp_path, capsys):
     out = cli(capsys, "convert/hf_to_megatron.py", "--hf-dir", hf, "--megatron-dir", meg, "--verify")
     diff = float(re.search(r"verify: max \|logit diff\| .* = (\S+) <=", out).group(1))
     assert diff < 1e-4
-    print(f"{world}: image token {want_id}, {want_rows} rows, verify max |logit diff| {diff:.3g}")
+    with capsys.disabled():
+        print(f"\n{world}: image token {want_id}, {want_rows} rows, verify max |logit diff| {diff:.3g}")
     ck = json.loads((meg / "release" / "vlm_spec.json").read_text())
     assert (ck["image_token"], ck["image_token_id"], ck["vocab_size"]) == ("<image>", want_id, want_rows)
 
