@@ -209,6 +209,8 @@ def stop_token_ids(tokenizer) -> int | list[int]:
     from megatron_vlm.data.chat_tokens import ChatTokenizer
 
     eos = tokenizer.eos_token_id
+    if not getattr(tokenizer, "is_fast", False):  # the closing token is found with a fast tokenizer's offsets
+        return eos
     closing = ChatTokenizer(tokenizer).closing_token
     cid = tokenizer.convert_tokens_to_ids(closing) if closing else None
     return eos if cid is None or cid == eos else [eos, cid]

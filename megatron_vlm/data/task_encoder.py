@@ -132,7 +132,7 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         # the model's image token (its config's id, checked against this tokenizer and the processor's name)
         ids = special_token_ids(self.tokenizer, getattr(self.processor, "image_token", None) or spec.image_token,
                                 spec.image_token_id if spec.image_token_id >= 0 else None,
-                                config_src=f"the model's config ({spec.arch} spec)",
+                                config_src="the model (config.json / vlm_spec.json)",
                                 named_src="the processor's image_token", tokenizer_src=f"the tokenizer in {hf_dir}")
         #: the tokenizer's id for the image token (what the chat template produces)
         self.tokenizer_image_token_id = int(ids.image)
