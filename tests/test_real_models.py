@@ -147,7 +147,8 @@ def test_user_path(world, data, tmp_path, capsys):
     conv = enc.chat(vqa_messages(QUESTION, ANSWER))
     assert (enc.image_token_id, enc.tokenizer_image_token_id, conv.ids.count(want_id)) == (want_id, want_id, 1)
     per_image = spec.anyres.num_tokens(48, 64, True) if spec.is_anyres else spec.num_image_tokens
-    assert (stats["samples"], stats["image_tokens"], stats["text_tokens"]) == (8, 8 * per_image, 8 * (len(conv.ids) - 1))
+    assert (stats["samples"], stats["image_tokens"], stats["text_tokens"]) == \
+        (8, 8 * per_image, 8 * (len(conv.ids) - 1))
     assert len(conv.ids) == len(tok(conv.text, add_special_tokens=False)["input_ids"]) + inserted + conv.prepended_bos
     assert conv.prepended_bos == (world == "llava15")  # its template writes no BOS; HF's processor adds one
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from megatron_vlm.atomic import atomic_dir
-from megatron_vlm.spec import SUPPORTED_TEXT, SUPPORTED_VISION, UnsupportedArchitectureError
 from megatron_vlm.chat_template import choose_chat_template
+from megatron_vlm.spec import SUPPORTED_TEXT, SUPPORTED_VISION, UnsupportedArchitectureError
 from megatron_vlm.tokenizer import DEFAULT_IMAGE_TOKEN, DEFAULT_VOCAB_PADDING, add_vlm_tokens, embedding_rows
 
 log = logging.getLogger(__name__)
