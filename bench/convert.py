@@ -29,15 +29,16 @@ def make_model(out: Path, layers: int, hidden: int, vision_layers: int) -> int:
     import torch
     from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
+    from megatron_vlm.chat_template import llava_chat_template
     from megatron_vlm.convert.hf_io import HFShardWriter
     from megatron_vlm.convert.mapping import canonical_hf_name
     from megatron_vlm.testing.tiny import text_config, train_tokenizer
-    from megatron_vlm.tokenizer import add_vlm_tokens, default_chat_template
+    from megatron_vlm.tokenizer import add_vlm_tokens
 
     out.mkdir(parents=True)
     tok = train_tokenizer(out, family="llama")
     add_vlm_tokens(tok)
-    tok.chat_template = default_chat_template()
+    tok.chat_template = llava_chat_template()
     tok.save_pretrained(str(out))
     text = text_config("llama", vocab_size=32064, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                        num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=4,

@@ -20,7 +20,13 @@ def main(argv=None):
     p.add_argument("--vision-model", required=True, help="HF CLIP/SigLIP directory (vision-only or full model)")
     p.add_argument("--save-dir", required=True, help="output LLaVA directory (must not exist unless --overwrite)")
     p.add_argument("--vocab-size-padding", type=positive_int, default=None,
-                   help="pad the embedding rows to a multiple of N (e.g. 64); the tokenizer is unchanged")
+                   help="embedding rows: by default the LM's, or the next multiple of 64 when the added <image>/<pad> "
+                        "do not fit (vicuna's 32000 -> 32064, as llava-1.5); N: round up to a multiple of N; the "
+                        "tokenizer is unchanged")
+    p.add_argument("--chat-template", default="keep", metavar="keep|llava|FILE",
+                   help="keep (default): the text model's own chat template, with image parts rendered as the image "
+                        "token (LLaVA-1.5's if it has none); llava: LLaVA-1.5's 'USER: ... ASSISTANT:'; or a Jinja "
+                        "file")
     p.add_argument("--vision-feature-layer", type=int, default=-2,
                    help="vision hidden state the projector reads (HF index; -2 = second to last layer)")
     p.add_argument("--vision-feature-select-strategy", choices=["default", "full"], default=None,
@@ -54,6 +60,8 @@ def main(argv=None):
         if not pins or any(len(p_) != 2 or min(p_) < 1 for p_ in pins):
             p.error(f"argument --image-grid-pinpoints: {a.image_grid_pinpoints!r} must be HxW,HxW,... "
                     "(e.g. 384x768,768x384)")
+    if a.chat_template not in ("keep", "llava") and not os.path.isfile(a.chat_template):
+        p.error(f"argument --chat-template: {a.chat_template!r} is not keep, llava or a Jinja template file")
     if a.arch != "llava_onevision" and a.vision_aspect_ratio != "anyres_max_9":
         p.error("argument --vision-aspect-ratio: only --arch llava_onevision downsamples")
     from megatron_vlm.anyres import AnyresConfigError, parse_vision_aspect_ratio
@@ -75,7 +83,8 @@ def main(argv=None):
                 vision_feature_layer=a.vision_feature_layer,
                 vision_feature_select_strategy=a.vision_feature_select_strategy, image_token=a.image_token,
                 projector_bias=not a.no_projector_bias, dtype=a.dtype, seed=a.seed, overwrite=a.overwrite,
-                arch=a.arch, grid_pinpoints=pins, vision_aspect_ratio=a.vision_aspect_ratio, max_grid=a.max_grid)
+                arch=a.arch, grid_pinpoints=pins, vision_aspect_ratio=a.vision_aspect_ratio, max_grid=a.max_grid,
+                chat_template=a.chat_template)
     # the result is logged once, by build_llava ("saved LLaVA (<lm> + <vision>, vocab ...) to DIR")
 
 

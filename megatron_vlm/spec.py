@@ -139,9 +139,11 @@ class VLMSpec:
 
     # ---- construction -----------------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, cfg, tokenizer=None) -> "VLMSpec":
-        """Build from an HF ``LlavaConfig`` / ``LlavaNextConfig`` / ``LlavaOnevisionConfig`` (object or dict);
-        ids come from ``tokenizer`` when given."""
+    def from_hf(cls, cfg, tokenizer=None, image_token: str | None = None, sources: dict | None = None) -> "VLMSpec":
+        """Build from an HF ``LlavaConfig`` / ``LlavaNextConfig`` / ``LlavaOnevisionConfig`` (object or dict).
+        The image token id is the config's; with ``tokenizer`` (and the processor's ``image_token``) the image
+        token's string and the pad id are read and checked against it (:mod:`megatron_vlm.tokenizer`;
+        ``sources`` name the files in errors)."""
         arch = cfg.get("model_type", "llava") if isinstance(cfg, dict) else getattr(cfg, "model_type", None)
         if arch not in ARCHS:
             raise UnsupportedArchitectureError(
@@ -231,7 +233,7 @@ class VLMSpec:
             vision_feature_layer=cfg.vision_feature_layer,
             vision_feature_select_strategy=strategy,
             projector_bias=bool(getattr(cfg, "multimodal_projector_bias", True)),
-            image_token_id=int(cfg.image_token_id),
+            image_token_id=_config_image_token_id(cfg),
             pad_token_id=getattr(cfg, "pad_token_id", None),
             hf_config={k: v for k, v in cfg.to_dict().items() if k != "_name_or_path"},
             **anyres,
@@ -242,14 +244,10 @@ class VLMSpec:
 
             spec.video_token, spec.video_token_id = DEFAULT_VIDEO_TOKEN, int(video_index)
         if tokenizer is not None:
-            from megatron_vlm.tokenizer import image_token_of, special_token_ids
+            from megatron_vlm.tokenizer import special_token_ids
 
-            spec.image_token = image_token_of(tokenizer)
-            ids = special_token_ids(tokenizer, spec.image_token)
-            if ids.image != spec.image_token_id:
-                raise ValueError(
-                    f"tokenizer's {spec.image_token!r} id {ids.image} != config image_token_id {spec.image_token_id}"
-                )
+            ids = special_token_ids(tokenizer, image_token, spec.image_token_id, **(sources or {}))
+            spec.image_token = ids.image_token
             spec.pad_token_id = ids.pad
             if spec.arch != "llava_onevision" or ids.video is None:
                 spec.video_token = spec.video_token_id = None  # videos need the tokenizer's <video>
@@ -272,11 +270,16 @@ class VLMSpec:
     def from_hf_dir(cls, hf_dir) -> "VLMSpec":
         from transformers import AutoConfig, AutoTokenizer
 
+        from megatron_vlm.tokenizer import directory_sources
+
         hf_dir = Path(hf_dir)
         if not (hf_dir / "config.json").is_file():
             raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
         tok = AutoTokenizer.from_pretrained(str(hf_dir)) if (hf_dir / "tokenizer_config.json").exists() else None
-        return cls.from_hf(AutoConfig.from_pretrained(str(hf_dir)), tok)
+        src = directory_sources(hf_dir)
+        image_token = src.pop("image_token")
+        src.pop("image_token_id")  # the config's, read by from_hf
+        return cls.from_hf(AutoConfig.from_pretrained(str(hf_dir)), tok, image_token, src)
 
     def to_hf_config(self):
         return hf_config_class(self.arch)(**{k: v for k, v in self.hf_config.items() if k != "model_type"})
@@ -350,6 +353,15 @@ class VLMSpec:
                 "split with --pp-layers"
             )
         return [self.num_layers // pp] * pp
+
+
+def _config_image_token_id(cfg) -> int:
+    from megatron_vlm.tokenizer import config_image_token_id
+
+    tid = config_image_token_id(cfg)
+    if tid is None:
+        raise UnsupportedArchitectureError("the model config has no image_token_index / image_token_id")
+    return tid
 
 
 def hf_config_class(arch: str):

@@ -186,4 +186,4 @@ def test_real_probe_reads_token_ids_from_tokenizer(tmp_path, capsys):
     rc, out, err = dry(args, capsys)
     assert rc == 0, err
     cfg = config_of(out)
-    assert (cfg.image_token_id, cfg.pad_token_id) == (ids.image, ids.pad) == (301, 300)
+    assert (cfg.image_token_id, cfg.pad_token_id) == (ids.image, ids.pad) == (300, 301)  # <image>, then <pad>

@@ -2,7 +2,9 @@
 
 The result loads with ``LlavaForConditionalGeneration.from_pretrained`` and ``AutoProcessor.from_pretrained``:
 safetensors weights, a tokenizer with the image token (and a pad token), the vision encoder's image
-processor, and the chat template of :mod:`megatron_vlm.tokenizer`.
+processor, and a chat template (:mod:`megatron_vlm.chat_template`: the LM's own, rendering image parts as the
+image token, unless asked otherwise). The embedding keeps the LM's rows, or grows to a multiple of 64 when the
+added tokens do not fit (:func:`megatron_vlm.tokenizer.embedding_rows`).
 
 ``arch='llava_onevision'`` (or ``'llava_next'``) builds the anyres model instead: grid pinpoints (by default
 OneVision's 1x1..6x6 tiles), ``image_newline``, OneVision's ``vision_aspect_ratio`` (anyres_max_N), and the
@@ -17,14 +19,15 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 
 import torch
 
 from megatron_vlm.atomic import atomic_dir
+from megatron_vlm.chat_template import choose_chat_template
 from megatron_vlm.spec import SUPPORTED_TEXT, SUPPORTED_VISION, UnsupportedArchitectureError
-from megatron_vlm.tokenizer import DEFAULT_IMAGE_TOKEN, DEFAULT_VIDEO_TOKEN, add_vlm_tokens, default_chat_template
+from megatron_vlm.tokenizer import (DEFAULT_IMAGE_TOKEN, DEFAULT_VIDEO_TOKEN, DEFAULT_VOCAB_PADDING, add_vlm_tokens,
+                                    embedding_rows)
 
 VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
 
@@ -78,12 +81,15 @@ def build_llava(
     grid_pinpoints: list[list[int]] | None = None,
     vision_aspect_ratio: str = "anyres_max_9",
     max_grid: int = 6,
+    chat_template: str = "keep",
 ) -> Path:
     """Assemble and save the LLaVA directory; returns ``save_dir``.
 
     ``vision_feature_select_strategy`` defaults to 'default' (drop CLS) for CLIP and 'full' for SigLIP.
     ``arch`` llava_next / llava_onevision: ``grid_pinpoints`` default to every rows x cols tiling up to
-    ``max_grid`` x ``max_grid`` tiles of the vision encoder's image size.
+    ``max_grid`` x ``max_grid`` tiles of the vision encoder's image size. ``chat_template``: ``keep`` (the LM's
+    own, adapted to image parts), ``llava`` or a Jinja file (:func:`~megatron_vlm.chat_template.choose_chat_template`).
+    ``vocab_size_padding``: see :func:`~megatron_vlm.tokenizer.embedding_rows`.
     """
     from megatron_vlm.spec import ARCHS
 
@@ -126,15 +132,23 @@ def build_llava(
         )
 
     tokenizer = AutoTokenizer.from_pretrained(str(text_dir))
+    n_lm = len(tokenizer)
     video_token = DEFAULT_VIDEO_TOKEN if arch == "llava_onevision" else None
-    add_vlm_tokens(tokenizer, image_token, video_token)
-    tokenizer.chat_template = default_chat_template(image_token, video_token)
+    added = add_vlm_tokens(tokenizer, image_token, video_token)
+    chosen = choose_chat_template(tokenizer, chat_template, image_token, what=f"--text-model {text_dir}",
+                                  video_token=video_token)
+    tokenizer.chat_template = chosen.template
+    log.info("chat template: %s", chosen.note)
     vocab = len(tokenizer)
-    padded = vocab if not vocab_size_padding else int(math.ceil(vocab / vocab_size_padding) * vocab_size_padding)
+    lm_rows = lm.get_input_embeddings().weight.shape[0]
+    padded = embedding_rows(lm_rows, vocab, vocab_size_padding)
+    log.info("vocabulary: %d tokens (%d of the LM%s); embedding rows %d -> %d (%s)", vocab, n_lm,
+             f" + {', '.join(added)}" if added else "", lm_rows, padded,
+             "the LM's, which hold the tokenizer" if padded == lm_rows else
+             f"grown to a multiple of {vocab_size_padding or DEFAULT_VOCAB_PADDING}")
     torch.manual_seed(seed)
-    lm.resize_token_embeddings(vocab, pad_to_multiple_of=None)
-    if padded != vocab:
-        lm.resize_token_embeddings(padded)
+    if padded != lm_rows:
+        lm.resize_token_embeddings(padded, pad_to_multiple_of=None)
 
     image_processor = _load_image_processor(vision_dir, vit.config)
     patches = (vit.config.image_size // vit.config.patch_size) ** 2
@@ -172,7 +186,8 @@ def build_llava(
         model.save_pretrained(str(tmp), safe_serialization=True)
         processor.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-    log.info("saved LLaVA (%s + %s, vocab %d padded to %d) to %s", text_cfg.model_type, family, vocab, padded, save_dir)
+    log.info("saved LLaVA (%s + %s, %d tokens, %d embedding rows, image token %r = %d) to %s", text_cfg.model_type,
+             family, vocab, padded, image_token, config.image_token_id, save_dir)
     return save_dir
 
 
@@ -191,10 +206,23 @@ def _assemble(model_cls, config, lm, vit, tokenizer, seed: int):
     model.model.vision_tower.load_state_dict(vit.state_dict())
     gen = model.generation_config
     gen.pad_token_id = tokenizer.pad_token_id
-    gen.eos_token_id = tokenizer.eos_token_id
+    gen.eos_token_id = stop_token_ids(tokenizer)
     if tokenizer.bos_token_id is not None:
         gen.bos_token_id = tokenizer.bos_token_id
     return model
+
+
+def stop_token_ids(tokenizer) -> int | list[int]:
+    """What ``generate`` stops at: the eos, and the token the chat template closes answers with if another
+    (Llama-3's ``<|eot_id|>`` with a base tokenizer's ``<|end_of_text|>``)."""
+    from megatron_vlm.data.chat_tokens import ChatTokenizer
+
+    eos = tokenizer.eos_token_id
+    if not getattr(tokenizer, "is_fast", False):  # the closing token is found with a fast tokenizer's offsets
+        return eos
+    closing = ChatTokenizer(tokenizer).closing_token
+    cid = tokenizer.convert_tokens_to_ids(closing) if closing else None
+    return eos if cid is None or cid == eos else [eos, cid]
 
 
 def _build_anyres(arch, lm, vit, tokenizer, image_token, base_processor, save_dir, family, vision_feature_layer,
@@ -239,8 +267,9 @@ def _build_anyres(arch, lm, vit, tokenizer, image_token, base_processor, save_di
         if arch == "llava_onevision":
             (tmp / VIDEO_PROCESSOR_FILE).write_text(json.dumps(video_processor_config(image_processor), indent=2,
                                                                sort_keys=True) + "\n")
-    log.info("saved %s (%s + %s, %d grid pinpoints) to %s", arch, text_config.model_type, family,
-             len(grid_pinpoints), save_dir)
+    log.info("saved %s (%s + %s, %d grid pinpoints, %d tokens, %d embedding rows, image token %r = %d) to %s", arch,
+             text_config.model_type, family, len(grid_pinpoints), len(tokenizer), text_config.vocab_size, image_token,
+             config.image_token_id, save_dir)
     return save_dir
 
 

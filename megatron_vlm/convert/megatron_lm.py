@@ -63,10 +63,16 @@ def _spec_from_hf_config(hf_config) -> VLMSpec:
     path = _config_path(hf_config)
     cfg = LlavaConfig.from_pretrained(str(path.parent)) if path.name == "config.json" else \
         LlavaConfig.from_json_file(str(path))
-    tok = None
+    tok, image_token, src = None, None, None
     if (path.parent / "tokenizer_config.json").is_file():
+        from megatron_vlm.tokenizer import directory_sources
+
         tok = AutoTokenizer.from_pretrained(str(path.parent))
-    return VLMSpec.from_hf(cfg, tok)
+        src = directory_sources(path.parent)
+        image_token = src.pop("image_token")
+        src.pop("image_token_id")  # the config's (also for a config.json given by path), read by from_hf
+        src["config_src"] = str(path)
+    return VLMSpec.from_hf(cfg, tok, image_token, src)
 
 
 _ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",

@@ -148,8 +148,11 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         self.processor = self._load_processor()
         self.tokenizer = self.processor.tokenizer
         self.image_processor = self.processor.image_processor
-        image_token = getattr(self.processor, "image_token", None)
-        ids = special_token_ids(self.tokenizer, image_token)
+        # the model's image token (its config's id, checked against this tokenizer and the processor's name)
+        ids = special_token_ids(self.tokenizer, getattr(self.processor, "image_token", None) or spec.image_token,
+                                spec.image_token_id if spec.image_token_id >= 0 else None,
+                                config_src="the model (config.json / vlm_spec.json)",
+                                named_src="the processor's image_token", tokenizer_src=f"the tokenizer in {hf_dir}")
         #: the tokenizer's id for the image token (what the chat template produces)
         self.tokenizer_image_token_id = int(ids.image)
         #: the id written into ``tokens`` for each image (default: the tokenizer's; Megatron's LLaVAModel
@@ -162,7 +165,7 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         self.geometry = ImageGeometry.from_spec(self.spec)
         self.tokens_per_image = self.geometry.tokens_per_image
         self._check_image_processor()
-        image_token = image_token or self.tokenizer.convert_ids_to_tokens(self.tokenizer_image_token_id)
+        image_token = ids.image_token
         k = self.tokens_per_image
         self.skips = SkipCounter(max_consecutive_skips, hints={
             "image_tokens": f"check the chat template in {self.hf_dir}: it must render every image part of a "

@@ -35,11 +35,9 @@ def probe(cuda: bool, fp8: bool, tokenizer: str | None) -> dict:
             facts["transformer_engine_error"] = f"{type(e).__name__}: {e}"[:300]
     if tokenizer:
         try:
-            from transformers import AutoTokenizer
+            from megatron_vlm.tokenizer import read_special_token_ids
 
-            from megatron_vlm.tokenizer import special_token_ids
-
-            ids = special_token_ids(AutoTokenizer.from_pretrained(tokenizer))
+            ids = read_special_token_ids(tokenizer)  # the model config's image token, checked in the tokenizer
             facts["tokenizer"] = {"image": ids.image, "pad": ids.pad}
         except Exception as e:
             facts["tokenizer"] = {"error": f"{type(e).__name__}: {e}"[:500]}

@@ -53,6 +53,76 @@ def train_tokenizer(out_dir: str | os.PathLike, texts=None, vocab_size: int = 30
     return hf
 
 
+# A ChatML template shaped like Qwen2-Instruct's: a default system turn, string contents, <|im_end|> closing turns.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# An [INST] template shaped like Mistral-7B-Instruct-v0.3's: BOS, '[INST] q[/INST]', ' answer</s>', string contents.
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + '[/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] | trim + eos_token }}"
+    "{% else %}{{ raise_exception('only user and assistant roles are supported') }}{% endif %}"
+    "{% endfor %}"
+)
+# Mistral v0.3's control tokens, which take the ids right after <unk>, <s>, </s> (then [control_N] up to 767).
+MISTRAL_CONTROL = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                   "[/TOOL_RESULTS]")
+
+
+def chatml_tokenizer(out_dir: str | os.PathLike, texts=None, vocab_size: int = 300):
+    """A Qwen2-Instruct-shaped tokenizer: byte-level BPE without BOS; ``<|endoftext|>``, ``<|im_start|>``,
+    ``<|im_end|>`` added after the trained vocabulary as special tokens (the last two as extra special tokens),
+    eos ``<|im_end|>``, pad ``<|endoftext|>``, a ChatML chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(list(texts or DEFAULT_CORPUS), trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    hf.chat_template = CHATML_TEMPLATE
+    hf.save_pretrained(str(out_dir))
+    return hf
+
+
+def mistral_tokenizer(out_dir: str | os.PathLike, texts=None, vocab_size: int = 300, controls: int = 768):
+    """A Mistral-v0.3-shaped tokenizer: sentencepiece-style BPE (metaspace, byte fallback); ``<unk>``, ``<s>``,
+    ``</s>``, the control tokens ``[INST]``, ``[/INST]``, ... and ``[control_N]`` in the first ``controls`` ids
+    as special tokens; the ``[INST]`` chat template; no pad token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    named = ["<unk>", "<s>", "</s>", *MISTRAL_CONTROL]
+    specials = named + [f"[control_{i}]" for i in range(len(named), controls)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=controls + vocab_size, special_tokens=specials,
+                                  initial_alphabet=[f"<0x{i:02X}>" for i in range(256)], show_progress=False)
+    tok.train_from_iterator(list(texts or DEFAULT_CORPUS), trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                 additional_special_tokens=specials[3:])
+    hf.chat_template = MISTRAL_TEMPLATE
+    hf.save_pretrained(str(out_dir))
+    return hf
+
+
+#: tokenizer styles of :func:`make_text_model`: the plain BPE of :func:`train_tokenizer` and real-shaped ones
+TOKENIZER_STYLES = {"plain": None, "chatml": chatml_tokenizer, "mistral_v03": mistral_tokenizer}
+
+
 def text_config(family: str = "llama", vocab_size: int = 300, **overrides):
     """A tiny config of ``family`` (GQA; Llama-3 rope scaling for llama; qkv bias + tied embeddings for qwen2)."""
     from transformers import AutoConfig
@@ -89,13 +159,18 @@ def text_config(family: str = "llama", vocab_size: int = 300, **overrides):
     return AutoConfig.for_model(family, **kw)
 
 
-def make_text_model(out_dir, family: str = "llama", texts=None, seed: int = 0, **overrides) -> Path:
-    """Save a tiny random causal LM of ``family`` with its own trained tokenizer in ``out_dir``."""
+def make_text_model(out_dir, family: str = "llama", texts=None, seed: int = 0, tokenizer: str = "plain",
+                    vocab_rows: int | None = None, **overrides) -> Path:
+    """Save a tiny random causal LM of ``family`` with its own trained tokenizer in ``out_dir``.
+
+    ``tokenizer``: a style of :data:`TOKENIZER_STYLES`; ``vocab_rows``: embedding rows (default: the tokenizer's
+    length; real LMs often have more, e.g. Qwen2's 152064 for 151646 tokens)."""
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
-    tok = train_tokenizer(out_dir, texts=texts, family=family)
-    cfg = text_config(family, vocab_size=len(tok), **overrides)
+    make = TOKENIZER_STYLES[tokenizer]
+    tok = train_tokenizer(out_dir, texts=texts, family=family) if make is None else make(out_dir, texts=texts)
+    cfg = text_config(family, vocab_size=vocab_rows or len(tok), **overrides)
     if tok.bos_token_id is not None:
         cfg.bos_token_id = tok.bos_token_id
     cfg.eos_token_id = tok.eos_token_id
