@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -307,7 +308,7 @@ def trainer_job(job: dict, megatron_dir, hf_dir) -> dict:
     fields = {k: v for k, v in job.items() if k not in ("name", "step", "packing_samples")}
     base = dict(seq_length=96, precision="bf16", dist_optim=True, global_batch_size=2, micro_batch_size=1,
                 train_iters=2, lr=2e-2, min_lr=0.0, lr_warmup_fraction=0.0, lr_decay_style="constant",
-                clip_grad=1.0, deterministic=True, gpus=torch.distributed.get_world_size())
+                clip_grad=1.0, deterministic=True, gpus=int(os.environ["WORLD_SIZE"]))  # set by run_world
     cfg = TrainConfig(**{**base, **fields})
     rt = distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed)
     iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
