@@ -165,15 +165,20 @@ def missing_build_prerequisites() -> list[str]:
     return missing
 
 
-def missing_cuda_headers(site_dirs: list[Path]) -> list[str]:
-    """The CUDA headers of :data:`CUDA_HEADERS` not found under any ``nvidia/*/include`` of ``site_dirs``."""
+def missing_cuda_headers(sites: list[Path]) -> list[str]:
+    """The CUDA headers of :data:`CUDA_HEADERS` not found under any ``nvidia/*/include`` of ``sites``."""
     roots = []
-    for site in site_dirs:
+    for site in sites:
         nvidia = site / "nvidia"
         if nvidia.is_dir():
             roots += [p for p in nvidia.glob("*/include") if p.is_dir()]
             roots += [p for p in nvidia.glob("*/*/include") if p.is_dir()]
     return [h for h in CUDA_HEADERS if not any((r / h).exists() for r in roots)]
+
+
+def site_dirs() -> list[Path]:
+    """This environment's site-packages folders (where the nvidia-* wheels put their headers)."""
+    return sorted({Path(p) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])})
 
 
 def pip(*args: str, constraints: Path | None = None) -> None:
@@ -193,8 +198,8 @@ def build(target: Target, cache: Path, constraints: Path | None, jobs: int) -> P
     pip("--no-deps", f"transformer-engine=={TE_VERSION}", f"transformer-engine-{core.split('-')[1]}=={TE_VERSION}",
         constraints=constraints)
     pip(*BUILD_TOOLS, *headers, "einops", "nvidia-cudnn-frontend", constraints=constraints)
-    site = [Path(p) for p in sysconfig.get_paths().values() if "site-packages" in p]
-    lost = missing_cuda_headers(sorted(set(site)))
+    site = site_dirs()
+    lost = missing_cuda_headers(site)
     if lost:
         raise InstallError(f"cannot build Transformer Engine's torch extension: the CUDA headers {', '.join(lost)} "
                            f"are missing under {site[0]}/nvidia/*/include; install {' '.join(headers)}")
