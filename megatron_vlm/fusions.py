@@ -167,8 +167,10 @@ def resolve(req: dict[str, bool | None], device: str, impl: str, probes: dict[st
         want = req.get(f.name)
         if want and not ok:
             needs = NEEDS.get(f.name)
-            fix = "run on --device cuda" if device != "cuda" else (needs.fix if needs and needs.fix else
-                                                                   "use --transformer-impl transformer_engine on a CUDA GPU")
+            if device != "cuda":
+                fix = "run on --device cuda"
+            else:
+                fix = needs.fix if needs and needs.fix else "use --transformer-impl transformer_engine on a CUDA GPU"
             raise ValueError(f"{f.on_flag} cannot run here: {why}; drop it, or {fix}")
         if want is None:
             out.values[f.name], out.reasons[f.name] = ok, ("automatic: " + why)

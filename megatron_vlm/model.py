@@ -1,8 +1,10 @@
 """Build this rank's megatron-core ``LLaVAModel`` from a :class:`~megatron_vlm.spec.VLMSpec`.
 
 Owns: the three TransformerConfigs (language, vision, projector), the layer specs (Transformer Engine or
-megatron-core's local layers, as :mod:`megatron_vlm.layer_impl` chose; FP8 on the language model only, with the
-recipe checked against the GPU by :mod:`megatron_vlm.fp8`), the pipeline stage placement (vision encoder
+megatron-core's local layers, as :mod:`megatron_vlm.layer_impl` chose: local layers hold no TE module even where
+TE is installed; TE layers get ``--deterministic``'s environment and, on CPU, the construction shim of
+:mod:`megatron_vlm.runtime.cpu_compat`; FP8 on the language model only, with the recipe checked against the GPU
+by :mod:`megatron_vlm.fp8`), the pipeline stage placement (vision encoder
 and projector on the first stage) and the fixes that make megatron's LLaVA numerically equal to HF LLaVA
 (bidirectional ViT attention, ViT cut at ``vision_feature_layer``, no SigLIP post-layernorm, model_type
 for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get :class:`~megatron_vlm.anyres_model.AnyresLLaVAModel`.

@@ -149,6 +149,7 @@ def test_converted_checkpoint_loads_into_te_layers_exactly(world):
         for r in _all_ranks(world, name):
             where = f"{name} rank {r['rank']}"
             assert r["checkpoint_keys_not_loaded"] == [], where
+            assert r["te_modules_in_local_model"] == [], where  # local layers stay local with TE installed
             _exact(r, where)
             assert r["compare"]["te_only_objects"] == te_only_objects(name, r["pp_rank"]), where
             every_stage |= set(te_only_objects(name, r["pp_rank"]))

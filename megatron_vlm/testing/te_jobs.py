@@ -198,6 +198,8 @@ def layout_job(job: dict) -> dict:
     local = build_model(spec, opts)
     ckpt.load_model_weights(local, iter_dir)
     report["compare"] = compare_models(te, local)
+    report["te_modules_in_local_model"] = sorted({_class(m) for m in local.modules()
+                                                   if type(m).__module__.startswith("transformer_engine")})
     report["saved"] = {}
     for fmt, run_dir in (job.get("save") or {}).items():
         out = save_te_checkpoint(te, iter_dir, run_dir, fmt)
@@ -301,7 +303,6 @@ def trainer_job(job: dict, megatron_dir, hf_dir) -> dict:
     A TE job says ``device='cuda'``, as a GPU user's config does; the world itself runs on CPU.
     """
     from megatron_vlm.runtime import distributed
-    from megatron_vlm.training import batch_feed
     from megatron_vlm.training.build import build_training
     from megatron_vlm.training.config import TrainConfig
 
