@@ -15,17 +15,21 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+# Lanes that install Transformer Engine (its torch extension is compiled once per machine and cached outside the
+# repository, see tools/install_te.py; the 3.11 lane's CPU torch cannot build it).
+TE_LANES := 312
 
 .PHONY: venv test demo bench clean
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml $(wildcard $(CONSTRAINTS))
+$(VENV)/.installed: setup.cfg pyproject.toml $(wildcard $(CONSTRAINTS)) tools/install_te.py
 	@test -f $(CONSTRAINTS) || { echo "no $(CONSTRAINTS): Python $(PYDOT) is not a supported lane (3.11, 3.12)" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[test,demo]"
+	$(if $(filter $(PYVER),$(TE_LANES)),$(PY) tools/install_te.py --constraints $(CONSTRAINTS))
 	touch $@
 
 test: venv

@@ -75,19 +75,25 @@ def default_probes() -> dict[str, bool]:
 @dataclass(frozen=True)
 class _Needs:
     """Where a fusion runs on CUDA: with Transformer Engine layers (``with_te``: why; None: TE layers alone are not
-    enough), else when the extension ``probe`` imports (``probe_ok``: why), else not (``missing``: why)."""
+    enough), else when the extension ``probe`` imports (``probe_ok``: why), else not (``missing``: why; ``fix``:
+    what to do when it is asked for anyway, default: use TE layers)."""
 
     with_te: str | None
     probe: str | None
     probe_ok: str
     missing: str
+    fix: str | None = None
 
 
 #: fusions that need more than CUDA (the others run wherever CUDA does)
 NEEDS = {
+    # Not with TE layers alone: the language model's output layer is megatron's own ColumnParallelLinear even
+    # then, and it refuses to build with the fusion unless apex's extension imports.
     "gradient_accumulation_fusion": _Needs(
-        "Transformer Engine linears fuse it", "fused_weight_gradient_mlp_cuda", "apex fused_weight_gradient_mlp_cuda",
-        "local layers need apex's fused_weight_gradient_mlp_cuda, which does not import"),
+        None, "fused_weight_gradient_mlp_cuda", "apex fused_weight_gradient_mlp_cuda",
+        "megatron's own linears (local layers; with Transformer Engine, the language model's output layer) need "
+        "apex's fused_weight_gradient_mlp_cuda, which does not import",
+        "install apex with its CUDA extensions"),
     "apply_rope_fusion": _Needs(
         None, "te", "Transformer Engine's fused RoPE",
         "megatron's fused RoPE is Transformer Engine's, which does not import"),
@@ -168,8 +174,11 @@ def resolve(req: dict[str, bool | None], device: str, impl: str, probes: dict[st
         ok, why = _availability(f.name, device, impl, probes)
         want = req.get(f.name)
         if want and not ok:
-            fix = "use --transformer-impl transformer_engine on a CUDA GPU" if device == "cuda" else \
-                "run on --device cuda"
+            needs = NEEDS.get(f.name)
+            if device != "cuda":
+                fix = "run on --device cuda"
+            else:
+                fix = needs.fix if needs and needs.fix else "use --transformer-impl transformer_engine on a CUDA GPU"
             raise ValueError(f"{f.on_flag} cannot run here: {why}; drop it, or {fix}")
         if want is None:
             out.values[f.name], out.reasons[f.name] = ok, ("automatic: " + why)

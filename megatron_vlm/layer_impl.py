@@ -43,6 +43,7 @@ class CheckpointKeyError(KeyError):
 def te_status() -> tuple[bool, str]:
     """(importable, reason): whether ``transformer_engine.pytorch`` imports here."""
     try:
+        import torch  # noqa: F401  (first: TE's core library needs the NCCL that torch's import loads)
         import transformer_engine.pytorch  # noqa: F401
     except Exception as e:  # ImportError, or a broken build raising anything
         return False, f"{type(e).__name__}: {e}"[:300]

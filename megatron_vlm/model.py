@@ -1,8 +1,10 @@
 """Build this rank's megatron-core ``LLaVAModel`` from a :class:`~megatron_vlm.spec.VLMSpec`.
 
 Owns: the three TransformerConfigs (language, vision, projector), the layer specs (Transformer Engine or
-megatron-core's local layers, as :mod:`megatron_vlm.layer_impl` chose; FP8 on the language model only, with the
-recipe checked against the GPU by :mod:`megatron_vlm.fp8`), the pipeline stage placement (vision encoder
+megatron-core's local layers, as :mod:`megatron_vlm.layer_impl` chose: local layers hold no TE module even where
+TE is installed; TE layers get ``--deterministic``'s environment and, on CPU, the construction shim of
+:mod:`megatron_vlm.runtime.cpu_compat`; FP8 on the language model only, with the recipe checked against the GPU
+by :mod:`megatron_vlm.fp8`), the pipeline stage placement (vision encoder
 and projector on the first stage) and the fixes that make megatron's LLaVA numerically equal to HF LLaVA
 (bidirectional ViT attention, ViT cut at ``vision_feature_layer``, no SigLIP post-layernorm, model_type
 for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get :class:`~megatron_vlm.anyres_model.AnyresLLaVAModel`.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -205,6 +208,20 @@ def layer_specs(use_te: bool):
     return language, vision, projector
 
 
+NONDETERMINISTIC_ENV = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
+
+
+def te_deterministic_env() -> None:
+    """``--deterministic`` with Transformer Engine layers: TE's attention uses only deterministic kernels when
+    ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` (read when it is built; megatron-core refuses to build it in
+    deterministic mode otherwise). Set it unless the environment says otherwise, which is an error."""
+    value = os.environ.setdefault(NONDETERMINISTIC_ENV, "0")
+    if value.strip() != "0":
+        raise ValueError(f"--deterministic with Transformer Engine layers needs {NONDETERMINISTIC_ENV}=0 (TE's "
+                         f"deterministic attention), but the environment sets {NONDETERMINISTIC_ENV}={value}: "
+                         "unset it, or drop --deterministic")
+
+
 def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = None, post_process: bool | None = None):
     """Build the LLaVAModel chunk of this rank (megatron parallel_state must be initialised)."""
     from megatron.core import parallel_state as ps
@@ -213,6 +230,13 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
 
     if opts.use_te and not have_te():
         raise RuntimeError("Transformer Engine is not installed: it is required for --fp8 / TE layer specs")
+    if opts.use_te:
+        from megatron_vlm.runtime import cpu_compat
+
+        if cpu_compat.is_enabled():  # CPU: TE modules construct (their kernels still need a GPU)
+            cpu_compat.allow_te_construction()
+        if opts.deterministic:
+            te_deterministic_env()
     if opts.sequence_parallel and not opts.use_te:
         raise ValueError("--sequence-parallel needs Transformer Engine layers: megatron-core's LLaVAModel supports "
                          "sequence parallelism only with TE attention; drop --sequence-parallel for local layers")
@@ -276,5 +300,21 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
     if model.vision_model is not None and spec.vision_family == "siglip":
         # HF LLaVA reads hidden_states[k], which SigLIP's post_layernorm never touches.
         model.vision_model.ln_post = None
+    if model.vision_model is not None and not opts.use_te:
+        _local_vit_norms(model.vision_model)
     model.model_type = ModelType.encoder_or_decoder
     return model
+
+
+def _local_vit_norms(vit) -> None:
+    """Local layers hold no Transformer Engine module: megatron's CLIPViTModel builds ``ln_pre`` (CLIP) and
+    ``ln_post`` with TE's norm whenever TE imports, whatever the layer spec (and TE's norm cannot run on CPU).
+    They get megatron's torch norm, as without TE."""
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    for name in ("ln_pre", "ln_post"):
+        norm = getattr(vit, name, None)
+        if norm is not None and type(norm).__module__.startswith("transformer_engine"):
+            setattr(vit, name, build_module(WrappedTorchNorm, config=vit.config, hidden_size=vit.visual_hidden_size,
+                                            eps=vit.config.layernorm_epsilon))

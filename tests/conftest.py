@@ -36,16 +36,39 @@ def hf_models(tmp_path_factory):
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: The lane that installs Transformer Engine (make venv / tools/install_te.py): there ``te`` tests must run.
+TE_LANE = (3, 12)
+TE_SKIP = ("Transformer Engine is installed in the Python 3.12 lane only (the 3.11 lane's CPU torch cannot build "
+           "it): marked te")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip tests marked ``gpu`` where no CUDA GPU is visible (CI, developer machines)."""
+    """Skip tests marked ``gpu`` where no CUDA GPU is visible (CI, developer machines), and tests marked ``te``
+    outside the Transformer Engine lane (in that lane a missing TE fails them: see :func:`require_te`)."""
+    import sys
+
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu); none is visible here")
+    skips = []
+    if not torch.cuda.is_available():
+        skips.append(("gpu", pytest.mark.skip(reason="needs a CUDA GPU (marked gpu); none is visible here")))
+    if sys.version_info[:2] < TE_LANE:
+        skips.append(("te", pytest.mark.skip(reason=TE_SKIP)))
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips:
+            if item.get_closest_marker(marker) is not None:  # not item.keywords: it holds directory names too
+                item.add_marker(skip)
+
+
+def require_te() -> None:
+    """In the Transformer Engine lane a missing or broken TE is a failure, not a skip: CI must show the TE
+    tests ran."""
+    from megatron_vlm.layer_impl import te_status
+
+    ok, why = te_status()
+    if not ok:
+        pytest.fail(f"Transformer Engine does not import in the Python {TE_LANE[0]}.{TE_LANE[1]} lane ({why}); "
+                    "install it with `make venv PYTHON=python3.12` (tools/install_te.py)", pytrace=False)
 
 
 def script(relpath: str):

@@ -50,5 +50,13 @@ def test_clip_norm_fallback_builds_without_te():
     from megatron.core.models.vision import clip_vit_model
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    assert torch.nn.LayerNorm not in clip_vit_model.CLIPViTModel.__init__.__defaults__
-    assert WrappedTorchNorm in clip_vit_model.CLIPViTModel.__init__.__defaults__
+    from megatron_vlm.layer_impl import te_status
+
+    defaults = clip_vit_model.CLIPViTModel.__init__.__defaults__
+    assert torch.nn.LayerNorm not in defaults
+    if te_status()[0]:  # with TE (the 3.12 lane) megatron's default is TE's norm: model.py gives local layers torch's
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        assert TENorm in defaults
+    else:
+        assert WrappedTorchNorm in defaults

@@ -31,12 +31,17 @@ def test_defaults_per_device_and_layers():
     off = fusions.resolve({**AUTO, "gradient_accumulation_fusion": False}, "cuda", "transformer_engine", EVERYTHING)
     assert off.values["gradient_accumulation_fusion"] is False
     assert off.reasons["gradient_accumulation_fusion"] == "--no-gradient-accumulation-fusion"
-    with pytest.raises(ValueError, match="--gradient-accumulation-fusion cannot run here: local layers need apex.*"
-                                         "use --transformer-impl transformer_engine"):
+    with pytest.raises(ValueError, match="--gradient-accumulation-fusion cannot run here: megatron's own linears .*"
+                                         "need apex's fused_weight_gradient_mlp_cuda.*install apex"):
         fusions.resolve({**AUTO, "gradient_accumulation_fusion": True}, "cuda", "local", NOTHING)
+    # with TE layers too: the language model's output layer is megatron's ColumnParallelLinear, which refuses
+    # to build with the fusion but without apex's extension
+    te_only = fusions.resolve(AUTO, "cuda", "transformer_engine", {**EVERYTHING, "fused_weight_gradient_mlp_cuda": False})
+    assert te_only.values["gradient_accumulation_fusion"] is False
+    assert "output layer" in te_only.reasons["gradient_accumulation_fusion"]
     with pytest.raises(ValueError, match="--rope-fusion cannot run here: device cpu.*run on --device cuda"):
         fusions.resolve({**AUTO, "apply_rope_fusion": True}, "cpu", "local")
-    assert "gradient_accumulation_fusion=on (automatic: Transformer Engine linears fuse it)" in te.summary()
+    assert "gradient_accumulation_fusion=on (automatic: apex fused_weight_gradient_mlp_cuda)" in te.summary()
 
 
 def test_megatron_lm_flags():
@@ -73,10 +78,15 @@ def test_transformer_configs_receive_the_resolved_values(hf_models):
     cpu = language_config(spec, ModelOptions(fusions=fusions.resolve(AUTO, "cpu", "local")))
     assert not any(getattr(cpu, f.name) for f in fusions.FUSIONS)
     # the CUDA + Transformer Engine resolution carries apply_rope_fusion into the language config: megatron-core
-    # itself then asks for Transformer Engine, which this machine lacks
+    # itself then asks for Transformer Engine (installed in the 3.12 lane only)
+    from megatron_vlm.layer_impl import te_status
+
     te = fusions.resolve(AUTO, "cuda", "transformer_engine", EVERYTHING)
-    with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
-        language_config(spec, ModelOptions(fusions=te))
+    if te_status()[0]:
+        assert language_config(spec, ModelOptions(fusions=te)).apply_rope_fusion is True
+    else:
+        with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
+            language_config(spec, ModelOptions(fusions=te))
     assert vision_config(spec, ModelOptions(fusions=te)).persist_layer_norm is True
 
 

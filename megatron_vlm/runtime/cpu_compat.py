@@ -12,10 +12,25 @@ makes the same code run on CPU:
 - CPU stand-ins for ``torch.cuda.current_device / synchronize / current_stream / get_rng_state /
   set_rng_state / manual_seed`` (``current_stream`` is torch's no-op CPU stream: megatron-core 0.19's DDP grad
   sync waits on the current stream's events) (the "CUDA" RNG state *is* the CPU default generator's state, so megatron's RNG tracker
-  forks/restores the generator that CPU ops really use) and for megatron's own ``_get/_set_cuda_rng_state``.
+  forks/restores the generator that CPU ops really use) and for megatron's own ``_get/_set_cuda_rng_state``;
+- megatron-core's optimizer code on megatron's own fallbacks, as when neither Transformer Engine nor Apex imports
+  (:func:`use_torch_optimizer_kernels`): with Transformer Engine installed (the 3.12 lane), megatron binds TE's
+  CUDA kernels at import -- ``FusedAdam`` and the ``multi_tensor_*`` ops behind grad norms, clipping and
+  main-parameter copies -- which fail on CPU tensors; torch's Adam and ``megatron.core.utils``'s
+  ``local_multi_tensor_*`` run instead.
 
-It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine). Separately, two fixes are
-needed whenever Transformer Engine (and Apex) are missing, on CPU or GPU, and ``fix_without_te()`` applies both:
+It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine).
+
+``allow_te_construction()`` (called by :func:`megatron_vlm.model.build_model` for Transformer Engine layers while
+this layer is on) lets Transformer Engine's modules be *constructed* on CPU, so that the GPU path's model building,
+checkpoint loading and saving and training set-up run in tests: ``TransformerEngineBaseModule.__init__`` refuses to
+run unless ``torch.cuda.is_available()``; that one check, made from that one function, is answered True, and every
+other caller still gets the real answer (False). Its limits: TE's kernels (the forward and backward of its
+linears, norms and attention, FP8 casts) still need a GPU and fail on CPU; nothing else in TE, megatron-core or
+torch is changed for it; it refuses to run on a machine with CUDA, where TE needs no help.
+
+Separately, two fixes are needed whenever Transformer Engine (and Apex) are missing, on CPU or GPU, and
+``fix_without_te()`` applies both:
 
 - ``fix_norm_fallback()`` repairs CLIPViTModel's LayerNorm fallback (it defaults to ``torch.nn.LayerNorm``,
   which ``build_module`` cannot construct with a config);
@@ -28,6 +43,8 @@ needed whenever Transformer Engine (and Apex) are missing, on CPU or GPU, and ``
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -91,6 +108,7 @@ def enable() -> bool:
         torch.get_rng_state().clone() if clone else torch.get_rng_state()
     )
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    use_torch_optimizer_kernels()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _recompute_under_mode(mrandom)
@@ -115,6 +133,45 @@ def _recompute_under_mode(mrandom) -> None:
 
 def is_enabled() -> bool:
     return _MODE is not None
+
+
+def allow_te_construction() -> None:
+    """Let Transformer Engine modules be constructed on this CUDA-less machine (idempotent; see the module
+    docstring for what it does and its limits)."""
+    if cuda_available():
+        raise RuntimeError("the CPU shim for Transformer Engine must not be used on a machine with CUDA")
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    if getattr(torch.cuda.is_available, "_te_construction", False):
+        return
+    real = torch.cuda.is_available
+    te_init = TransformerEngineBaseModule.__init__.__code__
+
+    def is_available() -> bool:
+        """True only for the check in ``TransformerEngineBaseModule.__init__``; the real answer elsewhere."""
+        return sys._getframe(1).f_code is te_init or real()
+
+    is_available._te_construction = True
+    torch.cuda.is_available = is_available
+
+
+def use_torch_optimizer_kernels() -> None:
+    """Point megatron-core's optimizer modules at the implementations its own import picks when neither
+    Transformer Engine nor Apex imports (see the module docstring); idempotent, and a no-op without TE/Apex."""
+    from megatron.core import optimizer as package
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as base
+    from megatron.core.utils import local_multi_tensor_applier, local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    package.Adam, package.SGD, package.USING_PYTORCH_OPTIMIZER = torch.optim.AdamW, torch.optim.SGD, True
+    base.multi_tensor_applier, base.multi_tensor_scale_impl = local_multi_tensor_applier, local_multi_tensor_scale
+    clip_grads.multi_tensor_applier = local_multi_tensor_applier
+    clip_grads.l2_norm_impl = local_multi_tensor_l2_norm
+    clip_grads.multi_tensor_scale_impl = local_multi_tensor_scale
+    clip_grads.multi_tensor_scale_tensor_impl = None  # megatron-core 0.19 (TE's fused clip); unused by 0.16
+    distrib_optimizer.Adam = torch.optim.Adam
+    distrib_optimizer.HAVE_APEX_OR_TE = False
+    distrib_optimizer.USING_TE_OPTIMIZER = distrib_optimizer.USING_APEX_OPTIMIZER = False
 
 
 def fix_without_te() -> None:
