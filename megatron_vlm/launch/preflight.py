@@ -451,24 +451,20 @@ def check_outputs(cfg: TrainConfig) -> list[str]:
     return problems
 
 
-def _inside(inner: str, outer: str) -> bool:
-    """``inner`` is ``outer`` or lies inside it (real paths; URLs compared as text)."""
-    if storage.is_remote(inner) or storage.is_remote(outer):
-        a, b = str(inner).rstrip("/"), str(outer).rstrip("/")
-        return a == b or a.startswith(b + "/")
-    a, b = Path(os.path.realpath(inner)), Path(os.path.realpath(outer))
-    return a == b or a.is_relative_to(b)
-
-
 def check_output_not_in_inputs(cfg: TrainConfig) -> list[str]:
-    """``<save-dir>/<name>`` is not an input of the run, nor inside one: saving (and pruning with
-    --save-total-limit) would write into the checkpoint, dataset or tokenizer it reads."""
+    """``<save-dir>/<name>`` is not an input of the run, nor inside one, nor holding one (the rule of every
+    command that writes, :mod:`megatron_vlm.cli.overlap`): saving (and pruning with --save-total-limit) would
+    write into, or delete, the checkpoint, dataset or tokenizer it reads. ``--save-dir`` itself may hold the
+    loaded run (stage 2 loads ``<save-dir>/stage1``)."""
+    from megatron_vlm.cli.overlap import CONTAINS, SAME, relation
+
     out = cfg.checkpoint_dir
     problems = []
     for flag, inp in (("--megatron-load-dir", cfg.megatron_load_dir), ("--data-path", cfg.data_path),
                       ("--tokenizer-load-dir", cfg.tokenizer_load_dir)):
-        if inp and _inside(out, inp):
-            where = "is" if _inside(inp, out) else "lies inside"
+        rel = relation(out, inp) if inp else None
+        if rel is not None:
+            where = {SAME: "is", CONTAINS: "contains"}.get(rel, rel)
             problems.append(f"--save-dir/--name {out} {where} {flag} {inp}: the run would write its checkpoints "
                             f"into its own input; choose another --save-dir or --name")
     return problems
