@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # repository, see tools/install_te.py; the 3.11 lane's CPU torch cannot build it).
 TE_LANES := 312
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test test-fast demo bench clean
 
 venv: $(VENV)/.installed
 
@@ -34,6 +34,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml $(wildcard $(CONSTRAINTS)) tools/in
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The unit-level tests only (no spawned world, no torchrun, no command run as a subprocess, no demo; < 3 min):
+# the inner loop while developing. A test that starts a process fails here until it is marked slow.
+test-fast: venv
+	MVLM_FAST=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) demo/run_demo.py $(DEMO_ARGS)

@@ -35,6 +35,54 @@ def hf_models(tmp_path_factory):
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: ``make test-fast`` (MVLM_FAST=1, ``-m "not slow"``): the unit-level set, in one process. A test lands there by
+#: default; one that starts a process (a spawned world, torchrun, a command run as a subprocess, loader workers)
+#: fails in that set with the fix named: mark it ``@pytest.mark.slow``. ``make test`` runs both sets.
+FAST = os.environ.get("MVLM_FAST") == "1"
+
+
+class _ProcessGuard:
+    """While active, starting a process fails the running test (the fast set runs in one process)."""
+
+    def __init__(self, nodeid: str):
+        self.nodeid = nodeid
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError(f"{self.nodeid} starts a process, which the fast set (make test-fast) does not allow: "
+                           "mark the test @pytest.mark.slow (or make it run in this process)")
+
+    def __enter__(self):
+        import multiprocessing.process
+        import subprocess
+
+        self._saved = [(subprocess.Popen, "_execute_child", subprocess.Popen._execute_child),
+                       (multiprocessing.process.BaseProcess, "start", multiprocessing.process.BaseProcess.start)]
+        for owner, name, _ in self._saved:
+            setattr(owner, name, self._refuse)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in self._saved:
+            setattr(owner, name, original)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    if FAST and item.get_closest_marker("slow") is None:
+        with _ProcessGuard(item.nodeid):
+            yield
+    else:
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    if FAST and item.get_closest_marker("slow") is None:
+        with _ProcessGuard(item.nodeid):
+            yield
+    else:
+        yield
+
 
 #: The lane that installs Transformer Engine (make venv / tools/install_te.py): there ``te`` tests must run.
 TE_LANE = (3, 12)
