@@ -36,7 +36,7 @@ def hf_models(tmp_path_factory):
 ROOT = Path(__file__).resolve().parent.parent
 
 #: ``make test-fast`` (MVLM_FAST=1, ``-m "not slow"``): the unit-level set, in one process. A test lands there by
-#: default; one that starts a process (a spawned world, torchrun, a command run as a subprocess, loader workers)
+#: default; one that starts a process (a spawned world, torchrun, a command run as a subprocess)
 #: fails in that set with the fix named: mark it ``@pytest.mark.slow``. ``make test`` runs both sets.
 FAST = os.environ.get("MVLM_FAST") == "1"
 
@@ -52,11 +52,14 @@ class _ProcessGuard:
                            "mark the test @pytest.mark.slow (or make it run in this process)")
 
     def __enter__(self):
-        import multiprocessing.process
         import subprocess
 
+        import torch.multiprocessing
+
+        # a command or torchrun (subprocess), a spawned world (runtime.spawn.run_world -> start_processes); library
+        # helpers such as dist_checkpointing's writer processes and loader workers are left alone
         self._saved = [(subprocess.Popen, "_execute_child", subprocess.Popen._execute_child),
-                       (multiprocessing.process.BaseProcess, "start", multiprocessing.process.BaseProcess.start)]
+                       (torch.multiprocessing, "start_processes", torch.multiprocessing.start_processes)]
         for owner, name, _ in self._saved:
             setattr(owner, name, self._refuse)
         return self
@@ -106,6 +109,19 @@ def pytest_collection_modifyitems(config, items):
         for marker, skip in skips:
             if item.get_closest_marker(marker) is not None:  # not item.keywords: it holds directory names too
                 item.add_marker(skip)
+    _heavy_modules_first(items)
+
+
+def _heavy_modules_first(items) -> None:
+    """Order whole modules by their count of slow tests, most first (stable otherwise). ``make test`` runs two
+    pytest-xdist workers that take modules in this order (``--dist loadscope``, so a module's fixtures are built
+    once): starting the long ones first keeps one worker from finishing its last long module alone."""
+    slow: dict[str, int] = {}
+    for item in items:
+        slow.setdefault(item.module.__name__, 0)
+        slow[item.module.__name__] += item.get_closest_marker("slow") is not None
+    rank = {name: i for i, name in enumerate(slow)}
+    items.sort(key=lambda it: (-slow[it.module.__name__], rank[it.module.__name__]))
 
 
 def require_te() -> None:

@@ -100,6 +100,7 @@ def world(models, converted, tmp_path_factory):
     return run_world(anyres_jobs, 2, jobs)[0], batches, run, micro
 
 
+@pytest.mark.slow
 def test_logits_match_hf_at_tp1_tp2_pp2(models, world):
     results, batches, _, _ = world
     for arch, idx in (("llava_onevision", (0, 1, 2)), ("llava_next", (4, 5))):
@@ -119,6 +120,7 @@ def test_logits_match_hf_at_tp1_tp2_pp2(models, world):
     assert any(ov.num_tiles(*s) == 2 for s in sizes)  # a single grid tile covered
 
 
+@pytest.mark.slow
 def test_training_tp2_pp2_bf16_same_losses_falling_newline_grad_equal_over_tp(models, world):
     results, _, _, micro = world
     tp2, pp2 = results[1], results[2]
@@ -137,6 +139,7 @@ def test_training_tp2_pp2_bf16_same_losses_falling_newline_grad_equal_over_tp(mo
     assert bf16["newline_equal"] and all(all(f) for f in bf16["newline_equal"])
 
 
+@pytest.mark.slow
 def test_trained_checkpoint_exports_loads_and_generates(models, world, tmp_path):
     results, batches, run, _ = world
     spec = VLMSpec.from_hf_dir(models["llava_onevision"])

@@ -28,6 +28,8 @@ from megatron_vlm.spec import VLMSpec
 from .conftest import ROOT
 from .test_train import falls, losses, run
 
+pytestmark = pytest.mark.slow
+
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (230, 210, 40)}
 # (width, height) at 20-px tiles, grids up to 3 x 3: one tile, tall, wide, downsampled (anyres_max_2), small
 SIZES = [(20, 20), (24, 50), (61, 33), (60, 60), (15, 9)]

@@ -594,6 +594,7 @@ FAILING_RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_rank_failure_reason_is_printed_last(tmp_path):
     entry = tmp_path / "failing_rank.py"
     entry.write_text(FAILING_RANK.format(repo=str(REPO), entry=str(REPO / "train" / "pretrain_vlm.py")))
@@ -684,6 +685,7 @@ def read_only_dir(tmp_path):
     subprocess.run(["umount", str(d)], check=True)
 
 
+@pytest.mark.slow
 def test_read_only_save_dir_is_refused_before_starting(read_only_dir, tmp_path, capsys):
     args = base_args(tmp_path)
     args[args.index("--save-dir") + 1] = str(read_only_dir / "runs")
@@ -693,6 +695,7 @@ def test_read_only_save_dir_is_refused_before_starting(read_only_dir, tmp_path, 
     assert rc == 2 and not (read_only_dir / "runs").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_without_traceback(tmp_path):
     out = tmp_path / "seen"
     out.mkdir()

@@ -66,17 +66,15 @@ def world_logits(hf_models, converted, tmp_path_factory):
     for name in list(FAMILIES) + ["llama3_clip"]:
         spec = VLMSpec.from_hf_dir(hf_models[name])
         batches[name] = reference_batch(spec)
-    # all families share text length and image size, so one batch layout per family runs in one world
-    by_family = {}
+    # one 4-process world for every family (each job carries its family's batch): one start-up, not four
     for key, job in zip(keys, jobs):
-        by_family.setdefault(key[0], []).append((key, job))
-    for name, items in by_family.items():
-        logits = run_world(worlds.logits_jobs, 4, [j for _, j in items], batches[name])[0]
-        for (key, _), lg in zip(items, logits):
-            results[key] = lg
+        job["batch"] = batches[key[0]]
+    for key, lg in zip(keys, run_world(worlds.logits_jobs, 4, jobs)[0]):
+        results[key] = lg
     return results, batches
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
 @pytest.mark.parametrize("tp,pp", PARALLEL)
 def test_logits_match_hf(name, tp, pp, hf_models, world_logits):
@@ -92,6 +90,7 @@ def test_logits_match_hf(name, tp, pp, hf_models, world_logits):
         spec.image_token_id)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_legacy_format_logits(name, hf_models, world_logits):
     results, batches = world_logits
@@ -100,6 +99,7 @@ def test_legacy_format_logits(name, hf_models, world_logits):
     assert max_logit_diff(ref, results[(name, "torch", 2, 2)], spec.vocab_size) < TOL
 
 
+@pytest.mark.slow
 def test_uneven_pipeline_split(hf_models, world_logits):
     results, batches = world_logits
     spec = VLMSpec.from_hf_dir(hf_models["llama3_clip"])
@@ -107,6 +107,7 @@ def test_uneven_pipeline_split(hf_models, world_logits):
     assert max_logit_diff(ref, results[("llama3_clip", "uneven", 1, 2)], spec.vocab_size) < TOL
 
 
+@pytest.mark.slow
 def test_torch_dist_saved_at_tp2_reshards_identically(world_logits):
     """A checkpoint saved by a TP=2 model loads at TP=1 and at PP=2 with bitwise-identical logits to the
     same layouts loaded from the original checkpoint (so the weights are identical)."""
@@ -117,6 +118,7 @@ def test_torch_dist_saved_at_tp2_reshards_identically(world_logits):
     assert (tp2 - results[("llama_clip", "resaved", 1, 1)]).abs().max() < 1e-5  # only reduction order differs
 
 
+@pytest.mark.slow
 def test_gradients_match_hf_at_tp2(hf_models, converted):
     from transformers import LlavaForConditionalGeneration
 
@@ -226,12 +228,14 @@ def test_extra_tensors_travel(hf_models, converted):
     assert not any(".encoder.layers." in k for k in extra)  # vision_feature_layer=-1 uses all layers
 
 
+@pytest.mark.slow
 def test_verify_cli_passes(hf_models, tmp_path, capsys):
     script("convert/hf_to_megatron.py").main(["--hf-dir", str(hf_models["llama_clip"]), "--megatron-dir", str(tmp_path / "m"),
                          "--tp", "2", "--verify"])
     assert "verify: max |logit diff|" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", ["qkv_plain_concat", "gate_up_swapped"])
 def test_negative_control_wrong_layout_fails_verification(broken, hf_models, tmp_path, monkeypatch):
     """The logit check has teeth: a wrong QKV interleave or a swapped SwiGLU is caught."""

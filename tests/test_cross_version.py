@@ -43,6 +43,7 @@ def test_lanes_agree_on_numbers():
     assert a["hf_export_sha256"] == b["hf_export_sha256"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", READABLE)
 def test_resume_and_export_match_the_writing_lane_exactly(name, tmp_path):
     run = FIXTURES / name / "run"

@@ -196,6 +196,7 @@ def test_every_sample_skipped_stops_with_counted_reasons(num_workers, no_image_t
         assert "Caught FatalSampleError in DataLoader worker process 0" in str(e.value)
 
 
+@pytest.mark.slow
 def test_training_run_ends_with_the_line_on_every_rank(no_image_template, vqa_dataset, tmp_path):  # noqa: F811
     """-g 2 on CPU: both ranks print the one line and the launcher exits non-zero (no hang, no worker traceback)."""
     ids = VLMSpec.from_hf_dir(no_image_template)

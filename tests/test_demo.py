@@ -4,7 +4,11 @@ mapping, labels, loss mask, image preprocessing, conversion back - colour accura
 
 import json
 
+import pytest
+
 from .conftest import script
+
+pytestmark = pytest.mark.slow
 
 
 def test_reduced_demo_learns_colours(tmp_path):

@@ -110,6 +110,7 @@ FAKE_APPTAINER = textwrap.dedent("""\
     """)
 
 
+@pytest.mark.slow
 def test_probe_runs_inside_the_container(tmp_path, capsys, monkeypatch):
     """Not a dry run: the GPU check is asked of the container's python (here: a logging stand-in)."""
     bindir = tmp_path / "bin"
@@ -130,6 +131,7 @@ def test_probe_runs_inside_the_container(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()  # stopped before writing anything
 
 
+@pytest.mark.slow
 def test_image_build_installs_the_lane_of_the_images_python(tmp_path):
     """containers/filter_constraints.py picks constraints/pyXY.txt for the running Python (NGC: 3.12 -> 0.19)."""
     import importlib.util

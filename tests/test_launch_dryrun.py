@@ -171,6 +171,7 @@ def test_device_auto_falls_back_to_cpu(tmp_path, capsys, monkeypatch):
     assert config_of(out).device == "cpu" and "no CUDA GPU visible: running on CPU" in err
 
 
+@pytest.mark.slow
 def test_real_probe_reads_token_ids_from_tokenizer(tmp_path, capsys):
     """The ids come from a real tokenizer (read in the probe subprocess) and are checked against the spec."""
     from megatron_vlm.testing.tiny import train_tokenizer

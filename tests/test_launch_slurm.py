@@ -138,6 +138,7 @@ def test_submit_runs_sbatch_as_argument_list(tmp_path, monkeypatch, capsys):
     assert "Submitted batch job 99" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_submit_without_sbatch_binary(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert cli.main([*_sbatch_args(tmp_path), "--submit"], repo_root=REPO) == 2

@@ -26,6 +26,8 @@ from megatron_vlm.testing import worlds
 
 from .conftest import script
 
+pytestmark = pytest.mark.slow
+
 TOL = 1e-4
 NAME = "llama_clip"
 OTHER = "qwen2_siglip"

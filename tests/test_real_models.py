@@ -2,8 +2,8 @@
 hf_to_megatron --verify -> train/run.py -> megatron_to_hf -> HF generate, checking the image token id at each step.
 
 Worlds (random-weight models, small but with the real vocabularies where the hub files give them):
-- ``chatml``: a Qwen2-Instruct-shaped LM (byte-level BPE, <|endoftext|> <|im_start|> <|im_end|> specials, ChatML
-  template, 384 embedding rows for 303 tokens) + CLIP;
+(A Qwen2-Instruct-shaped LM -- byte-level BPE, ChatML specials and template, more rows than tokens -- takes the
+README's whole path, stages, resume and extension included, in tests/test_newcomer.py.)
 - ``mistral_v03``: a Mistral-v0.3-shaped LM (768 control tokens in the first ids, [INST] template) + CLIP;
 - ``vicuna``: lmsys/vicuna-7b-v1.5's tokenizer.model only (sentencepiece), 32000 rows -> 32064 + CLIP;
 - ``llava15``: llava-hf/llava-1.5-7b-hf's own directory (tokenizer.json, processor, chat template that closes
@@ -43,11 +43,6 @@ def _build(root, lm, vit, *extra):
     return out
 
 
-def chatml(root):
-    return _build(root, make_text_model(root / "lm", "qwen2", tokenizer="chatml", vocab_rows=384),
-                  make_vision_model(root / "vit", "clip"))
-
-
 def mistral_v03(root):
     return _build(root, make_text_model(root / "lm", "mistral", tokenizer="mistral_v03"),
                   make_vision_model(root / "vit", "clip"))
@@ -71,7 +66,6 @@ def onevision_qwen2(root):
 # name -> (builder, image token id (None: the LM tokenizer's length), embedding rows (None: from the LM), pad
 # token, the token closing each answer, eos inserted by the trainer, training iterations)
 WORLDS = {
-    "chatml": (chatml, None, 384, "<|endoftext|>", "<|im_end|>", False, 3),
     "mistral_v03": (mistral_v03, None, None, "<pad>", "</s>", False, 3),
     "vicuna": (vicuna, 32000, 32064, "<unk>", "</s>", False, 3),
     "llava15": (llava15, 32000, 32064, "<pad>", "</s>", True, 40),

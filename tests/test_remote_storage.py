@@ -88,6 +88,7 @@ def test_remote_paths_fail_with_the_fix_named(s3, tmp_path, monkeypatch):
         storage.check_url(f"{s3['url']}/data", "--save-dir")
 
 
+@pytest.mark.slow
 def test_dataset_prepared_in_bucket_train_save_and_resume_there(s3, setup, tmp_path):
     data = f"{s3['url']}/datasets/squares"
     out = subprocess.run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input",

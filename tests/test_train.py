@@ -27,6 +27,8 @@ from megatron_vlm.launch.torchrun import free_port
 from .conftest import ROOT
 from .slurm_cluster import start_cluster, stop
 
+pytestmark = pytest.mark.slow
+
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (230, 210, 40)}
 
 

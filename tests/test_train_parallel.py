@@ -20,6 +20,8 @@ from megatron_vlm.runtime.spawn import run_world
 from megatron_vlm.testing.train_jobs import train_jobs
 from megatron_vlm.testing.train_jobs import variable_length_batches as global_batches
 
+pytestmark = pytest.mark.slow
+
 RTOL = 1e-5
 
 

@@ -4,7 +4,7 @@ A tiny OneVision (Qwen2 + SigLIP) with its <video> token is converted and traine
 set that mixes LLaVA-NeXT video records (PyAV clips of several lengths and sizes), image records and text-only
 records, so that micro batches mix all three:
 - ``data_prep/stats.py`` counts the video tokens the trainer will see (frames chosen by --video-fps/--video-frames);
-- ``train/run.py`` stage 2 in bf16 at TP=2 and at PP=2 (-g 2): the loss falls; the TP=2 run resumed from its
+- ``train/run.py`` stage 2 in bf16 at TP=2 (-g 2): the loss falls; the run resumed from its
   iteration-4 checkpoint gives bit-identical losses and grad norms at iterations 5-8 and identical final weights;
 - ``convert/megatron_to_hf.py`` exports it: ``LlavaOnevisionForConditionalGeneration`` whose fp32 logits equal the
   checkpoint's on a batch of images and videos (TP=2), and whose ``generate`` runs on a video's frames as the
@@ -96,13 +96,12 @@ def tp2(ov):
     return ov["ckpt"] / "tp2"
 
 
-def test_stage2_bf16_tp2_and_pp2_loss_falls_and_resume_is_exact(ov, tp2):
+def test_stage2_bf16_tp2_loss_falls_and_resume_is_exact(ov, tp2):
+    # PP=2 with videos is trained in tests/test_anyres_models.py's world (equal losses to TP=2), and anyres
+    # training at PP=2 through train/run.py in tests/test_anyres_run.py: no third launch here
     full = losses(tp2)
     assert sorted(full) == list(range(1, 9))
     falls(full, factor=0.9)
-    out = run(args(ov, "pp2", "--pp", "2"))
-    assert "pp=2" in out, out[-3000:]
-    falls(losses(ov["ckpt"] / "pp2"), factor=0.9)
 
     part = ov["ckpt"] / "part"
     shutil.copytree(tp2, part, ignore=shutil.ignore_patterns("iter_0000008", "tensorboard", "wandb"))

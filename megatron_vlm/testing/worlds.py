@@ -26,15 +26,17 @@ def _model_for(iter_dir, tp, pp, seq_length, pp_layers=None):
     return model
 
 
-def logits_jobs(jobs: list[dict], batch: ReferenceBatch) -> list:
-    """Each job: {megatron_dir, tp, pp, pp_layers?, save_to?}. Returns logits per job (on one rank)."""
+def logits_jobs(jobs: list[dict], batch: ReferenceBatch | None = None) -> list:
+    """Each job: {megatron_dir, tp, pp, pp_layers?, save_to?, batch?} (``batch``: the job's own reference batch,
+    else the common one). Returns logits per job (on one rank)."""
     from megatron.core import parallel_state as ps
 
     out = []
     for job in jobs:
+        job_batch = job.get("batch", batch)
         iter_dir = ckpt.resolve_iteration_dir(job["megatron_dir"])
-        model = _model_for(iter_dir, job["tp"], job["pp"], batch.combined_length, job.get("pp_layers"))
-        logits = megatron_forward_logits(model, batch)
+        model = _model_for(iter_dir, job["tp"], job["pp"], job_batch.combined_length, job.get("pp_layers"))
+        logits = megatron_forward_logits(model, job_batch)
         if job.get("save_to"):  # re-save from this TP/PP with megatron's dist_checkpointing
             meta = ckpt.CheckpointMeta.load(iter_dir)
             dst = ckpt.Path(job["save_to"]) / "release"
