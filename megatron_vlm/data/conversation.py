@@ -212,6 +212,11 @@ def from_llava(item: dict) -> Conversation:
     return Conversation(messages, images, videos=videos)
 
 
+#: OpenAI-style media parts (and HF's plain ``image``/``video`` parts with a url): kind -> (media, stored part)
+_MEDIA_PARTS = {"image_url": ("image", IMAGE_PART), "image": ("image", IMAGE_PART),
+                "video_url": ("video", VIDEO_PART), "video": ("video", VIDEO_PART)}
+
+
 def from_chat(item: dict) -> Conversation:
     """An OpenAI chat-completion record ``{messages: [{role, content}]}`` -> conversation.
 
@@ -240,22 +245,15 @@ def from_chat(item: dict) -> Conversation:
                     if not isinstance(part.get("text"), str):
                         raise Reject(f"message {i}: text part without a string 'text'")
                     parts.append(text_part(part["text"]))
-                elif kind in ("image_url", "image"):
-                    url = part.get("image_url", part.get("image"))
+                elif kind in _MEDIA_PARTS:
+                    what, part_type = _MEDIA_PARTS[kind]
+                    url = part.get(f"{what}_url", part.get(what))
                     if isinstance(url, dict):
                         url = url.get("url")
                     if not isinstance(url, str) or not url:
-                        raise Reject(f"message {i}: image part without a url")
-                    parts.append(dict(IMAGE_PART))
-                    images.append(url)
-                elif kind in ("video_url", "video"):
-                    url = part.get("video_url", part.get("video"))
-                    if isinstance(url, dict):
-                        url = url.get("url")
-                    if not isinstance(url, str) or not url:
-                        raise Reject(f"message {i}: video part without a url")
-                    parts.append(dict(VIDEO_PART))
-                    videos.append(url)
+                        raise Reject(f"message {i}: {what} part without a url")
+                    parts.append(dict(part_type))
+                    (images if what == "image" else videos).append(url)
                 else:
                     raise Reject(f"message {i}: unsupported content part type {kind!r}")
         elif content is not None:
