@@ -114,9 +114,19 @@ def weight_list(text: str) -> list[float]:
     return ws
 
 
+class _DeprecatedDebug(argparse.Action):
+    """``--debug``: an old spelling of ``-v`` (train/run.py's ``--debug`` shrank the run, so it is not advertised)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: --debug is deprecated, use -v/--verbose", file=sys.stderr)
+        setattr(namespace, self.dest, True)
+
+
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-v", "--verbose", "--debug", dest="verbose", action="store_true",
+    """Every command's verbosity flag, ``-v``/``--verbose`` (train/run.py's too)."""
+    parser.add_argument("-v", "--verbose", dest="verbose", action="store_true",
                         help="verbose logging; on an error also print the Python traceback")
+    parser.add_argument("--debug", dest="verbose", nargs=0, action=_DeprecatedDebug, help=argparse.SUPPRESS)
 
 
 def parse_pp_layers(text: str | None) -> list[int] | None:
