@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,8 +92,12 @@ def start_cluster(root: Path) -> tuple[SlurmCluster, list[subprocess.Popen]]:
         pytest.skip(f"this host's name {socket.gethostname()!r} does not resolve to a loopback address")
     host = socket.gethostname()
     user = getpass.getuser()
-    for d in ("state", "spool", "log"):
+    for d in ("state", "log"):
         (root / d).mkdir(parents=True, exist_ok=True)
+    # slurmstepd binds Unix sockets under the spool directory, whose paths may not exceed 108 bytes: pytest's
+    # tmp_path (longer still under pytest-xdist, .../popen-gw0/...) is too deep, so the spool is a short /tmp dir
+    # (a few KB of sockets and job scripts, left to the OS's /tmp cleaning)
+    spool = Path(tempfile.mkdtemp(prefix="mvlm-slurm-", dir="/tmp"))
     ctld, slurmd_ports = free_port(), [free_port() for _ in names]
     lines = [
         "ClusterName=mvlmtest",
@@ -103,7 +108,7 @@ def start_cluster(root: Path) -> tuple[SlurmCluster, list[subprocess.Popen]]:
         "AuthType=auth/none",
         "CredType=cred/none",
         f"StateSaveLocation={root / 'state'}",
-        f"SlurmdSpoolDir={root / 'spool'}/%n",
+        f"SlurmdSpoolDir={spool}/%n",
         f"SlurmctldPidFile={root / 'slurmctld.pid'}",
         f"SlurmdPidFile={root / 'slurmd'}-%n.pid",
         f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
