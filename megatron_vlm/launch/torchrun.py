@@ -2,7 +2,7 @@
 
 ``torchrun_command(cfg, config_path, entrypoint)`` returns a ``Command``: an argument list (never a shell
 string) and the environment variables to add. One node: static rendezvous on 127.0.0.1 with a free port
-(picked by binding port 0) unless ``--master-port`` is given. Several nodes: static rendezvous at
+(``megatron_vlm.ports.free_port``) unless ``--master-port`` is given. Several nodes: static rendezvous at
 ``master_addr:master_port`` with this node's ``--node_rank``. ``python -m megatron_vlm.launch.elastic`` (torch's
 ``torch.distributed.run`` with one-line endings on a signal or a failed rank) is used instead of the ``torchrun``
 script so that the ranks run under the same interpreter as the launcher.
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from megatron_vlm.ports import free_port  # noqa: F401 - re-exported (tests, slurm)
 from megatron_vlm.training.config import TrainConfig
 
 DEFAULT_MULTINODE_PORT = 29500
@@ -35,13 +35,6 @@ class Command:
         """Shell-quoted, for printing only (the command is always run as an argument list)."""
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         return (prefix + " " if prefix else "") + shlex.join(self.argv)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and let the kernel choose)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def rendezvous_port(cfg: TrainConfig) -> int:

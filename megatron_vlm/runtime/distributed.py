@@ -123,8 +123,6 @@ def teardown() -> None:
 
 
 def _free_port() -> int:
-    import socket
+    from megatron_vlm.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
