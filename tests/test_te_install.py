@@ -62,6 +62,7 @@ def test_cache_is_keyed_by_torch_and_python(tmp_path, monkeypatch):
     src.write_bytes(b"wheel")
     assert inst.cached_wheel(cache, LANE) is None
     assert inst.put_in_cache(src, cache) == cache / WHEEL
+    assert (cache / WHEEL).stat().st_mode & 0o777 == 0o644  # readable by every user of a shared cache
     assert inst.cached_wheel(cache, LANE) == cache / WHEEL
     assert inst.cached_wheel(cache, inst.Target("2.13.0+cu130", "13.0", "cp313")) is None
     assert sorted(p.name for p in cache.iterdir()) == [WHEEL]  # no temporary file left
