@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
+import sys
 
 import pytest
 import yaml
@@ -173,7 +175,8 @@ def test_device_auto_falls_back_to_cpu(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_real_probe_reads_token_ids_from_tokenizer(tmp_path, capsys):
-    """The ids come from a real tokenizer (read in the probe subprocess) and are checked against the spec."""
+    """The ids come from a real tokenizer and are checked against the spec: a CPU launch on the host reads them in
+    the launcher; a CUDA or container launch asks the probe subprocess, which reads the same ids."""
     from megatron_vlm.testing.tiny import train_tokenizer
     from megatron_vlm.tokenizer import add_vlm_tokens, special_token_ids
 
@@ -188,3 +191,7 @@ def test_real_probe_reads_token_ids_from_tokenizer(tmp_path, capsys):
     assert rc == 0, err
     cfg = config_of(out)
     assert (cfg.image_token_id, cfg.pad_token_id) == (ids.image, ids.pad) == (300, 301)  # <image>, then <pad>
+    from megatron_vlm.launch.probe import run_probe
+
+    facts = run_probe([sys.executable], dict(os.environ), str(REPO), False, False, str(tmp_path / "tok_real"))
+    assert facts == {"tokenizer": {"image": 300, "pad": 301}}

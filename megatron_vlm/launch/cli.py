@@ -93,15 +93,17 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
     want_cuda = request.device != "cpu" and (in_container or cfg.container is None)
     want_tok = (cfg.image_token_id is None or cfg.pad_token_id is None) and cfg.tokenizer_load_dir
     facts: dict = {}
-    if want_cuda or want_tok:
+    tok_dir = cfg.tokenizer_load_dir if want_tok else None
+    if want_cuda or in_container:  # CUDA is asked of a child (this process never initialises it), or the container
         env = rank_env(cfg)
         if in_container:
             prefix = container.wrap(Command(["python"], env), cfg, repo_root, runtime).argv
         else:
             prefix = [sys.executable]
         full_env = {**os.environ, **env}
-        facts = probe.run_probe(prefix, full_env, repo_root, want_cuda, cfg.fp8 and want_cuda,
-                                cfg.tokenizer_load_dir if want_tok else None)
+        facts = probe.run_probe(prefix, full_env, repo_root, want_cuda, cfg.fp8 and want_cuda, tok_dir)
+    elif tok_dir:  # only the tokenizer, read by this host's python: no CUDA, so no process to start
+        facts = probe.probe(False, False, tok_dir)
     if request.device is None and "device_count" in facts:
         device = "cuda" if facts["device_count"] > 0 else "cpu"
         if device == "cpu":

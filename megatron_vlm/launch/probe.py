@@ -2,8 +2,10 @@
 
 ``python -m megatron_vlm.launch.probe [--cuda] [--fp8] [--tokenizer DIR]`` prints one JSON line: the visible
 CUDA devices and their compute capabilities, whether Transformer Engine imports, and the image/pad token ids
-of a tokenizer. The launcher runs it as a subprocess (``run_probe``) so that the launcher never initialises
-CUDA itself, and so that a container's torch/Transformer Engine is what gets checked.
+of a tokenizer. The launcher runs it as a subprocess (``run_probe``) whenever CUDA or a container is involved, so
+that the launcher never initialises CUDA itself, and so that a container's torch/Transformer Engine is what gets
+checked. A CPU run on the host asks only for the tokenizer's ids: the launcher calls :func:`probe` itself then
+(a subprocess would import torch and transformers a second time, ~5 s).
 """
 
 from __future__ import annotations
