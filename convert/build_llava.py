@@ -12,6 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_vlm.cli import add_debug_flag, nonneg_int, positive_int, run_cli, setup_logging  # noqa: E402
+from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
 
 
 def main(argv=None):
@@ -89,4 +90,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    exit_process(run_cli(main))

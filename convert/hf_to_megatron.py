@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_vlm.cli import (add_debug_flag, parse_pp_layers, positive_float, positive_int, run_cli,  # noqa: E402
                               setup_logging)
+from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
 
 
 def main(argv=None):
@@ -65,4 +66,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    exit_process(run_cli(main))

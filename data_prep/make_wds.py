@@ -21,6 +21,7 @@ from megatron_vlm.cli import add_debug_flag, fraction, positive_int, progress_ba
 from megatron_vlm.cli.overlap import check_output_apart  # noqa: E402
 from megatron_vlm.data.make_wds import DEFAULT_MAX_TEXT_CHARS, SUMMARY_FILE, make_wds  # noqa: E402
 from megatron_vlm.data.prepare import dataset_layout, interactive_hint  # noqa: E402
+from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
 
 FORMAT_HELP = """input formats:
   vqa    jsonl or csv rows {image, question, answer}; optional id. Tars hold K.jpg, K.txt (answer),
@@ -112,4 +113,4 @@ def _run(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

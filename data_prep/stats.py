@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_vlm.atomic import atomic_write_text  # noqa: E402
 from megatron_vlm.cli import InputError, add_debug_flag, positive_int, progress_bars, run_cli, weight_list  # noqa: E402
 from megatron_vlm.cli.inputs import check_tokenizer_dir  # noqa: E402
+from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -103,4 +104,4 @@ def _run(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

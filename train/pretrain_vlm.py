@@ -88,4 +88,6 @@ def run(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    from megatron_vlm.runtime.gc_freeze import exit_process
+
+    exit_process(run())

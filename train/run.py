@@ -13,6 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from megatron_vlm.launch.cli import main  # noqa: E402
+from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], repo_root=REPO_ROOT))
+    exit_process(main(sys.argv[1:], repo_root=REPO_ROOT))

@@ -44,4 +44,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_vlm.runtime.gc_freeze import exit_process
+
+    exit_process(main())

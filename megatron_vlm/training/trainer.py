@@ -253,6 +253,7 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
 def train(cfg) -> dict:
     """Run ``cfg`` on this rank (torchrun started it): start-up, resume, then the loop."""
     from megatron_vlm.runtime import distributed
+    from megatron_vlm.runtime.gc_freeze import freeze_long_lived
 
     t_launch = time.time()
     if cfg.deterministic:
@@ -260,4 +261,5 @@ def train(cfg) -> dict:
     rt = distributed.setup(cfg.tp, cfg.pp, device=cfg.device, seed=cfg.seed)
     stop = _StopFlag()
     run = start(cfg, rt, t_launch)
+    freeze_long_lived()  # the model, optimizer, loader and imports live until exit: no collection walks them again
     return loop(cfg, run, stop, t_launch)
