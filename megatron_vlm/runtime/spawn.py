@@ -1,6 +1,12 @@
 """Start a small local distributed world (one process per rank, gloo on CPU / NCCL on GPUs) and collect
 each rank's return value. Used by verification (``--verify``), tests and benchmarks; training itself is
 started by torchrun through ``train/run.py``.
+
+Where no CUDA GPU is visible, the ranks are forked from multiprocessing's fork server, which imports torch,
+megatron-core and transformers once (``_PRELOAD``, ~6-8 s of CPU per process on a 2-core machine) for all the
+worlds a process starts, instead of once per rank. The server never runs a kernel (no thread pool to inherit);
+each rank takes the caller's current environment and working directory, as a spawned process would. With CUDA,
+ranks are spawned: a fork server that imported CUDA libraries could hand its children a used driver.
 """
 
 from __future__ import annotations
@@ -18,7 +24,24 @@ class WorldError(RuntimeError):
     pass
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, fn, args, kwargs) -> None:
+#: What the fork server imports once for every rank it forks (see the module docstring).
+_PRELOAD = ["torch", "megatron.core", "megatron.core.dist_checkpointing", "transformers", "megatron_vlm.model",
+            "megatron_vlm.runtime.distributed"]
+
+
+def _start_method() -> str:
+    if torch.cuda.is_available():
+        return "spawn"
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # no effect once this process's server runs: it already holds them
+    return "forkserver"
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, env: dict, cwd: str, fn, args, kwargs) -> None:
+    if os.environ != env:  # a forked rank starts from the fork server's environment; take the caller's
+        os.environ.clear()
+        os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -39,11 +62,13 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args, kwargs) -> 
         raise
     finally:
         from megatron_vlm.runtime.distributed import teardown
+        from megatron_vlm.runtime.gc_freeze import freeze_long_lived
 
         try:
             teardown()
         except Exception:
             pass
+        freeze_long_lived()  # the process ends here: skip the interpreter's last full collection (gc_freeze)
 
 
 def run_world(fn, world_size: int, *args, **kwargs) -> list:
@@ -57,8 +82,8 @@ def run_world(fn, world_size: int, *args, **kwargs) -> list:
     with tempfile.TemporaryDirectory(prefix="mvlm-world-") as out:
         port = _free_port()
         ctx = mp.start_processes(
-            _entry, args=(world_size, port, out, fn, args, kwargs), nprocs=world_size, join=False,
-            start_method="spawn",
+            _entry, args=(world_size, port, out, dict(os.environ), os.getcwd(), fn, args, kwargs),
+            nprocs=world_size, join=False, start_method=_start_method(),
         )
         try:
             while not ctx.join():
