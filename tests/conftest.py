@@ -112,16 +112,47 @@ def pytest_collection_modifyitems(config, items):
     _heavy_modules_first(items)
 
 
+#: The longest modules, longest first: their total wall time in one `make test` run (3.11 lane, 2 workers,
+#: 2026-11-25: test_train ~440 s, test_bad_inputs ~300 s, test_demo ~260 s, ... test_cross_version ~25 s;
+#: test_te is the 3.12 lane's). A scheduling hint only: a module not listed comes after these, by its count of
+#: slow tests.
+LONGEST_MODULES = ("test_train", "test_bad_inputs", "test_demo", "test_real_models", "test_te", "test_convert",
+                   "test_train_parallel", "test_remote_storage", "test_anyres_run", "test_video_run", "test_newcomer",
+                   "test_bench_gpu", "test_anyres_models", "test_launch_run", "test_megatron_lm_interop",
+                   "test_data_guard", "test_cross_version")
+
+
 def _heavy_modules_first(items) -> None:
-    """Order whole modules by their count of slow tests, most first (stable otherwise). ``make test`` runs two
-    pytest-xdist workers that take modules in this order (``--dist loadscope``, so a module's fixtures are built
-    once): starting the long ones first keeps one worker from finishing its last long module alone."""
+    """Order whole modules longest first (:data:`LONGEST_MODULES`, then by their count of slow tests; stable
+    otherwise). ``make test`` runs two pytest-xdist workers that take modules in this order (``--dist loadscope``,
+    so a module's fixtures are built once): starting the long ones first keeps one worker from finishing its last
+    long module alone while the other idles."""
     slow: dict[str, int] = {}
     for item in items:
         slow.setdefault(item.module.__name__, 0)
         slow[item.module.__name__] += item.get_closest_marker("slow") is not None
     rank = {name: i for i, name in enumerate(slow)}
-    items.sort(key=lambda it: (-slow[it.module.__name__], rank[it.module.__name__]))
+    longest = {name: i for i, name in enumerate(LONGEST_MODULES)}
+
+    def key(it):
+        name = it.module.__name__
+        return (longest.get(name.rsplit(".", 1)[-1], len(longest)), -slow[name], rank[name])
+
+    items.sort(key=key)
+
+
+def pytest_collection_finish(session):
+    """The imported libraries and the collected tests live until the worker exits: later garbage collections
+    skip them (megatron_vlm.runtime.gc_freeze)."""
+    from megatron_vlm.runtime.gc_freeze import freeze_long_lived
+
+    freeze_long_lived()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from megatron_vlm.runtime.gc_freeze import freeze_long_lived
+
+    freeze_long_lived()  # the worker ends: no final full collection over every object it made
 
 
 def require_te() -> None:
