@@ -5,6 +5,10 @@ each lane with ``python -m megatron_vlm.testing.cross_version``, with the loss a
 the digests of the HF export recorded by the lane that wrote them. Every lane resumes each fixture it can read
 and must reproduce those numbers exactly (0.16 -> 0.19 crosses lanes); megatron-core 0.16 cannot read 0.19's
 format, and must say so, naming the writer and what to install.
+
+The grad norms are asked for bit for bit on a machine with the writer's CPU kernels (``cpu_capability``); on
+another (AVX2 against AVX-512) the fp32 norm's summation order differs, so there they must agree to 1e-6
+relative, while the losses and the exported bytes stay exact (see megatron_vlm/testing/cross_version.py).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def test_fixtures_record_the_megatron_core_that_wrote_them():
 def test_lanes_agree_on_numbers():
     """The two lanes trained the same steps from the same weights to the same losses, bit for bit."""
     a, b = expected("mcore-0.16"), expected("mcore-0.19")
+    assert a["cpu_capability"] == b["cpu_capability"]  # written on one machine
     assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
     assert a["hf_export_sha256"] == b["hf_export_sha256"]
 
@@ -49,7 +54,11 @@ def test_resume_and_export_match_the_writing_lane_exactly(name, tmp_path):
     run = FIXTURES / name / "run"
     want = expected(name)
     got = cross_version.resume(run)
-    assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
+    assert got["loss"] == want["loss"]
+    if cross_version.same_kernels(want):
+        assert got["grad_norm"] == want["grad_norm"]
+    else:  # the same gradients, reduced in another order (module docstring): the last bits may differ
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6, abs=0)
     assert cross_version.exported_digests(run, tmp_path) == want["hf_export_sha256"]
 
 

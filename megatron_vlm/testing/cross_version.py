@@ -10,7 +10,13 @@ writes, with this environment's megatron-core,
   scheduler, RNG), with the tokenizer next to it;
 - ``expected.json``: the loss and grad norm of steps 2 and 3 when training continues from that checkpoint
   (asserted here to equal an uninterrupted run's), and the SHA-256 of every tensor the checkpoint exports to
-  HF, with the versions that wrote it.
+  HF, with the versions that wrote it and the CPU kernels it ran (``cpu_capability``, torch's
+  ``torch.backends.cpu.get_cpu_capability()``: AVX2, AVX512, ...).
+
+A grad norm is a long fp32 reduction whose summation order follows the vector width of those kernels: the
+same weights and gradients give norms that differ in the 7th digit on an AVX2 and an AVX-512 machine (measured:
+2.842548158 against 2.842547823), while the losses and the exported bytes are equal. :func:`same_kernels` tells
+the tests when the recorded grad norms can be asked for bit for bit.
 
 The tests (``tests/test_cross_version.py``) resume the other lane's fixture and compare with those numbers, or,
 where this megatron-core cannot read it, assert the error that says so.
@@ -36,6 +42,19 @@ def batches(tokenizer_dir) -> list[list]:
     from megatron_vlm.testing.train_jobs import variable_length_batches
 
     return variable_length_batches(tokenizer_dir, N_BATCHES, BATCH)
+
+
+def cpu_capability() -> str:
+    """The CPU kernel set torch dispatches to on this machine (``AVX2``, ``AVX512``, ...)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def same_kernels(expected: dict) -> bool:
+    """Whether ``expected`` was recorded with this machine's CPU kernels (a fixture written before the
+    capability was recorded counts as another machine's)."""
+    return expected.get("cpu_capability") == cpu_capability()
 
 
 def continue_job(run_dir) -> dict:
@@ -100,7 +119,7 @@ def write_fixture(out_dir) -> dict:
         if resumed != full:
             raise RuntimeError(f"resuming the fixture does not continue exactly: {resumed} vs {full}")
         expected = {**resumed, "hf_export_sha256": exported_digests(run, tmp),
-                    "written_by": mcore_version.writer_stamp()}
+                    "written_by": mcore_version.writer_stamp(), "cpu_capability": cpu_capability()}
         staged = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(staged, ignore_errors=True)
         staged.mkdir(parents=True)
