@@ -60,3 +60,20 @@ def test_clip_norm_fallback_builds_without_te():
         assert TENorm in defaults
     else:
         assert WrappedTorchNorm in defaults
+
+
+def test_megatron_compiled_functions_run_eagerly():
+    """megatron-core's jit_fuser functions (torch.compile'd at import) are not traced or compiled on CPU: no
+    Dynamo frame is compiled, and quick_gelu gives the eager formula's bits."""
+    from megatron.core.activations import quick_gelu
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(4, 8)
+    before = counters["frames"]["total"]
+    assert torch.equal(quick_gelu(x), x * torch.sigmoid(1.702 * x))
+    assert counters["frames"]["total"] == before
+
+    # the counter sees a compile where the stance allows one (the negative control, on Dynamo's eager backend)
+    with torch.compiler.set_stance("default"):
+        torch.compile(lambda t: t * 2, backend="eager")(x)
+    assert counters["frames"]["total"] > before

@@ -17,7 +17,11 @@ makes the same code run on CPU:
   (:func:`use_torch_optimizer_kernels`): with Transformer Engine installed (the 3.12 lane), megatron binds TE's
   CUDA kernels at import -- ``FusedAdam`` and the ``multi_tensor_*`` ops behind grad norms, clipping and
   main-parameter copies -- which fail on CPU tensors; torch's Adam and ``megatron.core.utils``'s
-  ``local_multi_tensor_*`` run instead.
+  ``local_multi_tensor_*`` run instead;
+- megatron-core's ``torch.compile``'d elementwise functions (its ``jit_fuser``: ``quick_gelu``, the bias-GELU/
+  SwiGLU/GeGLU fusions) run eagerly (:func:`run_compiled_functions_eagerly`): on CPU each process would
+  otherwise trace and compile them with TorchInductor at its first forward (g++ on a cold cache, ~2-3 s of CPU
+  per process with a warm one), as the fusions they stand for run on CUDA only (``fusions: all off`` on CPU).
 
 It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine).
 
@@ -109,6 +113,7 @@ def enable() -> bool:
     )
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     use_torch_optimizer_kernels()
+    run_compiled_functions_eagerly()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _recompute_under_mode(mrandom)
@@ -129,6 +134,12 @@ def _recompute_under_mode(mrandom) -> None:
 
     backward._cpu_compat = True
     fn.backward = staticmethod(backward)
+
+
+def run_compiled_functions_eagerly() -> None:
+    """Every ``torch.compile``'d function of this process runs as plain eager code (torch's
+    ``force_eager`` compiler stance): the same operations, without Dynamo tracing or Inductor kernels."""
+    torch.compiler.set_stance("force_eager")
 
 
 def is_enabled() -> bool:
