@@ -16,7 +16,8 @@ PIP := $(VENV)/bin/pip
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 # `make test` runs the suite on this many pytest-xdist workers, a module per worker at a time (its fixtures are
-# built once); TEST_WORKERS=0 runs it in one process.
+# built once), longest modules first (tests/conftest.py's measured order: --no-loadscope-reorder keeps xdist from
+# reordering modules by their count of tests); TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 # Lanes that install Transformer Engine (its torch extension is compiled once per machine and cached outside the
 # repository, see tools/install_te.py; the 3.11 lane's CPU torch cannot build it).
@@ -36,7 +37,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml $(wildcard $(CONSTRAINTS)) tools/in
 	touch $@
 
 test: venv
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # The unit-level tests only (no spawned world, no torchrun, no command run as a subprocess, no demo; < 3 min):
 # the inner loop while developing. A test that starts a process fails here until it is marked slow.

@@ -112,20 +112,20 @@ def pytest_collection_modifyitems(config, items):
     _heavy_modules_first(items)
 
 
-#: The longest modules, longest first: their total wall time in one `make test` run (3.11 lane, 2 workers,
-#: 2026-11-25: test_train ~440 s, test_bad_inputs ~300 s, test_demo ~260 s, ... test_cross_version ~25 s;
-#: test_te is the 3.12 lane's). A scheduling hint only: a module not listed comes after these, by its count of
-#: slow tests.
-LONGEST_MODULES = ("test_train", "test_bad_inputs", "test_demo", "test_real_models", "test_te", "test_convert",
-                   "test_train_parallel", "test_remote_storage", "test_anyres_run", "test_video_run", "test_newcomer",
-                   "test_bench_gpu", "test_anyres_models", "test_launch_run", "test_megatron_lm_interop",
-                   "test_data_guard", "test_cross_version")
+#: The longest modules, longest first: their CPU time in one process (3.11 lane, 2026-11-25: test_train ~390 s,
+#: test_demo ~220 s, test_real_models ~120 s, ... test_data_convert ~12 s; test_te, ~50 s, is the 3.12 lane's). A
+#: scheduling hint only: a module not listed comes after these, by its count of slow tests.
+LONGEST_MODULES = ("test_train", "test_demo", "test_real_models", "test_bad_inputs", "test_convert", "test_anyres_run",
+                   "test_remote_storage", "test_newcomer", "test_train_parallel", "test_video_run", "test_te",
+                   "test_anyres_models", "test_bench_gpu", "test_data_guard", "test_launch_run",
+                   "test_megatron_lm_interop", "test_data_loader", "test_data_convert", "test_cross_version")
 
 
 def _heavy_modules_first(items) -> None:
     """Order whole modules longest first (:data:`LONGEST_MODULES`, then by their count of slow tests; stable
     otherwise). ``make test`` runs two pytest-xdist workers that take modules in this order (``--dist loadscope``,
-    so a module's fixtures are built once): starting the long ones first keeps one worker from finishing its last
+    so a module's fixtures are built once; ``--no-loadscope-reorder``, or xdist would sort modules by their count of
+    tests and start the one-test demo last): starting the long ones first keeps one worker from finishing its last
     long module alone while the other idles."""
     slow: dict[str, int] = {}
     for item in items:
