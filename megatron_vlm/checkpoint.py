@@ -306,12 +306,44 @@ def check_meta(meta: CheckpointMeta, spec: VLMSpec, tp: int, pp: int, where) -> 
         )
 
 
-def save_model_weights(model, iter_dir) -> None:
-    """Save this rank's chunk with dist_checkpointing (collective over all ranks)."""
+def save_sharded(sharded_state_dict: dict, iter_dir) -> None:
+    """``dist_checkpointing.save`` (collective over all ranks): every torch_dist save of megatron-vlm goes
+    through here.
+
+    megatron-core's torch_dist writer collects its results through a ``multiprocessing`` Manager queue, which it
+    starts, once per process, with the ``spawn`` method: a new interpreter that imports torch and
+    torch.distributed.checkpoint to unpickle the results (~3 s of CPU, measured on a 2-core machine, in every
+    rank's first save and every converter run). Without CUDA the queue's server is forked from this process
+    instead, which has those modules already; with CUDA megatron-core's own choice stands.
+    """
     from megatron.core import dist_checkpointing
 
+    if not torch.cuda.is_available():
+        _fork_write_results_queue()
+    dist_checkpointing.save(sharded_state_dict, str(iter_dir))
+
+
+def _fork_write_results_queue() -> None:
+    """Start megatron-core's write-results queue (see :func:`save_sharded`) by fork, if not started yet:
+    megatron-core 0.19 takes the start method as an argument, 0.16 keeps the queue in a module global."""
+    import inspect
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    getter = getattr(filesystem_async, "get_write_results_queue", None)
+    if getter is not None and "mp_mode" in inspect.signature(getter).parameters:
+        getter("fork")
+    elif hasattr(filesystem_async, "_results_queue"):
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
+def save_model_weights(model, iter_dir) -> None:
+    """Save this rank's chunk with dist_checkpointing (collective over all ranks)."""
     Path(iter_dir).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(model_sharded_state_dict(model), str(iter_dir))
+    save_sharded(model_sharded_state_dict(model), iter_dir)
 
 
 def load_model_weights(model, iter_dir, strict: bool = True) -> CheckpointMeta:

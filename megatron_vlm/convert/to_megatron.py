@@ -91,7 +91,6 @@ def _write_legacy(reader, spec, rules, iter_dir, tp, pp, layers, dtype) -> None:
 
 
 def _write_dist(reader, spec, rules, iter_dir, dtype) -> None:
-    from megatron.core import dist_checkpointing
 
     from megatron_vlm.model import ModelOptions, build_model
     from megatron_vlm.runtime.session import single_process_world
@@ -112,7 +111,7 @@ def _write_dist(reader, spec, rules, iter_dir, dtype) -> None:
         sharded = ckpt.model_sharded_state_dict(model)  # Megatron-LM's key convention (no prefix)
         del params
         _detach_views(sharded, model)
-        dist_checkpointing.save(sharded, str(iter_dir))
+        ckpt.save_sharded(sharded, iter_dir)
         del model, sharded
 
 

@@ -103,7 +103,6 @@ def _megatron_lm_checkpoints(megatron_dir, out_root, seq_length: int) -> None:
     import io
     from pathlib import Path
 
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -142,7 +141,7 @@ def _megatron_lm_checkpoints(megatron_dir, out_root, seq_length: int) -> None:
         if rank == 0:
             iter_dir.mkdir(parents=True)
         torch.distributed.barrier()
-        dist_checkpointing.save(sd, str(iter_dir))
+        ckpt.save_sharded(sd, iter_dir)
         if rank == 0:
             ckpt.write_tracker(out / name, iteration)
             if name == "old_prefix":

@@ -138,8 +138,6 @@ def _storage_problem(target, e: BaseException) -> str | None:
 def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spec: VLMSpec, meta: ckpt.CheckpointMeta,
          side_src: Path | None, with_optim: bool, total_limit: int | None, config_yaml: str | None = None) -> str:
     """Save iteration ``iteration`` under ``run_dir`` (a local directory or an ``msc://`` URL); returns its path."""
-    from megatron.core import dist_checkpointing
-
     remote = storage.is_remote(run_dir)
     final = storage.join(run_dir, ckpt.iter_dir_name(iteration))
     # local: write under a temporary name and rename; remote: write in place, commit with the tracker
@@ -152,7 +150,7 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
     torch.distributed.barrier()
     sd = _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim, loading=False)
     try:
-        dist_checkpointing.save(sd, target)
+        ckpt.save_sharded(sd, target)
     except BaseException as e:  # torch's CheckpointException derives from BaseException
         hint = _errno_hint(e) or _storage_problem(target, e)
         if hint is None:
