@@ -137,22 +137,16 @@ def check_safetensors(f: Path, fix: str) -> None:
 
 
 def check_distcp(it_dir: Path) -> None:
-    """Compare the ``.distcp`` shards with the byte ranges torch.distributed.checkpoint's index expects."""
-    try:
-        from torch.distributed.checkpoint import FileSystemReader
-    except ImportError:  # a launcher host without torch: the trainer will read it
-        return
+    """Compare the ``.distcp`` shards with the byte ranges torch.distributed.checkpoint's index expects (read by
+    :mod:`megatron_vlm.dcp_index`: no torch import, no code from the file)."""
+    from megatron_vlm.dcp_index import UnreadableIndex, read_index
+
     fix = "the checkpoint is incomplete: re-save or re-convert it, or pick another --iteration"
     try:
-        metadata = FileSystemReader(str(it_dir)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged index
-        raise InputError(f"{it_dir / '.metadata'}: unreadable ({type(e).__name__}); {fix}") from None
-    need: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is not None:
-            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
-    for rel, size in sorted(need.items()):
+        index = read_index(it_dir)
+    except UnreadableIndex as e:
+        raise InputError(f"{it_dir / '.metadata'}: unreadable ({e}); {fix}") from None
+    for rel, size in sorted(index.shard_bytes.items()):
         f = it_dir / rel
         if not f.is_file():
             raise InputError(f"{f}: missing shard; {fix}")

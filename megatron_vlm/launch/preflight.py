@@ -286,16 +286,16 @@ def check_spec_against_tensors(spec: VLMSpec, source: str, it_dir) -> list[str]:
     it_dir = Path(it_dir)
     if storage.is_remote(it_dir) or not (it_dir / ".metadata").is_file():
         return []
-    try:
-        from torch.distributed.checkpoint import FileSystemReader
+    from megatron_vlm.dcp_index import UnreadableIndex, read_index
 
-        meta = FileSystemReader(str(it_dir)).read_metadata().state_dict_metadata
-    except Exception:  # noqa: BLE001 - no torch here, or a damaged index (check_iteration_files reports it)
+    try:
+        shapes = read_index(it_dir).shapes
+    except UnreadableIndex:  # a damaged index: check_iteration_files reports it
         return []
     for key, (want, fields) in _expected_shapes(spec).items():
         for name in (key, "model." + key):  # older megatron-vlm checkpoints: keys under "model."
-            have = getattr(meta.get(name), "size", None)
-            if have is not None and tuple(have) != want:
+            have = shapes.get(name)
+            if have is not None and have != want:
                 return [f"{source} does not describe the checkpoint's tensors in {it_dir}: {key} has shape "
                         f"{tuple(have)}, the spec gives {want} ({fields}); restore the {SPEC_FILE} that was saved "
                         "with these weights"]
@@ -490,6 +490,8 @@ def check_resume_layout(cfg: TrainConfig) -> list[str]:
     check it again): the data-parallel size (unless --reset-data-position), the optimizer state against the
     parameters this run trains, and the learning-rate schedule (unless one of Megatron-LM's two scheduler
     flags; not for a finished run, which is not started at all)."""
+    if not storage.is_remote(cfg.checkpoint_dir) and not (Path(cfg.checkpoint_dir) / TRACKER_FILE).is_file():
+        return []  # a new run: nothing to check, and no torch to import for it (~1.5 s of a CPU launch)
     try:  # torch is imported here; a bare host that launches into a container leaves this to the trainer
         from megatron_vlm import checkpoint as ckpt
         from megatron_vlm.training import schedule
