@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_vlm.spec import VLMSpec
+from megatron_vlm.testing import forked_cli
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_PY = REPO / "train" / "run.py"
@@ -76,7 +77,7 @@ def launcher(args: list[str], out_dir: Path, mode: str = "", **popen) -> subproc
     for k in list(env):
         if k.startswith("SLURM_"):
             del env[k]
-    return subprocess.Popen([sys.executable, str(RUN_PY), *args], env=env, stdout=subprocess.PIPE,
+    return forked_cli.start([sys.executable, str(RUN_PY), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **popen)
 
 

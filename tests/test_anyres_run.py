@@ -13,7 +13,6 @@ tests/test_anyres_models.py asserts the numbers (logits at TP/PP, equal losses a
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -24,6 +23,7 @@ from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.convert.verify import load_hf_model, reference_batch, verify_checkpoint
 from megatron_vlm.spec import VLMSpec
+from megatron_vlm.testing import forked_cli
 
 from .conftest import ROOT
 from .test_train import falls, losses, run
@@ -53,7 +53,7 @@ def ov(tmp_path_factory):
         Image.new("RGB", SIZES[i % len(SIZES)], COLOURS[c]).save(root / "img" / f"{i}.png")
         rows.append({"image": f"{i}.png", "question": "what colour is the shape ?", "answer": c, "id": str(i)})
     (root / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    subprocess.run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input", str(root / "qa.jsonl"),
+    forked_cli.run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input", str(root / "qa.jsonl"),
                     "--image-root", str(root / "img"), "--output", str(root / "data"), "--shard-size", "20",
                     "--no-progress"], check=True, cwd=ROOT, capture_output=True)
     meg = convert_hf_to_megatron(hf, root / "meg", tp=2)

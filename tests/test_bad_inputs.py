@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_vlm.data.synthetic import write_image, write_jsonl
+from megatron_vlm.testing import forked_cli
 from tests.data_fixtures import vqa_dataset, vqa_inputs  # noqa: F401
 
 from .conftest import script
@@ -600,7 +601,7 @@ def test_rank_failure_reason_is_printed_last(tmp_path):
     entry.write_text(FAILING_RANK.format(repo=str(REPO), entry=str(REPO / "train" / "pretrain_vlm.py")))
     environ = dict(os.environ, MEGATRON_VLM_ENTRYPOINT=str(entry))
     environ = {k: v for k, v in environ.items() if not k.startswith("SLURM_")}
-    p = subprocess.run([sys.executable, str(REPO / "train" / "run.py"), *base_args(tmp_path), "-g", "1",
+    p = forked_cli.run([sys.executable, str(REPO / "train" / "run.py"), *base_args(tmp_path), "-g", "1",
                         "--gbs", "16"], env=environ, capture_output=True, text=True, timeout=120)
     log = p.stdout + p.stderr
     assert p.returncode == 1, log
@@ -658,7 +659,7 @@ def test_rank_faults_in_the_checkpoint_layer_end_in_one_line(fault, tmp_path):
         (run / "failures").write_text("not a directory")
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     environ["MEGATRON_VLM_ENTRYPOINT"] = str(entry)
-    p = subprocess.run([sys.executable, str(REPO / "train" / "run.py"), *base_args(tmp_path), "-g", "1",
+    p = forked_cli.run([sys.executable, str(REPO / "train" / "run.py"), *base_args(tmp_path), "-g", "1",
                         "--gbs", "16"], env=environ, capture_output=True, text=True, timeout=300)
     log = p.stdout + p.stderr
     assert p.returncode == 1, log
@@ -738,7 +739,7 @@ def _run_args(env, data, save_dir, *extra, iters=4):
 
 def _train(argv, timeout=600):
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, str(REPO / "train" / "run.py"), *argv], capture_output=True, text=True,
+    p = forked_cli.run([sys.executable, str(REPO / "train" / "run.py"), *argv], capture_output=True, text=True,
                        timeout=timeout, env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
     return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
 

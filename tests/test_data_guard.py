@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ from megatron_vlm.data.skips import SkipCounter, TooManySkippedSamples, skip_err
 from megatron_vlm.data.synthetic import image_array
 from megatron_vlm.data.task_encoder import VLMTaskEncoder
 from megatron_vlm.spec import VLMSpec
+from megatron_vlm.testing import forked_cli
 from megatron_vlm.training.config import ConfigError, TrainConfig
 from tests.data_fixtures import tiny_llava, vqa_dataset, vqa_inputs  # noqa: F401
 
@@ -205,7 +205,7 @@ def test_training_run_ends_with_the_line_on_every_rank(no_image_template, vqa_da
             "--micro-batch-size", "2", "--seq-length", "64", "--num-workers", "1", "--train-iters", "2",
             "--image-token-id", str(ids.image_token_id), "--pad-token-id", str(ids.pad_token_id),
             "--max-consecutive-skipped-samples", "20"]
-    p = subprocess.run([sys.executable, "train/run.py", *argv], cwd=ROOT, capture_output=True, text=True,
+    p = forked_cli.run([sys.executable, "train/run.py", *argv], cwd=ROOT, capture_output=True, text=True,
                        timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     line = (f"error: stopped after 20 consecutive skipped samples: 20 x '0 image tokens but 1 images'; check the "
             f"chat template in {no_image_template}: it must render every image part of a message as '<image>', "

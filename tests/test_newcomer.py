@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 import time
 
 import pytest
+
+from megatron_vlm.testing import forked_cli
 
 from .conftest import ROOT, script
 
@@ -39,7 +40,7 @@ def cli(capsys, rel, *args) -> str:
 
 
 def train(*args, timeout=600):
-    p = subprocess.run([sys.executable, "train/run.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+    p = forked_cli.run([sys.executable, "train/run.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
                        timeout=timeout)
     return p.returncode, p.stdout + p.stderr
 

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 
-from megatron_vlm.testing import hub_models
+from megatron_vlm.testing import forked_cli, hub_models
 from megatron_vlm.testing.tiny import make_text_model, make_vision_model
 
 from .conftest import ROOT, script
@@ -158,7 +157,7 @@ def test_user_path(world, data, tmp_path, capsys):
 
     # 4. train/run.py (the launcher's probe reads the ids from the tokenizer directory and checks them)
     seq = 256  # a cap: batches pad to their longest sample
-    p = subprocess.run([sys.executable, "train/run.py", "--device", "cpu", "-g", "1", "--stage", "2",
+    p = forked_cli.run([sys.executable, "train/run.py", "--device", "cpu", "-g", "1", "--stage", "2",
                         "--megatron-load-dir", str(meg), "--tokenizer-load-dir", str(hf), "--data-path", str(data),
                         "--save-dir", str(tmp_path / "runs"), "--name", "r", "--micro-batch-size", "2",
                         "--global-batch-size", "2", "--seq-length", str(seq), "--train-iters", str(iters),

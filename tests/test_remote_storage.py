@@ -5,7 +5,6 @@ save (iteration directory without its commit) is ignored and cleaned up."""
 
 import json
 import logging
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from megatron_vlm import mcore_version, storage
 from megatron_vlm.launch import preflight
 from megatron_vlm.launch.container import mounts
 from megatron_vlm.launch.torchrun import free_port
+from megatron_vlm.testing import forked_cli
 from megatron_vlm.training.config import ConfigError, TrainConfig
 
 from .conftest import ROOT
@@ -91,7 +91,7 @@ def test_remote_paths_fail_with_the_fix_named(s3, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_dataset_prepared_in_bucket_train_save_and_resume_there(s3, setup, tmp_path):
     data = f"{s3['url']}/datasets/squares"
-    out = subprocess.run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input",
+    out = forked_cli.run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input",
                           str(setup["root"] / "qa.jsonl"), "--image-root", str(setup["root"] / "img"),
                           "--output", data, "--shard-size", "24", "--no-progress"],
                          cwd=ROOT, capture_output=True, text=True)
@@ -102,7 +102,7 @@ def test_dataset_prepared_in_bucket_train_save_and_resume_there(s3, setup, tmp_p
     assert {"datasets/squares/.nv-meta/dataset.yaml", "datasets/squares/.nv-meta/split.yaml",
             "datasets/squares/.nv-meta/index.sqlite"} <= set(objects)  # written by energon prepare in the bucket
     assert json.loads(read(s3, "datasets/squares/make_wds.json"))["output"] == data
-    again = subprocess.run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input",
+    again = forked_cli.run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input",
                             str(setup["root"] / "qa.jsonl"), "--output", data, "--no-progress"],
                            cwd=ROOT, capture_output=True, text=True)  # a non-empty bucket prefix is not overwritten
     assert again.returncode != 0 and "already holds objects; remove them or pass --overwrite" in again.stderr

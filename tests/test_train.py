@@ -23,6 +23,7 @@ from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.convert.verify import verify_checkpoint
 from megatron_vlm.launch.torchrun import free_port
+from megatron_vlm.testing import forked_cli
 
 from .conftest import ROOT
 from .slurm_cluster import start_cluster, stop
@@ -45,7 +46,7 @@ def setup(hf_models, tmp_path_factory):
         Image.new("RGB", (32, 32), COLOURS[c]).save(root / "img" / f"{i}.jpg")
         rows.append({"image": f"{i}.jpg", "question": "what colour is the shape ?", "answer": c, "id": str(i)})
     (root / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    subprocess.run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input", str(root / "qa.jsonl"),
+    forked_cli.run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input", str(root / "qa.jsonl"),
                     "--image-root", str(root / "img"), "--output", str(root / "data"), "--shard-size", "24",
                     "--no-progress"], check=True, cwd=ROOT, capture_output=True)
     meg = convert_hf_to_megatron(hf_models["llama_clip"], root / "meg", tp=2)
@@ -60,7 +61,7 @@ def args(s, name, *extra, iters=16, lr="2e-3"):
 
 
 def launch(argv, env=None):
-    return subprocess.Popen([sys.executable, "train/run.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+    return forked_cli.start([sys.executable, "train/run.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, **(env or {})})
 

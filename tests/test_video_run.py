@@ -13,7 +13,6 @@ records, so that micro batches mix all three:
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -22,6 +21,7 @@ import torch
 from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.convert.verify import load_hf_model, verify_checkpoint
+from megatron_vlm.testing import forked_cli
 
 from .conftest import ROOT, script
 from .test_train import falls, losses, run
@@ -62,7 +62,7 @@ def ov(tmp_path_factory):
             records.append({"id": str(i), "conversations": [{"from": "human", "value": f"say {c}"},
                                                             {"from": "gpt", "value": c}]})
     (root / "llava.json").write_text(json.dumps(records))
-    subprocess.run([sys.executable, "data_prep/make_wds.py", "--format", "llava", "--input", str(root / "llava.json"),
+    forked_cli.run([sys.executable, "data_prep/make_wds.py", "--format", "llava", "--input", str(root / "llava.json"),
                     "--image-root", str(media), "--output", str(root / "data"), "--shard-size", "16",
                     "--split", "1,0,0", "--no-progress"], check=True, cwd=ROOT, capture_output=True)
     meg = convert_hf_to_megatron(hf, root / "meg", tp=2)
@@ -121,7 +121,7 @@ def test_export_matches_the_checkpoint_and_generates_from_a_video(ov, tp2, tmp_p
     from megatron_vlm.spec import VLMSpec
 
     out = tmp_path / "hf"
-    subprocess.run([sys.executable, "convert/megatron_to_hf.py", "--megatron-dir", str(tp2), "--hf-dir", str(out)],
+    forked_cli.run([sys.executable, "convert/megatron_to_hf.py", "--megatron-dir", str(tp2), "--hf-dir", str(out)],
                    check=True, cwd=ROOT, capture_output=True)
     assert (out / "video_preprocessor_config.json").read_bytes() == (ov["hf"] / "video_preprocessor_config.json"
                                                                      ).read_bytes()
