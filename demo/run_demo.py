@@ -30,10 +30,15 @@ sys.path.insert(0, str(ROOT / "demo"))
 import shapes  # noqa: E402
 
 
+#: How each command runs: ``subprocess.run``; the test passes megatron_vlm.testing.forked_cli.run (main's
+#: ``run_command``), which runs the same command as its own process without importing torch again.
+_run_command = subprocess.run
+
+
 def run(cmd: list[str]) -> None:
     print(f"\n$ {shlex.join(cmd)}", flush=True)
     t = time.time()
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    _run_command(cmd, check=True, cwd=ROOT)
     print(f"  [{time.time() - t:.1f} s]", flush=True)
 
 
@@ -135,7 +140,9 @@ def plot(out: Path, rows: list[dict], image_dir: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
+def main(argv=None, run_command=subprocess.run) -> dict:
+    global _run_command
+    _run_command = run_command
     a = parse(argv)
     out = Path(a.out)
     shutil.rmtree(out, ignore_errors=True)

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from megatron_vlm.testing import forked_cli
+
 from .conftest import script
 
 pytestmark = pytest.mark.slow
@@ -14,7 +16,9 @@ pytestmark = pytest.mark.slow
 def test_reduced_demo_learns_colours(tmp_path):
     demo = script("demo/run_demo.py")
     result = demo.main(["--out", str(tmp_path / "demo"), "--train-samples", "1200", "--eval-samples", "100",
-                        "--stage1-iters", "5", "--stage2-iters", "150"])
+                        "--stage1-iters", "5", "--stage2-iters", "150",
+                        "--micro-batch-size", "32"],  # one micro-batch per step: the same math, less overhead
+                       run_command=forked_cli.run)  # each command its own process, without importing torch again
     acc, base = result["accuracy"], result["majority_baseline"]
     assert acc["colour"] >= 0.8, result
     assert acc["overall"] >= base["overall"] + 0.15, result
