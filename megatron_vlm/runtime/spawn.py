@@ -24,8 +24,10 @@ class WorldError(RuntimeError):
     pass
 
 
-#: What the fork server imports once for every rank it forks (see the module docstring).
-_PRELOAD = ["torch", "megatron.core", "megatron.core.dist_checkpointing", "transformers", "megatron_vlm.model",
+#: What the fork server imports once for every process it forks (see the module docstring): ranks, and the
+#: tests' commands (megatron_vlm.testing.forked_cli: train/run.py reads a tokenizer, make_wds writes energon sets).
+_PRELOAD = ["torch", "megatron.core", "megatron.core.dist_checkpointing", "transformers",
+            "transformers.models.auto.tokenization_auto", "megatron.energon", "megatron_vlm.model",
             "megatron_vlm.runtime.distributed"]
 
 
