@@ -9,6 +9,8 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_vlm import checkpoint as ckpt
 
+pytestmark = pytest.mark.slow  # each test starts the queue's server process
+
 
 @pytest.fixture
 def no_queue_yet(monkeypatch):

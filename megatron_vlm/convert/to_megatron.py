@@ -91,7 +91,6 @@ def _write_legacy(reader, spec, rules, iter_dir, tp, pp, layers, dtype) -> None:
 
 
 def _write_dist(reader, spec, rules, iter_dir, dtype) -> None:
-
     from megatron_vlm.model import ModelOptions, build_model
     from megatron_vlm.runtime.session import single_process_world
 

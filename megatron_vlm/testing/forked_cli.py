@@ -115,11 +115,9 @@ class Popen:
         if self.poll() is None:
             self.kill()
             self.wait()
-        for f in (self.stdout, self.stderr):
-            if f:
-                f.close()
+        self.__del__()
 
-    def __del__(self):
+    def __del__(self):  # the captured output's readers (the files go with the temporary directory)
         for f in (getattr(self, "stdout", None), getattr(self, "stderr", None)):
             if f:
                 f.close()
