@@ -13,7 +13,7 @@ from .launch_helpers import REPO, STANDIN, base_args, no_slurm_env  # noqa: F401
 
 from megatron_vlm.launch import cli
 from megatron_vlm.launch.container import find_runtime, mounts, parse_bind, wrap
-from megatron_vlm.launch.torchrun import Command
+from megatron_vlm.launch.torchrun import Command, torchrun_command
 from megatron_vlm.training.config import ConfigError, TrainConfig
 
 
@@ -81,6 +81,18 @@ def test_cpu_container_has_no_gpu_flags(tmp_path):
     assert "--gpus" not in argv and argv[-2:] == ["img", "python"]
     cfg = TrainConfig.from_args([*base_args(tmp_path), "--sif-path", "i.sif"])
     assert "--nv" not in wrap(Command(["python"]), cfg, str(REPO), "apptainer").argv
+
+
+def test_the_launcher_runs_torchrun_itself_only_outside_a_container(tmp_path):
+    cfg = TrainConfig.from_args([*base_args(tmp_path), "-g", "2"])
+    local = torchrun_command(cfg, "c.yaml", "entry.py", python=sys.executable, port=1234)
+    assert local.agent_args_here() == local.argv[3:] and local.argv[3:5] == ["--nnodes", "1"]
+    assert local.argv[-3:] == ["entry.py", "--config", "c.yaml"]
+    boxed = TrainConfig.from_args([*base_args(tmp_path), "-g", "2", "--docker-image", "img"])
+    cmd = torchrun_command(boxed, "c.yaml", "entry.py", python="python", port=1234)
+    assert wrap(cmd, boxed, str(REPO), "docker", uid_gid=(1, 2), base_env={}).agent_args_here() is None
+    other = torchrun_command(cfg, "c.yaml", "entry.py", python="/another/python", port=1234)
+    assert other.agent_args_here() is None  # another interpreter: its own process, as the command says
 
 
 def test_bind_parsing_and_metadataset_mount(tmp_path):

@@ -3,8 +3,9 @@
 Steps: parse (``TrainConfig.from_args``) -> fill from SLURM (``slurm``) -> resolve and validate the config ->
 file-system checks (``preflight.check_request``; spec vs --tp/--pp) -> ask the runtime that will train about
 GPUs, FP8 and the tokenizer (``probe``; inside the container when there is one) -> write the resolved config
-to ``<save_dir>/<name>/config.yaml`` (node r > 0: ``config.node<r>.yaml``) -> run torchrun, which starts
-``train/pretrain_vlm.py --config <that file>`` on every rank -> exit with torchrun's exit code.
+to ``<save_dir>/<name>/config.yaml`` (node r > 0: ``config.node<r>.yaml``) -> run torchrun (in this process; in a
+child process when a container wraps it), which starts ``train/pretrain_vlm.py --config <that file>`` on every
+rank -> exit with torchrun's exit code.
 
 A run that already reached ``--train-iters`` is not started: the launcher says so and exits 0 before the probe.
 ``--dry-run`` stops before writing and prints the resolved config and the command (the trainer's settings given
@@ -197,7 +198,10 @@ def _launch(cfg: TrainConfig, cmd: Command) -> int:
     # where a rank reports its failure when the run directory cannot take it (a full or read-only disk)
     fallback = tempfile.mkdtemp(prefix="mvlm-failures-")
     try:
-        rc = process.run_forwarding_signals(cmd.argv, {**cmd.env, failures.FALLBACK_ENV: fallback})
+        env = {**cmd.env, failures.FALLBACK_ENV: fallback}
+        agent_args = cmd.agent_args_here()
+        rc = (process.run_agent_here(agent_args, env) if agent_args is not None
+              else process.run_forwarding_signals(cmd.argv, env))
         if rc:
             _say(f"training exited with code {rc}")
             failed = failures.first(cfg.run_dir, fallback)

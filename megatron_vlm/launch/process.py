@@ -1,8 +1,12 @@
 """Running the launched command: signals go to the child, the child's exit status comes back.
 
-The child starts in its own session, so a terminal's Ctrl-C reaches it exactly once: through the launcher,
-which forwards SIGINT, SIGTERM and SIGHUP (torchrun passes them to every rank, and the trainer can save a
-checkpoint). The launcher's exit code is the child's; a child killed by signal N gives 128+N like a shell.
+``run_forwarding_signals``: a command in a child process (a container's). The child starts in its own session,
+so a terminal's Ctrl-C reaches it exactly once: through the launcher, which forwards SIGINT, SIGTERM and SIGHUP
+(torchrun passes them to every rank, and the trainer can save a checkpoint). The launcher's exit code is the
+child's; a child killed by signal N gives 128+N like a shell.
+
+``run_agent_here``: torchrun's agent in the launcher's own process (a node without a container). The agent
+receives the signals itself and passes them to every rank (whose sessions are their own), then ends 128+N.
 """
 
 from __future__ import annotations
@@ -17,6 +21,15 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
+
+
+def run_agent_here(agent_args: list[str], env_add: Mapping[str, str] | None = None) -> int:
+    """``python -m megatron_vlm.launch.elastic AGENT_ARGS`` with ``env_add`` on top of our environment, run in
+    this process (the launcher exits after it, so the environment is set in place: the ranks inherit it)."""
+    from megatron_vlm.launch import elastic
+
+    os.environ.update(env_add or {})
+    return elastic.main(agent_args)
 
 
 def run_forwarding_signals(argv: list[str], env_add: Mapping[str, str] | None = None,

@@ -5,13 +5,16 @@ string) and the environment variables to add. One node: static rendezvous on 127
 (``megatron_vlm.ports.free_port``) unless ``--master-port`` is given. Several nodes: static rendezvous at
 ``master_addr:master_port`` with this node's ``--node_rank``. ``python -m megatron_vlm.launch.elastic`` (torch's
 ``torch.distributed.run`` with one-line endings on a signal or a failed rank) is used instead of the ``torchrun``
-script so that the ranks run under the same interpreter as the launcher.
+script so that the ranks run under the same interpreter as the launcher. Where that command is this interpreter's
+(no container), the launcher runs it in its own process instead (``Command.agent_args_here``): the same agent
+and arguments without a second interpreter importing torch.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import sys
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -20,6 +23,7 @@ from megatron_vlm.ports import free_port  # noqa: F401 - re-exported (tests, slu
 from megatron_vlm.training.config import TrainConfig
 
 DEFAULT_MULTINODE_PORT = 29500
+ELASTIC_MODULE = "megatron_vlm.launch.elastic"
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding megatron_vlm/
 # Seconds torchrun waits after forwarding SIGTERM/SIGINT before it SIGKILLs the ranks (torch >= 2.9 reads it;
 # older torch waits 30 s): the trainer's window to save a checkpoint on preemption.
@@ -35,6 +39,13 @@ class Command:
         """Shell-quoted, for printing only (the command is always run as an argument list)."""
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         return (prefix + " " if prefix else "") + shlex.join(self.argv)
+
+    def agent_args_here(self) -> list[str] | None:
+        """torchrun's arguments when this command is ``<this interpreter> -m megatron_vlm.launch.elastic ...``,
+        which the launcher can then run in its own process; None for any other command (a container's)."""
+        if self.argv[:3] == [sys.executable, "-m", ELASTIC_MODULE]:
+            return self.argv[3:]
+        return None
 
 
 def rendezvous_port(cfg: TrainConfig) -> int:
@@ -80,7 +91,7 @@ def torchrun_command(cfg: TrainConfig, config_path: str, entrypoint: str, python
     *trainer_args`` instead when given: the settings as flags, for a command shown without its config file)."""
     port = port if port is not None else rendezvous_port(cfg)
     argv = [
-        python, "-m", "megatron_vlm.launch.elastic",  # torch.distributed.run with one-line endings
+        python, "-m", ELASTIC_MODULE,  # torch.distributed.run with one-line endings
         "--nnodes", str(cfg.nodes),
         "--node_rank", str(cfg.node_rank),
         "--nproc_per_node", str(cfg.gpus),

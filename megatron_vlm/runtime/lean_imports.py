@@ -1,0 +1,44 @@
+"""Optional libraries a rank will not use, kept out of megatron-core's import.
+
+megatron-core imports two optional libraries eagerly whenever they are installed, each inside its own
+``try: import ... except ImportError`` fallback: Transformer Engine (its layers, kernels and optimizers, through
+``megatron.core.utils`` and ``megatron.core.extensions``) and Weights & Biases (``megatron.core.timers``). A rank
+that cannot or does not use one pays its import anyway, on every rank of every launch: about 0.6 CPU-s for
+Transformer Engine and 0.3 CPU-s for wandb per process in the 3.12 lane (its CPU log also gains two lines of
+Transformer Engine and torch warnings about the missing CUDA runtime).
+
+``skip_unused(device, wandb)`` marks them as not installed (``None`` in ``sys.modules``, Python's own "this
+import fails" marker) before megatron-core is imported, so megatron-core takes the same path as on a machine
+without them:
+
+- Transformer Engine on a CPU rank: its layers and kernels need CUDA, and ``layer_impl.choose`` picks megatron-core's
+  local layers there whether it is installed or not;
+- wandb when the run does not log to it (no ``--wandb``; ``megatron_vlm.training.metrics`` imports it only then).
+
+It does nothing once megatron-core is imported (a process that already paid for them keeps them), and the rank
+entry point (``train/pretrain_vlm.py``) is its only caller: a GPU rank, or a run with ``--wandb``, imports both
+exactly as before.
+"""
+
+from __future__ import annotations
+
+import sys
+
+TRANSFORMER_ENGINE = "transformer_engine"
+WANDB = "wandb"
+
+
+def unused(device: str, wandb: bool) -> list[str]:
+    """The optional libraries a rank on ``device`` ('cpu' or 'cuda') with ``--wandb`` = ``wandb`` will not use."""
+    return ([TRANSFORMER_ENGINE] if device == "cpu" else []) + ([] if wandb else [WANDB])
+
+
+def skip_unused(device: str, wandb: bool) -> list[str]:
+    """Mark :func:`unused` libraries as not installed for this process; returns the ones marked (none once
+    megatron-core is imported, or for a library already imported)."""
+    if "megatron.core" in sys.modules:
+        return []
+    marked = [name for name in unused(device, wandb) if name not in sys.modules]
+    for name in marked:
+        sys.modules[name] = None
+    return marked
