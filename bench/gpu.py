@@ -50,6 +50,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: How the set-up's conversion and each training run are started: ``subprocess.run``; the test passes
+#: megatron_vlm.testing.forked_cli.run (main's ``run_command``): the same commands, without importing torch again.
+_run_command = subprocess.run
 sys.path.insert(0, str(ROOT))
 
 FP32_TOLERANCE = 1e-4
@@ -75,7 +78,7 @@ def _train_bench():
 def build_inputs(a, work: Path) -> tuple[Path, Path, Path]:
     """(HF LLaVA dir, energon dataset, converted Megatron checkpoint at TP=1) with random weights: bench/train.py's
     set-up (Llama-like LM, CLIP ViT with patch 14, one image and a one-word answer per sample)."""
-    return _train_bench().build_inputs(a, work)
+    return _train_bench().build_inputs(a, work, run_command=_run_command)
 
 
 def versions() -> dict:
@@ -189,8 +192,8 @@ def train_run(a, work: Path, hf: Path, data: Path, meg: Path, name: str, impl: s
     t0 = time.time()
     log_path = work / f"{name}.log"
     with open(log_path, "w") as logf:
-        res = subprocess.run(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
-                             env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+        res = _run_command(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                           env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     text = log_path.read_text(errors="replace")
     if a.out_dir:
         shutil.copyfile(log_path, Path(a.out_dir) / log_path.name)
@@ -364,7 +367,9 @@ def parse(argv=None):
     return a
 
 
-def main(argv=None) -> int:
+def main(argv=None, run_command=subprocess.run) -> int:
+    global _run_command
+    _run_command = run_command
     a = parse(argv)
     if not a.tiny:
         import torch

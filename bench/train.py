@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 
 # ---- set-up: model, data, converted checkpoint ---------------------------------------------------------
-def build_inputs(a, work: Path) -> tuple[Path, Path, Path]:
+def build_inputs(a, work: Path, run_command=subprocess.run) -> tuple[Path, Path, Path]:
     """HF LLaVA dir, prepared energon dataset, Megatron checkpoint (TP=1)."""
     from megatron_vlm.convert.build import build_llava
     from megatron_vlm.data.make_wds import make_wds
@@ -67,8 +67,8 @@ def build_inputs(a, work: Path) -> tuple[Path, Path, Path]:
     data = work / "data"
     make_wds("vqa", work / "qa.jsonl", data, image_root=work / "images", split="1,0,0", progress=False)
     meg = work / "megatron"
-    subprocess.run([sys.executable, "convert/hf_to_megatron.py", "--hf-dir", str(hf), "--megatron-dir", str(meg),
-                    "--tp", "1"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    run_command([sys.executable, "convert/hf_to_megatron.py", "--hf-dir", str(hf), "--megatron-dir", str(meg),
+                 "--tp", "1"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return hf, data, meg
 
 

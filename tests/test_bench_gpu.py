@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from megatron_vlm.testing import forked_cli
 from tests.conftest import script
 
 
@@ -14,7 +15,7 @@ from tests.conftest import script
 def test_gpu_bench_tiny_runs_on_cpu(tmp_path, capsys):
     bench = script("bench/gpu.py")
     out = tmp_path / "r.json"
-    assert bench.main(["--tiny", "--out", str(out), "--work-dir", str(tmp_path)]) == 0
+    assert bench.main(["--tiny", "--out", str(out), "--work-dir", str(tmp_path)], run_command=forked_cli.run) == 0
     rows = {(r["part"], r["impl"], r["dtype"]): r for r in json.loads(out.read_text())["rows"]}
     fp32, bf16 = rows[("logits", "local", "fp32")], rows[("logits", "local", "bf16")]
     assert fp32["ok"] and fp32["diff"] <= 1e-4 and fp32["tolerance"] == 1e-4

@@ -100,13 +100,31 @@ def test_output_not_captured_goes_where_the_callers_goes(tmp_path, capfd):
     assert merged.err == "" and sorted(merged.out.splitlines()) == sorted((real.out + real.err).splitlines())
 
 
+def test_output_to_a_file_or_devnull_is_written_as_a_started_process_writes_it(tmp_path, capfd):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    logs = {}
+    for how, run in (("real", subprocess.run), ("forked", forked_cli.run)):
+        with open(tmp_path / f"{how}.log", "w") as log:
+            log.write("opened by the caller\n")
+            log.flush()
+            p = run([sys.executable, str(script), "exit", "3"], cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT)
+        assert p.returncode == 3
+        run([sys.executable, str(script), "exit", "0"], cwd=tmp_path, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        logs[how] = sorted((tmp_path / f"{how}.log").read_text().splitlines())
+    assert logs["forked"] == logs["real"] and "opened by the caller" in logs["real"] and "to stderr" in logs["real"]
+    assert capfd.readouterr() == ("", "")  # DEVNULL: nothing reached the caller's stdout or stderr
+
+
 def test_anything_else_is_a_subprocess(tmp_path):
     p = forked_cli.start([sys.executable, "-c", "print(1)"], stdout=subprocess.PIPE, text=True)
     assert isinstance(p, subprocess.Popen) and p.communicate()[0] == "1\n"
     assert forked_cli.run([sys.executable, "-c", "print(2)"], capture_output=True, text=True).stdout == "2\n"
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    with open(tmp_path / "log", "w") as log:  # a file object as stdout: subprocess's business
-        p = forked_cli.start([sys.executable, str(script), "exit", "0"], stdout=log)
-        assert isinstance(p, subprocess.Popen) and p.wait() == 0
+    p = forked_cli.start([sys.executable, str(script), "exit", "0"], stdin=subprocess.PIPE)  # stdin: subprocess's
+    p.stdin.close()
+    assert isinstance(p, subprocess.Popen) and p.wait() == 0
 

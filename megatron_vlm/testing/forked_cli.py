@@ -32,17 +32,33 @@ def _forkable(args, kwargs: dict) -> bool:
     import torch
 
     if (torch.cuda.is_available() or set(kwargs) - _KNOWN or kwargs.get("stdin") not in (None, subprocess.DEVNULL)
-            or kwargs.get("stdout") not in (None, subprocess.PIPE)
-            or kwargs.get("stderr") not in (None, subprocess.PIPE, subprocess.STDOUT)):
+            or not _writable(kwargs.get("stdout")) or not _writable(kwargs.get("stderr"), subprocess.STDOUT)):
         return False
     args = [str(a) for a in args]
     return len(args) >= 2 and args[0] == sys.executable and args[1].endswith(".py")
 
 
+def _writable(stream, *also) -> bool:
+    """Whether a forked command can write to ``stream`` (a ``subprocess`` stdout/stderr argument)."""
+    return stream in (None, subprocess.PIPE, subprocess.DEVNULL, *also) or callable(getattr(stream, "fileno", None))
+
+
+def _destination(stream, captured: str | None, inherited: int) -> str:
+    """The path a forked command opens (for appending) to write ``stream``: the capture file, /dev/null, an open
+    file of this process (``stdout=f``), or where this process's own fd ``inherited`` goes now."""
+    if captured:
+        return captured
+    if stream == subprocess.DEVNULL:
+        return os.devnull
+    fd = inherited if stream is None else stream.fileno()
+    return f"/proc/{os.getpid()}/fd/{fd}"
+
+
 class Popen:
     """``subprocess.Popen`` for ``[sys.executable, SCRIPT.py, *argv]``, forked (see the module docstring).
     Output the caller asked to capture (``stdout=PIPE``, ``stderr=PIPE`` or ``STDOUT``) is collected in files
-    and readable once the process ended (``communicate``, or ``.stdout.read()`` after ``poll()``)."""
+    and readable once the process ended (``communicate``, or ``.stdout.read()`` after ``poll()``); ``DEVNULL``
+    and open files are written to as a started process would."""
 
     def __init__(self, args, *, cwd=None, env=None, stdout=None, stderr=None, text=False, start_new_session=False,
                  stdin=None):
@@ -63,9 +79,8 @@ class Popen:
         for path in {out, err} - {None}:
             Path(path).touch()
         # not captured: the child writes where this process's stdout/stderr go now, as a started one would
-        inherit = f"/proc/{os.getpid()}/fd/"
-        to_stdout = out or inherit + "1"
-        to_stderr = to_stdout if stderr == subprocess.STDOUT else err or inherit + "2"
+        to_stdout = _destination(stdout, out, 1)
+        to_stderr = to_stdout if stderr == subprocess.STDOUT else _destination(stderr, err, 2)
         request = dict(script=self.args[1], argv=self.args[1:], cwd=str(cwd or os.getcwd()),
                        env=dict(os.environ if env is None else env), stdout=to_stdout, stderr=to_stderr,
                        new_session=start_new_session)
