@@ -13,7 +13,7 @@ import time
 import pytest
 from .launch_helpers import IMAGE_ID, REPO, base_args, launcher, signal_when_ready
 
-from megatron_vlm.launch.process import run_forwarding_signals
+from megatron_vlm.launch.process import AGENT_SIGNALS, run_agent_here, run_forwarding_signals
 from megatron_vlm.launch.torchrun import free_port
 from megatron_vlm.training.config import TrainConfig
 
@@ -100,6 +100,22 @@ def test_exit_code_and_signal_forwarding_of_the_process_runner(tmp_path):
     p.send_signal(signal.SIGINT)
     rest, _ = p.communicate(timeout=30)
     assert rest.strip() == "child got SIGINT" and p.returncode == 5
+
+
+def test_the_agent_run_in_this_process_leaves_its_environment_and_signal_handlers_as_they_were(tmp_path):
+    entry = tmp_path / "entry.py"
+    entry.write_text("import os, sys\n"
+                     "open(sys.argv[1], 'w').write(os.environ['MVLM_AGENT_X'] + ' ' + os.environ['LOCAL_RANK'])\n"
+                     "sys.exit(int(sys.argv[2]))\n")
+    handlers = {s: signal.getsignal(s) for s in AGENT_SIGNALS}
+    args = ["--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "1", "--rdzv_backend", "static",
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--max_restarts", "0", str(entry)]
+    assert run_agent_here([*args, str(tmp_path / "seen"), "0"], {"MVLM_AGENT_X": "from the launcher"}) == 0
+    assert (tmp_path / "seen").read_text() == "from the launcher 0"  # the rank inherited the environment
+    assert "MVLM_AGENT_X" not in os.environ
+    assert {s: signal.getsignal(s) for s in AGENT_SIGNALS} == handlers
+    assert run_agent_here([*args, str(tmp_path / "seen"), "3"], {"MVLM_AGENT_X": "again"}) == 1  # a failed rank
+    assert "MVLM_AGENT_X" not in os.environ and {s: signal.getsignal(s) for s in AGENT_SIGNALS} == handlers
 
 
 WRITER = """

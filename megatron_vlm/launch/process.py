@@ -23,13 +23,27 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+#: The signals torch's agent takes over while its ranks run (``TORCHELASTIC_SIGNALS_TO_HANDLE``'s default).
+AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 def run_agent_here(agent_args: list[str], env_add: Mapping[str, str] | None = None) -> int:
     """``python -m megatron_vlm.launch.elastic AGENT_ARGS`` with ``env_add`` on top of our environment, run in
-    this process (the launcher exits after it, so the environment is set in place: the ranks inherit it)."""
+    this process. The ranks inherit the environment; afterwards this process's environment and signal handlers
+    are as they were (torch's agent installs its own and leaves them)."""
     from megatron_vlm.launch import elastic
 
+    saved_env = dict(os.environ)
+    saved_handlers = {s: signal.getsignal(s) for s in AGENT_SIGNALS}
     os.environ.update(env_add or {})
-    return elastic.main(agent_args)
+    try:
+        return elastic.main(agent_args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for s, handler in saved_handlers.items():
+            if handler is not None:  # None: set outside Python, cannot be restored from here
+                signal.signal(s, handler)
 
 
 def run_forwarding_signals(argv: list[str], env_add: Mapping[str, str] | None = None,
