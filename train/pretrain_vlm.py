@@ -29,14 +29,12 @@ def main(argv=None):
     from megatron_vlm.cli import setup_logging, stderr_line
 
     setup_logging(cfg.verbose)
-    import torch
-
-    from megatron_vlm.runtime.distributed import teardown
+    from megatron_vlm.runtime.distributed import choose_device, teardown
     from megatron_vlm.runtime.lean_imports import skip_unused
     from megatron_vlm.training.trainer import train
 
     # before megatron-core's import: no Transformer Engine on a CPU rank, no wandb without --wandb
-    skip_unused("cpu" if cfg.device == "cpu" or not torch.cuda.is_available() else "cuda", cfg.wandb)
+    skip_unused(choose_device(cfg.device), cfg.wandb)
 
     try:
         train(cfg)
