@@ -590,6 +590,7 @@ FAILING_RANK = textwrap.dedent("""
     sys.modules["megatron_vlm.training.trainer"] = fake  # the rank fails inside train(), as a real one would
     dist = types.ModuleType("megatron_vlm.runtime.distributed")
     dist.teardown = lambda: None  # (spares the test importing megatron-core)
+    dist.choose_device = lambda device=None: "cpu"
     sys.modules["megatron_vlm.runtime.distributed"] = dist
     sys.exit(runpy.run_path({entry!r}, run_name="pretrain")["run"]())
 """)
@@ -642,6 +643,7 @@ RANK_FAULT = textwrap.dedent("""
     sys.modules["megatron_vlm.training.trainer"] = fake
     dist = types.ModuleType("megatron_vlm.runtime.distributed")
     dist.teardown = lambda: None
+    dist.choose_device = lambda device=None: "cpu"
     sys.modules["megatron_vlm.runtime.distributed"] = dist
     sys.exit(runpy.run_path({entry!r}, run_name="pretrain")["run"]())
 """)
