@@ -121,7 +121,6 @@ def hf_batch(b, image_token_id: int, tokens_per_image: int, pad_id: int) -> dict
 
 def hf_worker(a) -> None:
     """Runs in its own process (``--hf-worker``): trains the HF model, writes one JSON line per iteration."""
-    t0 = float(os.environ["BENCH_T0"])
     import torch
     import torch.nn.functional as F
     from transformers import LlavaForConditionalGeneration
@@ -183,7 +182,7 @@ def run_hf(a, work: Path, hf: Path, data: Path, precision: str = "fp32") -> dict
     cmd += [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in ("iters", "stage", "mbs", "gbs", "lr", "seq_length",
                                                                    "num_workers", "seed", "threads")]
     t0 = time.time()
-    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(thread_env(a.threads), BENCH_T0=str(t0)),
+    subprocess.run(cmd, check=True, cwd=ROOT, env=thread_env(a.threads),
                    stderr=None if a.verbose else subprocess.DEVNULL)
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     return summarize(rows, t0, a.warmup, step_flops(a, hf))
