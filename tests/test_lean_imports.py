@@ -1,11 +1,15 @@
 """megatron_vlm.runtime.lean_imports: which optional libraries a rank marks as not installed, and when."""
 
 import importlib
+import json
+import subprocess
 import sys
 
 import pytest
 
 from megatron_vlm.runtime.lean_imports import TRANSFORMER_ENGINE, WANDB, skip_unused, unused
+
+from .conftest import ROOT
 
 NAMES = ("megatron.core", TRANSFORMER_ENGINE, WANDB)
 
@@ -48,3 +52,33 @@ def test_nothing_is_marked_once_megatron_core_is_imported():
     before = {n: sys.modules.get(n, "absent") for n in (TRANSFORMER_ENGINE, WANDB)}
     assert skip_unused("cpu", wandb=False) == []
     assert {n: sys.modules.get(n, "absent") for n in (TRANSFORMER_ENGINE, WANDB)} == before
+
+
+# The rank entry point, run up to its skip_unused call: what it marks, with the real modules it imports first.
+ENTRY_PROBE = """
+import importlib.util, json, sys
+import megatron_vlm.runtime.lean_imports as lean_imports
+real = lean_imports.skip_unused
+def probe(device, wandb):
+    print(json.dumps({"megatron.core": "megatron.core" in sys.modules, "marked": real(device, wandb)}))
+    sys.exit(0)
+lean_imports.skip_unused = probe
+spec = importlib.util.spec_from_file_location("pretrain_vlm", "train/pretrain_vlm.py")
+entry = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(entry)
+entry.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_the_rank_entry_marks_them_before_anything_imports_megatron_core(tmp_path):
+    """train/pretrain_vlm.py imports the trainer, then skips: a module-level megatron-core import anywhere on that
+    path (the trainer, the config, the runtime) would make the skip a silent no-op."""
+    argv = ["--device", "cpu", "--data-path", str(tmp_path / "data"), "--tokenizer-load-dir", str(tmp_path / "tok"),
+            "--megatron-load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "out"),
+            "--train-iters", "2", "--seq-length", "64", "--image-token-id", "5", "--pad-token-id", "0"]
+    done = subprocess.run([sys.executable, "-c", ENTRY_PROBE, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"megatron.core": False,
+                                                                 "marked": [TRANSFORMER_ENGINE, WANDB]}
