@@ -102,14 +102,14 @@ def test_exit_code_and_signal_forwarding_of_the_process_runner(tmp_path):
         rest, _ = p.communicate(timeout=30)
     except subprocess.TimeoutExpired:  # (seen once in a full 3.12 run, not reproduced): say where the signal went
         report = _signal_states(p.pid)
-        for q in reversed(psutil_tree(p.pid)):
+        for q in reversed(_psutil_tree(p.pid)):
             q.kill()
         p.communicate()
         pytest.fail(f"SIGINT to the runner did not end its child within 30 s; signal state: {report}")
     assert rest.strip() == "child got SIGINT" and p.returncode == 5
 
 
-def psutil_tree(pid: int) -> list:
+def _psutil_tree(pid: int) -> list:
     import psutil
 
     root = psutil.Process(pid)
@@ -120,7 +120,7 @@ def _signal_states(pid: int) -> str:
     """Each process of ``pid``'s tree: its state, wait channel and signal masks (pending, blocked, caught) as
     /proc shows them."""
     lines = []
-    for q in psutil_tree(pid):
+    for q in _psutil_tree(pid):
         try:
             status = dict(line.split(":\t", 1) for line in open(f"/proc/{q.pid}/status").read().splitlines()
                           if ":\t" in line)
