@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from megatron_vlm.spec import VLMSpec
@@ -93,3 +95,11 @@ def signal_when_ready(p: subprocess.Popen, out_dir: Path, sig: int, ranks=(0, 1)
     p.send_signal(sig)
     log, _ = p.communicate(timeout=60)
     return log
+
+
+def kill9_tree(pid: int) -> None:
+    """kill -9 the launcher, torchrun and every rank at once (torchrun starts its own process groups)."""
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=30)

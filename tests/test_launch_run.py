@@ -10,8 +10,9 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
-from .launch_helpers import IMAGE_ID, REPO, base_args, launcher, signal_when_ready
+from .launch_helpers import IMAGE_ID, REPO, base_args, kill9_tree, launcher, signal_when_ready
 
 from megatron_vlm.launch.process import AGENT_SIGNALS, run_agent_here, run_forwarding_signals
 from megatron_vlm.launch.torchrun import free_port
@@ -102,25 +103,18 @@ def test_exit_code_and_signal_forwarding_of_the_process_runner(tmp_path):
         rest, _ = p.communicate(timeout=30)
     except subprocess.TimeoutExpired:  # (seen once in a full 3.12 run, not reproduced): say where the signal went
         report = _signal_states(p.pid)
-        for q in reversed(_psutil_tree(p.pid)):
-            q.kill()
+        kill9_tree(p.pid)
         p.communicate()
         pytest.fail(f"SIGINT to the runner did not end its child within 30 s; signal state: {report}")
     assert rest.strip() == "child got SIGINT" and p.returncode == 5
 
 
-def _psutil_tree(pid: int) -> list:
-    import psutil
-
-    root = psutil.Process(pid)
-    return [root, *root.children(recursive=True)]
-
-
 def _signal_states(pid: int) -> str:
     """Each process of ``pid``'s tree: its state, wait channel and signal masks (pending, blocked, caught) as
     /proc shows them."""
+    root = psutil.Process(pid)
     lines = []
-    for q in _psutil_tree(pid):
+    for q in [root, *root.children(recursive=True)]:
         try:
             status = dict(line.split(":\t", 1) for line in open(f"/proc/{q.pid}/status").read().splitlines()
                           if ":\t" in line)

@@ -8,13 +8,11 @@ partial last batch ends. tests/test_train_parallel.py asserts the step's numbers
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -26,6 +24,7 @@ from megatron_vlm.launch.torchrun import free_port
 from megatron_vlm.testing import forked_cli
 
 from .conftest import ROOT
+from .launch_helpers import kill9_tree
 from .slurm_cluster import start_cluster, stop
 
 pytestmark = pytest.mark.slow
@@ -88,14 +87,6 @@ def falls(ls: dict, factor=0.8):
     first = sum(ls[i]["loss"] for i in its[:3]) / 3
     last = sum(ls[i]["loss"] for i in its[-3:]) / 3
     assert last < factor * first, f"loss did not fall: first {first:.3f} last {last:.3f}"
-
-
-def kill9_tree(pid: int) -> None:
-    """kill -9 the launcher, torchrun and every rank at once (torchrun starts its own process groups)."""
-    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    for proc in procs:
-        proc.send_signal(signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=30)
 
 
 RESUME = ("--dist-optim", "--precision", "bf16", "--stage", "2", "--unfreeze-vit", "--global-batch-size", "8",
