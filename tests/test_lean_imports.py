@@ -56,17 +56,15 @@ def test_nothing_is_marked_once_megatron_core_is_imported():
 
 # The rank entry point, run up to its skip_unused call: what it marks, with the real modules it imports first.
 ENTRY_PROBE = """
-import importlib.util, json, sys
+import json, sys
 import megatron_vlm.runtime.lean_imports as lean_imports
+from tests.conftest import script
 real = lean_imports.skip_unused
 def probe(device, wandb):
     print(json.dumps({"megatron.core": "megatron.core" in sys.modules, "marked": real(device, wandb)}))
     sys.exit(0)
 lean_imports.skip_unused = probe
-spec = importlib.util.spec_from_file_location("pretrain_vlm", "train/pretrain_vlm.py")
-entry = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(entry)
-entry.main(sys.argv[1:])
+script("train/pretrain_vlm.py").main(sys.argv[1:])
 """
 
 
