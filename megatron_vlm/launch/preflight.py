@@ -488,13 +488,13 @@ def finished_iteration(cfg: TrainConfig) -> int | None:
 def check_resume_layout(cfg: TrainConfig) -> list[str]:
     """What the resumed checkpoint records (``ckpt_meta.json``) against this run, before ranks start (the ranks
     check it again): the data-parallel size (unless --reset-data-position), the optimizer state against the
-    parameters this run trains, and the learning-rate schedule (unless one of Megatron-LM's two scheduler
+    parameters this run trains, the loss objective (a resume keeps it), and the learning-rate schedule (unless one of Megatron-LM's two scheduler
     flags; not for a finished run, which is not started at all)."""
     if not storage.is_remote(cfg.checkpoint_dir) and not (Path(cfg.checkpoint_dir) / TRACKER_FILE).is_file():
         return []  # a new run: nothing to check, and no torch to import for it (~1.5 s of a CPU launch)
     try:  # torch is imported here; a bare host that launches into a container leaves this to the trainer
         from megatron_vlm import checkpoint as ckpt
-        from megatron_vlm.training import schedule
+        from megatron_vlm.training import objective, schedule
         from megatron_vlm.training.resume import check_data_position, optimizer_problem
 
         if ckpt.read_tracker(cfg.checkpoint_dir) is None:
@@ -505,6 +505,10 @@ def check_resume_layout(cfg: TrainConfig) -> list[str]:
         return []
     where = f"--save-dir/--name {cfg.checkpoint_dir}"
     problems = [optimizer_problem(cfg, meta, where)]
+    try:  # the objective the run was trained with (the ranks resolve it again; this only refuses early)
+        objective.resolve(cfg.loss_over_padded_vocab, meta.extra, where)
+    except ValueError as e:
+        problems.append(str(e))
     world = cfg.world_size
     if world % (cfg.tp * cfg.pp) == 0:
         problems.append(check_data_position(cfg, meta, world // (cfg.tp * cfg.pp), it_dir))

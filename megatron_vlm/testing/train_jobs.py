@@ -33,23 +33,37 @@ QUESTIONS = ["what colour is the shape ?", "describe the picture in a few words 
 ANSWERS = ["red", "a red square on a smooth gradient background", "a shape", "yes"]
 
 
-def variable_length_batches(hf_dir, n: int, size: int = 8) -> list[list]:
-    """``n`` global batches of ``size`` encoded samples of different lengths, the same on every call."""
+#: image sizes (h, w) the samples cycle through: anyres models tile them differently (one tile to a 2x2 grid)
+IMAGE_SIZES = [(40, 30), (20, 52), (64, 64), (12, 18)]
+
+
+def encoder_for(hf_dir, seq_length: int = BASE["seq_length"], spec: VLMSpec | None = None):
+    """The trainer's task encoder of ``hf_dir``'s architecture (plain LLaVA or anyres)."""
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+
+    spec = spec or VLMSpec.from_hf_dir(hf_dir)
+    return task_encoder_for(spec, hf_dir, seq_length, image_token_id=spec.image_token_id)
+
+
+def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BASE["seq_length"]) -> list[list]:
+    """``n`` global batches of ``size`` encoded samples of different lengths (and, for anyres models, image
+    sizes), the same on every call."""
     from megatron.energon import VQASample
     from PIL import Image
 
     from megatron_vlm.data.synthetic import image_array
-    from megatron_vlm.data.task_encoder import VLMTaskEncoder
 
-    enc = VLMTaskEncoder(hf_dir, BASE["seq_length"])
+    enc = encoder_for(hf_dir, seq_length)
+    sizes = IMAGE_SIZES if enc.spec.is_anyres else IMAGE_SIZES[:1]
     meta = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
     out = []
     for b in range(n):
         samples = []
         for i in range(size):
             j = (b + i) % len(QUESTIONS)
-            s = VQASample(__key__=f"{b}-{i}", image=Image.fromarray(image_array((40, 30), 8 * b + i)),
-                          context=QUESTIONS[j], answers=ANSWERS[(j + b) % len(ANSWERS)], answer_weights=None, **meta)
+            image = Image.fromarray(image_array(sizes[(b + i) % len(sizes)], 8 * b + i))
+            s = VQASample(__key__=f"{b}-{i}", image=image, context=QUESTIONS[j],
+                          answers=ANSWERS[(j + b) % len(ANSWERS)], answer_weights=None, **meta)
             samples.append(enc.encode_sample(s))
         out.append(samples)
     return out
@@ -91,23 +105,23 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     ``reload_weights=False`` the optimizer's main params are deliberately not refreshed, the defect the resume
     must avoid).
     """
-    from megatron_vlm.data.task_encoder import VLMTaskEncoder
     from megatron_vlm.training import batch_feed, checkpointing, resume
     from megatron_vlm.training.build import build_training
     from megatron_vlm.training.step import train_step
 
     iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
     spec = VLMSpec.load(iter_dir)
-    encoder = VLMTaskEncoder(hf_dir, BASE["seq_length"], image_token_id=spec.image_token_id)  # for batch() only
+    encoder = encoder_for(hf_dir, spec=spec)  # for batch() only
     out = []
     for job in jobs:
         steps = job.get("steps", len(global_batches) - job.get("start", 0))
         cfg = job_config(job, steps, len(global_batches[0]))
         rt = _setup(cfg)
-        training = build_training(cfg, spec, init_from=None if job.get("resume") else iter_dir)
-        if job.get("resume"):
+        if job.get("resume"):  # as the trainer: the plan (which fixes the loss objective) before the model
             plan = resume.plan(cfg, job["resume"], rt.tp, rt.pp, rt.dp)
             plan.load_data = False  # the job feeds its own batches
+        training = build_training(cfg, spec, init_from=None if job.get("resume") else iter_dir)
+        if job.get("resume"):
             if job.get("reload_weights", True):
                 resume.restore(training, plan)
             else:  # the defect: weights loaded, the optimizer's fp32 main params left as they were

@@ -2,6 +2,7 @@
 pipeline stage, wrapped for mixed precision (``Float16Module``: bf16/fp16 parameters, first-stage inputs such as
 pixel values cast to the compute dtype, last-stage outputs back to fp32), megatron-core's
 ``DistributedDataParallel`` (fp32 gradient buffers, per-token loss normalisation over the whole global batch),
+the loss objective (:mod:`.objective`: padded vocabulary rows masked out unless ``--loss-over-padded-vocab``),
 the mixed-precision or distributed optimizer (fp32 main parameters; loss scaling for fp16) and the learning-rate
 schedule.
 
@@ -92,7 +93,7 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     from megatron_vlm import fusions as fusions_mod
     from megatron_vlm import layer_impl
     from megatron_vlm.data.packing import check_packing_supported
-    from megatron_vlm.training import schedule
+    from megatron_vlm.training import objective, schedule
 
     dtype = compute_dtype(cfg)
     device = "cuda" if cfg.device == "cuda" else "cpu"
@@ -105,6 +106,7 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
         model.cuda()
     if init_from is not None:
         ckpt.load_model_weights(model, init_from)
+    objective.apply(model, spec.vocab_size, spec.padded_vocab_size, bool(cfg.loss_over_padded_vocab))
     trained = freeze(model, cfg)
     config = model.config
     wrapped = Float16Module(config, model) if dtype != torch.float32 else model

@@ -13,6 +13,7 @@ precision, distributed optimizer, samples consumed). On resume:
   and the iteration (deterministic, and logged with the samples consumed before it);
 - optimizer state covers the parameters the saving run trained (``extra["trained"]``): a run that trains others
   (stage 1's run directory resumed as stage 2) is refused, naming ``--name`` and ``--no-load-optim``;
+- the loss objective (padded vocabulary rows in the softmax or not) is the checkpoint's (:mod:`.objective`);
 - the learning-rate schedule is the checkpoint's (``extra["schedule"]``); another one needs
   ``--override-opt-param-scheduler`` or ``--use-checkpoint-opt-param-scheduler`` (:mod:`.schedule`).
 
@@ -27,7 +28,7 @@ import logging
 from dataclasses import dataclass, field
 
 from megatron_vlm import checkpoint as ckpt
-from megatron_vlm.training import checkpointing, schedule
+from megatron_vlm.training import checkpointing, objective, schedule
 
 log = logging.getLogger("megatron_vlm.train")
 
@@ -57,7 +58,8 @@ def layout_extra(cfg, dp: int, consumed_samples: int, scheduler=None) -> dict:
     ``scheduler``, its learning-rate schedule."""
     out = {"dp": dp, "precision": cfg.precision, "dist_optim": bool(cfg.dist_optim),
            "consumed_samples": int(consumed_samples), "global_batch_size": cfg.global_batch_size,
-           "stage": cfg.stage, "trained": [k for k, v in cfg.trained_parts.items() if v]}
+           "stage": cfg.stage, "trained": [k for k, v in cfg.trained_parts.items() if v],
+           objective.META_KEY: bool(cfg.loss_over_padded_vocab)}
     if scheduler is not None:
         out["schedule"] = schedule.saved(scheduler.state_dict())
     return out
@@ -103,6 +105,10 @@ def plan(cfg, iter_dir, tp: int, pp: int, dp: int) -> ResumePlan:
     problem = check_data_position(cfg, meta, dp, iter_dir)
     if problem:
         raise ResumeError(problem)
+    try:  # the run keeps the objective it was trained with (decided before the model is built)
+        cfg.loss_over_padded_vocab = objective.resolve(cfg.loss_over_padded_vocab, meta.extra, iter_dir)
+    except ValueError as e:
+        raise ResumeError(str(e)) from None
     iteration = int(meta.iteration)
     notes = []
     for refusal in (optimizer_problem(cfg, meta, iter_dir),

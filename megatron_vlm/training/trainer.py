@@ -99,7 +99,7 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
     """Model, optimizer and data for this rank: fresh from a checkpoint's weights, random, or resumed."""
     from megatron_vlm.data.loader import build_train_loader
     from megatron_vlm.data.anyres_encoder import task_encoder_for
-    from megatron_vlm.training import resume
+    from megatron_vlm.training import objective, resume
     from megatron_vlm.training.build import build_training
 
     _progress(rt, t_launch, f"{rt.world_size} rank(s) joined; reading the checkpoint's metadata")
@@ -124,6 +124,8 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
     if rt.rank == 0:
         log.info("transformer layers: %s (%s)%s", training.impl, training.impl_reason,
                  f"; FP8 {cfg.fp8_format}, recipe {cfg.fp8_recipe}" if cfg.fp8 else "")
+        log.info("loss: %s (vocabulary %d, padded to %d)", objective.describe(bool(cfg.loss_over_padded_vocab)),
+                 spec.vocab_size, spec.padded_vocab_size)
         log.info("precision %s (%s)", cfg.precision, "megatron Float16Module, fp32 main parameters in the "
                  "optimizer" if cfg.precision != "fp32" else "fp32 throughout")
         log.info("fusions: %s; overlap_grad_reduce=%s overlap_param_gather=%s", training.fusions.summary(),

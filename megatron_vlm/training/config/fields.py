@@ -179,6 +179,12 @@ class ConfigFields:
         ("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"), "On resume, keep the "
         "checkpoint's learning-rate schedule and ignore this command line's (Megatron-LM's flag); past the "
         "checkpoint's --train-iters the learning rate stays at its --min-lr.", "flag", False, "optim")
+    loss_over_padded_vocab: bool | None = _f(
+        ("--loss-over-padded-vocab",), "Take the loss's softmax over the padded vocabulary rows too (Megatron-LM's "
+        "objective, for bit-compatibility with Megatron-LM runs). Default: off, the padded rows (added by "
+        "make_vocab_size_divisible_by x TP) are masked out, so training optimises the model that is exported to HF. "
+        "A resume keeps the objective its checkpoint was trained with.", "tristate", None, "optim",
+        negative="--no-loss-over-padded-vocab")
     seq_length: int = _f(("--seq-length",), "Tokens per sample after image-token expansion (longer "
                          "samples are truncated).", "int", 2048, "optim")
     precision: str | None = _f(("--precision",), "Parameter/compute precision. Default: bf16 on cuda, "
