@@ -161,6 +161,35 @@ def pytest_sessionfinish(session, exitstatus):
     freeze_long_lived()  # the worker ends: no final full collection over every object it made
 
 
+#: The prefix of a skip that is not a missing check but a test that does not apply to this machine or lane (a CPU
+#: shim on a CUDA machine, a CPU-torch refusal in the CUDA-torch lane): :func:`not_here`. Under ``CI=true`` every
+#: other skip is a failure (:func:`pytest_runtest_makereport`), beside the ``gpu`` and ``te`` marker skips above.
+NOT_HERE = "does not apply here: "
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def not_here(why: str):
+    """Skip a test that does not apply on this machine or lane (allowed under CI, unlike other skips)."""
+    pytest.skip(NOT_HERE + why)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under ``CI=true`` a test that skips because it could not do its check fails instead: a missing tool, file
+    or capability must show as red, not as a quiet skip. Allowed: the ``gpu`` marker's skip (no GPU on CI), the
+    ``te`` marker's outside the Transformer Engine lane, and :func:`not_here`."""
+    outcome = yield
+    report = outcome.get_result()
+    if not CI or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    allowed = [m.kwargs.get("reason", "") for m in item.iter_markers("skip")]
+    if reason.removeprefix("Skipped: ").startswith(NOT_HERE) or any(a and a in reason for a in allowed):
+        return
+    report.outcome = "failed"
+    report.longrepr = f"skipped under CI=true, where every check must run: {reason}"
+
+
 def require_te() -> None:
     """In the Transformer Engine lane a missing or broken TE is a failure, not a skip: CI must show the TE
     tests ran."""
