@@ -108,6 +108,7 @@ def language_config(spec: VLMSpec, opts: ModelOptions):
         layernorm_epsilon=spec.norm_epsilon,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
         gated_linear_unit=True,
         activation_func=F.silu,
         pipeline_model_parallel_size=opts.pp,
@@ -170,11 +171,13 @@ def projection_config(spec: VLMSpec, opts: ModelOptions):
     )
 
 
-def layer_specs(use_te: bool):
+def layer_specs(use_te: bool, qk_layernorm: bool = False):
     """(language, vision, projector) layer specs; the ViT attention is bidirectional like CLIP/SigLIP.
 
     The local language layers use megatron-core's WrappedTorchNorm (torch RMSNorm): its local spec picks apex's
-    FusedLayerNorm whenever apex imports, and that refuses RMSNorm.
+    FusedLayerNorm whenever apex imports, and that refuses RMSNorm. ``qk_layernorm`` (Qwen3): megatron-core's
+    per-head RMSNorm of queries and keys (``q_layernorm``/``k_layernorm``, over ``kv_channels``), as HF's
+    ``q_norm``/``k_norm``.
     """
     from megatron.core.models.multimodal import llava_spec
     from megatron.core.models.vision import vit_layer_specs
@@ -184,13 +187,13 @@ def layer_specs(use_te: bool):
     if use_te:
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
 
-        language = llava_spec.decoder_model_with_transformer_engine_default_spec()
+        language = llava_spec.decoder_model_with_transformer_engine_default_spec(qk_layernorm=qk_layernorm)
         vision = vit_layer_specs.get_vit_layer_with_transformer_engine_spec()
         projector = MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear)
     else:
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-        language = llava_spec.decoder_model_with_local_default_spec()
+        language = llava_spec.decoder_model_with_local_default_spec(qk_layernorm=qk_layernorm)
         vision = vit_layer_specs.get_vit_layer_with_local_spec()
         projector = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     vision = copy.deepcopy(vision)
@@ -201,6 +204,9 @@ def layer_specs(use_te: bool):
         language = copy.deepcopy(language)
         language.submodules.input_layernorm = WrappedTorchNorm
         language.submodules.pre_mlp_layernorm = WrappedTorchNorm
+        if qk_layernorm:
+            language.submodules.self_attention.submodules.q_layernorm = WrappedTorchNorm
+            language.submodules.self_attention.submodules.k_layernorm = WrappedTorchNorm
         # Save local layer norms under the Transformer Engine names, as megatron's GPT local spec does, so
         # a torch_dist checkpoint loads into either spec (convert on CPU, train with TE on GPU).
         for layer_spec in (language, vision):
@@ -257,7 +263,7 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=True)
-    lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te)
+    lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te, spec.qk_layernorm)
     lang_cfg = language_config(spec, opts)
     if not opts.use_te:  # megatron's block would pick apex's FusedLayerNorm (no RMSNorm) as final norm
         from megatron.core.transformer.torch_norm import WrappedTorchNorm

@@ -17,8 +17,12 @@ from pathlib import Path
 from typing import Any
 
 SPEC_FILE = "vlm_spec.json"
-SUPPORTED_TEXT = ("llama", "mistral", "qwen2")
-SUPPORTED_VISION = ("clip", "siglip")
+SUPPORTED_TEXT = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_VISION = ("clip", "siglip")  # SigLIP2 fixed-resolution checkpoints are model_type 'siglip'
+NAFLEX_REFUSAL = ("{where} has model_type 'siglip2' (SigLIP2 NaFlex: patches at each image's own resolution and "
+                  "aspect ratio, with a position-embedding resize per image), which LLaVA's fixed-size tiles cannot "
+                  "feed; use a fixed-resolution SigLIP2 checkpoint (model_type 'siglip', e.g. "
+                  "google/siglip2-so400m-patch14-384)")
 # HF model_type -> (config class, model class) in transformers; anyres archs carry grid pinpoints + image_newline.
 ARCHS = {
     "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
@@ -52,6 +56,7 @@ class VLMSpec:
     max_position_embeddings: int
     vocab_size: int  # rows of the HF embedding (tokenizer size, plus any padding build_llava added)
     qkv_bias: bool = False
+    qk_layernorm: bool = False  # Qwen3: RMSNorm of each query/key head (megatron-core's qk_layernorm)
     tie_word_embeddings: bool = False
     rope_scaling_factor: float | None = None  # Llama-3 scaling (megatron's fixed low/high/original params)
     sliding_window: int | None = None
@@ -158,6 +163,8 @@ class VLMSpec:
                 f"language model type {t.model_type!r} is not supported; supported: {', '.join(SUPPORTED_TEXT)}"
             )
         vfam = v.model_type.replace("_vision_model", "")
+        if vfam == "siglip2":
+            raise UnsupportedArchitectureError(NAFLEX_REFUSAL.format(where="the vision model"))
         if vfam not in SUPPORTED_VISION:
             raise UnsupportedArchitectureError(
                 f"vision model type {v.model_type!r} is not supported; supported: {', '.join(SUPPORTED_VISION)}"
@@ -184,7 +191,7 @@ class VLMSpec:
         elif rope_type not in ("default", None):
             raise UnsupportedArchitectureError(f"rope scaling type {rope_type!r} is not supported (default, llama3)")
         sliding = getattr(t, "sliding_window", None)
-        if t.model_type == "qwen2" and not getattr(t, "use_sliding_window", False):
+        if t.model_type in ("qwen2", "qwen3") and not getattr(t, "use_sliding_window", False):
             sliding = None
         vact = v.hidden_act
         if vact not in ("quick_gelu", "gelu_pytorch_tanh", "gelu"):
@@ -218,6 +225,7 @@ class VLMSpec:
             max_position_embeddings=t.max_position_embeddings,
             vocab_size=t.vocab_size,
             qkv_bias=t.model_type == "qwen2",
+            qk_layernorm=t.model_type == "qwen3",
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False) or getattr(t, "tie_word_embeddings", False)),
             rope_scaling_factor=rope_factor,
             sliding_window=sliding,
@@ -315,11 +323,8 @@ class VLMSpec:
         return cls.from_json(path.read_text())
 
     # ---- parallelism checks -----------------------------------------------------------------------
-    def check_parallelism(self, tp: int, pp: int, pp_layers: list[int] | None = None) -> list[int]:
-        """Validate TP/PP against the shapes; return the number of language layers per PP stage."""
-        if tp < 1 or pp < 1:
-            raise ParallelismError(f"--tp {tp} / --pp {pp} must be >= 1")
-        checks = [
+    def _tp_divides(self) -> tuple[tuple[str, int, str], ...]:
+        return (
             ("num_attention_heads", self.num_attention_heads, "language model"),
             ("num_query_groups (num_key_value_heads)", self.num_query_groups, "language model"),
             ("ffn_hidden_size (intermediate_size)", self.ffn_hidden_size, "language model"),
@@ -327,8 +332,23 @@ class VLMSpec:
             ("ffn_hidden_size (intermediate_size)", self.vision_ffn_hidden_size, "vision model"),
             ("hidden_size (projector)", self.hidden_size, "projector"),
             ("padded vocab size", self.padded_vocab_size, "language model"),
-        ]
+        )
+
+    def largest_tp(self) -> int:
+        """The largest tensor-parallel size the shapes allow (every split in :meth:`check_parallelism`)."""
+        return max(t for t in range(1, self.num_query_groups + 1) if all(v % t == 0 for _, v, _ in self._tp_divides()))
+
+    def check_parallelism(self, tp: int, pp: int, pp_layers: list[int] | None = None) -> list[int]:
+        """Validate TP/PP against the shapes; return the number of language layers per PP stage."""
+        if tp < 1 or pp < 1:
+            raise ParallelismError(f"--tp {tp} / --pp {pp} must be >= 1")
+        checks = self._tp_divides()
         for name, value, where in checks:
+            if name.startswith("num_query_groups") and tp > value:
+                raise ParallelismError(
+                    f"--tp {tp} is larger than the {value} KV heads (num_key_value_heads) of the language model: "
+                    f"megatron-core gives each TP rank whole KV heads; the largest --tp that works is "
+                    f"{self.largest_tp()}")
             if value % tp:
                 raise ParallelismError(
                     f"tp={tp} does not divide {name}={value} of {where}; choose --tp from "

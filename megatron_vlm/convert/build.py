@@ -25,7 +25,7 @@ import torch
 
 from megatron_vlm.atomic import atomic_dir
 from megatron_vlm.chat_template import choose_chat_template
-from megatron_vlm.spec import SUPPORTED_TEXT, SUPPORTED_VISION, UnsupportedArchitectureError
+from megatron_vlm.spec import NAFLEX_REFUSAL, SUPPORTED_TEXT, SUPPORTED_VISION, UnsupportedArchitectureError
 from megatron_vlm.tokenizer import (DEFAULT_IMAGE_TOKEN, DEFAULT_VIDEO_TOKEN, DEFAULT_VOCAB_PADDING, add_vlm_tokens,
                                     embedding_rows)
 
@@ -39,6 +39,8 @@ def _vision_family(vision_dir: Path) -> str:
 
     cfg = AutoConfig.from_pretrained(str(vision_dir))
     family = cfg.model_type.replace("_vision_model", "")
+    if family == "siglip2":
+        raise UnsupportedArchitectureError(NAFLEX_REFUSAL.format(where=f"vision model {vision_dir}"))
     if family not in SUPPORTED_VISION:
         raise UnsupportedArchitectureError(
             f"vision model {vision_dir} has model_type {cfg.model_type!r}; supported: "

@@ -86,6 +86,9 @@ def _language_rules(spec: VLMSpec) -> list[Rule]:
                  "gated", "gated", **at),
             Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), split="row", **at),
         ]
+        if spec.qk_layernorm:  # Qwen3: RMSNorm over each head's kv_channels, shared by all heads
+            rules += [Rule(m + f"self_attention.{x}_layernorm.weight", (h + f"self_attn.{x}_norm.weight",), **at)
+                      for x in "qk"]
         if spec.qkv_bias:
             rules.append(Rule(m + "self_attention.linear_qkv.bias",
                               tuple(h + f"self_attn.{x}_proj.bias" for x in "qkv"), "qkv", "column", **at, **qkv))

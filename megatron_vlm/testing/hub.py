@@ -17,6 +17,7 @@ LLAVA_15 = "llava-hf__llava-1.5-7b-hf"
 ONEVISION_QWEN2 = "lmms-lab__llava-onevision-qwen2-7b-ov"
 SIGLIP_SO400M = "google__siglip-so400m-patch14-384"
 VICUNA_15 = "lmsys__vicuna-7b-v1.5"
+QWEN3_4B = "Qwen__Qwen3-4B-Instruct-2507"  # config + tokenizer_config; vocab/merges are ONEVISION_QWEN2's
 
 
 def hub_root() -> Path:

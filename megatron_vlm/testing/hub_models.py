@@ -121,3 +121,30 @@ def llava15_model(out_dir, image_size: int | None = None, seed: int = 0) -> Path
     _randomize_norms(model, seed)
     model.save_pretrained(str(out))
     return out
+
+
+#: Qwen3 shrunk: head_dim stays independent of hidden/heads (4 heads of 32 in a hidden size of 64; Qwen3-4B has 32
+#: heads of 128 in 2560)
+QWEN3_SMALL = dict(SMALL_TEXT, head_dim=32)
+
+
+def qwen3_text_model(out_dir, seed: int = 0, tie_word_embeddings: bool | None = None, **overrides) -> Path:
+    """Qwen/Qwen3-4B-Instruct-2507's config shrunk in size only (hidden 64, 4 heads of ``head_dim`` 32, 2 KV heads,
+    2 layers; q/k RMSNorm per head, rope_theta 5e6, 151,936 embedding rows, tied embeddings), with its
+    ``tokenizer_config.json`` (thinking chat template, 26 added tokens) over the Qwen2 ``vocab.json`` and
+    ``merges.txt`` it shares (from lmms-lab's OneVision folder): 151,669 tokens. ``tie_word_embeddings=False``
+    gives the 8B-and-up layout (a separate ``lm_head``)."""
+    from transformers import Qwen3Config
+
+    src, out = hub.hub_model_dir(hub.QWEN3_4B), Path(out_dir)
+    copy_token_files(hub.hub_model_dir(hub.ONEVISION_QWEN2), out, ("vocab.json", "merges.txt"))
+    copy_token_files(src, out, ("tokenizer_config.json",))
+    real = json.loads((src / "config.json").read_text())
+    real.update(QWEN3_SMALL)
+    if tie_word_embeddings is not None:
+        real["tie_word_embeddings"] = tie_word_embeddings
+    real.update(overrides)
+    cfg = Qwen3Config(**{k: v for k, v in real.items() if k not in ("architectures", "model_type", "torch_dtype",
+                                                                     "transformers_version")})
+    _save_random_lm(cfg, out, seed)
+    return out
