@@ -26,7 +26,7 @@ from megatron_vlm.spec import VLMSpec
 from megatron_vlm.testing import forked_cli
 
 from .conftest import ROOT
-from .test_train import falls, losses, run
+from .train_helpers import falls, losses, run
 
 pytestmark = pytest.mark.slow
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron.energon import SkipSample, VQASample
-from PIL import Image
 
-from megatron_vlm.data.conversation import split_placeholders, vqa_messages
 from megatron_vlm.data.sample import ConversationSample
-from megatron_vlm.data.synthetic import image_array
 from megatron_vlm.data.task_encoder import VLMBatch, VLMTaskEncoder
 from tests.data_fixtures import tiny_llava
+
+from .conversation_helpers import CONVERSATIONS, asst, pil, user
 
 FAMILIES = [("llama", "clip"), ("qwen2", "siglip")]
 
@@ -19,28 +18,6 @@ FAMILIES = [("llama", "clip"), ("qwen2", "siglip")]
 @pytest.fixture(params=FAMILIES, ids=lambda p: "-".join(p))
 def encoder(request, tmp_path_factory):
     return VLMTaskEncoder(tiny_llava(tmp_path_factory, *request.param), seq_length=256)
-
-
-def pil(seed, size=(45, 30)):
-    return Image.fromarray(image_array(size, seed))
-
-
-def user(text):
-    return {"role": "user", "content": split_placeholders(text)}
-
-
-def asst(text):
-    return {"role": "assistant", "content": [{"type": "text", "text": text}]}
-
-
-CONVERSATIONS = {
-    "vqa": (vqa_messages("what colour is the shape ?", "red"), 1),
-    "multi_turn": ([user("<image>\nwhat shape is it ?"), asst("a square"), user("where is it ?"),
-                    asst("top left corner"), user("how many ?"), asst("one")], 1),
-    "text_only": ([{"role": "system", "content": [{"type": "text", "text": "answer in one word"}]},
-                   user("say yes please"), asst("yes")], 0),
-    "two_images": ([user("<image>\n<image>\nwhich is red ?"), asst("the first one")], 2),
-}
 
 
 def answer_spans(enc, out) -> list[str]:

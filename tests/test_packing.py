@@ -131,7 +131,7 @@ def test_packing_is_refused_for_anyres_models(tmp_path_factory):
 def test_truncation_never_packs_a_partial_image(tmp_path_factory):
     """A conversation whose second image would cross --seq-length keeps its first image whole and loses the
     second (text cut before it, pixels dropped); the pack counts exactly the image positions that remain."""
-    from tests.test_data_task_encoder import asst, pil, user
+    from tests.conversation_helpers import asst, pil, user
 
     enc = PackingTaskEncoder(tiny_llava(tmp_path_factory), seq_length=80, packed_seq_length=96)
     k = enc.tokens_per_image

@@ -18,7 +18,7 @@ from megatron_vlm.training.config import ConfigError, TrainConfig
 
 from .conftest import ROOT
 from .launch_helpers import base_args
-from .test_train import args, losses, run, setup  # noqa: F401  (setup is the module fixture reused here)
+from .train_helpers import args, losses, run, setup  # noqa: F401  (setup is the module fixture reused here)
 
 BUCKET, PROFILE = "vlm-bucket", "s3test"
 

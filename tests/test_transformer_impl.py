@@ -84,7 +84,7 @@ def test_padded_text_length_arithmetic():
 
 
 def test_batch_pads_image_expanded_length(tmp_path_factory):
-    from tests.test_data_task_encoder import CONVERSATIONS, pil
+    from tests.conversation_helpers import CONVERSATIONS, pil
 
     hf = tiny_llava(tmp_path_factory, "llama", "clip")
     plain = VLMTaskEncoder(hf, seq_length=256)

@@ -24,7 +24,7 @@ from megatron_vlm.convert.verify import load_hf_model, verify_checkpoint
 from megatron_vlm.testing import forked_cli
 
 from .conftest import ROOT, script
-from .test_train import falls, losses, run
+from .train_helpers import falls, losses, run
 
 pytestmark = pytest.mark.slow
 
