@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import CI, ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: Pages the guides link to that other work in progress writes (issue 38: the model support table, the packing
@@ -133,7 +133,7 @@ def test_relative_links_and_anchors_resolve(page):
     problems, pending = link_problems(page)
     assert not problems, "\n".join(problems)
     if pending:
-        if os.environ.get("CI") == "true":
+        if CI:
             pytest.fail("\n".join(pending), pytrace=False)
         pytest.skip("; ".join(pending))
 
