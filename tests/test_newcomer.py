@@ -108,6 +108,16 @@ def test_the_readme_path_with_a_qwen2_instruct_shaped_lm(tmp_path, capsys):
     assert rc == 0, log[-4000:]
     assert "the chat template closes assistant turns with '<|im_end|>'" in log
     assert (runs / "stage1" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    # stage 1 trained the projector alone: its export differs from the built model in the projector only
+    import torch
+
+    from megatron_vlm.convert.hf_io import HFReader
+
+    cli(capsys, "convert/megatron_to_hf.py", "--megatron-dir", runs / "stage1", "--hf-dir", tmp_path / "stage1-hf")
+    built, s1 = HFReader(hf), HFReader(tmp_path / "stage1-hf")
+    assert built.names() == s1.names()
+    changed = {n for n in built.names() if not torch.equal(built.get(n).to(s1.get(n).dtype), s1.get(n))}
+    assert changed and all("multi_modal_projector" in n for n in changed), sorted(changed)
 
     # 5. stage 2 from stage 1's run, DP=2 with the distributed optimizer
     stage2 = (*common, "--tp", "1", "--stage", "2", "--megatron-load-dir", runs / "stage1", "--name", "stage2",

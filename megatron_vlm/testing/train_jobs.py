@@ -95,8 +95,8 @@ def _setup(cfg):
 
 
 def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list]) -> list | None:
-    """Run each job; returns per job {'loss': [...], 'grad_norm': [...], 'readers': [global ranks that read
-    data]} (on rank 0; None elsewhere).
+    """Run each job; returns per job {'loss': [...], 'grad_norm': [...] (None: a skipped fp16 step),
+    'loss_scale': [...], 'readers': [global ranks that read data]} (on rank 0; None elsewhere).
 
     Job keys: TrainConfig fields (tp, pp, precision, dist_optim, micro_batch_size, overlap_grad_reduce, ...),
     plus ``steps`` (default: all global batches), ``start`` (the first global batch, default 0), ``save`` (a
@@ -127,7 +127,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             else:  # the defect: weights loaded, the optimizer's fp32 main params left as they were
                 checkpointing.load(plan.iter_dir, training.model, training.optimizer, training.scheduler, False,
                                    with_rng=False, with_data=False)
-        losses, norms = [], []
+        losses, norms, scales = [], [], []
         first = job.get("start", 0)
         # as the trainer: only the ranks batch_feed.reads_data names read (batch) the data; distribute() hands
         # it to the other TP ranks of the first/last stage
@@ -138,6 +138,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             r = train_step(training, batch_feed.distribute(mine, rt.device), cfg, rt.device)
             losses.append(r.loss)
             norms.append(r.grad_norm)
+            scales.append(r.loss_scale)
         if job.get("save"):
             meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp),
                                        dtype=str(training.dtype).replace("torch.", ""))
@@ -148,7 +149,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
                                total_limit=None)
         readers: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(readers, reads)
-        out.append({"name": job.get("name"), "loss": losses, "grad_norm": norms,
+        out.append({"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
                     "readers": [r for r, x in enumerate(readers) if x]})
         del training
         gc.collect()

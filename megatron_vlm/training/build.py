@@ -122,6 +122,8 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
         adam_beta2=cfg.adam_beta2, clip_grad=cfg.clip_grad, bf16=cfg.precision == "bf16",
         fp16=cfg.precision == "fp16", params_dtype=dtype, use_distributed_optimizer=cfg.dist_optim,
+        loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale, min_loss_scale=cfg.min_loss_scale,
+        loss_scale_window=cfg.loss_scale_window, hysteresis=cfg.hysteresis,
         overlap_param_gather=cfg.overlap_param_gather,
     )
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])

@@ -29,6 +29,7 @@ class StepResult:
     samples: int
     tokens: int
     images: int
+    loss_scale: float = 1.0  # the loss scale the step ran at (fp16; 1 otherwise)
 
     @property
     def loss(self) -> float:
@@ -86,6 +87,7 @@ def train_step(training, batches: list, cfg, device) -> StepResult:
     ddp, optimizer = training.ddp, training.optimizer
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
+    scale = float(optimizer.get_loss_scale())
     losses = get_forward_backward_func()(
         forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
         num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
@@ -102,7 +104,8 @@ def train_step(training, batches: list, cfg, device) -> StepResult:
                           device=device, dtype=torch.float64)
     torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
     samples, tokens, images = (int(c) for c in counts.tolist())
-    return StepResult(total[0].item(), total[1].item(), float(grad_norm) if ok else None, samples, tokens, images)
+    return StepResult(total[0].item(), total[1].item(), float(grad_norm) if ok else None, samples, tokens, images,
+                      scale)
 
 
 def pad_micro_batch(batch, micro_batch_size: int, image_token_id):

@@ -231,6 +231,9 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
             metrics.step(iteration, 0.0, 0.0, 0, 0, 0, training.lr(), None, skipped=True)
         else:
             r = step.train_step(training, batches, cfg, rt.device)
+            if r.grad_norm is None and rt.rank == 0:  # fp16: megatron's scaler found inf/nan gradients
+                log.warning("iteration %d skipped: fp16 gradients overflowed at loss scale %g; the scaler backs off "
+                            "(loss scale now %g)", iteration, r.loss_scale, training.optimizer.get_loss_scale().item())
             metrics.step(iteration, r.loss_sum, r.loss_tokens, r.samples, r.tokens, r.images, training.lr(),
                          r.grad_norm)
         if cfg.eval_iters > 0 and (iteration % cfg.eval_interval == 0 or iteration == cfg.train_iters):

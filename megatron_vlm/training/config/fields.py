@@ -189,6 +189,18 @@ class ConfigFields:
                          "samples are truncated).", "int", 2048, "optim")
     precision: str | None = _f(("--precision",), "Parameter/compute precision. Default: bf16 on cuda, "
                                "fp32 on cpu.", "choice", None, "optim", choices=("bf16", "fp16", "fp32"))
+    loss_scale: float | None = _f(
+        ("--loss-scale",), "With --precision fp16: a static loss scale (a power of 2). Default: dynamic loss scaling "
+        "(--initial-loss-scale, halved after --hysteresis overflowing steps, which are skipped; doubled after "
+        "--loss-scale-window steps without one).", "float", None, "optim")
+    initial_loss_scale: float = _f(("--initial-loss-scale",), "With fp16 and dynamic loss scaling: the first "
+                                   "loss scale (Megatron-LM's default, 2^32).", "float", 2.0 ** 32, "optim")
+    min_loss_scale: float = _f(("--min-loss-scale",), "With fp16 and dynamic loss scaling: the smallest loss "
+                               "scale.", "float", 1.0, "optim")
+    loss_scale_window: int = _f(("--loss-scale-window",), "With fp16 and dynamic loss scaling: steps without an "
+                                "overflow before the loss scale doubles.", "int", 1000, "optim")
+    hysteresis: int = _f(("--hysteresis",), "With fp16 and dynamic loss scaling: overflowing steps before the loss "
+                         "scale is halved (each is skipped).", "int", 2, "optim")
     fp8: bool = _f(("--fp8",), "FP8 matmuls through Transformer Engine (needs transformer_engine and a "
                    "GPU of compute capability 8.9 or newer).", "bool", False, "optim")
     fp8_recipe: str = _f(("--fp8-recipe",), "FP8 scaling recipe with --fp8 (megatron-core's): delayed, tensorwise "

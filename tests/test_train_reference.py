@@ -1,0 +1,165 @@
+"""The trainer against HF's own model, at the layouts users run: two parallel dimensions above 1 at once.
+
+Three global batches of eight samples of different lengths (OneVision: images of four sizes, one to four tiles
+plus the base image) are trained with the trainer's own parts (``build_training``, ``train_step``: megatron-core's
+schedules, DDP, optimizers) and, outside megatron, by HF ``LlavaForConditionalGeneration`` /
+``LlavaOnevisionForConditionalGeneration`` with ``labels`` and ``torch.optim.AdamW`` on the same samples
+(:mod:`megatron_vlm.testing.hf_reference`). fp32, stage 1 (projector only) and stage 2 (language model and
+projector): every step's loss and gradient norm equal HF's to a relative 1e-5, at TP1 and in one 4-rank world at
+TP2 x DP2 (distributed optimizer), TP2 x PP2 and PP2 x DP2. Both tiny models pad their 320-entry vocabulary to
+384 rows: with ``--loss-over-padded-vocab`` (Megatron-LM's objective) the first loss is not HF's, which shows the
+comparison sees the padded rows.
+
+bf16 trains nine steps at the three 4-rank layouts and at TP1; their losses and grad norms are compared with the
+bf16 TP1 run's step by step (losses within 0.5%, grad norms within 5%: see BF16_LOSS_RTOL). A checkpoint saved after step 1 at TP2 x PP2 resumes at
+PP2 x DP2 and at TP2 x DP2 (``--reset-data-position``; the optimizer state of a run without the distributed
+optimizer) and continues as HF does; at its own layout it continues bit-exactly.
+
+fp16 with megatron-core's dynamic loss scaling trains on CPU too: an overflowing first step is skipped, the scale
+backs off, and a resume continues bit-exactly (loss, grad norm and loss scale).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+from megatron_vlm.runtime.spawn import run_world
+from megatron_vlm.testing import hf_reference
+from megatron_vlm.testing.train_jobs import job_config, train_jobs, variable_length_batches
+
+pytestmark = pytest.mark.slow
+
+RTOL = 1e-5
+#: bf16 layouts against the bf16 TP1 run, step by step. bf16 keeps 8 significant bits: one rounding is a relative
+#: 2^-8 = 0.4%. The layouts round at different places (TP adds partial matmul outputs in bf16, PP and DP split the
+#: batch, so sums run in other orders), and the differences grow with each AdamW step. Measured over nine steps at
+#: the three 4-rank layouts (closing note of issue 34): losses within 0.045% (a loss averages hundreds of token
+#: losses, so roundings average out), grad norms within 2.6% (a norm is dominated by a few large gradients, and a
+#: gradient is a difference of rounded terms). The bounds are twice (grad norm) and ten times (loss) those:
+#: a wrong layout moves far more (a dropped micro batch changes a step's loss by percents, a gradient not averaged
+#: over DP doubles the grad norm).
+BF16_LOSS_RTOL = 0.005
+BF16_GRAD_RTOL = 0.05
+FP16_SCALE = 2048.0
+STAGES = {1: dict(stage=1, freeze_lm=True, freeze_vit=True), 2: dict(stage=2, freeze_lm=False, freeze_vit=True)}
+LAYOUTS = {
+    "tp2dp2": dict(tp=2, micro_batch_size=2, dist_optim=True),
+    "tp2pp2": dict(tp=2, pp=2, micro_batch_size=2),
+    "pp2dp2": dict(pp=2, micro_batch_size=2),
+}
+
+
+@pytest.fixture(scope="module")
+def models(hf_models, tmp_path_factory):
+    from megatron_vlm.testing.tiny import make_tiny_onevision
+
+    root = tmp_path_factory.mktemp("reference")
+    out = {}
+    for name, hf in (("llava", hf_models["llama_clip"]), ("onevision", make_tiny_onevision(root / "ov"))):
+        out[name] = dict(hf=hf, meg=convert_hf_to_megatron(hf, root / name / "meg", tp=1),
+                         batches=variable_length_batches(hf, 3))
+    out["root"] = root
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(models):
+    """name -> {loss, grad_norm} of the trainer's jobs (1-rank and 4-rank worlds) and of HF."""
+    root = models["root"]
+    out = {}
+    for m in ("llava", "onevision"):
+        hf, meg, gbs = models[m]["hf"], models[m]["meg"], models[m]["batches"]
+        one = [dict(name=f"{m}-s{s}-tp1", micro_batch_size=4, steps=3, **STAGES[s]) for s in STAGES]
+        one.append(dict(name=f"{m}-s2-megatron-objective", micro_batch_size=8, steps=1, loss_over_padded_vocab=True,
+                        **STAGES[2]))
+        four = [dict(name=f"{m}-s{s}-{lay}", steps=3, **kw, **STAGES[s]) for s in STAGES for lay, kw in LAYOUTS.items()]
+        if m == "llava":  # bf16 over nine steps, and resume between layouts
+            long = gbs * 3
+            one.append(dict(name="bf16-tp1", micro_batch_size=4, precision="bf16", steps=9, **STAGES[2]))
+            # fp16 with dynamic loss scaling: one micro batch of eight samples (a per-token loss is a sum over its
+            # tokens) overflows at 2048 on the first step, and trains at 1024
+            fp16 = dict(micro_batch_size=8, precision="fp16", initial_loss_scale=FP16_SCALE, hysteresis=1,
+                        **STAGES[2])
+            one += [dict(name="fp16", steps=4, **fp16), dict(name="fp16-save", steps=2, save=str(root / "fp16"), **fp16),
+                    dict(name="fp16-resume", start=2, steps=2, resume=str(root / "fp16" / "iter_0000002"), **fp16)]
+            four += [dict(name=f"bf16-{lay}", precision="bf16", steps=9, **kw, **STAGES[2])
+                     for lay, kw in LAYOUTS.items()]
+            saved = root / "tp2pp2-run"
+            four += [dict(name="save-tp2pp2", steps=1, save=str(saved), **LAYOUTS["tp2pp2"], **STAGES[2]),
+                     *[dict(name=f"resume-{lay}", start=1, steps=2, resume=str(saved / "iter_0000001"),
+                            reset_data_position=True, **{**kw, "dist_optim": False}, **STAGES[2])
+                       for lay, kw in LAYOUTS.items()]]
+        else:
+            long = gbs
+        for r in run_world(train_jobs, 1, one, meg, hf, long)[0] + run_world(train_jobs, 4, four, meg, hf, long)[0]:
+            out[r["name"]] = r
+        for s in STAGES:
+            cfg = job_config(STAGES[s], 3, len(gbs[0]))
+            out[f"{m}-s{s}-hf"] = hf_reference.train(hf, gbs, cfg)
+    for name, r in sorted(out.items()):  # the numbers of the closing note (pytest -s)
+        print(f"{name}: loss {r['loss']} grad norm {r['grad_norm']}")
+    return out
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def close(a: list, b: list, rtol: float) -> bool:
+    return all(rel(x, y) <= rtol for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("layout", ["tp1", *LAYOUTS])
+@pytest.mark.parametrize("stage", list(STAGES))
+@pytest.mark.parametrize("model", ["llava", "onevision"])
+def test_loss_and_grad_norm_equal_hf_for_three_adamw_steps(runs, model, stage, layout):
+    """Step 1 is the loss and gradient of the same weights; steps 2-3 follow AdamW updates on both sides."""
+    r, ref = runs[f"{model}-s{stage}-{layout}"], runs[f"{model}-s{stage}-hf"]
+    assert close(r["loss"], ref["loss"], RTOL), (r["loss"], ref["loss"])
+    assert close(r["grad_norm"], ref["grad_norm"], RTOL), (r["grad_norm"], ref["grad_norm"])
+
+
+@pytest.mark.parametrize("model", ["llava", "onevision"])
+def test_megatron_lm_objective_softmaxes_over_padded_rows(runs, model):
+    """The control: with the padded rows in the softmax the first loss is HF's plus the padded rows' share
+    (zero logits after conversion: log(1 + 64 e^0 / sum e^logit) per token), clearly above HF's."""
+    megatron, ref = runs[f"{model}-s2-megatron-objective"]["loss"][0], runs[f"{model}-s2-hf"]["loss"][0]
+    assert megatron > ref * (1 + 1e-3), (megatron, ref)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_bf16_layouts_follow_the_bf16_tp1_run(runs, layout):
+    r, ref = runs[f"bf16-{layout}"], runs["bf16-tp1"]
+    assert close(r["loss"], ref["loss"], BF16_LOSS_RTOL), (r["loss"], ref["loss"])
+    assert close(r["grad_norm"], ref["grad_norm"], BF16_GRAD_RTOL), (r["grad_norm"], ref["grad_norm"])
+    first, last = sum(r["loss"][:3]) / 3, sum(r["loss"][-3:]) / 3
+    assert last < 0.9 * first, f"bf16 {layout}: loss did not fall ({first:.3f} -> {last:.3f})"
+
+
+def test_bf16_tp1_starts_at_hf_fp32_loss_within_bf16_rounding(runs):
+    """The same weights and batch: bf16's first loss is HF's fp32 loss within bf16 rounding (measured 0.002%)."""
+    assert rel(runs["bf16-tp1"]["loss"][0], runs["llava-s2-hf"]["loss"][0]) <= BF16_LOSS_RTOL
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_from_tp2pp2_continues_at_another_layout(runs, layout):
+    full, resumed = runs["llava-s2-tp2pp2"], runs[f"resume-{layout}"]
+    if layout == "tp2pp2":  # the same layout: bit-exact
+        assert resumed["loss"] == full["loss"][1:3] and resumed["grad_norm"] == full["grad_norm"][1:3]
+    assert close(resumed["loss"], runs["llava-s2-hf"]["loss"][1:3], RTOL)
+    assert close(resumed["grad_norm"], runs["llava-s2-hf"]["grad_norm"][1:3], RTOL)
+
+
+def test_fp16_skips_the_overflowing_step_backs_off_and_resumes_exactly(runs):
+    """megatron-core's dynamic loss scaler (Float16Module, fp32 main parameters): the first step overflows at
+    2048 and is skipped (no grad norm, weights unchanged), the scale halves (hysteresis 1) and the next steps
+    train; a checkpoint saved after step 2 (the scaler's state in the optimizer's) continues bit-exactly."""
+    r = runs["fp16"]
+    assert r["grad_norm"][0] is None and all(g is not None and g > 0 for g in r["grad_norm"][1:]), r
+    assert r["loss_scale"] == [FP16_SCALE, FP16_SCALE / 2, FP16_SCALE / 2, FP16_SCALE / 2], r["loss_scale"]
+    # step 2 starts from the initial weights (step 1 changed nothing); the updates after it lower the loss
+    assert r["loss"][3] < r["loss"][1], r["loss"]
+    resumed = runs["fp16-resume"]
+    assert (resumed["loss"], resumed["grad_norm"], resumed["loss_scale"]) == \
+        (r["loss"][2:], r["grad_norm"][2:], r["loss_scale"][2:])
