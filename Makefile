@@ -23,7 +23,7 @@ TEST_WORKERS ?= 2
 # repository, see tools/install_te.py; the 3.11 lane's CPU torch cannot build it).
 TE_LANES := 312
 
-.PHONY: venv test test-fast demo bench clean
+.PHONY: venv test test-fast demo bench gpu-kit clean
 
 venv: $(VENV)/.installed
 
@@ -52,6 +52,12 @@ bench: venv
 	$(PY) bench/convert.py
 	$(PY) bench/data_prep.py
 	$(PY) bench/train.py
+
+# The GPU kit (bench/GPU.md): the cp312 wheels the lent GPU machine lacks, the project and bench/gpu_quick.sh in
+# .gpu_kit/ (ignored; <= 60 MiB, refused when over). Needs the Python 3.12 lane's venv (its pip and packaging).
+gpu-kit:
+	@test -x .venv-py312/bin/python || { echo "gpu-kit needs .venv-py312: run make venv PYTHON=python3.12 first" >&2; exit 1; }
+	.venv-py312/bin/python tools/gpu_kit.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

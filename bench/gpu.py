@@ -24,6 +24,16 @@ What it measures, in one run (each part can be picked with ``--only``):
             within 1%; with ``train`` also a packed training row (``--packing-buffer-size 64 --packed-seq-length``
             ``--pack-factor`` x ``--seq-length``): tokens/s, MFU and speed-up vs the unpacked TE run.
 
+``hf``      (bench/gpu_quick.sh) the reference loop: HF ``LlavaForConditionalGeneration`` with SDPA attention trained by
+            a plain PyTorch loop (bf16 autocast over fp32 weights, as HF's Trainer runs bf16; AdamW, the trainer's
+            schedule and clipping) on the same batches (energon loader + ``VLMTaskEncoder``, same seed) and the same
+            parts (stage 2: LM + projector); tokens/s, model TFLOP/s (the trainer's FLOP count) and MFU, and the
+            ratio of each Megatron training row to it.
+
+bench/gpu_quick.sh runs these as separate steps, each with its own time limit, over one set-up
+(``--setup-only`` builds it into ``--inputs DIR``; later steps reuse it with ``--inputs DIR``), merging every
+step's rows into one JSON file as they come (``--out``), and prints the table at the end (``--report FILE``).
+
 Sizes: the default model is a ~1B Llama-like LM (hidden 2048, 22 layers, FFN 5632, 32 heads, 16 KV heads) with a
 CLIP-L/14-336-shaped ViT (hidden 1024, 24 layers, 16 heads, 336 px, 576 image tokens), random weights.
 ``--tiny`` shrinks everything to run on CPU in seconds (local layers only, fp32/bf16): the CPU test suite runs
@@ -31,6 +41,8 @@ it to prove the plumbing.
 
   python bench/gpu.py [--only logits,packing,train,fusions] [--iters 50] [--recipes delayed,tensorwise,blockwise,mxfp8]
   python bench/gpu.py --tiny            # CPU, local layers
+  python bench/gpu.py --inputs /tmp/q --setup-only; python bench/gpu.py --inputs /tmp/q --only hf --iters 30
+  python bench/gpu.py --report $OUT/gpu_bench.json [--steps $OUT/steps.jsonl]
 The machine needs megatron-core, energon and Transformer Engine: see bench/GPU.md (bench/gpu_prepare.py).
 Results are also written as JSON to ``--out`` (default: $OUT/gpu_bench.json when $OUT is set).
 """
@@ -190,13 +202,11 @@ def train_run(a, work: Path, hf: Path, data: Path, meg: Path, name: str, impl: s
         cmd += ["--fp8", "--fp8-recipe", recipe]
     cmd += list(extra)  # later flags override (argparse keeps the last)
     t0 = time.time()
-    log_path = work / f"{name}.log"
+    log_path = (Path(a.out_dir) if a.out_dir else work) / f"{name}.log"  # in $OUT: a killed run's log comes back
     with open(log_path, "w") as logf:
         res = _run_command(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     text = log_path.read_text(errors="replace")
-    if a.out_dir:
-        shutil.copyfile(log_path, Path(a.out_dir) / log_path.name)
     if res.returncode:
         lines = [ln for ln in text.splitlines() if "rror" in ln or "needs" in ln] or text.splitlines()[-3:]
         return {"name": name, "error": (lines[-1] if lines else f"exit {res.returncode}")[:300]}
@@ -307,6 +317,113 @@ def check_training(a, work, hf, data, meg, impls, recipes) -> list[dict]:
     return rows
 
 
+# ---- the reference: HF + SDPA in a plain PyTorch loop ------------------------------------------------------------
+HF_ROW = "HF + SDPA loop"
+
+
+def hf_loop(a, hf: Path, data: Path) -> dict:
+    """Train HF's LLaVA (SDPA attention) in a plain PyTorch loop on our batches; bench/train.py's summary of it.
+
+    Same data (energon loader, ``VLMTaskEncoder``, seed; each image token expanded as the HF processor writes it),
+    same trained parts (stage 2: LM + projector; the ViT frozen), AdamW with the trainer's defaults (3% linear
+    warm-up, cosine decay, gradient clipping 1.0), gradient accumulation to ``--gbs``. bf16 as HF's Trainer runs
+    it: fp32 weights and optimizer, matmuls under bf16 autocast. Each iteration ends with a device sync, so its
+    time stamp is the step's end."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlavaForConditionalGeneration
+
+    from megatron_vlm.data.loader import build_train_loader
+    from megatron_vlm.data.task_encoder import VLMTaskEncoder
+
+    tb = _train_bench()
+    dev = torch.device(a.device)
+    t0 = time.time()
+    torch.manual_seed(a.seed)
+    model = LlavaForConditionalGeneration.from_pretrained(str(hf), dtype=torch.float32,
+                                                          attn_implementation="sdpa").to(dev).train()
+    model.model.vision_tower.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    warm = int(0.03 * a.iters)
+
+    def lr_factor(step):
+        if step < warm:
+            return step / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, a.iters - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.precision == "bf16")
+    enc = VLMTaskEncoder(hf, a.seq_length)
+    data_iter = iter(build_train_loader(data, enc, a.mbs, 0, 1, a.num_workers, a.seed))
+    rows = []
+    for it in range(1, a.iters + 1):
+        batches = [tb.hf_batch(next(data_iter), enc.image_token_id, enc.tokens_per_image, enc.pad_token_id)
+                   for _ in range(a.gbs // a.mbs)]
+        n_loss = sum(int((b["labels"] != -100).sum()) for b in batches)
+        opt.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=dev)
+        for b in batches:
+            with autocast:
+                logits = model(input_ids=b["input_ids"].to(dev, non_blocking=True),
+                               pixel_values=b["pixel_values"].to(dev, non_blocking=True)).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), b["labels"].to(dev).flatten(), ignore_index=-100,
+                                   reduction="sum")
+            (loss / n_loss).backward()
+            loss_sum += loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        loss_value = loss_sum.item() / n_loss  # synchronises: the time stamp is the step's end
+        rows.append({"iteration": it, "loss": loss_value, "samples": a.gbs, "time": time.time(),
+                     "tokens": sum(b["num_tokens"] for b in batches),
+                     "images": sum(b["pixel_values"].shape[0] for b in batches)})
+        if it % max(1, a.iters // 5) == 0:
+            print(f"HF + SDPA iteration {it}/{a.iters}: loss {loss_value:.4f}", flush=True)
+    out = tb.summarize(rows, t0, a.warmup, tb.step_flops(argparse.Namespace(stage=2), hf))
+    out["name"] = HF_ROW
+    return out
+
+
+def check_hf_loop(a, hf: Path, data: Path) -> list[dict]:
+    """The reference loop's row (part ``train``, impl :data:`HF_ROW`); an error is reported, not raised."""
+    try:
+        r = hf_loop(a, hf, data)
+    except Exception as e:  # report and go on
+        return [dict(part="train", impl=HF_ROW, dtype=a.precision, ok=False, note=f"{type(e).__name__}: {e}"[:300])]
+    return [dict(part="train", impl=HF_ROW, dtype=a.precision, loss_first=r["losses"][0], loss_last=r["losses"][-1],
+                 tokens_per_s=r["tokens_per_s"], tflops=r["tflops"], s_per_iter=r["s_per_iter"], losses=r["losses"],
+                 mfu=mfu(r), ok=None, note="reference: HF LlavaForConditionalGeneration, sdpa attention, "
+                 + ("bf16 autocast, fp32 weights" if a.precision == "bf16" else a.precision))]
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each training row's speed-up over the HF + SDPA loop (``vs_hf``), where both were measured."""
+    ref = next((r for r in rows if r.get("impl") == HF_ROW and r.get("tokens_per_s")), None)
+    for r in rows:
+        if ref and r.get("part") == "train" and r is not ref and r.get("tokens_per_s"):
+            r["vs_hf"] = r["tokens_per_s"] / ref["tokens_per_s"]
+    return rows
+
+
+def write_results(out: Path, info: dict, rows: list[dict], args: dict | None = None) -> None:
+    """Merge ``info`` and ``rows`` into the JSON file ``out`` (made if absent), atomically: every step of
+    bench/gpu_quick.sh adds its rows to the one file as soon as it has them."""
+    old = json.loads(out.read_text()) if out.is_file() else {"info": {}, "args": {}, "rows": []}
+    old["info"].update(info)
+    if args:
+        old.setdefault("args", {}).update(args)
+    old["rows"] = with_ratios(old["rows"] + rows)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(old, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+
+
 # ---- report ----------------------------------------------------------------------------------------------------
 def _fmt(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) and v is not None else "-"
@@ -315,7 +432,7 @@ def _fmt(v, spec):
 def print_table(rows: list[dict], info: dict) -> None:
     print("\n" + ", ".join(f"{k} {v}" for k, v in info.items()))
     print(f"{'part':7s} {'layers / run':22s} {'dtype':9s} {'max diff':>10s} {'tolerance':>10s} {'ok':>4s} "
-          f"{'loss 1st->last':>17s} {'tokens/s':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'speed-up':>8s}  note")
+          f"{'loss 1st->last':>17s} {'tokens/s':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'speed-up':>8s} {'x HF':>5s}  note")
     for r in rows:
         ok = {True: "yes", False: "NO", None: "-"}[r.get("ok")]
         losses = f"{r['loss_first']:.3f}->{r['loss_last']:.3f}" if "loss_first" in r else "-"
@@ -323,7 +440,31 @@ def print_table(rows: list[dict], info: dict) -> None:
               f"{_fmt(r.get('tolerance'), '10.3g'):>10s} {ok:>4s} {losses:>17s} "
               f"{_fmt(r.get('tokens_per_s'), '9.0f'):>9s} "
               f"{_fmt(r.get('tflops'), '8.1f'):>8s} {_fmt(r.get('mfu'), '6.1%'):>6s} "
-              f"{_fmt(r.get('speedup'), '8.2f'):>8s}  {r.get('note', '')}")
+              f"{_fmt(r.get('speedup'), '8.2f'):>8s} {_fmt(r.get('vs_hf'), '5.2f'):>5s}  {r.get('note', '')}")
+
+
+def report(results: Path, steps: Path | None = None) -> int:
+    """Print the table of a results file (and the steps of bench/gpu_quick.sh); 1 if a check failed or a step did."""
+    if not results.is_file():
+        print(f"no results in {results}: no step wrote any")
+        data = {"info": {}, "rows": []}
+    else:
+        data = json.loads(results.read_text())
+    print_table(data["rows"], data["info"])
+    bad_steps = []
+    if steps and steps.is_file():
+        print(f"\n{'step':10s} {'rc':>4s} {'seconds':>8s} {'limit':>6s}")
+        for line in steps.read_text().splitlines():
+            st = json.loads(line)
+            timed_out = st["rc"] in (124, 137)
+            print(f"{st['step']:10s} {st['rc']:4d} {st['seconds']:8d} {st['limit']:6d}"
+                  + ("  TIMED OUT" if timed_out else "  failed" if st["rc"] else ""))
+            if st["rc"]:
+                bad_steps.append(st["step"])
+    failed = [r for r in data["rows"] if r.get("ok") is False]
+    print(f"\n{len(failed)} check(s) failed" if failed else "\nall checks passed", end="")
+    print(f"; step(s) failed: {', '.join(bad_steps)}" if bad_steps else "")
+    return 1 if failed or bad_steps else 0
 
 
 def parse(argv=None):
@@ -331,7 +472,14 @@ def parse(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU, local layers only (plumbing check)")
     p.add_argument("--only", default="logits,packing,train,fusions", help="comma-separated parts: logits (HF vs "
                    "Megatron), packing (packed vs unpacked forward, and a packed training row), train (bf16 local/TE, "
-                   "FP8 recipes), fusions (a TE training row with every fusion off)")
+                   "FP8 recipes), fusions (a TE training row with every fusion off), hf (the HF + SDPA reference "
+                   "loop on the same batches)")
+    p.add_argument("--inputs", type=Path, default=None, help="set-up folder (HF model, data, converted checkpoint): "
+                   "reused when it holds one, else built there and kept")
+    p.add_argument("--setup-only", action="store_true", help="build the set-up into --inputs and stop")
+    p.add_argument("--report", type=Path, default=None, metavar="JSON", help="print the table of a results file "
+                   "and exit (1 if a check or a step failed)")
+    p.add_argument("--steps", type=Path, default=None, help="with --report: bench/gpu_quick.sh's steps.jsonl")
     p.add_argument("--pack-factor", type=int, default=4, help="packed sequence length = this x --seq-length")
     p.add_argument("--impls", default=None, help="layer implementations (default: transformer_engine,local on "
                    "CUDA; local with --tiny)")
@@ -364,6 +512,11 @@ def parse(argv=None):
     a.out_dir = a.out.parent if a.out else None
     if a.gbs % a.mbs:
         p.error(f"--gbs {a.gbs} must be a multiple of --mbs {a.mbs}")
+    if a.setup_only and a.inputs is None:
+        p.error("--setup-only needs --inputs DIR (where the set-up is kept for the later steps)")
+    unknown = a.only - {"logits", "packing", "train", "fusions", "hf"}
+    if unknown:
+        p.error(f"--only {','.join(sorted(unknown))}: unknown part(s); pick from logits,packing,train,fusions,hf")
     return a
 
 
@@ -371,6 +524,8 @@ def main(argv=None, run_command=subprocess.run) -> int:
     global _run_command
     _run_command = run_command
     a = parse(argv)
+    if a.report:
+        return report(a.report, a.steps)
     if not a.tiny:
         import torch
 
@@ -383,22 +538,27 @@ def main(argv=None, run_command=subprocess.run) -> int:
     info = versions()
     try:
         t = time.perf_counter()
-        hf, data, meg = build_inputs(a, work)
-        info["set-up s"] = round(time.perf_counter() - t, 1)
-        if "logits" in a.only:
+        if a.inputs and (a.inputs / "megatron").is_dir():
+            hf, data, meg = a.inputs / "hf", a.inputs / "data", a.inputs / "megatron"
+        else:
+            hf, data, meg = build_inputs(a, a.inputs or work)
+            info["set-up s"] = round(time.perf_counter() - t, 1)
+        if a.setup_only:
+            print(f"set-up in {a.inputs}: {info.get('set-up s', 'reused')} s", flush=True)
+        if "logits" in a.only and not a.setup_only:
             rows += check_logits(hf, meg, a.impls, a.device)
-        if "packing" in a.only and "transformer_engine" in a.impls:
+        if "packing" in a.only and "transformer_engine" in a.impls and not a.setup_only:
             rows += check_packing(hf, meg, a)
-        if "train" in a.only:
+        if "train" in a.only and not a.setup_only:
             rows += check_training(a, work, hf, data, meg, a.impls, a.recipes)
+        if "hf" in a.only and not a.setup_only:
+            rows += check_hf_loop(a, hf, data)
     finally:
         if a.out:
-            tmp = a.out.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"info": info, "args": {k: str(v) for k, v in vars(a).items()}, "rows": rows},
-                                      indent=1))
-            os.replace(tmp, a.out)
+            write_results(a.out, info, rows, {k: str(v) for k, v in vars(a).items()})
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
+    rows = with_ratios(rows)
     print_table(rows, info)
     failed = [r for r in rows if r.get("ok") is False]
     print(f"\n{len(failed)} check(s) failed" if failed else "\nall checks passed")

@@ -1,33 +1,94 @@
-"""bench/gpu.py's plumbing on CPU (``--tiny``: local layers, a tiny model): the GPU session only has to run it."""
+"""bench/gpu_quick.sh, the one prepared GPU command, end to end on CPU (``--tiny``: a tiny model, local layers, a few
+iterations), so the command the GPU session runs cannot rot; bench/gpu.py's checks on a GPU (marked ``gpu``);
+bench/gpu_prepare.py's part splitting (the old part-by-part path)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
-from megatron_vlm.testing import forked_cli
-from tests.conftest import script
+from tests.conftest import ROOT, script
+from tests.data_fixtures import tiny_llava
+from tests.test_gpu_kit import fake_wheel
 
 
 @pytest.mark.slow
-def test_gpu_bench_tiny_runs_on_cpu(tmp_path, capsys):
-    bench = script("bench/gpu.py")
-    out = tmp_path / "r.json"
-    assert bench.main(["--tiny", "--out", str(out), "--work-dir", str(tmp_path)], run_command=forked_cli.run) == 0
-    rows = {(r["part"], r["impl"], r["dtype"]): r for r in json.loads(out.read_text())["rows"]}
+def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
+    """Every step of the GPU command, in its own process: install from a kit (a hand-made wheel, with pip --no-index),
+    set-up, HF vs Megatron logits (fp32, bf16), our training, the HF + SDPA loop on the same batches, the gpu tests
+    (skipped here), the report; results merged into one JSON as they come."""
+    kit = tmp_path / "kit"
+    fake_wheel(kit / "wheels", "mvlm-kit-probe", "1.0")
+    out = tmp_path / "out"
+    res = subprocess.run(["bash", str(ROOT / "bench" / "gpu_quick.sh"), "--tiny", "--kit", str(kit), "--out", str(out)],
+                         env=dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path)), capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["rc"]) for s in steps] == [(n, 0) for n in ("env", "install", "setup", "logits", "train",
+                                                                        "hf", "pytest")]
+    assert "all checks passed" in res.stdout and "step(s) failed" not in res.stdout
+    rows = {(r["part"], r["impl"], r["dtype"]): r for r in json.loads((out / "gpu_bench.json").read_text())["rows"]}
     fp32, bf16 = rows[("logits", "local", "fp32")], rows[("logits", "local", "bf16")]
     assert fp32["ok"] and fp32["diff"] <= 1e-4 and fp32["tolerance"] == 1e-4
     yardstick = rows[("logits", "HF transformers", "bf16")]["diff"]
     assert bf16["ok"] and 0 < bf16["diff"] <= bf16["tolerance"] == pytest.approx(2 * yardstick + 1e-3)
-    train = rows[("train", "local", "fp32")]
-    losses = train["losses"]
-    assert len(losses) == bench.TINY["iters"] and all(math.isfinite(x) for x in losses)
-    assert losses[-1] < losses[0] and train["tokens_per_s"] > 0  # it trained, and the throughput was read
+    ours, hf = rows[("train", "local", "fp32")], rows[("train", "HF + SDPA loop", "fp32")]
+    bench = script("bench/gpu.py")
+    assert len(ours["losses"]) == bench.TINY["iters"] and all(math.isfinite(x) for x in ours["losses"])
+    assert ours["losses"][-1] < ours["losses"][0] and ours["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0
+    # same model, batches, optimizer and schedule in fp32: the two loops do the same work
+    assert bench.curve_diff(hf["losses"], ours["losses"]) < 1e-3
+    assert ours["vs_hf"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"])
+    assert "local (--transformer-impl local)" in ours["note"] and (out / "bf16_local.log").is_file()
+    log = (out / "gpu_quick.log").read_text()
+    assert "== install: rc 0" in log and "skipped" in log  # pytest: the gpu tests skip without a GPU
     assert bench.curve_diff([1.0, 2.02], [1.0, 2.0]) == pytest.approx(0.01)
-    table = capsys.readouterr().out
-    assert "all checks passed" in table and "local (--transformer-impl local)" in table
+
+
+@pytest.mark.slow  # bash processes (no Python start)
+def test_gpu_quick_refuses_te_without_a_te_kit_and_bad_arguments(tmp_path):
+    sh = str(ROOT / "bench" / "gpu_quick.sh")
+    env = dict(os.environ, PYTHON=sys.executable)
+    res = subprocess.run(["bash", sh, "--te", "--kit", str(tmp_path), "--out", str(tmp_path / "o")], env=env,
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "holds no Transformer Engine build" in res.stderr
+    res = subprocess.run(["bash", sh, "--budget", "soon"], env=env, capture_output=True, text=True)
+    assert res.returncode == 2 and "whole numbers" in res.stderr
+
+
+def test_report_of_a_timed_out_run(tmp_path, capsys):
+    """What a command killed by its limit leaves: the rows measured so far, and the steps with their rc."""
+    bench = script("bench/gpu.py")
+    results, steps = tmp_path / "gpu_bench.json", tmp_path / "steps.jsonl"
+    bench.write_results(results, {"gpu": "X"}, [dict(part="train", impl="local", dtype="bf16", tokens_per_s=300.0)])
+    bench.write_results(results, {}, [dict(part="train", impl=bench.HF_ROW, dtype="bf16", tokens_per_s=200.0)])
+    steps.write_text('{"step": "train", "rc": 0, "seconds": 50, "limit": 180}\n'
+                     '{"step": "hf", "rc": 124, "seconds": 150, "limit": 150}\n')
+    assert bench.main(["--report", str(results), "--steps", str(steps)]) == 1
+    out = capsys.readouterr().out
+    assert "TIMED OUT" in out and "step(s) failed: hf" in out and " 1.50 " in out
+    assert json.loads(results.read_text())["rows"][0]["vs_hf"] == 1.5
+
+
+@pytest.mark.gpu
+def test_local_layers_match_hf_on_gpu(tmp_path_factory):
+    """Local (non-TE) layers on the GPU: fp32 logits with TF32 off within 1e-4 of HF, bf16 within the yardstick."""
+    import torch
+
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+
+    bench = script("bench/gpu.py")
+    hf = tiny_llava(tmp_path_factory, "llama", "clip")
+    meg = convert_hf_to_megatron(hf, tmp_path_factory.mktemp("gpu_local") / "m")
+    rows = bench.check_logits(hf, meg, ["local"], "cuda")
+    assert all(r["ok"] for r in rows if r["ok"] is not None) and len(rows) == 3, rows
+    assert torch.cuda.is_available()
 
 
 def test_gpu_prepare_parts_round_trip(tmp_path, capsys):

@@ -1,0 +1,99 @@
+"""tools/gpu_kit.py (``make gpu-kit``): which wheels the GPU kit walks to, its layout, its size refusal and its
+atomic write. No network: pip's download is replaced by hand-made wheels with the real metadata format; the real
+download is what ``make gpu-kit`` runs (bench/GPU.md records its size)."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import script
+
+
+def fake_wheel(folder: Path, name: str, version: str, requires: tuple = ()) -> Path:
+    """A minimal valid pure-Python wheel of ``name`` (one module ``<name>_probe.py``) whose METADATA lists
+    ``requires`` as Requires-Dist lines; pip installs it."""
+    mod = name.replace("-", "_")
+    dist = f"{mod}-{version}.dist-info"
+    path = folder / f"{mod}-{version}-py3-none-any.whl"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n"
+                                                                                     for r in requires)
+    files = {f"{mod}_probe.py": "OK = True\n", f"{dist}/METADATA": meta,
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{dist}/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{dist}/RECORD,,\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+    return path
+
+
+@pytest.fixture(scope="module")
+def kit():
+    return script("tools/gpu_kit.py")
+
+
+def test_requires_are_read_for_cpython312_linux_without_extras(kit, tmp_path):
+    whl = fake_wheel(tmp_path, "pkg", "1.0", ("numpy", "Flask_Cors>=1; python_version >= '3.10'",
+                                               "pywin32; sys_platform == 'win32'", "av>=17; extra == 'av-decode'",
+                                               "tomli; python_version < '3.11'"))
+    assert kit.wheel_requires(whl) == ["numpy", "flask-cors"]
+
+
+def test_collect_walks_the_closure_at_the_pins_and_skips_what_the_gpu_image_has(kit, tmp_path, monkeypatch):
+    index = {  # name -> its Requires-Dist
+        "megatron-core": ("torch>=2.6", "numpy", "packaging", "wandb; extra == 'training'"),
+        "megatron-energon": ("multi-storage-client>=0.4", "s3fs", "webdataset", "pillow", "torch"),
+        "webdataset": ("braceexpand", "numpy", "pyyaml"),
+        "multi-storage-client": ("opentelemetry-api", "python-dateutil"),
+        "s3fs": ("botocore",), "botocore": ("jmespath", "urllib3"), "braceexpand": (), "opentelemetry-api": (),
+        "jmespath": (),
+    }
+    asked = []
+
+    def download(specs, dest, log):
+        asked.append(specs)
+        for spec in specs:
+            name, version = spec.split("==")
+            fake_wheel(dest, name, version, index[name])
+
+    monkeypatch.setattr(kit, "pip_download", download)
+    pins = {n: f"{i}.0" for i, n in enumerate(index, 1)}
+    got = kit.collect_wheels(pins, tmp_path / "w", print)
+    assert got == {n: pins[n] for n in sorted(index)}  # torch, numpy, pillow, urllib3, dateutil: the image's own
+    assert asked[0] == ["megatron-core==1.0", "megatron-energon==2.0", "webdataset==3.0"]
+    del pins["jmespath"]
+    with pytest.raises(SystemExit, match="jmespath is needed on the GPU machine but has no pin"):
+        kit.collect_wheels(pins, tmp_path / "w2", print)
+
+
+@pytest.mark.slow  # git archive / git ls-files run as processes
+def test_kit_layout_size_refusal_and_atomic_replace(kit, tmp_path, capsys):
+    constraints = tmp_path / "c.txt"
+    constraints.write_text("megatron-core==0.19.2\nmegatron-energon==7.4.1  # pinned\nwebdataset==1.0.2\n")
+
+    def collect(pins, dest, log):
+        fake_wheel(dest, "megatron-core", pins["megatron-core"])
+        return {"megatron-core": pins["megatron-core"]}
+
+    out = tmp_path / "kit"
+    man = kit.build(out, constraints, 60, tree_bytes=1 << 20, collect=collect)
+    names = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert names == ["KIT.json", "gpu_quick.sh", "project.tar.gz", "wheels/megatron_core-0.19.2-py3-none-any.whl"]
+    assert json.loads((out / "KIT.json").read_text()) == man and len(man["commit"]) == 40
+    assert man["wheels"] == {"megatron-core": "0.19.2"} and man["tree_mib"] == 1.0
+    assert (out / "gpu_quick.sh").read_bytes() == (kit.ROOT / "bench" / "gpu_quick.sh").read_bytes()
+    assert "wrote" in capsys.readouterr().out
+    # over the limit: one refusal line, the old kit untouched, no temporary folder left
+    with pytest.raises(SystemExit, match=r"^gpu_kit: the kit is .* MiB, over --max-mib 0.001"):
+        kit.build(out, constraints, 0.001, tree_bytes=0, collect=collect)
+    with pytest.raises(SystemExit, match="over the 64 MiB a device command carries"):
+        kit.build(out, constraints, 60, tree_bytes=64 << 20, collect=collect)
+    assert json.loads((out / "KIT.json").read_text()) == man
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "kit"]
+    constraints.write_text("megatron-core==0.19.2\n")
+    with pytest.raises(SystemExit, match="pins no megatron-energon"):
+        kit.build(out, constraints, 60, tree_bytes=0, collect=collect)
