@@ -11,9 +11,9 @@ TP2 x DP2 (distributed optimizer), TP2 x PP2 and PP2 x DP2. Both tiny models pad
 comparison sees the padded rows.
 
 bf16 trains nine steps at the three 4-rank layouts and at TP1; their losses and grad norms are compared with the
-bf16 TP1 run's step by step (losses within 0.5%, grad norms within 5%: see BF16_LOSS_RTOL). A checkpoint saved after step 1 at TP2 x PP2 resumes at
-PP2 x DP2 and at TP2 x DP2 (``--reset-data-position``; the optimizer state of a run without the distributed
-optimizer) and continues as HF does; at its own layout it continues bit-exactly.
+bf16 TP1 run's step by step (losses within 0.5%, grad norms within 5%: see BF16_LOSS_RTOL). A checkpoint saved
+after step 1 at TP2 x PP2 resumes at PP2 x DP2 and at TP2 x DP2 (``--reset-data-position``; the optimizer state
+of a run without the distributed optimizer) and continues as HF does; at its own layout it continues bit-exactly.
 
 fp16 with megatron-core's dynamic loss scaling trains on CPU too: an overflowing first step is skipped, the scale
 backs off, and a resume continues bit-exactly (loss, grad norm and loss scale).
@@ -81,7 +81,8 @@ def runs(models):
             # tokens) overflows at 2048 on the first step, and trains at 1024
             fp16 = dict(micro_batch_size=8, precision="fp16", initial_loss_scale=FP16_SCALE, hysteresis=1,
                         **STAGES[2])
-            one += [dict(name="fp16", steps=4, **fp16), dict(name="fp16-save", steps=2, save=str(root / "fp16"), **fp16),
+            one += [dict(name="fp16", steps=4, **fp16),
+                    dict(name="fp16-save", steps=2, save=str(root / "fp16"), **fp16),
                     dict(name="fp16-resume", start=2, steps=2, resume=str(root / "fp16" / "iter_0000002"), **fp16)]
             four += [dict(name=f"bf16-{lay}", precision="bf16", steps=9, **kw, **STAGES[2])
                      for lay, kw in LAYOUTS.items()]
