@@ -4,7 +4,7 @@
 #
 #   env      nvidia-smi and versions                                           (limit  20 s)
 #   install  pip install --no-index --find-links <kit>/wheels --no-deps --target <scratch>/site; imports (90 s)
-#   setup    the ~1B LLaVA (random weights), its energon data, the converted checkpoint   (bench/gpu.py, 180 s)
+#   setup    the ~1B LLaVA (random weights), its energon data, the converted checkpoint   (bench/gpu.py, 240 s)
 #   logits   HF vs Megatron (local layers) logits, fp32 with TF32 off and bf16            (150 s)
 #   train    stage 2, bf16, local layers, train/run.py: tokens/s, model TFLOP/s, MFU     (180 s)
 #   hf       HF + SDPA plain PyTorch loop on the same batches, and the ratio             (150 s)
@@ -121,7 +121,7 @@ if [ "$TINY" = 1 ] && [ "$KIT_GIVEN" = 0 ]; then
 else
   step install 90 bash -c "$(declare -f install_kit); install_kit" && export PYTHONPATH="$SITE:$PYTHONPATH"
 fi
-step setup 180 $GPU --setup-only "${SIZE[@]}"
+step setup 240 $GPU --setup-only "${SIZE[@]}"
 step logits 150 $GPU --only logits --impls local "${SIZE[@]}"
 step train 180 $GPU --only train --impls local --recipes "" "${SIZE[@]}"
 step hf 150 $GPU --only hf "${SIZE[@]}"
