@@ -11,7 +11,7 @@ writes, with this environment's megatron-core,
 - ``expected.json``: the loss and grad norm of steps 2 and 3 when training continues from that checkpoint
   (asserted here to equal an uninterrupted run's), and the SHA-256 of every tensor the checkpoint exports to
   HF, with the versions that wrote it and the CPU kernels it ran (``cpu_capability``, torch's
-  ``torch.backends.cpu.get_cpu_capability()``: AVX2, AVX512, ...).
+  ``torch.backends.cpu.get_cpu_capability()``: AVX2, AVX512, ..., and the processor model).
 
 A grad norm is a long fp32 reduction whose summation order follows the vector width of those kernels: the
 same weights and gradients give norms that differ in the 7th digit on an AVX2 and an AVX-512 machine (measured:
@@ -45,10 +45,22 @@ def batches(tokenizer_dir) -> list[list]:
 
 
 def cpu_capability() -> str:
-    """The CPU kernel set torch dispatches to on this machine (``AVX2``, ``AVX512``, ...)."""
+    """The CPU kernel set torch dispatches to on this machine (``AVX2``, ``AVX512``, ...) and the processor's
+    model name: the same kernel set on another processor can still reduce in another order (measured: a fixture
+    written on an AVX512 machine resumed on an AVX512 AMD EPYC gives its grad norm 1.9e-7 apart, 2.746722436
+    against 2.746722956, with equal losses)."""
     import torch
 
-    return torch.backends.cpu.get_cpu_capability()
+    model = ""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    kernels = torch.backends.cpu.get_cpu_capability()
+    return f"{kernels} ({model})" if model else kernels
 
 
 def same_kernels(expected: dict) -> bool:
