@@ -15,6 +15,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # and so the numbers, are unchanged. Measured on the 2-core CI machine: 6% less CPU for the 3.11 lane (1,745 s against
 # 1,866 s of busy CPU, 894 s against 957 s of wall); a one-rank world with two threads set up in 48 s instead of 87.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# megatron-core 0.19's package_info runs `git rev-parse` in its site-packages folder at import, unless this is set:
+# a process per import (and one the fast set's process guard refuses when a fast module imports megatron-core first)
+os.environ.setdefault("NO_VCS_VERSION", "1")
 warnings.filterwarnings("ignore")
 
 # (text family, vision family, build options): the coverage matrix of the conversion tests.
