@@ -396,3 +396,88 @@ def test_a_model_trained_on_an_open_template_learns_to_stop(tmp_path):
         said[rule] = (proc.tokenizer.decode([t for t in gen if t != eos]).strip(), gen[-1] == eos, len(gen), loss)
     assert said[True][:3] == (answer, True, len(proc.tokenizer(" " + answer)["input_ids"]) + 1), said
     assert said[False][1:3] == (False, 12), said  # without the eos the answer runs on to max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def qwen3_tok(tmp_path_factory):
+    """The real Qwen3 tokenizer: Qwen3-4B-Instruct-2507's tokenizer_config.json (thinking chat template) over the
+    Qwen2 vocab.json / merges.txt it shares (151,669 tokens)."""
+    from transformers import AutoTokenizer
+
+    from megatron_vlm.testing.hub_models import copy_token_files
+
+    d = tmp_path_factory.mktemp("qwen3_tok")
+    copy_token_files(hub.hub_model_dir(hub.ONEVISION_QWEN2), d, ("vocab.json", "merges.txt"))
+    copy_token_files(hub.hub_model_dir(hub.QWEN3_4B), d, ("tokenizer_config.json",))
+    tok = AutoTokenizer.from_pretrained(str(d))
+    assert len(tok) == 151669 and tok.convert_tokens_to_ids("<think>") == 151667
+    return tok
+
+
+def _trained(tok, conv) -> list[str]:
+    """The text of each run of trained tokens."""
+    runs, cur = [], []
+    for i, a in zip(conv.ids, conv.assistant):
+        if a:
+            cur.append(i)
+        elif cur:
+            runs, cur = runs + [cur], []
+    return [tok.decode(r) for r in runs + ([cur] if cur else [])]
+
+
+THREE_TURNS = CONV + [user("And the triangle?"), asst("Green.")]
+
+
+def test_loss_rule_on_every_real_template(llava15_tok, qwen2_tok, qwen3_tok, caplog, monkeypatch):
+    """The loss rule on each real chat template in ../shared/hub (as build_llava installs it): for each assistant
+    turn the tokens before the trained ones are the tokens of the conversation up to it rendered with the generation
+    prompt, as at inference, and the trained ones run to the token closing the turn. Qwen3's thinking template
+    breaks the prefix property for turns before the last user query (logged once) and its generation prompt ends
+    inside a token of the full text (tokenized apart there, logged once)."""
+    bare = llava15_tok.__class__.from_pretrained(str(hub.hub_model_dir(hub.LLAVA_15)))
+    cases = {
+        "llava-1.5-7b-hf": (bare, (hub.hub_model_dir(hub.LLAVA_15) / "chat_template.jinja").read_text(),
+                            ["The circle is red.</s>", "Blue.</s>", "Green.</s>"]),
+        "onevision-qwen2": (qwen2_tok, None, ["The circle is red.<|im_end|>", "Blue.<|im_end|>", "Green.<|im_end|>"]),
+        "qwen3-4b-2507": (qwen3_tok, None, ["The circle is red.<|im_end|>", "Blue.<|im_end|>",
+                                            "\n</think>\n\nGreen.<|im_end|>"]),
+    }
+    from megatron_vlm.data import chat_tokens
+
+    monkeypatch.setattr(chat_tokens, "_LOGGED", set())  # other tests of this process logged these templates
+    logged = {}
+    for name, (tok, template, want) in cases.items():
+        template = template or choose_chat_template(tok, "keep").template
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron_vlm.data.chat_tokens"):
+            ct = ChatTokenizer(tok, template)
+            conv = ct(THREE_TURNS)
+            ct(THREE_TURNS)
+        logged[name] = [r.getMessage() for r in caplog.records]
+        assert _trained(tok, conv) == want, name
+        kept = [t for k, t in enumerate(conv.ids) if k not in set(conv.inserted_eos)]
+        mask = [a for k, a in enumerate(conv.assistant) if k not in set(conv.inserted_eos)]
+        for i in (1, 3, 5):
+            prompt = ct.render(THREE_TURNS[:i], add_generation_prompt=True)
+            if not conv.text.startswith(prompt):
+                assert name == "qwen3-4b-2507" and i < 5  # turns before the last user query: no <think> block
+                continue
+            ids = ([tok.bos_token_id] if conv.prepended_bos else []) + tok(prompt, add_special_tokens=False)[
+                "input_ids"]
+            assert kept[:len(ids)] == ids and not mask[len(ids) - 1] and mask[len(ids)], (name, i)
+    assert [len(v) for v in logged.values()] == [1, 1, 3]
+    q3 = " | ".join(logged["qwen3-4b-2507"])
+    assert q3.count("Qwen3 writes <think> blocks only after the last user query") == 1
+    assert q3.count("'<think>\\n' + '\\n</think'): the prompt and the answer are tokenized apart there") == 1
+
+
+def test_qwen3_tool_calls_follow_the_loss_rule(qwen3_tok):
+    """An assistant turn that calls a tool trains the call and its <|im_end|>; the final answer after the tool's
+    response trains the closing of the empty think block, the answer and <|im_end|>."""
+    ct = ChatTokenizer(qwen3_tok, choose_chat_template(qwen3_tok, "keep").template)
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    conv = ct([user("Weather in Paris?"), {"role": "assistant", "content": "", "tool_calls": [{"function": call}]},
+               {"role": "tool", "content": "22C"}, asst("It is 22C.")])
+    assert _trained(qwen3_tok, conv) == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "\n</think>\n\nIt is 22C.<|im_end|>"]

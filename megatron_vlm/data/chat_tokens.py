@@ -1,13 +1,23 @@
-"""Conversation -> token ids with the model's chat template, and which tokens are assistant content.
+"""Conversation -> token ids with the model's chat template, and which tokens are trained (the loss mask).
 
-The assistant spans are found on the rendered text, not guessed from role strings: for assistant
-message ``i`` the template renders ``messages[:i]`` with the generation prompt (where the answer starts)
-and ``messages[:i+1]`` (where the turn ends, minus the whitespace the template adds after it). Both must
-be prefixes of the full rendering, which holds for append-only templates (checked; a template that
-rewrites earlier turns raises). Tokens are then mapped to characters with the fast tokenizer's offsets,
-so the mask is exact for any tokenizer: a token is assistant content when it overlaps a span. The
-token that carries the first answer character may also carry the separator space before it (BPE merges
-" red"); the end-of-turn token that closes the answer is included.
+**The loss rule.** For each assistant turn the trained tokens are exactly what the model must generate at that
+point. The conversation up to that turn, rendered with ``add_generation_prompt=True``, is the prompt; everything
+the full rendering adds after it, up to and including the token that closes the turn, is in the loss. Nothing is
+decided per template: ChatML trains ``answer<|im_end|>`` after ``<|im_start|>assistant\\n``; Qwen3, whose
+generation prompt ends in ``<think>\\n``, trains ``\\n</think>\\n\\nanswer<|im_end|>`` on its final turn.
+
+**Templates that break the prefix property.** A template may render an earlier assistant turn differently
+inside the conversation than after its own generation prompt: Qwen3 writes ``<think>`` blocks only into the
+turns after the last user query, so an earlier turn renders as ``<|im_start|>assistant\\nanswer<|im_end|>``
+while its generation prompt ends in ``<think>\\n``. The prompt is then no prefix of the rendering. Such a turn is
+trained as the conversation renders it, from the point where the two renderings part (``answer<|im_end|>``)
+to the token closing the turn; that is logged once per template. The tokens stay those of the one rendering
+of the whole conversation, so nothing else changes.
+
+The spans are found on the rendered text, not guessed from role strings; tokens are mapped to characters with
+the fast tokenizer's offsets, so the mask is exact for any tokenizer: a token is trained when it overlaps a
+span. The token that carries the first answer character may also carry the separator space before it (BPE
+merges " red").
 
 **The mask ends where the answer ends.** Whitespace the template writes after an answer is not the
 answer's: at inference the prompt ends with the generation prompt (``ASSISTANT:``, ``<|im_start|>assistant\\n``)
@@ -36,7 +46,7 @@ with BOS).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 _LOGGED: set = set()  # (template, eos) pairs whose eos rule was logged in this process
@@ -54,6 +64,7 @@ class TokenizedConversation:
     text: str  # the rendered template text
     inserted_eos: list[int]  # positions in ``ids`` of eos tokens inserted by the eos rule (not in ``text``)
     prepended_bos: bool = False  # ids[0] is a BOS that is not in ``text`` (module docstring)
+    cuts: list[int] = field(default_factory=list)  # characters of ``text`` where it was tokenized apart (_encode)
 
 
 class ChatTokenizer:
@@ -94,9 +105,9 @@ class ChatTokenizer:
             self._log_once(f"the chat template closes assistant turns with {self.closing_token!r}: "
                            "trained on as the end of each answer")
 
-    def _log_once(self, msg: str) -> None:
-        """Log ``msg`` once per process and template (in a distributed run: on global rank 0 only)."""
-        key = (self.chat_template, self.tokenizer.eos_token_id)
+    def _log_once(self, msg: str, what: str = "eos rule") -> None:
+        """Log ``msg`` once per process, template and ``what`` (in a distributed run: on global rank 0 only)."""
+        key = (self.chat_template, self.tokenizer.eos_token_id, what)
         if key in _LOGGED:
             return
         _LOGGED.add(key)
@@ -126,32 +137,53 @@ class ChatTokenizer:
         )
 
     def assistant_spans(self, messages: list[dict], text: str | None = None) -> list[tuple[int, int]]:
-        """Character spans ``[start, end)`` of the assistant answers in ``render(messages)``."""
-        text = self.render(messages) if text is None else text
+        """Character spans ``[start, end)`` of ``render(messages)`` that are trained (the module's loss rule)."""
+        return [(a, b) for a, b, _ in self._spans(messages, self.render(messages) if text is None else text)]
+
+    def _spans(self, messages: list[dict], text: str) -> list[tuple[int, int, bool]]:
+        """(start, end, whether the start is the end of the turn's rendered prompt) of each trained span."""
         spans = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            start_text = self.render(messages[:i], add_generation_prompt=True) if i else ""
-            end_text = self.render(messages[: i + 1])
-            if not text.startswith(start_text) or not text.startswith(end_text):
-                raise ValueError(
-                    "the chat template does not render conversations append-only (a prefix of the conversation "
-                    "does not render to a prefix of the text), so assistant turns cannot be located for the loss mask"
-                )
-            start, end = len(start_text), len(end_text.rstrip())
+            prompt = self.render(messages[:i], add_generation_prompt=True) if i else ""
+            start, exact = len(prompt), text.startswith(prompt)
+            if not exact:  # the token where the renderings part is trained whole (never tokenized apart)
+                start = _common_prefix(prompt, text)
+                self._log_once(
+                    f"the chat template renders an assistant turn differently in the conversation than after its "
+                    f"generation prompt (e.g. turn {i}: the prompt ends in {prompt[start:][:40]!r}, the conversation "
+                    f"goes on with {text[start:][:40]!r}; Qwen3 writes <think> blocks only after the last user "
+                    "query): such turns are trained as the conversation renders them, from where the two renderings "
+                    "part to the token that closes the turn", "prefix")
+            end = self._turn_end(messages, i, text, start)
             if end > start:
-                spans.append((start, end))
+                spans.append((start, end, exact))
         return spans
+
+    def _turn_end(self, messages: list[dict], i: int, text: str, start: int) -> int:
+        """Where assistant turn ``i`` ends in ``text``: after the token that closes it (or, for a template that
+        closes none, after its answer; the eos rule adds the end token)."""
+        turn = self.render(messages[: i + 1])
+        if text.startswith(turn):
+            return len(turn.rstrip())  # whitespace after the closing token belongs to what follows
+        closing = getattr(self, "closing_token", None)
+        k = text.find(closing, start) if closing else -1
+        if k < 0:
+            raise ValueError(
+                "the chat template does not render conversations append-only (a prefix of the conversation does "
+                "not render to a prefix of the text) and closes no assistant turn with an end token, so the end "
+                f"of assistant turn {i} cannot be located for the loss mask; use a template that ends answers with "
+                "one (--chat-template)")
+        return k + len(closing)
 
     def _tokenize(self, messages: list[dict], append_eos: bool) -> TokenizedConversation:
         text = self.render(messages)
-        spans = self.assistant_spans(messages, text)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
+        spans = self._spans(messages, text)
+        ids, offsets, cuts = self._encode(text, [a for a, _, exact in spans if exact])
+        spans = [(a, b) for a, b, _ in spans]
         assistant = [False] * len(ids)
         last_of_span: set[int] = set()  # the last token of each span
-        offsets = enc["offset_mapping"]
         j = 0
         for t, (s, e) in enumerate(offsets):
             while j < len(spans) and spans[j][1] <= s:
@@ -171,7 +203,35 @@ class ChatTokenizer:
                 inserted.append(len(out_ids))
                 out_ids.append(int(eos))
                 out_mask.append(True)
-        return TokenizedConversation(out_ids, out_mask, text, inserted, bos)
+        return TokenizedConversation(out_ids, out_mask, text, inserted, bos, cuts)
+
+    def _encode(self, text: str, starts: list[int]) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+        """Token ids and character offsets of ``text``, and where it was tokenized apart: at a prompt's end
+        (``starts``) that falls inside a token of the whole text (Qwen3: ``<think>\n`` + ``\n</think>`` merge into one
+        ``\n\n``), the prompt and the answer are tokenized separately, as at inference, where the prompt ends
+        there."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+        cuts = sorted({a for a in starts if any(s < a < e for s, e in offsets)})
+        if not cuts:
+            return ids, offsets, []
+        self._log_once(f"the chat template's generation prompt ends inside a token of the conversation's text "
+                       f"({text[cuts[0] - 8:cuts[0]]!r} + {text[cuts[0]:cuts[0] + 8]!r}): the prompt and the answer "
+                       "are tokenized apart there, as at inference", "cut")
+        ids, offsets = [], []
+        bounds = [0, *cuts, len(text)]
+        for a, b in zip(bounds, bounds[1:]):
+            enc = self.tokenizer(text[a:b], add_special_tokens=False, return_offsets_mapping=True)
+            ids += enc["input_ids"]
+            offsets += [(s + a, e + a) for s, e in enc["offset_mapping"]]
+        return ids, offsets, cuts
 
     def __call__(self, messages: list[dict]) -> TokenizedConversation:
         return self._tokenize(messages, self.append_eos)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    i = next((k for k in range(n) if a[k] != b[k]), n)
+    return i
