@@ -9,7 +9,9 @@ README's whole path, stages, resume and extension included, in tests/test_newcom
 - ``llava15``: llava-hf/llava-1.5-7b-hf's own directory (tokenizer.json, processor, chat template that closes
   no answer), converted directly;
 - ``onevision_qwen2``: a OneVision on the real Qwen2 vocabulary and added tokens (152064 rows, <image> =
-  151646) + SigLIP: the issue's `tokenizer's '<|im_start|>' id 151644 != config image_token_id 151646`.
+  151646) + SigLIP: the issue's `tokenizer's '<|im_start|>' id 151644 != config image_token_id 151646`;
+- ``onevision_qwen3``: a OneVision on Qwen3-4B-Instruct-2507's config (q/k norms, head_dim, tied, 151936 rows) and
+  real tokenizer and thinking template (151,669 tokens, <image> = 151669) + SigLIP.
 The ``llava15`` world (whose template closes no answer) trains long enough to overfit its one answer; greedy
 ``generate`` must then say it and stop at the eos the trainer inserted (tests/test_tokens.py shows the negative
 control, and the same on a tiny model).
@@ -62,6 +64,13 @@ def onevision_qwen2(root):
                   "--vision-feature-layer", "-1")
 
 
+def onevision_qwen3(root):
+    return _build(root, hub_models.qwen3_text_model(root / "lm"),
+                  hub_models.siglip_vision_model(root / "vit", image_size=20, patch_size=6),
+                  "--arch", "llava_onevision", "--max-grid", "3", "--vision-aspect-ratio", "anyres_max_2",
+                  "--vision-feature-layer", "-1")
+
+
 # name -> (builder, image token id (None: the LM tokenizer's length), embedding rows (None: from the LM), pad
 # token, the token closing each answer, eos inserted by the trainer, training iterations)
 WORLDS = {
@@ -69,6 +78,7 @@ WORLDS = {
     "vicuna": (vicuna, 32000, 32064, "<unk>", "</s>", False, 3),
     "llava15": (llava15, 32000, 32064, "<pad>", "</s>", True, 40),
     "onevision_qwen2": (onevision_qwen2, 151646, 152064, "<|endoftext|>", "<|im_end|>", False, 3),
+    "onevision_qwen3": (onevision_qwen3, 151669, 151936, "<|endoftext|>", "<|im_end|>", False, 3),
 }
 
 
@@ -142,7 +152,10 @@ def test_user_path(world, data, tmp_path, capsys):
     per_image = spec.anyres.num_tokens(48, 64, True) if spec.is_anyres else spec.num_image_tokens
     assert (stats["samples"], stats["image_tokens"], stats["text_tokens"]) == \
         (8, 8 * per_image, 8 * (len(conv.ids) - 1))
-    assert len(conv.ids) == len(tok(conv.text, add_special_tokens=False)["input_ids"]) + inserted + conv.prepended_bos
+    pieces = [conv.text[a:b] for a, b in zip([0, *conv.cuts], [*conv.cuts, len(conv.text)])]  # Qwen3: prompt | answer
+    assert len(conv.ids) == sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in pieces) + inserted + \
+        conv.prepended_bos
+    assert bool(conv.cuts) == (world == "onevision_qwen3")  # '<think>\n' + '\n</think>' tokenized apart
     assert conv.prepended_bos == (world == "llava15")  # its template writes no BOS; HF's processor adds one
 
     # 3. hf_to_megatron --verify: the checkpoint's spec has the config's image token; fp32 logits agree
