@@ -462,9 +462,11 @@ def report(results: Path, steps: Path | None = None) -> int:
             if st["rc"]:
                 bad_steps.append(st["step"])
     failed = [r for r in data["rows"] if r.get("ok") is False]
-    print(f"\n{len(failed)} check(s) failed" if failed else "\nall checks passed", end="")
+    checked = [r for r in data["rows"] if r.get("ok") is not None]
+    print(f"\n{len(failed)} check(s) failed" if failed else "\nall checks passed" if checked else "\nno check ran",
+          end="")
     print(f"; step(s) failed: {', '.join(bad_steps)}" if bad_steps else "")
-    return 1 if failed or bad_steps else 0
+    return 1 if failed or bad_steps or not checked else 0
 
 
 def parse(argv=None):

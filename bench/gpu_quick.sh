@@ -97,7 +97,7 @@ install_kit() {
   [ -e "${wheels[0]}" ] || { echo "no wheels in $KIT/wheels: build the kit with 'make gpu-kit' and carry .gpu_kit"; return 3; }
   "$PY" -m pip install -q --disable-pip-version-check --no-index --find-links "$KIT/wheels" --no-deps --no-compile \
     --target "$SITE" "${wheels[@]}" || return $?
-  "$PY" -c 'import megatron.core, megatron.energon, webdataset, transformers, torch
+  PYTHONPATH="$SITE:$PYTHONPATH" "$PY" -c 'import megatron.core, megatron.energon, webdataset, transformers, torch
 print("megatron-core", megatron.core.__version__, "| transformers", transformers.__version__, "| torch",
       torch.__version__, "cuda", torch.version.cuda, "| GPU", torch.cuda.get_device_name() if torch.cuda.is_available()
       else "none")'

@@ -72,7 +72,7 @@ def test_report_of_a_timed_out_run(tmp_path, capsys):
                      '{"step": "hf", "rc": 124, "seconds": 150, "limit": 150}\n')
     assert bench.main(["--report", str(results), "--steps", str(steps)]) == 1
     out = capsys.readouterr().out
-    assert "TIMED OUT" in out and "step(s) failed: hf" in out and " 1.50 " in out
+    assert "TIMED OUT" in out and "no check ran; step(s) failed: hf" in out and " 1.50 " in out
     assert json.loads(results.read_text())["rows"][0]["vs_hf"] == 1.5
 
 
