@@ -1,0 +1,85 @@
+"""Training a Qwen3 LLaVA-OneVision with the trainer's own step at TP=2 x PP=2 x DP=2 (one 8-process gloo world).
+
+The model: Qwen3-4B's config and real tokenizer shrunk in size only (q/k norms, head_dim 32 with hidden 64,
+tied embeddings, 151,936 rows) + SigLIP, built with ``build_llava --arch llava_onevision`` and converted at TP=1.
+The same three global batches of eight variable-length samples (images of four sizes) are trained:
+
+- fp32 stage 2 at TP2 x PP2 x DP2 and at DP8 give the same loss per step (1e-5 relative) and grad norm (2e-6 at
+  the first step, 5e-5 after Adam's updates);
+- bf16 stage 1 (projector only) and stage 2 (with the distributed optimizer) at TP2 x PP2 x DP2: the loss falls
+  and the first loss is within 1% of fp32's;
+- bf16 stage 2 with the distributed optimizer saved after step 1 and resumed there continues bit for bit as the
+  uninterrupted run (losses and grad norms).
+
+The user's commands on a Qwen3 OneVision (build, stats, --verify, train/run.py, export) run in
+tests/test_real_models.py (world ``onevision_qwen3``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+from megatron_vlm.runtime.spawn import run_world
+from megatron_vlm.testing.train_jobs import train_jobs
+from megatron_vlm.testing.train_jobs import variable_length_batches as global_batches
+
+pytestmark = pytest.mark.slow
+
+RTOL = 1e-5
+THREE_D = dict(tp=2, pp=2)  # x DP2 in the 8-process world
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from megatron_vlm.convert.build import build_llava
+    from megatron_vlm.testing import hub_models
+
+    root = tmp_path_factory.mktemp("qwen3_train")
+    hf = build_llava(hub_models.qwen3_text_model(root / "lm"),
+                     hub_models.siglip_vision_model(root / "vit", image_size=20, patch_size=6), root / "hf",
+                     arch="llava_onevision", max_grid=3, vision_aspect_ratio="anyres_max_2", vision_feature_layer=-1)
+    meg = convert_hf_to_megatron(hf, root / "meg", tp=1)
+    gbs = global_batches(hf, 3)
+    run = root / "s2run"
+    bf16 = dict(precision="bf16", micro_batch_size=2, **THREE_D)
+    # stage 1 is not saved here: at PP>1 its last stage has no trainable parameter, and megatron-core's optimizers
+    # then fail to save (distributed) or load (mixed precision) their state (reported; not a Qwen3 matter)
+    jobs = [
+        dict(name="fp32-dp8", micro_batch_size=1),
+        dict(name="fp32-3d", micro_batch_size=1, **THREE_D),
+        dict(name="bf16-s1", stage=1, freeze_vit=True, **bf16),
+        dict(name="bf16-s2", dist_optim=True, **bf16),
+        dict(name="bf16-s2-save", dist_optim=True, steps=1, save=str(run), **bf16),
+        dict(name="bf16-s2-resume", dist_optim=True, start=1, steps=2, resume=str(run / "iter_0000001"), **bf16),
+    ]
+    return {r["name"]: r for r in run_world(train_jobs, 8, jobs, meg, hf, gbs)[0]}
+
+
+def _close(a, b, rtol=RTOL):
+    return all(abs(x - y) <= rtol * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
+
+
+def test_fp32_3d_parallel_equals_data_parallel(results):
+    ref, got = results["fp32-dp8"], results["fp32-3d"]
+    print(f"\nqwen3 onevision fp32 losses DP8 {ref['loss']} / TP2xPP2xDP2 {got['loss']}")
+    # grad norms: the first step's to 2e-6 (measured 1.1e-6); later steps follow Adam's updates of slightly
+    # different gradients (the 151,936-row embedding's, summed in another order at TP2 x DP2): 1.3e-5 measured
+    assert _close(ref["loss"], got["loss"]), (ref, got)
+    assert _close(ref["grad_norm"][:1], got["grad_norm"][:1], 2e-6) and _close(ref["grad_norm"], got["grad_norm"],
+                                                                                5e-5), (ref, got)
+    assert got["readers"] == sorted(got["readers"]) and len(got["readers"]) < 8  # TP rank 1 receives by broadcast
+
+
+@pytest.mark.parametrize("name", ["bf16-s1", "bf16-s2"])
+def test_bf16_stages_train_at_tp2_pp2_dp2(name, results):
+    losses, fp32 = results[name]["loss"], results["fp32-3d"]["loss"]
+    print(f"\n{name} losses {losses}")
+    assert losses[-1] < losses[0]
+    assert abs(losses[0] - fp32[0]) <= 0.01 * fp32[0]
+
+
+def test_bf16_stage2_resume_is_exact(results):
+    full, saved, resumed = results["bf16-s2"], results["bf16-s2-save"], results["bf16-s2-resume"]
+    assert saved["loss"] == full["loss"][:1]
+    assert resumed["loss"] == full["loss"][1:3] and resumed["grad_norm"] == full["grad_norm"][1:3]
