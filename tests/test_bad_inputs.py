@@ -825,6 +825,23 @@ def test_extending_a_finished_run_follows_the_chosen_schedule_and_a_full_disk_en
 
 
 @pytest.mark.slow
+def test_fp16_overflow_skips_the_step_and_says_so(env, finished_run, tmp_path):
+    """fp16 at a loss scale of 2^17: the per-token loss sum times the scale overflows fp16's 65,504 in the
+    backward, megatron-core's scaler skips the step and halves the scale (hysteresis 1), and the log says so."""
+    rc, out, _ = _train(_run_args(env, finished_run["data"], tmp_path, "--precision", "fp16", "--initial-loss-scale",
+                                  str(2 ** 17), "--hysteresis", "1", iters=8))
+    assert rc == 0, out[-4000:]
+    rows = _metrics(tmp_path / "s1")
+    skipped = [i for i, r in rows.items() if r["grad_norm"] is None]
+    assert skipped and skipped == list(range(1, len(skipped) + 1)) and len(skipped) < 8, rows  # then it trains
+    for i in skipped:  # each overflowing step halves the scale
+        scale = 2 ** (17 - i + 1)
+        assert f"iteration {i} skipped: fp16 gradients overflowed at loss scale {scale}; the scaler backs off " \
+               f"(loss scale now {scale // 2})" in out, out[-4000:]
+    assert all(math.isfinite(r["loss"]) for r in rows.values()), rows
+
+
+@pytest.mark.slow
 def test_a_resume_keeps_the_loss_objective_it_was_trained_with(env, finished_run):
     """The run trained with HF's objective (the default: padded vocabulary rows masked out of the loss), its
     checkpoint records it, and asking its resume for Megatron-LM's objective is refused before launch."""

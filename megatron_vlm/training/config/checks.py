@@ -139,8 +139,8 @@ def check_consistency(cfg: ConfigFields) -> list[str]:
         for name in ("recompute_method", "recompute_num_layers"):
             if getattr(cfg, name) is not None:
                 p.append(f"{_flag(name)} only applies with --recompute-granularity full")
-    if cfg.precision == "fp16" and cfg.device == "cpu":
-        p.append("--precision fp16 is not supported on --device cpu; use fp32 (default) or bf16")
+    if cfg.loss_scale is not None and cfg.precision != "fp16":
+        p.append(f"--loss-scale applies to --precision fp16 only (this run: {cfg.precision or 'the default'}); drop it")
     if cfg.train_iters is None:
         p.append("--train-iters is required: how many optimizer steps to train")
     if not cfg.data_path:
