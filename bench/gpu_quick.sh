@@ -44,12 +44,15 @@ while [ $# -gt 0 ]; do
 done
 case "$BUDGET$ITERS" in *[!0-9]*) echo "gpu_quick.sh: --budget and --iters take whole numbers" >&2; exit 2 ;; esac
 
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/mvlm_quick.XXXXXX")"
+SITE="$WORK/site"
+[ "$KEEP" = 1 ] || trap 'rm -rf "$WORK"' EXIT
 # Where the project is: this script's repository, or (run from the kit alone) the kit's project.tar.gz unpacked.
 if [ -f "$HERE/../bench/gpu.py" ]; then
   ROOT="$(cd "$HERE/.." && pwd)"
 elif [ -f "$HERE/project.tar.gz" ]; then
-  ROOT=/tmp/mvlm_project/megatron-vlm
-  rm -rf /tmp/mvlm_project && mkdir -p /tmp/mvlm_project && tar -xzf "$HERE/project.tar.gz" -C /tmp/mvlm_project
+  ROOT="$WORK/project/megatron-vlm"
+  mkdir -p "$WORK/project" && tar -xzf "$HERE/project.tar.gz" -C "$WORK/project" || exit 2
 else
   echo "gpu_quick.sh: no project next to $HERE (neither ../bench/gpu.py nor project.tar.gz)" >&2; exit 2
 fi
@@ -61,9 +64,6 @@ OUTDIR="${OUTDIR:-$PWD/gpu_quick_out}"
 mkdir -p "$OUTDIR" && OUTDIR="$(cd "$OUTDIR" && pwd)"
 LOG="$OUTDIR/gpu_quick.log" STEPS="$OUTDIR/steps.jsonl" RESULTS="$OUTDIR/gpu_bench.json"
 rm -f "$RESULTS" "$STEPS"
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/mvlm_quick.XXXXXX")"
-SITE="$WORK/site"
-[ "$KEEP" = 1 ] || trap 'rm -rf "$WORK"' EXIT
 cd "$ROOT" || exit 2
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 START=$(date +%s)

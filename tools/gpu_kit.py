@@ -15,12 +15,20 @@ command there carries at most 64 MiB of files (the working tree plus carried pat
   ``pip install --no-index --find-links`` and runs the measurements;
 - ``KIT.json``: the pins, each file's size and SHA-256, the commit, and the sizes.
 
+``--check`` then rehearses the GPU command on this CPU machine with nothing but what the GPU machine will have: a
+fresh venv of the Python 3.12 lane's base interpreter that sees only the GPU image's packages (and their own
+dependencies) from ``.venv-py312``, through a folder of links; a copy of the kit outside the repository; and
+``gpu_quick.sh --tiny --kit <copy>`` run from that copy (so the project comes from ``project.tar.gz`` and the
+wheels from the kit). A missing wheel shows up as a failed ``install`` step or an ImportError, before a GPU lease
+is spent on it (the image's versions differ from this venv's: that part it cannot rehearse).
+
 It writes into a temporary folder next to ``--out`` and renames it into place at the end, so an interrupted run
 leaves the old kit (or none), never half of one. It refuses (one line, exit 1) when the kit is over ``--max-mib``
 (60) or when kit + travelling working tree is over the 64 MiB a device command carries.
 
   make gpu-kit                          # = .venv-py312/bin/python tools/gpu_kit.py
   python tools/gpu_kit.py --out .gpu_kit --max-mib 60
+  .venv-py312/bin/python tools/gpu_kit.py --check     # rehearse the kit's script (--tiny) in an image-like venv
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -262,6 +271,63 @@ def build(out: Path, constraints: Path, max_mib: float, log=print, tree_bytes: i
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def image_like_venv(venv: Path, lane_site: Path) -> Path:
+    """A venv at ``venv`` that sees, of ``lane_site``'s distributions, only those of :data:`GPU_IMAGE` and their
+    run-time dependencies (linked into ``venv/image``); returns its python."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    dists = {norm(d.metadata["Name"]): d for d in md.distributions(path=[str(lane_site)])}
+    env, keep, todo = marker_env(), set(), [n for n in dists if n in GPU_IMAGE]
+    while todo:
+        name = todo.pop()
+        if name in keep or name not in dists:
+            continue
+        keep.add(name)
+        for r in dists[name].requires or []:
+            req = Requirement(r)
+            if req.marker is None or req.marker.evaluate(env):
+                todo.append(norm(req.name))
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    image = venv / "image"
+    image.mkdir()
+    for name in sorted(keep):
+        for f in dists[name].files or []:
+            top = f.parts[0]
+            if top not in ("..", "bin") and not (image / top).exists() and (lane_site / top).exists():
+                os.symlink(lane_site / top, image / top)
+    if not (image / "pip").exists():  # the image has pip; this venv was made without it
+        os.symlink(lane_site / "pip", image / "pip")
+    py = venv / "bin" / "python"
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    (Path(purelib) / "gpu_image.pth").write_text(str(image) + "\n")
+    return py
+
+
+def check(kit_dir: Path) -> int:
+    """Run the kit's own script with --tiny in an image-like venv from a copy of the kit; its exit status."""
+    if not (kit_dir / "KIT.json").is_file():
+        raise KitError(f"no kit in {kit_dir}: run make gpu-kit first")
+    if "%d.%d" % sys.version_info[:2] != PY_VERSION:
+        raise KitError(f"--check needs the Python {PY_VERSION} lane's interpreter (.venv-py312/bin/python)")
+    import sysconfig
+
+    with tempfile.TemporaryDirectory(prefix="gpu-kit-check-") as tmp:
+        tmp = Path(tmp)
+        py = image_like_venv(tmp / "venv", Path(sysconfig.get_paths()["purelib"]))
+        copy = tmp / "kit"
+        shutil.copytree(kit_dir, copy)
+        cmd = ["bash", str(copy / "gpu_quick.sh"), "--tiny", "--kit", str(copy), "--out", str(tmp / "out")]
+        print("+", " ".join(cmd), flush=True)
+        res = subprocess.run(cmd, cwd=tmp, env=dict(os.environ, PYTHON=str(py), TMPDIR=str(tmp), PYTHONPATH=""))
+        print(f"gpu_kit --check: the kit's script {'passed' if res.returncode == 0 else 'FAILED'} with only the GPU "
+              "image's packages and the kit's wheels (versions: this venv's, not the image's)")
+        return res.returncode
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / ".gpu_kit", help="kit folder, ignored by git (default: "
@@ -269,6 +335,8 @@ def parse(argv=None):
     p.add_argument("--constraints", type=Path, default=ROOT / "constraints" / "py312.txt",
                    help="pins of the Python 3.12 lane (default: constraints/py312.txt)")
     p.add_argument("--max-mib", type=float, default=MAX_MIB, help=f"refuse a kit over this (default {MAX_MIB:g})")
+    p.add_argument("--check", action="store_true", help="build nothing: rehearse the kit at --out (its script, "
+                   "--tiny) in a venv that has only the GPU image's packages; exit status of that run")
     return p.parse_args(argv)
 
 
@@ -279,6 +347,8 @@ def main(argv=None) -> int:
     except ImportError:
         raise KitError(f"{sys.executable} has no 'packaging': run with the project's venv "
                        "(make gpu-kit uses .venv-py312/bin/python)") from None
+    if a.check:
+        return check(a.out.resolve())
     build(a.out, a.constraints.resolve(), a.max_mib)
     return 0
 
