@@ -203,7 +203,7 @@ def train_run(a, work: Path, hf: Path, data: Path, meg: Path, name: str, impl: s
     cmd += list(extra)  # later flags override (argparse keeps the last)
     t0 = time.time()
     log_path = (Path(a.out_dir) if a.out_dir else work) / f"{name}.log"  # in $OUT: a killed run's log comes back
-    with open(log_path, "w") as logf:
+    with open(log_path, "w") as logf, _child_running():
         res = _run_command(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     text = log_path.read_text(errors="replace")
@@ -221,6 +221,31 @@ def train_run(a, work: Path, hf: Path, data: Path, meg: Path, name: str, impl: s
     out["fusions_line"] = next((ln.split("fusions: ", 1)[1] for ln in text.splitlines() if "fusions: " in ln), "")
     out["fp8"] = bool(recipe)
     return out
+
+
+_CHILD = {"running": False, "terminated": False}
+
+
+class _child_running:
+    """Marks a training child as running: a SIGTERM then (bench/gpu_quick.sh's time limit, sent to the whole process
+    group, the child included) lets the child shut its own workers down first (train/run.py forwards it to its
+    launcher), and this process leaves once the child has returned, not in the middle of waiting for it (which
+    would SIGKILL the child and orphan its workers)."""
+
+    def __enter__(self):
+        _CHILD["running"] = True
+
+    def __exit__(self, *exc):
+        _CHILD["running"] = False
+        if _CHILD["terminated"]:
+            sys.exit(143)
+
+
+def _on_sigterm(*_):
+    if _CHILD["running"]:
+        _CHILD["terminated"] = True
+    else:
+        sys.exit(143)
 
 
 #: every fusion switched off, with Megatron-LM's flag names (the "fusions off" training row)
@@ -533,12 +558,17 @@ def main(argv=None, run_command=subprocess.run) -> int:
 
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA GPU is visible; run with --tiny for the CPU plumbing check")
+    import signal
+
+    # bench/gpu_quick.sh's time limit sends SIGTERM: leave through the ``finally`` below, which writes the rows so far
+    signal.signal(signal.SIGTERM, _on_sigterm)
     work = Path(tempfile.mkdtemp(prefix="bench_gpu_", dir=a.work_dir))
     if a.out_dir:
         a.out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    info = versions()
+    info: dict = {}
     try:
+        info.update(versions())
         t = time.perf_counter()
         if a.inputs and (a.inputs / "megatron").is_dir():
             hf, data, meg = a.inputs / "hf", a.inputs / "data", a.inputs / "megatron"

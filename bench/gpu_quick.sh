@@ -69,6 +69,17 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$ROOT${PYTHON
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
 
+# reap: end what a killed step left behind in sessions of its own (a training run's launcher and workers). Every such
+# process was started with this run's own scratch folder ($WORK, a fresh mktemp path) in its command line.
+reap() {
+  local pids
+  pids=$(pgrep -f -- "$WORK/" | grep -vx "$$" | tr '\n' ' ')
+  [ -n "${pids// /}" ] || return 0
+  echo "== left behind, ended: $pids" | tee -a "$LOG"
+  kill -TERM $pids 2>/dev/null; sleep 5; kill -KILL $pids 2>/dev/null
+  return 0
+}
+
 # step NAME LIMIT CMD...: run CMD under min(LIMIT, time left) seconds, append its output to the log (and stdout)
 # and one line to steps.jsonl. A step with under 15 s left is skipped (rc 125).
 step() {
@@ -85,6 +96,7 @@ step() {
   t0=$(date +%s)
   timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
+  reap
   printf '{"step": "%s", "rc": %d, "seconds": %d, "limit": %d}\n' "$name" "$rc" "$(($(date +%s) - t0))" "$limit" \
     >> "$STEPS"
   echo "== $name: rc $rc in $(($(date +%s) - t0))s" | tee -a "$LOG"
@@ -103,7 +115,7 @@ print("megatron-core", megatron.core.__version__, "| transformers", transformers
       else "none")'
 }
 
-GPU="$PY bench/gpu.py --inputs $WORK/inputs --out $RESULTS"
+GPU="$PY bench/gpu.py --inputs $WORK/inputs --work-dir $WORK --out $RESULTS"
 SIZE=()
 [ "$TINY" = 1 ] && SIZE=(--tiny) || SIZE=(--iters "$ITERS" --warmup 10)
 
