@@ -27,7 +27,7 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     out = tmp_path / "out"
     res = subprocess.run(["bash", str(ROOT / "bench" / "gpu_quick.sh"), "--tiny", "--kit", str(kit), "--out", str(out)],
                          env=dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path)), capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=1500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert [(s["step"], s["rc"]) for s in steps] == [(n, 0) for n in ("env", "install", "setup", "logits", "train",
