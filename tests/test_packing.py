@@ -1,7 +1,8 @@
 """Sequence packing (megatron_vlm.data.packing): the packing arithmetic, energon's packing hooks, and that a packed
 row is expanded by megatron-core's LLaVAModel exactly like the separate rows (labels, loss mask, image and text
-positions), with ``cu_seqlens`` at the image-expanded sample boundaries. The attention itself ('thd' through
-Transformer Engine) needs a GPU: ``test_packed_equals_unpacked_on_gpu`` (marked gpu) compares logits and loss.
+positions), with ``cu_seqlens`` at the image-expanded sample boundaries. Packed training equal to unpacked
+on CPU (local layers, TP/PP/DP, anyres, videos, bf16) is tests/test_packing_equivalence.py; Transformer Engine's
+'thd' attention on a GPU is ``test_packed_equals_unpacked_on_gpu`` (marked gpu).
 """
 
 from __future__ import annotations
@@ -47,14 +48,15 @@ def test_boundaries_are_image_expanded_and_close_the_padding():
         boundaries([3, 7], 9)
 
 
-def test_packing_is_refused_without_transformer_engine_attention():
+def test_packing_runs_with_every_layer_implementation():
+    """Packing is accepted on CPU and with local layers (megatron's local attention per 'thd' segment, installed
+    by check_packing_supported); the remaining checks name the flag and the fix."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
     from megatron_vlm.training.config import ConfigError, TrainConfig
 
-    with pytest.raises(ValueError, match=r"--packing-buffer-size needs Transformer Engine attention .* use "
-                                         "--transformer-impl transformer_engine on --device cuda"):
-        check_packing_supported("local", "cuda")
-    with pytest.raises(ValueError, match="--device cpu"):
-        check_packing_supported("transformer_engine", "cpu")
+    check_packing_supported("local", "cpu")
+    assert getattr(DotProductAttention.forward, "_packed_thd", False)
     check_packing_supported("transformer_engine", "cuda")
     req = ["--data-path", "/d", "--tokenizer-load-dir", "/t", "--init", "--train-iters", "2", "--seq-length", "512"]
     c = TrainConfig.from_args([*req, "--device", "cuda", "--packing-buffer-size", "64", "--packed-seq-length", "2048"])
@@ -62,10 +64,10 @@ def test_packing_is_refused_without_transformer_engine_attention():
     c = TrainConfig.from_args([*req, "--device", "cuda", "--packing-buffer-size", "64"])
     assert c.packed_seq_length == c.lm_seq_length == 512
     assert TrainConfig.from_args([*req, "--device", "cuda"]).lm_seq_length == 512
+    assert TrainConfig.from_args([*req, "--device", "cpu", "--packing-buffer-size", "8"]).packing
+    assert TrainConfig.from_args([*req, "--device", "cuda", "--transformer-impl", "local", "--packing-buffer-size",
+                                  "8"]).packing
     for argv, msg in [
-        (["--device", "cpu", "--packing-buffer-size", "8"], "--packing-buffer-size needs Transformer Engine "
-                                                            "attention .*--device cpu lacks"),
-        (["--device", "cuda", "--transformer-impl", "local", "--packing-buffer-size", "8"], "--transformer-impl local"),
         (["--device", "cuda", "--packed-seq-length", "1024"], "--packed-seq-length only applies with "
                                                               "--packing-buffer-size"),
         (["--device", "cuda", "--packing-buffer-size", "8", "--micro-batch-size", "4"], "use --micro-batch-size 1"),
@@ -76,6 +78,15 @@ def test_packing_is_refused_without_transformer_engine_attention():
     ]:
         with pytest.raises(ConfigError, match=msg):
             TrainConfig.from_args([*req, *argv])
+
+
+def test_local_attention_splits_the_row_at_cu_seqlens():
+    from megatron_vlm.runtime.cpu_compat import segments
+
+    assert segments(torch.tensor([0, 3, 7, 10]), 10) == [(0, 3), (3, 7), (7, 10)]
+    assert segments(torch.tensor([0, 3, 3, 10]), 10) == [(0, 3), (3, 10)]  # an empty segment is no window
+    with pytest.raises(ValueError, match="do not split the packed row of 12 positions"):
+        segments(torch.tensor([0, 3, 10]), 12)
 
 
 # ---- the hooks on real encoded samples --------------------------------------------------------------------------
@@ -117,15 +128,28 @@ def test_pack_and_batch(packer):
         packer.batch([packer.pack_selected_samples(packs[0])] * 2)
 
 
-def test_packing_is_refused_for_anyres_models(tmp_path_factory):
-    import dataclasses
-
+def test_anyres_packs_keep_each_items_tiles_and_counts(tmp_path_factory):
+    """OneVision (anyres tiles, videos): a pack concatenates each item's tiles, size, tile and token counts in token
+    order, and its cu_seqlens are the image-expanded sample lengths; a sample starting with its video opens a pack."""
+    from megatron_vlm.data.packing import AnyresPackedBatch, packing_task_encoder_for
     from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.testing.packing_check import _as_samples, sample_sets
+    from megatron_vlm.testing.tiny import make_tiny_onevision
 
-    hf = tiny_llava(tmp_path_factory)
-    spec = dataclasses.replace(VLMSpec.from_hf_dir(hf), arch="llava_onevision")
-    with pytest.raises(ValueError, match="sequence packing is not supported for llava_onevision"):
-        PackingTaskEncoder(hf, seq_length=64, packed_seq_length=96, spec=spec)
+    hf = make_tiny_onevision(tmp_path_factory.mktemp("ov_pack") / "ov")
+    enc = packing_task_encoder_for(VLMSpec.from_hf_dir(hf), hf, 128, 256)
+    samples = _as_samples(enc, sample_sets(enc)["mixed"])
+    packs = enc.select_samples_to_pack(samples)
+    assert sorted(s.__key__ for p in packs for s in p) == sorted(s.__key__ for s in samples) and len(packs) < 6
+    assert [p[0].__key__ for p in packs if "s3" in [s.__key__ for s in p]] == ["s3"]  # image-first opens its pack
+    for pack in packs:
+        b = enc.batch([enc.pack_selected_samples(pack)])
+        assert isinstance(b, AnyresPackedBatch) and b.cu_seqlens.tolist() == boundaries([s.num_tokens for s in pack],
+                                                                                         256)
+        for k in ("images", "image_sizes", "num_image_tiles", "num_image_tokens"):
+            assert torch.equal(getattr(b, k), torch.cat([getattr(s, k) for s in pack]))
+        # image-expanded length: text positions + image tokens - one token per item
+        assert b.tokens.shape[1] - b.num_image_tokens.numel() + int(b.num_image_tokens.sum()) == 256
 
 
 def test_truncation_never_packs_a_partial_image(tmp_path_factory):

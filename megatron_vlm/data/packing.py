@@ -21,8 +21,11 @@ Owns the packing arithmetic and energon's packing hooks (``--packing-buffer-size
   are shifted within each sample by the task encoder, and LLaVAModel expands them in the packed row exactly as
   in separate rows.
 
-Packing needs Transformer Engine attention ('thd' format); local layers (and CPU) are refused by
-:func:`check_packing_supported`, naming the flag and the fix.
+Packing runs with every layer implementation: Transformer Engine's fused 'thd' attention on a GPU, and megatron's
+local attention taught the 'thd' format by :func:`megatron_vlm.runtime.cpu_compat.packed_local_attention` (the same
+causal attention, once per ``cu_seqlens`` segment) on CPU or with ``--transformer-impl local``; the data path, the
+``PackedSeqParams`` and megatron-core's per-segment RoPE are the same on both. Anyres models (LLaVA-NeXT,
+OneVision: tiles, videos) pack with :class:`AnyresPackingTaskEncoder`; :func:`packing_task_encoder_for` picks.
 """
 
 from __future__ import annotations
@@ -31,17 +34,19 @@ import torch
 from megatron.energon.edataclass import edataclass
 from megatron.energon.task_encoder.base import stateless
 
+from megatron_vlm.data.anyres_encoder import AnyresBatch, AnyresSample, AnyresTaskEncoder
 from megatron_vlm.data.task_encoder import VLMBatch, VLMSample, VLMTaskEncoder
 
 
 def check_packing_supported(impl: str, device: str) -> None:
-    """Raise ValueError unless packed sequences can run with layer implementation ``impl`` on ``device``."""
-    if device != "cuda" or impl != "transformer_engine":
-        where = f"--device {device}" if device != "cuda" else "--transformer-impl local"
-        raise ValueError(
-            f"--packing-buffer-size needs Transformer Engine attention (packed sequences use megatron-core's 'thd' "
-            f"format, which megatron's local attention does not support; this run has {where}): use "
-            "--transformer-impl transformer_engine on --device cuda, or drop --packing-buffer-size")
+    """Make packed sequences run with layer implementation ``impl`` on ``device`` (called before the model is
+    built). Transformer Engine ('thd' natively) needs nothing; local layers get megatron's local attention per
+    segment (:func:`~megatron_vlm.runtime.cpu_compat.packed_local_attention`, pure torch: CPU or CUDA).
+    Nothing is refused: TE on CPU is refused by :mod:`megatron_vlm.layer_impl` before this."""
+    if impl != "transformer_engine":
+        from megatron_vlm.runtime.cpu_compat import packed_local_attention
+
+        packed_local_attention()
 
 
 def select_packs(lengths: list[int], opens_only: list[bool], capacity: int) -> list[list[int]]:
@@ -95,12 +100,28 @@ class VLMPackedSample(VLMSample):
 
 
 @edataclass
+class AnyresPackedSample(AnyresSample):
+    """Several encoded anyres samples concatenated (images / videos, their tiles and counts in token order)."""
+
+    seq_lengths: list
+
+
+@edataclass
 class VLMPackedBatch(VLMBatch):
     """One packed sequence (B = 1) padded to ``packed_seq_length`` image-expanded positions."""
 
     cu_seqlens: torch.Tensor  # int32 [segments + 1], image-expanded boundaries (last segment: padding)
     max_seqlen: int  # longest segment
     num_samples: int  # samples packed (the logged sample count)
+
+
+@edataclass
+class AnyresPackedBatch(AnyresBatch):
+    """:class:`VLMPackedBatch` for anyres models (with each item's size, tiles and image tokens)."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    num_samples: int
 
 
 def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int):
@@ -112,19 +133,13 @@ def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int):
                            max_seqlen_kv=int(max_seqlen))
 
 
-def _refuse_anyres(spec) -> None:
-    if spec is not None and spec.is_anyres:
-        raise ValueError(f"--packing-buffer-size: sequence packing is not supported for {spec.arch} (anyres) "
-                         "models yet; train them without packing")
+class _PackingHooks:
+    """energon's packing hooks over a task encoder's encoded samples (mixed into the plain and anyres encoders)."""
 
+    #: per-sample tensors concatenated into a pack besides tokens, labels and loss mask
+    item_fields: tuple = ("images",)
 
-class PackingTaskEncoder(VLMTaskEncoder):
-    """:class:`VLMTaskEncoder` with energon's packing hooks; use with ``packing_buffer_size`` in the loader."""
-
-    def __init__(self, *args, packed_seq_length: int, **kwargs):
-        _refuse_anyres(kwargs.get("spec"))  # before the parent loads a processor it may not understand
-        super().__init__(*args, **kwargs)
-        _refuse_anyres(self.spec)
+    def _init_packing(self, packed_seq_length: int) -> None:
         self.packed_seq_length = int(packed_seq_length)
         if self.packed_seq_length < self.seq_length:
             raise ValueError(f"--packed-seq-length {self.packed_seq_length} is below --seq-length {self.seq_length}: "
@@ -134,26 +149,26 @@ class PackingTaskEncoder(VLMTaskEncoder):
             raise ValueError(f"--packed-seq-length {self.packed_seq_length} must be a multiple of {multiple} "
                              "(FP8 / sequence-parallel alignment)")
 
-    def select_samples_to_pack(self, samples: list[VLMSample]) -> list[list[VLMSample]]:
+    def media_ids(self) -> set:
+        """Token ids that megatron expands into image embeddings (images; videos for OneVision)."""
+        return {self.image_token_id} | ({self.video_token_id} if getattr(self, "video_token_id", None) is not None
+                                        else set())
+
+    def select_samples_to_pack(self, samples: list) -> list[list]:
         lengths = [int(s.num_tokens) for s in samples]
-        opens = [len(s.tokens) > 0 and int(s.tokens[0]) == self.image_token_id for s in samples]
+        media = self.media_ids()
+        opens = [len(s.tokens) > 0 and int(s.tokens[0]) in media for s in samples]
         return [[samples[i] for i in group] for group in select_packs(lengths, opens, self.packed_seq_length)]
 
-    @stateless
-    def pack_selected_samples(self, samples: list[VLMSample]) -> VLMPackedSample:
-        return VLMPackedSample.derive_from(
-            samples[0],
-            __key__=",".join(s.__key__ for s in samples),
-            images=torch.cat([s.images for s in samples], dim=0),
-            tokens=torch.cat([s.tokens for s in samples]),
-            labels=torch.cat([s.labels for s in samples]),
-            loss_mask=torch.cat([s.loss_mask for s in samples]),
-            num_tokens=int(sum(s.num_tokens for s in samples)),
-            seq_lengths=[int(s.num_tokens) for s in samples],
-        )
+    def _packed_fields(self, samples: list) -> dict:
+        fields = {k: torch.cat([getattr(s, k) for s in samples], dim=0) for k in self.item_fields}
+        return dict(__key__=",".join(s.__key__ for s in samples), tokens=torch.cat([s.tokens for s in samples]),
+                    labels=torch.cat([s.labels for s in samples]),
+                    loss_mask=torch.cat([s.loss_mask for s in samples]),
+                    num_tokens=int(sum(s.num_tokens for s in samples)),
+                    seq_lengths=[int(s.num_tokens) for s in samples], **fields)
 
-    @stateless
-    def batch(self, samples: list[VLMPackedSample]) -> VLMPackedBatch:
+    def _packed_row(self, samples: list) -> dict:
         if len(samples) != 1:
             raise ValueError(f"a packed micro batch holds one packed sequence, got {len(samples)}; use "
                              "--micro-batch-size 1 with --packing-buffer-size")
@@ -165,8 +180,57 @@ class PackingTaskEncoder(VLMTaskEncoder):
         labels = torch.full((1, n + pad), self.pad_token_id, dtype=torch.int64)
         loss_mask = torch.zeros((1, n + pad), dtype=torch.float32)
         tokens[0, :n], labels[0, :n], loss_mask[0, :n] = s.tokens, s.labels, s.loss_mask
-        return VLMPackedBatch.from_samples(
-            samples, images=s.images, num_image_tiles=torch.ones(s.images.shape[0], dtype=torch.int32),
-            tokens=tokens, labels=labels, loss_mask=loss_mask, num_tokens=int(s.num_tokens),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32), max_seqlen=max(b - a for a, b in zip(cu, cu[1:])),
-            num_samples=len(s.seq_lengths))
+        return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, num_tokens=int(s.num_tokens),
+                    cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                    max_seqlen=max(b - a for a, b in zip(cu, cu[1:])), num_samples=len(s.seq_lengths))
+
+
+class PackingTaskEncoder(_PackingHooks, VLMTaskEncoder):
+    """:class:`VLMTaskEncoder` with energon's packing hooks; use with ``packing_buffer_size`` in the loader."""
+
+    def __init__(self, *args, packed_seq_length: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_packing(packed_seq_length)
+
+    @stateless
+    def pack_selected_samples(self, samples: list[VLMSample]) -> VLMPackedSample:
+        return VLMPackedSample.derive_from(samples[0], **self._packed_fields(samples))
+
+    @stateless
+    def batch(self, samples: list[VLMPackedSample]) -> VLMPackedBatch:
+        row = self._packed_row(samples)
+        images = samples[0].images
+        return VLMPackedBatch.from_samples(samples, images=images,
+                                           num_image_tiles=torch.ones(images.shape[0], dtype=torch.int32), **row)
+
+
+class AnyresPackingTaskEncoder(_PackingHooks, AnyresTaskEncoder):
+    """:class:`~megatron_vlm.data.anyres_encoder.AnyresTaskEncoder` (LLaVA-NeXT / OneVision: tiles, videos) with
+    energon's packing hooks: a pack keeps each image's / video's tiles, size and image-token count in order."""
+
+    item_fields = ("images", "image_sizes", "num_image_tiles", "num_image_tokens")
+
+    def __init__(self, *args, packed_seq_length: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_packing(packed_seq_length)
+
+    @stateless
+    def pack_selected_samples(self, samples: list[AnyresSample]) -> AnyresPackedSample:
+        return AnyresPackedSample.derive_from(samples[0], **self._packed_fields(samples))
+
+    @stateless
+    def batch(self, samples: list[AnyresPackedSample]) -> AnyresPackedBatch:
+        row = self._packed_row(samples)
+        s = samples[0]
+        return AnyresPackedBatch.from_samples(samples, images=s.images, num_image_tiles=s.num_image_tiles,
+                                              image_sizes=s.image_sizes, num_image_tokens=s.num_image_tokens, **row)
+
+
+def packing_task_encoder_for(spec, hf_dir, seq_length: int, packed_seq_length: int, video_fps: float | None = None,
+                             video_frames: int | None = None, **kwargs):
+    """The packing task encoder of ``spec``'s architecture (anyres or plain LLaVA)."""
+    if spec.is_anyres:
+        extra = {k: v for k, v in dict(video_fps=video_fps, video_frames=video_frames).items() if v is not None}
+        return AnyresPackingTaskEncoder(hf_dir, seq_length, spec=spec, packed_seq_length=packed_seq_length,
+                                        **extra, **kwargs)
+    return PackingTaskEncoder(hf_dir, seq_length, spec=spec, packed_seq_length=packed_seq_length, **kwargs)

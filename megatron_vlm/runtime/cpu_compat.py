@@ -23,6 +23,12 @@ makes the same code run on CPU:
   otherwise trace and compile them with TorchInductor at its first forward (g++ on a cold cache, ~2-3 s of CPU
   per process with a warm one), as the fusions they stand for run on CUDA only (``fusions: all off`` on CPU).
 
+- megatron-core's local ``DotProductAttention`` learns packed sequences (:func:`packed_local_attention`): with
+  ``PackedSeqParams(qkv_format='thd')`` it runs its own causal attention once per ``cu_seqlens`` segment, so a
+  sample attends only to itself (Transformer Engine's fused 'thd' attention does the same on a GPU). Everything
+  else on the packed path is megatron-core's own: rotary embeddings restart per segment in its
+  ``_apply_rotary_pos_emb_thd``, and LLaVAModel lays out images, labels and loss mask.
+
 It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine).
 
 ``allow_te_construction()`` (called by :func:`megatron_vlm.model.build_model` for Transformer Engine layers while
@@ -114,6 +120,7 @@ def enable() -> bool:
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     use_torch_optimizer_kernels()
     run_compiled_functions_eagerly()
+    packed_local_attention()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _recompute_under_mode(mrandom)
@@ -134,6 +141,49 @@ def _recompute_under_mode(mrandom) -> None:
 
     backward._cpu_compat = True
     fn.backward = staticmethod(backward)
+
+
+def segments(cu_seqlens, total: int) -> list[tuple[int, int]]:
+    """(start, end) of each packed sample in a 'thd' row of ``total`` positions: the attention windows of
+    :func:`packed_local_attention` (the tests swap this for one window to show a mask across samples fails)."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens {cu} do not split the packed row of {total} positions")
+    return [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
+
+
+def packed_local_attention() -> None:
+    """Teach megatron-core's local ``DotProductAttention`` the 'thd' format of packed sequences (idempotent).
+
+    megatron-core's attention squeezes a packed row to ``[t, heads, dim]`` and applies RoPE per ``cu_seqlens``
+    segment before its core attention, which for local layers refuses ``packed_seq_params``. The patched forward
+    runs megatron's own local attention (its scaling, causal mask, softmax and dropout) on each segment as a
+    separate sequence ``[n, 1, heads, dim]`` and concatenates the outputs ``[t, 1, hidden]``: per-sample causal
+    attention, the same numbers as each sample in its own row. Calls without 'thd' parameters are unchanged.
+    Pure torch: it serves local layers on CPU and on CUDA."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = DotProductAttention.forward
+    if getattr(original, "_packed_thd", False):
+        return
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
+        cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+        if cu_kv is not None and not torch.equal(cu_q.cpu(), cu_kv.cpu()):
+            raise ValueError("packed local attention needs the same cu_seqlens for queries and keys")
+        if attention_mask is not None:
+            raise ValueError("packed local attention takes no attention mask: the segments are the mask")
+        outs = [original(self, query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1), None,
+                         attn_mask_type=attn_mask_type, attention_bias=attention_bias, **kwargs)
+                for a, b in segments(cu_q, query.shape[0])]
+        return torch.cat(outs, dim=0)  # [t, 1, hidden]
+
+    forward._packed_thd = True
+    DotProductAttention.forward = forward
 
 
 def run_compiled_functions_eagerly() -> None:

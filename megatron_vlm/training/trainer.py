@@ -111,10 +111,10 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
     kw = dict(image_token_id=spec.image_token_id, pad_token_id=cfg.pad_token_id,
               max_consecutive_skips=cfg.max_consecutive_skipped_samples, pad_to_multiple_of=_pad_multiple(cfg))
     if cfg.packing:
-        from megatron_vlm.data.packing import PackingTaskEncoder
+        from megatron_vlm.data.packing import packing_task_encoder_for
 
-        encoder = PackingTaskEncoder(cfg.tokenizer_load_dir, cfg.seq_length, packed_seq_length=cfg.packed_seq_length,
-                                     spec=spec, **kw)
+        encoder = packing_task_encoder_for(spec, cfg.tokenizer_load_dir, cfg.seq_length, cfg.packed_seq_length,
+                                           video_fps=cfg.video_fps, video_frames=cfg.video_frames, **kw)
     else:
         encoder = task_encoder_for(spec, cfg.tokenizer_load_dir, cfg.seq_length, video_fps=cfg.video_fps,
                                    video_frames=cfg.video_frames, **kw)

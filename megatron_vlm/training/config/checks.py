@@ -181,11 +181,6 @@ def _check_packing(cfg: ConfigFields) -> list[str]:
             p.append("--packed-seq-length only applies with --packing-buffer-size N (packing is on only with a "
                      "buffer of samples to pack from)")
         return p
-    if cfg.device == "cpu" or cfg.transformer_impl == "local":
-        where = "--device cpu" if cfg.device == "cpu" else "--transformer-impl local"
-        p.append(f"--packing-buffer-size needs Transformer Engine attention (packed sequences use megatron-core's "
-                 f"'thd' format, which {where} lacks); use --transformer-impl transformer_engine on --device cuda, "
-                 "or drop --packing-buffer-size")
     if cfg.micro_batch_size != 1:
         p.append(f"--micro-batch-size {cfg.micro_batch_size} with --packing-buffer-size: a micro batch is one packed "
                  "sequence; use --micro-batch-size 1 (more samples per step: a larger --packed-seq-length or "
