@@ -19,7 +19,7 @@ import torch
 from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
-from megatron_vlm.convert.verify import hf_logits, max_logit_diff, reference_batch
+from megatron_vlm.convert.verify import hf_logits, reference_batch
 from megatron_vlm.spec import ParallelismError, UnsupportedArchitectureError, VLMSpec
 
 from .conftest import script
@@ -60,7 +60,7 @@ MODELS = {
     "qwen3_onevision": (lambda r: _qwen3(r, "llava_onevision", "siglip"), ALL),
     # Llama-3.2-1B/3B: tied embeddings, llama3 rope scaling of factor 32 (the long batch below checks it)
     "llama32": (lambda r: _tiny(r, "llama", tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE,
-                                num_attention_heads=2, num_key_value_heads=2), [(1, 1), (2, 1)]),
+                                num_attention_heads=2, num_key_value_heads=2), ALL),
     # Mistral-NeMo: head_dim 128 with hidden 5120 and 32 heads (160 each), shrunk to 16 with hidden 80 and 4 heads
     "nemo_head_dim": (lambda r: _tiny(r, "mistral", hidden_size=80, head_dim=16), ALL),
     # llava-1.5 (vicuna): multi-head attention, 4 heads and 4 KV heads, at TP2
@@ -155,70 +155,61 @@ def test_qwen3_round_trip_is_byte_identical_and_generates(name, models, tmp_path
 @pytest.fixture(scope="module")
 def world(models, tmp_path_factory):
     """One 4-process world: every model at its layouts, plus Llama-3.2's long batch with the right and with a wrong
-    scaling factor. Returns {(name, tp, pp): logits}, the batches and the checkpoints."""
-    from megatron_vlm.runtime.spawn import run_world
-    from megatron_vlm.testing import worlds
-
-    root = tmp_path_factory.mktemp("families_meg")
-    jobs, keys, batches, ckpts = [], [], {}, {}
-    for name, (_, layouts) in MODELS.items():
-        pp = max(p for _, p in layouts)
-        ckpts[name] = convert_hf_to_megatron(models[name], root / name, tp=2, pp=pp)
-        batches[name] = reference_batch(VLMSpec.from_hf_dir(models[name]))
-        for tp, pp in layouts:
-            jobs.append({"megatron_dir": str(ckpts[name]), "tp": tp, "pp": pp, "batch": batches[name]})
-            keys.append((name, tp, pp))
-    # Llama-3.2's rope scaling matters past 8,192 positions: a long text batch, and a copy of the checkpoint whose
-    # spec says factor 8 (the scaling of Llama-3.1) to show what the long batch catches and the short one does not
-    spec = VLMSpec.from_hf_dir(models["llama32"])
-    batches["long"] = reference_batch(spec, text_len=LONG, positions=(LONG - 4,))
-    wrong = root / "llama32_factor8"
+    scaling factor. Returns {(name, tp, pp): max |logit diff| vs HF} and the checkpoints."""
     import shutil
 
+    from megatron_vlm.runtime.spawn import run_world
+    from megatron_vlm.testing import family_jobs
+
+    root = tmp_path_factory.mktemp("families_meg")
+    jobs, keys, ckpts = [], [], {}
+
+    def add(key, megatron_dir, hf_dir, batch, spec, ref_name=None):
+        ref = root / f"ref_{ref_name or key[0]}.pt"
+        if not ref.exists():
+            torch.save(hf_logits(hf_dir, batch), ref)
+        jobs.append({"megatron_dir": str(megatron_dir), "tp": key[1], "pp": key[2], "batch": batch,
+                     "ref_file": str(ref), "vocab": spec.vocab_size})
+        keys.append(key)
+
+    for name, (_, layouts) in MODELS.items():
+        spec = VLMSpec.from_hf_dir(models[name])
+        ckpts[name] = convert_hf_to_megatron(models[name], root / name, tp=2, pp=2)  # torch_dist: loads at any
+        batch = reference_batch(spec)
+        for tp, pp in layouts:
+            add((name, tp, pp), ckpts[name], models[name], batch, spec)
+    # Llama-3.2's rope scaling matters past 8,192 positions: a long text batch, and a copy of the checkpoint whose
+    # spec says factor 8 (the scaling of Llama-3.1) to show what the long batch catches and the short one does not.
+    # At TP2 x PP2 each rank holds one head's attention scores of one layer (8,463^2 fp32: 0.29 GB).
+    spec = VLMSpec.from_hf_dir(models["llama32"])
+    wrong = root / "llama32_factor8"
     shutil.copytree(ckpts["llama32"], wrong)
     spec_file = wrong / "release" / "vlm_spec.json"
     spec_file.write_text(spec_file.read_text().replace('"rope_scaling_factor": 32.0', '"rope_scaling_factor": 8.0'))
     assert VLMSpec.load(wrong / "release").rope_scaling_factor == 8.0
-    for key, d, b in [(("long", 1, 1), ckpts["llama32"], "long"), (("long_factor8", 1, 1), wrong, "long"),
-                      (("short_factor8", 1, 1), wrong, "llama32")]:
-        jobs.append({"megatron_dir": str(d), "tp": 1, "pp": 1, "batch": batches[b]})
-        keys.append(key)
-    out = dict(zip(keys, run_world(worlds.logits_jobs, 4, jobs)[0]))
-    return out, batches, ckpts
+    long = reference_batch(spec, text_len=LONG, positions=(LONG - 4,))
+    assert long.combined_length > 8192 + 100
+    add(("long", 2, 2), ckpts["llama32"], models["llama32"], long, spec)
+    add(("long_factor8", 2, 2), wrong, models["llama32"], long, spec, "long")
+    add(("short_factor8", 1, 1), wrong, models["llama32"], reference_batch(spec), spec, "llama32")
+    return dict(zip(keys, run_world(family_jobs.logit_diffs, 4, jobs)[0])), ckpts
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_logits_match_hf_at_every_layout(name, models, world):
-    results, batches, _ = world
-    spec = VLMSpec.from_hf_dir(models[name])
-    batch = batches[name]
-    ref = hf_logits(models[name], batch)
-    diffs = {}
-    for tp, pp in MODELS[name][1]:
-        got = results[(name, tp, pp)]
-        assert got.shape[-1] == spec.padded_vocab_size
-        diffs[(tp, pp)] = max_logit_diff(ref, got[:, : ref.shape[1]], spec.vocab_size,
-                                         batch if batch.image_sizes is not None else None)
+def test_logits_match_hf_at_every_layout(name, world):
+    diffs = {(tp, pp): world[0][(name, tp, pp)] for tp, pp in MODELS[name][1]}
     print(f"\n{name}: max |logit diff| vs HF per (TP, PP): " + ", ".join(f"{k}: {v:.2g}" for k, v in diffs.items()))
     assert max(diffs.values()) < TOL, diffs
 
 
 @pytest.mark.slow
-def test_llama3_rope_scaling_verified_past_8192(models, world):
-    """fp32 logits of an 8,4xx-position sample equal HF's with factor 32; a checkpoint claiming factor 8 passes the
-    short reference batch (what ``--verify`` runs) but fails here."""
-    results, batches, _ = world
-    spec = VLMSpec.from_hf_dir(models["llama32"])
-    long = batches["long"]
-    assert long.combined_length > 8192 + 100
-    ref = hf_logits(models["llama32"], long)
-    right = max_logit_diff(ref, results[("long", 1, 1)], spec.vocab_size)
-    wrong = max_logit_diff(ref, results[("long_factor8", 1, 1)], spec.vocab_size)
-    short = max_logit_diff(hf_logits(models["llama32"], batches["llama32"]), results[("short_factor8", 1, 1)],
-                           spec.vocab_size)
-    print(f"\nllama3 rope factor 32 at {long.combined_length} positions: max |logit diff| {right:.2g}; "
-          f"with factor 8: {wrong:.2g} (short batch: {short:.2g})")
+def test_llama3_rope_scaling_verified_past_8192(world):
+    """fp32 logits (TP2 x PP2) of an 8,463-position sample equal HF's with factor 32; a checkpoint claiming factor 8
+    passes the short reference batch (what ``--verify`` runs) but fails here."""
+    right, wrong, short = (world[0][k] for k in [("long", 2, 2), ("long_factor8", 2, 2), ("short_factor8", 1, 1)])
+    print(f"\nllama3 rope factor 32 at {LONG + 15} positions: max |logit diff| {right:.2g}; with factor 8: "
+          f"{wrong:.2g} (short batch: {short:.2g})")
     assert right < TOL and wrong > 5 * TOL and short < TOL
 
 
@@ -249,3 +240,51 @@ def test_qwen3_verify_cli_at_tp2_pp2_and_negative_control(models, tmp_path, caps
     monkeypatch.setattr(mapping, "to_mcore", real)
     with pytest.raises(VerificationError, match="logits differ"):
         verify_checkpoint(src, meg, tp=1, pp=1)
+
+
+@pytest.mark.te
+@pytest.mark.slow
+def test_qwen3_transformer_engine_layers_load_the_converted_checkpoint(models, world):
+    """The GPU path's layers (Transformer Engine, built on CPU through the construction shim; no forward): at TP2
+    every tensor of the Qwen3 OneVision's TE model (q/k norms included: the local model has them, and neither side
+    has a key the other lacks) loads from the converted checkpoint and equals the local layers' under the same
+    sharded key."""
+    from .conftest import require_te
+
+    require_te()
+    from megatron_vlm.runtime.spawn import run_world
+    from megatron_vlm.testing import te_jobs
+
+    _, ckpts = world
+    job = {"name": "qwen3", "megatron_dir": str(ckpts["qwen3_onevision"]), "tp": 2, "pp": 1}
+    reports = run_world(te_jobs.run, 2, [job], [], str(ckpts["qwen3_onevision"]), str(models["qwen3_onevision"]))[0]
+    for r in reports["layouts"]["qwen3"]:
+        c = r["compare"]
+        assert c["tensors"] > 0 and (c["te_only_tensors"], c["local_only_tensors"], c["different"],
+                                     c["dtypes_differ"], c["uncovered_params"]) == ([], [], [], [], []), c
+        assert r["keys_absent_from_checkpoint"] == [] or all(k.endswith("_extra_state")
+                                                            for k in r["keys_absent_from_checkpoint"]), r
+
+
+@pytest.mark.slow
+def test_qwen3_megatron_lm_checkpoints_export(models, tmp_path):
+    """The checkpoints Megatron-LM writes for a Qwen3 LLaVA (torch_dist with TE names and args, legacy rank files;
+    TP2) export with only the HF config, byte for byte; an HF config without q/k norms is refused naming them."""
+    from megatron_vlm.convert.megatron_lm import MismatchError
+    from megatron_vlm.runtime.spawn import run_world
+    from megatron_vlm.testing import worlds
+
+    src = models["qwen3_llava"]
+    single = convert_hf_to_megatron(src, tmp_path / "tp1")  # megatron_lm_checkpoints reads it at TP=world size
+    run_world(worlds.megatron_lm_checkpoints, 2, [(str(single), str(tmp_path / "mlm"))])
+    for fmt in ("dist_te", "legacy"):
+        out = convert_megatron_to_hf(tmp_path / "mlm" / fmt, tmp_path / f"hf_{fmt}", hf_config=src)
+        a, b = HFReader(src), HFReader(out)
+        assert a.names() == b.names()
+        for n in a.names():
+            assert torch.equal(a.get(n), b.get(n)), (fmt, n)
+    cfg = json.loads((src / "config.json").read_text())  # the same shapes as a Llama (head_dim 32): no q/k norms
+    cfg["text_config"]["model_type"] = "llama"
+    (tmp_path / "llama_like.json").write_text(json.dumps(cfg))
+    with pytest.raises(MismatchError, match=r"without q/k norms .* has self_attention.q_layernorm"):
+        convert_megatron_to_hf(tmp_path / "mlm" / "dist_te", tmp_path / "bad", hf_config=tmp_path / "llama_like.json")

@@ -250,6 +250,13 @@ def _check(spec: VLMSpec, shapes: dict, counts: dict, args: dict, where: str, ti
     if "swiglu" in args and not args["swiglu"]:
         raise MismatchError(f"the checkpoint {where} was trained without --swiglu, but a {s.text_family} "
                             "language model needs SwiGLU")
+    qk_norm = lay + "self_attention.q_layernorm.weight" in shapes
+    if qk_norm != s.qk_layernorm or args.get("qk_layernorm", qk_norm) != qk_norm:
+        raise MismatchError(
+            f"--hf-config is a {s.text_family} language model {'with' if s.qk_layernorm else 'without'} q/k norms "
+            f"(Qwen3's per-head RMSNorm), but the checkpoint {where} {'has' if qk_norm else 'lacks'} "
+            "self_attention.q_layernorm (Megatron-LM's --qk-layernorm); use the HF config of the model it was "
+            "trained from")
     has_output = "language_model.output_layer.weight" in shapes
     # (a legacy last stage keeps a copy of tied embeddings as its output layer; torch_dist saves it once)
     if (not s.tie_word_embeddings and not has_output) or (s.tie_word_embeddings and has_output and tied_once):
