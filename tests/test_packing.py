@@ -152,6 +152,28 @@ def test_anyres_packs_keep_each_items_tiles_and_counts(tmp_path_factory):
         assert b.tokens.shape[1] - b.num_image_tokens.numel() + int(b.num_image_tokens.sum()) == 256
 
 
+def test_a_sample_longer_than_a_pack_is_a_counted_skip(packer):
+    samples = _encoded(packer, 3)
+    long = _with_tokens(samples[1], samples[1].tokens)
+    long.num_tokens = packer.packed_seq_length + 1
+    before = packer.skips.total["longer than --packed-seq-length"]
+    packs = packer.select_samples_to_pack([samples[0], long, samples[2]])
+    assert sorted(s.__key__ for p in packs for s in p) == ["s0", "s2"]
+    assert packer.skips.total["longer than --packed-seq-length"] == before + 1
+
+
+def test_logged_throughput_counts_real_tokens_and_padding():
+    from types import SimpleNamespace
+
+    from megatron_vlm.training.metrics import packing_numbers
+
+    cfg = SimpleNamespace(packing=True, global_batch_size=4, packed_seq_length=100)
+    assert packing_numbers(cfg, samples=10, tokens=300) == {"positions": 400, "padding_fraction": 0.25,
+                                                            "samples_per_pack": 2.5}
+    assert packing_numbers(cfg, 0, 0) is None  # an iteration skipped by --skip-train-iteration-range
+    assert packing_numbers(SimpleNamespace(packing=False), 10, 300) is None
+
+
 def test_truncation_never_packs_a_partial_image(tmp_path_factory):
     """A conversation whose second image would cross --seq-length keeps its first image whole and loses the
     second (text cut before it, pixels dropped); the pack counts exactly the image positions that remain."""

@@ -5,7 +5,8 @@
   every iteration (the packing buffer's position is part of energon's saved loader state);
 - its iteration-6 checkpoint resumed at TP=2 (DP=1) is refused without ``--reset-data-position`` and continues
   with it (from the checkpoint's loss, not the initial one);
-- the metrics count real samples and real (non-pad) tokens of the packs, with the padding fraction.
+- the metrics count real samples and real (non-pad) tokens of the packs, with the padding fraction and the
+  samples per pack.
 """
 
 import shutil
@@ -48,8 +49,12 @@ def test_packed_kill9_resume_is_exact(setup, packed_full):
     assert sorted(part) == sorted(full) == list(range(1, 9))
     assert [part[i]["loss"] for i in full] == [full[i]["loss"] for i in full]
     assert [part[i]["grad_norm"] for i in full] == [full[i]["grad_norm"] for i in full]
-    # a pack holds several samples: the logged samples exceed the 4 packs of a global batch
+    # a pack holds several samples: the logged samples exceed the 4 packs of a global batch; the tokens are the
+    # samples' own (real) positions, and the padding fraction is the rest of the 4 x 160 positions run
     assert all(r["samples"] > 4 for r in full.values())
+    assert all(abs(r["padding_fraction"] - (1 - r["tokens"] / 640)) < 1e-12 and 0 <= r["padding_fraction"] < 0.5
+               and r["samples_per_pack"] == r["samples"] / 4 for r in full.values())
+    assert "real tokens/s | padding " in out and " samples/pack" in out
 
 
 def test_packed_resume_at_another_data_parallel_size(setup, packed_full):

@@ -5,7 +5,8 @@ Owns the packing arithmetic and energon's packing hooks (``--packing-buffer-size
 - :func:`select_packs` (energon's ``select_samples_to_pack``): first-fit decreasing over a buffer of encoded
   samples by their image-expanded length (``VLMSample.num_tokens``), into packs of at most ``packed_seq_length``
   positions. Every sample of the buffer is placed, whole: truncation happens before, per sample, in the task
-  encoder (to ``--seq-length``, never inside an image), and a sample longer than a pack is refused.
+  encoder (to ``--seq-length``, never inside an image); a sample longer than a pack (which that truncation
+  rules out) is left out and counted as a skip, with a warning naming it.
   A sample whose first token is the image token only ever opens a pack: megatron-core's LLaVAModel masks the
   loss of the position just before an image (a text token does not predict image embeddings), which behind
   another sample would drop that sample's last label.
@@ -30,12 +31,16 @@ OneVision: tiles, videos) pack with :class:`AnyresPackingTaskEncoder`; :func:`pa
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from megatron.energon.edataclass import edataclass
 from megatron.energon.task_encoder.base import stateless
 
 from megatron_vlm.data.anyres_encoder import AnyresBatch, AnyresSample, AnyresTaskEncoder
 from megatron_vlm.data.task_encoder import VLMBatch, VLMSample, VLMTaskEncoder
+
+log = logging.getLogger("megatron_vlm.data")
 
 
 def check_packing_supported(impl: str, device: str) -> None:
@@ -155,6 +160,13 @@ class _PackingHooks:
                                         else set())
 
     def select_samples_to_pack(self, samples: list) -> list[list]:
+        too_long = [s for s in samples if int(s.num_tokens) > self.packed_seq_length]
+        if too_long:  # cannot come from this encoder (it truncates to --seq-length): counted and left out
+            for s in too_long:
+                self.skips.total["longer than --packed-seq-length"] += 1
+                log.warning("sample %s skipped: %d image-expanded positions, more than --packed-seq-length %d",
+                            s.__key__, int(s.num_tokens), self.packed_seq_length)
+            samples = [s for s in samples if int(s.num_tokens) <= self.packed_seq_length]
         lengths = [int(s.num_tokens) for s in samples]
         media = self.media_ids()
         opens = [len(s.tokens) > 0 and int(s.tokens[0]) in media for s in samples]

@@ -3,6 +3,12 @@
 ``<run_dir>/metrics.jsonl`` gets one record per iteration (loss, lr, grad norm, samples, tokens, images and model
 FLOPs of the global batch, wall-clock ``time`` when the iteration ended) and one per evaluation (``val_loss``);
 benchmarks and the demo read their curves and throughput from it.
+
+Throughput counts real work: ``tokens`` are the image-expanded positions of the samples themselves (never the
+padding of a row or of a pack), samples are samples (a pack counts the samples in it), and the model FLOPs behind
+TFLOP/s and MFU are those of the real samples (:mod:`.flops`). With sequence packing the record and the console line
+also give the padding fraction (pad positions / positions the language model ran: global batch x
+``--packed-seq-length``) and the packing efficiency (samples per pack).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ class MetricsLogger:
         self.start_iter = start_iter
         self.t_start = time.time()
         self.t_last = time.time()
-        self.window = {"loss_sum": 0.0, "tokens_loss": 0.0, "samples": 0, "tokens": 0, "flops": 0.0, "iters": 0}
+        self.window = {"loss_sum": 0.0, "tokens_loss": 0.0, "samples": 0, "tokens": 0, "flops": 0.0, "iters": 0,
+                       "positions": 0}
         self.tb = None
         self.wandb = None
         self.history_path = Path(cfg.run_dir) / "metrics.jsonl" if enabled else None
@@ -60,11 +67,16 @@ class MetricsLogger:
         w["tokens"] += tokens
         w["iters"] += 1
         loss = loss_sum / max(loss_tokens, 1.0)
+        record = {"iteration": iteration, "loss": loss, "lr": lr,
+                  "grad_norm": None if grad_norm is None else float(grad_norm),
+                  "skipped": skipped, "samples": samples, "tokens": tokens, "images": images,
+                  "flops": flops, "time": time.time()}
+        packs = packing_numbers(self.cfg, samples, tokens)
+        if packs is not None:
+            w["positions"] += packs["positions"]
+            record.update(padding_fraction=packs["padding_fraction"], samples_per_pack=packs["samples_per_pack"])
         with open(self.history_path, "a") as f:
-            f.write(json.dumps({"iteration": iteration, "loss": loss, "lr": lr,
-                                "grad_norm": None if grad_norm is None else float(grad_norm),
-                                "skipped": skipped, "samples": samples, "tokens": tokens, "images": images,
-                                "flops": flops, "time": time.time()}) + "\n")
+            f.write(json.dumps(record) + "\n")
         if iteration % self.cfg.log_interval and iteration != self.total:
             return
         now = time.time()
@@ -81,8 +93,14 @@ class MetricsLogger:
         if self.peak_flops:
             scalars["perf/mfu"] = tflops * 1e12 / self.peak_flops
             perf += f" | MFU {100 * scalars['perf/mfu']:.1f}%"
-        log.info("iter %d/%d | loss %.4f | lr %.3e | grad norm %s | %.1f samples/s | %.0f tokens/s | %s | ETA %s",
-                 iteration, self.total, avg_loss, lr, gn, sps, tps, perf, _fmt_eta(eta))
+        packed = ""
+        if w["positions"]:
+            pad = 1.0 - w["tokens"] / w["positions"]
+            per_pack = w["samples"] / (w["iters"] * self.cfg.global_batch_size)
+            scalars.update({"perf/padding_fraction": pad, "perf/samples_per_pack": per_pack})
+            packed = f" | padding {100 * pad:.1f}% | {per_pack:.2f} samples/pack"
+        log.info("iter %d/%d | loss %.4f | lr %.3e | grad norm %s | %.1f samples/s | %.0f real tokens/s%s | %s | "
+                 "ETA %s", iteration, self.total, avg_loss, lr, gn, sps, tps, packed, perf, _fmt_eta(eta))
         if grad_norm is not None:
             scalars["train/grad_norm"] = float(grad_norm)
         for k, v in scalars.items():
@@ -109,6 +127,17 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def packing_numbers(cfg, samples: int, tokens: int) -> dict | None:
+    """With sequence packing: the positions the language model ran in an iteration (global batch x
+    ``--packed-seq-length``: every pack has that fixed shape), the padding fraction of them and the samples per
+    pack; None without packing or for an iteration that trained nothing."""
+    if not getattr(cfg, "packing", False) or not samples:
+        return None
+    positions = int(cfg.global_batch_size) * int(cfg.packed_seq_length)
+    return {"positions": positions, "padding_fraction": 1.0 - tokens / positions,
+            "samples_per_pack": samples / cfg.global_batch_size}
 
 
 def _fmt_eta(seconds: float) -> str:
