@@ -267,8 +267,8 @@ class ConfigFields:
     packing_buffer_size: int | None = _f(
         ("--packing-buffer-size",), "Sequence packing: pack variable-length samples into sequences of "
         "--packed-seq-length image-expanded positions, chosen from a buffer of N encoded samples (energon's "
-        "packing; per-sample positions and loss are kept). Needs Transformer Engine attention on CUDA "
-        "(megatron-core's 'thd' format). A micro batch is then one packed sequence (--micro-batch-size 1) and "
+        "packing; per-sample attention, positions and loss are kept: megatron-core's 'thd' format, Transformer "
+        "Engine attention on CUDA, megatron's local attention per sample on CPU). A micro batch is then one packed sequence (--micro-batch-size 1) and "
         "--global-batch-size counts packed sequences. Default: no packing.", "int", None, "model")
     packed_seq_length: int | None = _f(
         ("--packed-seq-length", "--packing-seq-length"), "Image-expanded positions of one packed sequence (the "
