@@ -53,7 +53,7 @@ def parse(argv=None):
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--stage1-lr", type=float, default=2e-3)
-    p.add_argument("--stage2-lr", type=float, default=1e-3)
+    p.add_argument("--stage2-lr", type=float, default=2e-3)
     p.add_argument("--hidden", type=int, default=128, help="LM hidden size")
     p.add_argument("--layers", type=int, default=2, help="LM layers")
     p.add_argument("--tp", type=int, default=2, help="tensor parallel size (2 processes)")
