@@ -87,7 +87,9 @@ def train_step(training, batches: list, cfg, device) -> StepResult:
     ddp, optimizer = training.ddp, training.optimizer
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    scale = float(optimizer.get_loss_scale())
+    # fp16's dynamic loss scale (read before the step changes it); other precisions have none, and reading the
+    # scale tensor would be one more host-device sync per step
+    scale = float(optimizer.get_loss_scale()) if cfg.precision == "fp16" else 1.0
     losses = get_forward_backward_func()(
         forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
         num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
