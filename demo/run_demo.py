@@ -89,7 +89,7 @@ def evaluate(hf_dir: Path, manifest: Path, image_dir: Path, out: Path) -> tuple[
     from tqdm import tqdm
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    proc = AutoProcessor.from_pretrained(str(hf_dir))
+    proc = AutoProcessor.from_pretrained(str(hf_dir), backend="pil")  # the image pipeline training used
     model = LlavaForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     rows = [json.loads(x) for x in manifest.read_text().splitlines()]
     for r in tqdm(rows, desc="generate on held-out images", unit="image"):

@@ -14,8 +14,8 @@ Per sample (:meth:`VLMTaskEncoder.encode_sample`):
   (:mod:`megatron_vlm.data.skips`);
 - image size and image tokens per image from the model's spec (:mod:`megatron_vlm.data.geometry`); an image
   processor whose output size differs from the spec's is refused;
-- pixel values from the model's own HF image processor (``AutoProcessor.from_pretrained``), i.e. the
-  exact transform HF inference applies. Images are decoded by energon to PIL RGB.
+- pixel values from the model's own HF image processor (``AutoProcessor.from_pretrained``, its PIL backend),
+  i.e. the exact transform HF inference applies with ``backend="pil"``. Images are decoded by energon to PIL RGB.
 
 Per batch (:meth:`VLMTaskEncoder.batch`): right padding with the pad id to the longest sample, loss_mask 0
 on padding; all images of the batch stacked in token order. With ``pad_to_multiple_of`` (FP8: 16, or 32 for
@@ -177,10 +177,12 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         })
 
     def _load_processor(self):
-        """The HF processor of ``hf_dir`` (tokenizer, image processor, chat template)."""
+        """The HF processor of ``hf_dir`` (tokenizer, image processor, chat template), with the image processor's
+        PIL backend: transformers picks its torchvision backend whenever torchvision is installed, whose resize
+        differs from PIL's by a level or two on some pixels; PIL gives the same pixels in every environment."""
         from transformers import AutoProcessor
 
-        return AutoProcessor.from_pretrained(self.hf_dir)
+        return AutoProcessor.from_pretrained(self.hf_dir, backend="pil")
 
     def _check_image_processor(self) -> None:
         check_image_processor(self.image_processor, self.geometry, self.hf_dir)

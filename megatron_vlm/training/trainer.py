@@ -1,5 +1,6 @@
 """The training run on every rank: start-up (model, optimizer and data, fresh or resumed), the loop
-(steps, logging, evaluation, checkpoints every ``--save-interval``) and signals (SIGTERM/SIGINT save, then stop).
+(steps, logging, evaluation, checkpoints every ``--save-interval``; the training curves drawn into
+``<run dir>/loss.png`` at the end) and signals (SIGTERM/SIGINT save, then stop).
 
 The parts live beside it: :mod:`.build` (model, mixed precision, DDP, optimizer, schedule), :mod:`.step`
 (one training step, evaluation), :mod:`.resume` (what a resume restores), :mod:`.checkpointing` (save/load).
@@ -251,6 +252,10 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
                 log.warning("stopped by signal at iteration %d (checkpoint saved)", iteration)
             break
     metrics.close()
+    if is_logger:  # the rank that wrote metrics.jsonl draws it (rank 0 unless PP > 1); never fails the run
+        from megatron_vlm.eval.plot import write_run_figure
+
+        write_run_figure(cfg.run_dir)
     torch.distributed.barrier()
     return {"iteration": iteration, "last_saved": last_saved, "first_iter_s": first_iter_time}
 
