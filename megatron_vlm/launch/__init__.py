@@ -12,5 +12,6 @@ One concept per module:
 - ``process``   runs the launched command, forwarding SIGINT/SIGTERM and propagating its exit code;
 - ``elastic``   torchrun with one-line endings (a signal N exits 128+N; a failed rank names itself);
 - ``failures``  a failed rank's one-line reason, written by the rank and printed last by the launcher;
+- ``sizing``    the memory estimate per GPU (``--dry-run`` prints it; a launch over the GPU's memory is warned);
 - ``cli``       the ``train/run.py`` command: ties the steps together.
 """

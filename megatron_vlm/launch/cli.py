@@ -8,8 +8,9 @@ child process when a container wraps it), which starts ``train/pretrain_vlm.py -
 rank -> exit with torchrun's exit code.
 
 A run that already reached ``--train-iters`` is not started: the launcher says so and exits 0 before the probe.
-``--dry-run`` stops before writing and prints the resolved config and the command (the trainer's settings given
-as flags, since the config file is not written). ``--sbatch`` writes a batch script instead of launching. Every
+``--dry-run`` stops before writing and prints the memory estimate per GPU (``sizing``), the resolved config and the
+command (the trainer's settings given as flags, since the config file is not written); a launch whose estimate
+exceeds the GPU's memory (or ``--gpu-memory-gb``) gets a warning, not a refusal. ``--sbatch`` writes a batch script instead of launching. Every
 failure ends in one line (``train/run.py: error: ...``, exit 2; a failed rank's reason is the last line); ``-v``
 adds the traceback. The environment variable ``MEGATRON_VLM_ENTRYPOINT`` replaces the trainer script (tests use a
 stand-in); it is not a user option.
@@ -51,8 +52,10 @@ def _fail_on(problems: list[str]) -> None:
 
 def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Command | None, list[str]]:
     """Everything up to (not including) writing and launching: the resolved config, this node's command
-    (None for --sbatch) and notes for the user. Raises ConfigError listing every problem found, and
-    NothingToTrain (before any other check) when the run it resumes already reached --train-iters."""
+    (None for --sbatch) and notes for the user; the memory estimate and its warning (:func:`memory_notes`) ride on
+    the config as ``memory_estimate`` / ``memory_warning``.
+    Raises ConfigError listing every problem found, and NothingToTrain (before any other check) when the run it
+    resumes already reached --train-iters."""
     notes: list[str] = []
     request = TrainConfig.from_args(argv, resolve=False)
     job = None if request.sbatch else slurm.detect_slurm()
@@ -138,8 +141,22 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
                            trainer_args=trainer_args)
     if cfg.container:
         cmd = container.wrap(cmd, cfg, repo_root, runtime)
+    cfg.memory_estimate, cfg.memory_warning = memory_notes(cfg, spec, facts)
     notes = list(cfg.resolution_notes) + notes
     return cfg, cmd, notes
+
+
+def memory_notes(cfg: TrainConfig, spec, facts: dict) -> tuple[list[str], str | None]:
+    """The memory estimate's lines and its warning (``launch/sizing.py``); an estimate that cannot be made is a
+    note, never a refusal."""
+    if spec is None:
+        return ["memory estimate: the model's architecture is read inside the container at launch"], None
+    try:
+        from megatron_vlm.launch import sizing
+
+        return sizing.estimate_lines(cfg, spec, facts)
+    except Exception as e:  # noqa: BLE001 - an estimate never stops a launch
+        return [f"memory estimate unavailable ({type(e).__name__}: {e})"], None
 
 
 def main(argv: list[str] | None = None, repo_root: str | os.PathLike | None = None) -> int:
@@ -149,9 +166,13 @@ def main(argv: list[str] | None = None, repo_root: str | os.PathLike | None = No
         cfg, cmd, notes = prepare(argv, repo_root)
         for n in notes:
             _say(f"note: {n}")
+        if getattr(cfg, "memory_warning", None):
+            _say(f"warning: {cfg.memory_warning}")
         if cfg.sbatch:
             return _sbatch(cfg, repo_root)
         if cfg.dry_run:
+            for line in getattr(cfg, "memory_estimate", ()):
+                print(f"# {line}")
             print(f"# resolved config (dry run: not written; a launch writes it to {cfg.config_path} and starts the "
                   "trainer with --config)")
             print(cfg.to_yaml().rstrip())

@@ -1,7 +1,7 @@
 """Facts about the runtime that will train, asked of that runtime itself (host python or the container).
 
 ``python -m megatron_vlm.launch.probe [--cuda] [--fp8] [--tokenizer DIR]`` prints one JSON line: the visible
-CUDA devices and their compute capabilities, whether Transformer Engine imports, and the image/pad token ids
+CUDA devices, their memory and their compute capabilities, whether Transformer Engine imports, and the image/pad token ids
 of a tokenizer. The launcher runs it as a subprocess (``run_probe``) whenever CUDA or a container is involved, so
 that the launcher never initialises CUDA itself, and so that a container's torch/Transformer Engine is what gets
 checked. A CPU run on the host asks only for the tokenizer's ids: the launcher calls :func:`probe` itself then
@@ -24,6 +24,7 @@ def probe(cuda: bool, fp8: bool, tokenizer: str | None) -> dict:
 
         facts["torch"] = torch.__version__
         facts["device_count"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        facts["memory"] = [torch.cuda.get_device_properties(i).total_memory for i in range(facts["device_count"])]
         if fp8 and facts["device_count"]:
             facts["capabilities"] = [list(torch.cuda.get_device_capability(i))
                                      for i in range(facts["device_count"])]

@@ -49,6 +49,8 @@ def check_types_and_ranges(cfg: ConfigFields) -> list[str]:
         p.append(f"--lr {cfg.lr}: must be positive")
     if not cfg.video_fps > 0:
         p.append(f"--video-fps {cfg.video_fps}: must be positive")
+    if cfg.gpu_memory_gb is not None and not cfg.gpu_memory_gb > 0:
+        p.append(f"--gpu-memory-gb {cfg.gpu_memory_gb}: must be positive")
     if not 0 <= cfg.lr_warmup_fraction < 1:
         p.append(f"--lr-warmup-fraction {cfg.lr_warmup_fraction}: must be in [0, 1)")
     for name in ("adam_beta1", "adam_beta2"):

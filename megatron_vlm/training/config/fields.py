@@ -93,8 +93,12 @@ class ConfigFields:
         ("--interface",), "Network interface for NCCL and gloo traffic, e.g. ib0 or eth0 "
         "(sets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME).", metavar="IFACE")
     dry_run: bool = _f(
-        ("--dry-run",), "Validate, print the resolved config and the full command, and exit without "
-        "launching or writing anything.", "flag", False)
+        ("--dry-run",), "Validate, print the memory estimate per GPU (weights, gradients, optimizer state, "
+        "activations), the resolved config and the full command, and exit without launching or writing anything.",
+        "flag", False)
+    gpu_memory_gb: float | None = _f(
+        ("--gpu-memory-gb",), "Memory of one GPU in GiB that the memory estimate is checked against (a warning "
+        "when it exceeds it), e.g. 80. Default: the visible GPU's.", "float", None, metavar="GB")
 
     # ---- parallelism and batch ------------------------------------------------------------------------
     tp: int = _f(("--tp",), "Tensor-parallel size (divides attention heads, FFN and vocab sizes).",

@@ -1,0 +1,278 @@
+"""Memory per GPU of a training run, estimated before launch: weights, gradients, optimizer state, activations.
+
+Arithmetic on the spec (``vlm_spec.json``) and the run's settings, no torch: the launcher's ``--dry-run``
+prints it (:func:`format_estimate`) and warns when it exceeds the device's memory or ``--gpu-memory-gb``.
+
+**Parameters per rank** are counted tensor by tensor as megatron-core lays them out: the language model's
+layers split over pipeline stages (``--pp-layers``), each linear's weight (and column-parallel bias) split over
+TP, norms and row-parallel biases whole on every TP rank; the embedding (padded vocabulary x hidden) on the first
+stage, the output layer on the last (and the embedding's copy there when tied and PP > 1, as megatron-core keeps
+one for the shared weight); the vision encoder (its ``vision_feature_layer`` layers) and the projector on the
+first stage, split over TP as the language model's layers are. :func:`language_mlp_params` is the one place for a
+layer's MLP (dense SwiGLU now; experts and expert parallelism extend it there).
+
+**Bytes per parameter** follow megatron-core's mixed-precision training: weights in the compute dtype (bf16/fp16
+2 B, fp32 4 B); for trainable parameters, fp32 gradient buffers (4 B, DDP's ``grad_reduce_in_fp32``) and the
+optimizer's fp32 main parameters (4 B; none in fp32 training, where the parameters are the main ones) and Adam's
+two moments (8 B). ``--dist-optim`` shards the optimizer state (main parameters and moments) over the DP ranks;
+the gradient buffer stays whole. Frozen parameters cost their weights only.
+
+**Activations** are what autograd keeps for the backward pass of the micro batches in flight (1F1B: the first
+pipeline stage holds ``min(PP, micro batches per step)`` of them), per language-model layer in the compute dtype:
+the inputs of the two norms and of the QKV and FC1 GEMMs (replicated over TP, split by ``--sequence-parallel``),
+and Q/K/V, the attention output, FC1's output and the SwiGLU output (split over TP) -- Korthikanti et al.'s
+accounting for a GQA/SwiGLU layer. Attention without a fused kernel (megatron's local layers) also keeps the
+score and probability matrices (``2 x heads x S^2`` per sample, split over TP); Transformer Engine's fused
+attention keeps none. ``--recompute-granularity selective`` drops those matrices; ``full`` keeps only each
+recomputed layer's input (plus one layer's activations while it is recomputed). The last stage adds the fp32
+logits and their softmax (``2 x 4 B x S x padded vocab / TP``); a trained vision encoder adds its layers' share
+for up to one image feature per position. With packing, a micro batch is one ``--packed-seq-length`` row.
+
+Not counted: the CUDA context, NCCL and cuBLAS workspaces and the allocator's fragmentation (typically 1-3 GB on
+a GPU): leave that margin. The estimate of weights, gradients and optimizer state is checked against what the
+built model and optimizer allocate (tests); activations are the formula's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The settings the estimate reads (a subset of the training config)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    pp_layers: tuple[int, ...] | None = None
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    seq_length: int = 2048  # positions of one micro batch row the language model sees (packed: the pack)
+    precision: str = "bf16"
+    dist_optim: bool = False
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    fused_attention: bool = True  # Transformer Engine's attention keeps no S x S matrices
+    trained: tuple[bool, bool, bool] = (False, True, True)  # vision encoder, projector, language model
+
+    @classmethod
+    def of_config(cls, cfg, fused_attention: bool | None = None) -> "Layout":
+        parts = cfg.trained_parts
+        if fused_attention is None:
+            fused_attention = cfg.device != "cpu" and cfg.transformer_impl != "local"
+        return cls(tp=cfg.tp, pp=cfg.pp, dp=max(cfg.dp, 1), pp_layers=tuple(cfg.pp_layers) if cfg.pp_layers else None,
+                   micro_batch_size=cfg.micro_batch_size or 1, grad_accum=max(cfg.grad_accum, 1),
+                   seq_length=cfg.lm_seq_length, precision=cfg.precision or "bf16", dist_optim=bool(cfg.dist_optim),
+                   sequence_parallel=bool(cfg.sequence_parallel), recompute_granularity=cfg.recompute_granularity,
+                   recompute_method=cfg.recompute_method, recompute_num_layers=cfg.recompute_num_layers,
+                   fused_attention=fused_attention,
+                   trained=(parts["vision"], parts["projector"], parts["language"]))
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+# ---- parameters ------------------------------------------------------------------------------------------
+@dataclass
+class Params:
+    """Parameter counts of one rank, by part."""
+
+    vision: int = 0
+    projector: int = 0
+    language: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.vision + self.projector + self.language
+
+    def trainable(self, trained: tuple[bool, bool, bool]) -> int:
+        return sum(n for n, t in zip((self.vision, self.projector, self.language), trained) if t)
+
+
+def language_attention_params(spec, tp: int) -> int:
+    """One language layer's attention on one TP rank: QKV (+ bias), output projection, q/k norms, input norm."""
+    h, d = spec.hidden_size, spec.kv_channels
+    qkv_out = (spec.num_attention_heads + 2 * spec.num_query_groups) * d
+    n = h * qkv_out // tp + (qkv_out // tp if spec.qkv_bias else 0)
+    n += spec.num_attention_heads * d * h // tp
+    n += 2 * d if spec.qk_layernorm else 0
+    return n + h  # input RMSNorm
+
+
+def language_mlp_params(spec, tp: int) -> int:
+    """One language layer's MLP on one TP rank (SwiGLU: FC1 holds gate and up; no biases) and its pre-norm.
+
+    The one place for a layer's MLP parameters: a mixture-of-experts layer (experts, expert-parallel and
+    expert-tensor-parallel sizes, the router, shared experts) is counted here."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    return h * 2 * f // tp + f * h // tp + h
+
+
+def language_layer_params(spec, tp: int) -> int:
+    return language_attention_params(spec, tp) + language_mlp_params(spec, tp)
+
+
+def vision_params(spec, tp: int) -> int:
+    """The ViT as megatron builds it (``vision_feature_layer`` layers) on one TP rank."""
+    vh, vf = spec.vision_hidden_size, spec.vision_ffn_hidden_size
+    layer = 3 * vh * vh // tp + 3 * vh // tp + vh * vh // tp + vh  # QKV (+ bias), proj (+ bias)
+    layer += vh * vf // tp + vf // tp + vf * vh // tp + vh  # FC1 (+ bias), FC2 (+ bias)
+    layer += 4 * vh  # two LayerNorms (weight, bias)
+    patches = (spec.image_size // spec.patch_size) ** 2
+    clip = spec.vision_family == "clip"
+    n = spec.vit_num_layers * layer
+    n += 3 * spec.patch_size ** 2 * vh + (0 if clip else vh)  # patch convolution (SigLIP's has a bias)
+    n += (patches + (1 if clip else 0)) * vh  # position embedding
+    if clip:
+        n += vh + 2 * vh  # class token, ln_pre
+    return n  # (SigLIP's post_layernorm is not in megatron's ViT: LLaVA reads features before it)
+
+
+def projector_params(spec, tp: int) -> int:
+    vh, h = spec.vision_hidden_size, spec.hidden_size
+    bias = spec.projector_bias
+    n = vh * h // tp + (h // tp if bias else 0) + h * h // tp + (h if bias else 0)
+    return n + (h if spec.is_anyres else 0)  # image_newline
+
+
+def layers_per_stage(spec, layout: Layout) -> list[int]:
+    if layout.pp_layers:
+        return list(layout.pp_layers)
+    return [spec.num_layers // layout.pp] * layout.pp if spec.num_layers % layout.pp == 0 else \
+        [math.ceil(spec.num_layers / layout.pp)] * layout.pp
+
+
+def stage_params(spec, layout: Layout, stage: int) -> Params:
+    tp, pp = layout.tp, layout.pp
+    p = Params()
+    p.language = layers_per_stage(spec, layout)[stage] * language_layer_params(spec, tp)
+    emb = spec.padded_vocab_size * spec.hidden_size // tp
+    if stage == 0:
+        p.language += emb
+        p.vision = vision_params(spec, tp)
+        p.projector = projector_params(spec, tp)
+    if stage == pp - 1:
+        p.language += spec.hidden_size  # final norm
+        if not spec.tie_word_embeddings or pp > 1:
+            p.language += emb  # the output layer (tied and PP > 1: the embedding's copy on the last stage)
+    return p
+
+
+# ---- the estimate ----------------------------------------------------------------------------------------
+@dataclass
+class StageEstimate:
+    stage: int
+    params: Params
+    trainable: int
+    weights: int  # bytes
+    gradients: int
+    optimizer: int
+    activations: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def _layer_activation_bytes(spec, layout: Layout, s: int, b: int) -> int:
+    """What one language layer keeps for its backward pass, for ``b`` rows of ``s`` positions, on one TP rank."""
+    t, e = layout.tp, layout.dtype_bytes
+    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.kv_channels
+    qkv = (spec.num_attention_heads + 2 * spec.num_query_groups) * d
+    replicated = 4 * h  # inputs of the two norms, of QKV and of FC1
+    split = qkv + spec.num_attention_heads * d + 2 * f + f  # Q/K/V, attention output, FC1 output, SwiGLU output
+    per_pos = (replicated / t if layout.sequence_parallel else replicated) + split / t
+    out = s * b * per_pos * e
+    if not layout.fused_attention and layout.recompute_granularity != "selective":
+        out += 2 * spec.num_attention_heads / t * s * s * b * e  # scores and probabilities
+    return int(out)
+
+
+def _activation_bytes(spec, layout: Layout, stage: int) -> tuple[int, str]:
+    s, b, t, e = layout.seq_length, layout.micro_batch_size, layout.tp, layout.dtype_bytes
+    n_layers = layers_per_stage(spec, layout)[stage]
+    in_flight = min(layout.pp - stage, layout.grad_accum) if layout.pp > 1 else 1
+    layer = _layer_activation_bytes(spec, layout, s, b)
+    layer_input = s * b * spec.hidden_size * e // (t if layout.sequence_parallel else 1)
+    vision_trains = layout.trained[0]  # a frozen language model still keeps its activations: stage 1's gradient
+    # reaches the projector through it
+    if layout.recompute_granularity == "full":
+        k = min(layout.recompute_num_layers or 1, n_layers)
+        if (layout.recompute_method or "uniform") == "uniform":
+            per_mb = n_layers * layer_input + k * layer  # chunks of k layers keep their input; one chunk is redone
+        else:  # block: the first k layers keep their inputs, the rest everything
+            per_mb = k * layer_input + (n_layers - k) * layer + (layer if k else 0)
+        what = f"full recompute ({layout.recompute_method or 'uniform'}, {k} layer(s))"
+    else:
+        per_mb = n_layers * layer
+        what = "selective recompute" if layout.recompute_granularity == "selective" else "no recompute"
+    per_mb += s * b * spec.hidden_size * e  # the embedding output / the stage's input
+    if stage == layout.pp - 1:
+        per_mb += 2 * 4 * s * b * spec.padded_vocab_size // t  # fp32 logits and their softmax
+    if stage == 0:
+        per_mb += s * b * (spec.vision_hidden_size + 2 * spec.hidden_size) * e  # projector input, FC1, GELU
+        if vision_trains:
+            vlayer = s * b * (4 * spec.vision_hidden_size + 3 * spec.vision_hidden_size + 2 * spec.vision_ffn_hidden_size
+                              // t) * e
+            per_mb += spec.vit_num_layers * vlayer
+    return int(per_mb * in_flight), f"micro batch {b} x {s} positions, {in_flight} in flight, {what}"
+
+
+def estimate(spec, layout: Layout) -> list[StageEstimate]:
+    """The estimate of every pipeline stage (each TP rank of a stage holds the same)."""
+    out = []
+    e = layout.dtype_bytes
+    for stage in range(layout.pp):
+        p = stage_params(spec, layout, stage)
+        trainable = p.trainable(layout.trained)
+        main = 0 if layout.precision == "fp32" else 4  # fp32 main parameters (fp32 training: the parameters)
+        opt = trainable * (main + 8)
+        notes = []
+        if layout.dist_optim:
+            opt = -(-opt // layout.dp)
+            notes.append(f"optimizer state sharded over DP={layout.dp}")
+        act, what = _activation_bytes(spec, layout, stage)
+        notes.append(what)
+        out.append(StageEstimate(stage, p, trainable, p.total * e, trainable * 4, opt, act, notes))
+    return out
+
+
+def format_estimate(stages: list[StageEstimate], layout: Layout, limit_gib: float | None, limit_source: str) -> list[str]:
+    """Lines for ``--dry-run``: the stage that needs the most, by part, and the verdict against ``limit_gib``."""
+    worst = max(stages, key=lambda s: s.total)
+
+    def gib(x):
+        return f"{x / GIB:8.2f} GiB"
+
+    def count(n):
+        return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+    dtype = layout.precision
+    lines = [
+        f"memory per GPU (estimate; pipeline stage {worst.stage} of {layout.pp} needs the most; TP={layout.tp} "
+        f"PP={layout.pp} DP={layout.dp})",
+        f"  weights          {gib(worst.weights)}  ({count(worst.params.total)} parameters on this rank, {dtype})",
+        f"  gradients        {gib(worst.gradients)}  (fp32 buffers of the {count(worst.trainable)} trainable)",
+        f"  optimizer state  {gib(worst.optimizer)}  ("
+        + ("Adam moments" if layout.precision == "fp32" else "fp32 main parameters + Adam moments")
+        + (f", sharded over DP={layout.dp} by --dist-optim" if layout.dist_optim else ", whole on every DP rank") + ")",
+        f"  activations      {gib(worst.activations)}  ({worst.notes[-1]})",
+        f"  total            {gib(worst.total)}"
+        + (f"  of {limit_gib:g} GiB ({limit_source})" if limit_gib else ""),
+    ]
+    if len(stages) > 1:
+        lines.append("  per stage: " + ", ".join(f"{s.stage}: {s.total / GIB:.1f} GiB" for s in stages))
+    lines.append("  (not counted: CUDA context, NCCL/cuBLAS workspaces and fragmentation, typically 1-3 GB)")
+    return lines
+
+
+def over_limit(stages: list[StageEstimate], limit_gib: float | None) -> bool:
+    return bool(limit_gib) and max(s.total for s in stages) > limit_gib * GIB

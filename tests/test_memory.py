@@ -1,0 +1,114 @@
+"""The memory estimate of train/run.py --dry-run: weights, gradient buffers and optimizer state against what the
+built model and megatron-core's optimizer allocate (one process, and TP2/PP2/DP2 worlds), and the launcher's
+output and warning."""
+
+import pytest
+
+from megatron_vlm.training import memory
+
+from .launch_helpers import REPO, base_args, no_slurm_env  # noqa: F401
+
+
+def _rel(a, b):
+    return abs(a - b) / max(b, 1)
+
+
+@pytest.fixture(scope="module")
+def specs(hf_models, tmp_path_factory):
+    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.testing.tiny import make_tiny_onevision
+
+    ov = make_tiny_onevision(tmp_path_factory.mktemp("mem") / "ov")
+    return {"llava": VLMSpec.from_hf_dir(hf_models["llama_clip"]), "qwen2_tied": VLMSpec.from_hf_dir(
+        hf_models["qwen2_siglip"]), "ov": VLMSpec.from_hf_dir(ov)}
+
+
+@pytest.mark.parametrize("job", [
+    dict(precision="bf16", stage=2),
+    dict(precision="fp32", stage=2),
+    dict(precision="bf16", stage=1),
+    dict(precision="bf16", stage=2, freeze_vit=False, dist_optim=True),
+])
+def test_estimate_equals_allocation_one_process(specs, job):
+    """At TP=PP=DP=1 the estimate of weights, gradients and optimizer state is exact, byte for byte (with
+    --dist-optim megatron-core pads the gradient buffer's buckets: within 1%)."""
+    from megatron_vlm.runtime.session import single_process_world
+    from megatron_vlm.testing.memory_jobs import measured_and_estimated
+    from megatron_vlm.testing.train_jobs import BASE
+    from megatron_vlm.training.config import TrainConfig
+
+    for name, spec in specs.items():
+        cfg = TrainConfig(**{**BASE, "freeze_vit": True, "train_iters": 1, "global_batch_size": 1,
+                             "micro_batch_size": 1, **job})
+        with single_process_world("cpu"):
+            r = measured_and_estimated(spec, cfg)
+        m, e = r["measured"], r["estimated"]
+        if job.get("dist_optim"):
+            assert 0 <= m.pop("gradients") - e.pop("gradients") <= 0.01 * e["weights"] + 4096, (name, job, r)
+        assert m == e, (name, job, r)
+
+
+@pytest.mark.slow
+def test_estimate_matches_allocation_in_parallel_worlds(specs):
+    """TP2 x DP2 and PP2 x DP2 with the distributed optimizer (bf16), TP2 x PP2 in fp32: every rank's weights
+    exactly, its gradient buffer and optimizer shard within megatron's padding."""
+    from megatron_vlm.runtime.spawn import run_world
+    from megatron_vlm.testing.memory_jobs import memory_jobs
+
+    jobs = [dict(tp=2, precision="bf16", dist_optim=True), dict(pp=2, precision="bf16", dist_optim=True),
+            dict(tp=2, pp=2, precision="fp32", stage=1)]
+    for name in ("llava", "ov"):
+        results = run_world(memory_jobs, 4, specs[name].to_json(), jobs)
+        for rank, per_job in enumerate(results):
+            for job, r in zip(jobs, per_job):
+                m, e = r["measured"], r["estimated"]
+                assert m["weights"] == e["weights"], (name, rank, job, r)
+                assert 0 <= m["gradients"] - e["gradients"] <= 0.01 * e["gradients"] + 4096, (name, rank, job, r)
+                assert _rel(m["optimizer"], e["optimizer"]) < 0.02, (name, rank, job, r)
+
+
+def test_estimate_scales_with_the_layout():
+    """The parts move as the layout says: TP halves weights, --dist-optim divides the optimizer state by DP,
+    full recompute cuts activations, PP puts the embedding and the output layer on different stages."""
+    from .launch_helpers import tiny_spec
+
+    spec = tiny_spec(num_layers=8, vocab_size=32000, hidden_size=512, ffn_hidden_size=1024, num_attention_heads=8,
+                     num_query_groups=8, kv_channels=64)
+    base = memory.Layout(seq_length=1024, micro_batch_size=2, dp=4)
+    one = memory.estimate(spec, base)[0]
+    tp2 = memory.estimate(spec, memory.Layout(**{**base.__dict__, "tp": 2}))[0]
+    assert tp2.params.language < 0.51 * one.params.language
+    dist = memory.estimate(spec, memory.Layout(**{**base.__dict__, "dist_optim": True}))[0]
+    assert dist.optimizer == -(-one.optimizer // 4) and dist.gradients == one.gradients
+    logits = 2 * 4 * 1024 * 2 * spec.padded_vocab_size  # fp32 logits and softmax of the micro batch
+    full = memory.estimate(spec, memory.Layout(**{**base.__dict__, "recompute_granularity": "full"}))[0]
+    assert full.activations - logits < 0.5 * (one.activations - logits)
+    first, last = memory.estimate(spec, memory.Layout(**{**base.__dict__, "pp": 2, "grad_accum": 8}))
+    emb = spec.padded_vocab_size * spec.hidden_size
+    assert first.params.vision > 0 and last.params.vision == 0
+    assert first.params.language - emb == last.params.language - emb - spec.hidden_size
+    assert first.activations > last.activations - logits  # the first stage holds 2 micro batches, the last 1
+    stage1 = memory.estimate(spec, memory.Layout(**{**base.__dict__, "trained": (False, True, False)}))[0]
+    assert stage1.trainable == stage1.params.projector and stage1.gradients == 4 * stage1.params.projector
+
+
+def test_dry_run_prints_the_estimate_and_warns(tmp_path, capsys, no_slurm_env):  # noqa: F811
+    from megatron_vlm.launch import cli
+
+    rc = cli.main([*base_args(tmp_path), "-g", "2", "--tp", "2", "--dist-optim", "--stage", "2", "--dry-run"],
+                  repo_root=REPO)
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    lines = out.out.splitlines()
+    head = lines[:lines.index(next(x for x in lines if x.startswith("# resolved config")))]
+    assert head[0].startswith("# memory per GPU (estimate") and "TP=2 PP=1 DP=1" in head[0]
+    for part in ("weights", "gradients", "optimizer state", "activations", "total"):
+        assert any(x.startswith(f"#   {part}") and "GiB" in x for x in head), (part, head)
+    assert "warning" not in out.err
+    rc = cli.main([*base_args(tmp_path), "-g", "2", "--dry-run", "--gpu-memory-gb", "0.001"], repo_root=REPO)
+    out = capsys.readouterr()
+    assert rc == 0
+    assert "warning: the memory estimate per GPU" in out.err and "exceeds 0.001 GiB (--gpu-memory-gb)" in out.err
+    assert "of 0.001 GiB (--gpu-memory-gb)" in out.out
+    rc = cli.main([*base_args(tmp_path), "--dry-run", "--gpu-memory-gb", "0"], repo_root=REPO)
+    assert rc == 2 and "--gpu-memory-gb 0.0: must be positive" in capsys.readouterr().err
