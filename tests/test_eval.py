@@ -121,8 +121,9 @@ def test_prompt_inputs_equal_hf_processor(models):
         messages = [user_message("what colour?", 1)]
         ours = gen.encode(messages, images)
         try:
-            kw = {} if kind == "llava" else {"image_processor": AutoImageProcessor.from_pretrained(str(d), backend="pil")}
-            proc = AutoProcessor.from_pretrained(str(d), backend="pil", **kw)
+            proc = AutoProcessor.from_pretrained(str(d), backend="pil") if kind == "llava" else \
+                AutoProcessor.from_pretrained(str(d), image_processor=AutoImageProcessor.from_pretrained(
+                    str(d), backend="pil"))
         except ImportError as e:  # OneVision's processor class needs torchvision (the 3.11 lane has none)
             assert kind == "ov" and sys.version_info < (3, 12), e
             continue
@@ -149,6 +150,11 @@ def test_exported_onevision_loads_with_autoprocessor(models):
     assert type(proc.video_processor).__name__ == "LlavaOnevisionVideoProcessor"
     out = proc(text="<video>hi", videos=[torch.zeros(2, 3, 30, 40, dtype=torch.uint8)], return_tensors="pt")
     assert out["pixel_values_videos"].shape[:2] == (1, 2)
+    # its video token count is the model's: 2 frames pooled, and one image_newline
+    from megatron_vlm.spec import VLMSpec
+
+    spec = VLMSpec.from_hf_dir(models["ov"]["export"])
+    assert (out["input_ids"] == spec.video_token_id).sum() == spec.anyres.video_tokens(2)
 
 
 @pytest.mark.parametrize("pred,ref,exact,vqa", [

@@ -30,6 +30,7 @@ from megatron_vlm.tokenizer import (DEFAULT_IMAGE_TOKEN, DEFAULT_VIDEO_TOKEN, DE
                                     embedding_rows)
 
 VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
+PROCESSOR_FILE = "processor_config.json"
 
 log = logging.getLogger(__name__)
 
@@ -269,10 +270,27 @@ def _build_anyres(arch, lm, vit, tokenizer, image_token, base_processor, save_di
         if arch == "llava_onevision":
             (tmp / VIDEO_PROCESSOR_FILE).write_text(json.dumps(video_processor_config(image_processor), indent=2,
                                                                sort_keys=True) + "\n")
+        (tmp / PROCESSOR_FILE).write_text(json.dumps(anyres_processor_config(
+            arch, image_token, vision_feature_select_strategy, tile, vit.config.patch_size, family,
+            vision_aspect_ratio), indent=2,
+            sort_keys=True) + "\n")
     log.info("saved %s (%s + %s, %d grid pinpoints, %d tokens, %d embedding rows, image token %r = %d) to %s", arch,
              text_config.model_type, family, len(grid_pinpoints), len(tokenizer), text_config.vocab_size, image_token,
              config.image_token_id, save_dir)
     return save_dir
+
+
+def anyres_processor_config(arch: str, image_token: str, strategy: str, tile: int, patch: int, family: str,
+                            vision_aspect_ratio: str | None = None) -> dict:
+    """HF's ``LlavaOnevisionProcessor`` / ``LlavaNextProcessor`` settings as HF's conversions write them
+    (``processor_config.json``): without them ``AutoProcessor`` builds the processor with no image-token count and
+    cannot expand an image or a video. Written by hand because the OneVision class needs torchvision."""
+    if arch == "llava_onevision":
+        return {"processor_class": "LlavaOnevisionProcessor", "image_token": image_token,
+                "video_token": DEFAULT_VIDEO_TOKEN, "num_image_tokens": (tile // patch) ** 2,
+                "vision_feature_select_strategy": strategy, "vision_aspect_ratio": vision_aspect_ratio}
+    return {"processor_class": "LlavaNextProcessor", "image_token": image_token, "patch_size": patch,
+            "num_additional_image_tokens": 1 if family == "clip" else 0, "vision_feature_select_strategy": strategy}
 
 
 def video_processor_config(image_processor) -> dict:
