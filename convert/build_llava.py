@@ -2,8 +2,9 @@
 """Build an HF LLaVA directory from an HF causal LM and an HF vision encoder (CLIP or SigLIP).
 
 --arch llava_onevision (or llava_next) builds the anyres model instead: image grid pinpoints, image_newline and
-(OneVision) anyres_max_N downsampling; e.g. a OneVision-style model from Qwen2 + SigLIP:
-  --arch llava_onevision --vision-feature-layer -1   (SigLIP so400m cut to 26 layers: drop its last layer first)"""
+(OneVision) anyres_max_N downsampling; e.g. a OneVision-style model from Qwen2/Qwen3 + SigLIP so400m as published
+(27 layers; LLaVA-OneVision reads the output of its 26th layer):
+  --arch llava_onevision --vision-feature-layer -2"""
 
 import argparse
 import os
@@ -13,12 +14,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_vlm.cli import add_debug_flag, nonneg_int, positive_int, run_cli, setup_logging  # noqa: E402
 from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
+from megatron_vlm.spec import SUPPORTED_TEXT, SUPPORTED_VISION  # noqa: E402
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--text-model", required=True, help="HF causal LM directory (llama, mistral, qwen2)")
-    p.add_argument("--vision-model", required=True, help="HF CLIP/SigLIP directory (vision-only or full model)")
+    p.add_argument("--text-model", required=True,
+                   help=f"HF causal LM directory ({', '.join(SUPPORTED_TEXT)})")
+    p.add_argument("--vision-model", required=True,
+                   help=f"HF {'/'.join(SUPPORTED_VISION)} directory (vision-only or the full dual encoder)")
     p.add_argument("--save-dir", required=True, help="output LLaVA directory (must not exist unless --overwrite)")
     p.add_argument("--vocab-size-padding", type=positive_int, default=None,
                    help="embedding rows: by default the LM's, or the next multiple of 64 when the added <image>/<pad> "

@@ -15,7 +15,8 @@ from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--hf-dir", required=True, help="HF LlavaForConditionalGeneration directory")
-    p.add_argument("--megatron-dir", required=True, help="output checkpoint directory (must not exist)")
+    p.add_argument("--megatron-dir", required=True,
+                   help="output checkpoint directory (must not exist unless --overwrite)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
     p.add_argument("--pp-layers", default=None,

@@ -66,7 +66,7 @@ def _run(argv) -> int:
     p.add_argument("--image-root", type=Path, default=None,
                    help="directory image paths are relative to (default: the input file's directory)")
     p.add_argument("--output", required=True,
-                   help="output dataset directory (must not exist), or an object-store URL msc://PROFILE/PATH "
+                   help="output dataset directory (must not exist unless --overwrite), or an object-store URL msc://PROFILE/PATH "
                    "(profile from the MSC config named by MSC_CONFIG): the tars are uploaded there and "
                    "energon prepare runs on the remote copy")
     p.add_argument("--shard-size", type=positive_int, default=1000, help="samples per tar (default 1000)")

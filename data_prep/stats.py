@@ -33,7 +33,7 @@ def main(argv=None) -> int:
 
 
 def _run(argv) -> int:
-    from megatron_vlm.data.stats import DEFAULT_MAX_TEXT_BYTES
+    from megatron_vlm.data.limits import DEFAULT_MAX_TEXT_BYTES  # not megatron_vlm.data.stats: energon is heavy
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,7 +53,8 @@ def _run(argv) -> int:
     p.add_argument("--output-dir", type=Path, default=None,
                    help="where stats.json and metadataset.yaml go (default, for one dataset: its own directory; "
                    "required for several)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (one is drawn only when stderr is a terminal)")
     add_debug_flag(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")

@@ -198,7 +198,8 @@ def embedding_rows(lm_rows: int, tokenizer_len: int, padding: int | None = None)
     When the added tokens outgrow it, the rows grow to the next multiple of ``padding`` (default 64, as
     llava-hf/llava-1.5-7b-hf: vicuna's 32000 rows + ``<image>``, ``<pad>`` -> 32064). An explicit ``padding``
     also rounds a covering size up to its multiple (``padding=1``: exactly the tokenizer's length when growing).
-    Megatron pads further at run time (``make_vocab_size_divisible_by`` x TP) and trims that on export.
+    Megatron pads further at run time (to a multiple of ``make_vocab_size_divisible_by``, 128, whatever the TP) and
+    trims that on export.
     """
     rows = max(lm_rows, tokenizer_len)
     if rows > lm_rows or padding:

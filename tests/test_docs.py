@@ -35,7 +35,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: guide). While one is absent the link check skips naming it, and under CI (``CI=true``) fails: the lead removes an
 #: entry once its page is in. An anchor into a pending page is checked as soon as the page exists.
 PENDING: dict[str, str] = {}  # page -> what it will hold, for a link that lands before its page
-SCRIPT_DIRS = ("convert", "data_prep", "train", "demo", "bench", "tools")
+SCRIPT_DIRS = ("convert", "data_prep", "train", "eval", "demo", "bench", "tools")
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")

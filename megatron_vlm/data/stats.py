@@ -31,7 +31,7 @@ from megatron_vlm.data.sample import IMAGE_PART_RE, VIDEO_PART_RE, VQA_PARTS, im
 
 _NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 SPLITS = ("train", "val", "test")
-DEFAULT_MAX_TEXT_BYTES = 1 << 20
+from megatron_vlm.data.limits import DEFAULT_MAX_TEXT_BYTES  # noqa: E402 - the command line quotes it
 OVERSIZED = "__oversized__"  # key set in a sample whose text parts were too large to read
 IMAGE_SIZES = "__image_sizes__"  # image part -> (width, height), for anyres models
 VIDEOS = "__videos__"  # video part -> megatron_vlm.data.videos.VideoInfo (frames, fps, size)

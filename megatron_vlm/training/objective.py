@@ -1,6 +1,7 @@
 """Which vocabulary columns the training loss is taken over: the one place that decides the objective.
 
-Megatron pads the output layer to ``make_vocab_size_divisible_by`` x TP rows (517 -> 640 on the tiny test models,
+Megatron pads the output layer to a multiple of ``make_vocab_size_divisible_by`` (128) rows, whatever the TP (517 ->
+640 on the tiny test models,
 151,936 on Qwen2/3 for a 151,669-entry tokenizer). Megatron-LM's loss is a softmax over every one of them, so the
 padded rows take part in the normalisation and receive gradient, while the model exported to HF has no such rows.
 

@@ -185,8 +185,8 @@ class ConfigFields:
         "checkpoint's --train-iters the learning rate stays at its --min-lr.", "flag", False, "optim")
     loss_over_padded_vocab: bool | None = _f(
         ("--loss-over-padded-vocab",), "Take the loss's softmax over the padded vocabulary rows too (Megatron-LM's "
-        "objective, for bit-compatibility with Megatron-LM runs). Default: off, the padded rows (added by "
-        "make_vocab_size_divisible_by x TP) are masked out, so training optimises the model that is exported to HF. "
+        "objective, for bit-compatibility with Megatron-LM runs). Default: off, the padded rows (the rows "
+        "up to a multiple of make_vocab_size_divisible_by, 128, whatever the TP) are masked out, so training optimises the model that is exported to HF. "
         "A resume keeps the objective its checkpoint was trained with.", "tristate", None, "optim",
         negative="--no-loss-over-padded-vocab")
     seq_length: int = _f(("--seq-length",), "Tokens per sample after image-token expansion (longer "
