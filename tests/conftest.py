@@ -127,7 +127,8 @@ def pytest_collection_modifyitems(config, items):
 LONGEST_MODULES = ("test_train", "test_demo", "test_real_models", "test_bad_inputs", "test_convert", "test_anyres_run",
                    "test_remote_storage", "test_newcomer", "test_train_reference", "test_train_parallel",
                    "test_video_run", "test_te", "test_anyres_models", "test_bench_gpu", "test_data_guard", "test_launch_run",
-                   "test_megatron_lm_interop", "test_data_loader", "test_data_convert", "test_cross_version")
+                   "test_megatron_lm_interop", "test_data_loader", "test_data_convert", "test_cross_version",
+                   "test_eval")
 
 
 def _heavy_modules_first(items) -> None:

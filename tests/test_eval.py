@@ -59,6 +59,7 @@ def _prompts(gen, kind):
     return [gen.encode([user_message(q, len(ims))], [_image(c, s) for c, s in ims]) for ims, q in cases]
 
 
+@pytest.mark.slow  # in one process, but ~10-30 s each (models converted and exported)
 @pytest.mark.parametrize("kind", ["llava", "ov"])
 def test_generate_from_checkpoint_equals_export(models, kind):
     """--megatron-dir builds, in memory, the model megatron_to_hf writes: the same tensors, the same greedy tokens
@@ -95,6 +96,7 @@ def test_generate_from_checkpoint_equals_export(models, kind):
         load(megatron_dir=m["meg"], tp=4)
 
 
+@pytest.mark.slow  # in one process, but ~10-30 s each (models converted and exported)
 def test_sampling_is_seeded(models):
     from megatron_vlm.eval.generate import Generator, Sampling
     from megatron_vlm.eval.model import load
@@ -107,6 +109,7 @@ def test_sampling_is_seeded(models):
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+@pytest.mark.slow  # in one process, but ~10-30 s each (models converted and exported)
 def test_prompt_inputs_equal_hf_processor(models):
     """A prompt's input ids and pixels are what HF's processor (PIL backend) gives for the rendered prompt."""
     from transformers import AutoImageProcessor, AutoProcessor
@@ -135,6 +138,7 @@ def test_prompt_inputs_equal_hf_processor(models):
             assert torch.equal(hf["image_sizes"], ours.image_sizes)
 
 
+@pytest.mark.slow  # in one process, but ~10-30 s each (models converted and exported)
 def test_exported_onevision_loads_with_autoprocessor(models):
     """The project's environment loads HF's OneVision processor (its video processor needs torchvision)."""
     try:
@@ -228,6 +232,7 @@ def _memorise(hf_dir, data, out_dir, steps=60):
     return float(loss)
 
 
+@pytest.mark.slow  # in one process, but ~10-30 s each (models converted and exported)
 def test_evaluate_memorised_and_untrained(models, colour_data, tmp_path, capsys):
     """A model that memorised the split scores 100%, the untrained one 0%; one line per sample in --output."""
     from megatron_vlm.eval import evaluate as evaluate_mod

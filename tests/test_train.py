@@ -133,6 +133,8 @@ def test_pp2_loss_falls_with_validation(setup):
     falls(losses(setup["root"] / "ckpt" / "pp2"))
     val = val_losses(setup["root"] / "ckpt" / "pp2")
     assert sorted(val) == [6, 12] and val[12] < val[6]
+    # the training curves, drawn at the end by the rank that wrote metrics.jsonl (the last stage's, rank 1)
+    assert (setup["root"] / "ckpt" / "pp2" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 DP2 = ("--tp", "1", "--dist-optim", "--stage", "2", "--global-batch-size", "8", "--save-interval", "100",

@@ -8,8 +8,9 @@ layers split over pipeline stages (``--pp-layers``), each linear's weight (and c
 TP, norms and row-parallel biases whole on every TP rank; the embedding (padded vocabulary x hidden) on the first
 stage, the output layer on the last (and the embedding's copy there when tied and PP > 1, as megatron-core keeps
 one for the shared weight); the vision encoder (its ``vision_feature_layer`` layers) and the projector on the
-first stage, split over TP as the language model's layers are. :func:`language_mlp_params` is the one place for a
-layer's MLP (dense SwiGLU now; experts and expert parallelism extend it there).
+first stage, split over TP as the language model's layers are. :func:`language_mlp_params` and
+:func:`language_mlp_activations` are the one place for a layer's MLP (dense SwiGLU now; experts and expert
+parallelism extend them there).
 
 **Bytes per parameter** follow megatron-core's mixed-precision training: weights in the compute dtype (bf16/fp16
 2 B, fp32 4 B); for trainable parameters, fp32 gradient buffers (4 B, DDP's ``grad_reduce_in_fp32``) and the
@@ -115,6 +116,14 @@ def language_mlp_params(spec, tp: int) -> int:
     return h * 2 * f // tp + f * h // tp + h
 
 
+def language_mlp_activations(spec, layout: Layout) -> float:
+    """Elements per position that a language layer's MLP keeps for its backward pass on one TP rank, beyond its
+    input (counted with the layer's): FC1's output (gate and up) and the SwiGLU output. The one place for the MLP's
+    activations: a mixture-of-experts layer (routed tokens per expert, the router's probabilities) goes here."""
+    f = spec.ffn_hidden_size
+    return (2 * f + f) / layout.tp
+
+
 def language_layer_params(spec, tp: int) -> int:
     return language_attention_params(spec, tp) + language_mlp_params(spec, tp)
 
@@ -188,8 +197,9 @@ def _layer_activation_bytes(spec, layout: Layout, s: int, b: int) -> int:
     h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.kv_channels
     qkv = (spec.num_attention_heads + 2 * spec.num_query_groups) * d
     replicated = 4 * h  # inputs of the two norms, of QKV and of FC1
-    split = qkv + spec.num_attention_heads * d + 2 * f + f  # Q/K/V, attention output, FC1 output, SwiGLU output
+    split = qkv + spec.num_attention_heads * d  # Q/K/V, attention output
     per_pos = (replicated / t if layout.sequence_parallel else replicated) + split / t
+    per_pos += language_mlp_activations(spec, layout)
     out = s * b * per_pos * e
     if not layout.fused_attention and layout.recompute_granularity != "selective":
         out += 2 * spec.num_attention_heads / t * s * s * b * e  # scores and probabilities
