@@ -95,7 +95,7 @@ def test_processor_without_patch_size_encodes_like_hf(families, tmp_path_factory
     # HF's own processor cannot expand the image token without patch_size (the defect users hit)
     with pytest.raises(TypeError):
         AutoProcessor.from_pretrained(str(old))(text="<image>", images=[image])
-    proc = AutoProcessor.from_pretrained(str(full))
+    proc = AutoProcessor.from_pretrained(str(full), backend="pil")  # the image pipeline training uses
     hf = proc(text=proc.image_token, images=[image], add_special_tokens=False, return_tensors="pt")
     hf_tokens = int((hf["input_ids"][0] == proc.tokenizer.convert_tokens_to_ids(proc.image_token)).sum())
     spec = VLMSpec.from_hf_dir(full)

@@ -112,3 +112,9 @@ def test_dry_run_prints_the_estimate_and_warns(tmp_path, capsys, no_slurm_env): 
     assert "of 0.001 GiB (--gpu-memory-gb)" in out.out
     rc = cli.main([*base_args(tmp_path), "--dry-run", "--gpu-memory-gb", "0"], repo_root=REPO)
     assert rc == 2 and "--gpu-memory-gb 0.0: must be positive" in capsys.readouterr().err
+    # a SLURM batch script's dry run: the estimate first, checked against --gpu-memory-gb
+    rc = cli.main([*base_args(tmp_path), "--sbatch", str(tmp_path / "job.sh"), "--nodes", "2", "--gpus-per-node", "2",
+                   "--dry-run", "--gpu-memory-gb", "0.001"], repo_root=REPO)
+    out = capsys.readouterr()
+    assert rc == 0 and out.out.startswith("# memory per GPU (estimate") and "exceeds 0.001 GiB" in out.err
+    assert not (tmp_path / "job.sh").exists()

@@ -129,7 +129,7 @@ def evaluate(generator, data_path, split: str, output, batch_size: int = 8, limi
     rows: list[dict] = []
     # a bar on a terminal only (tqdm's disable=None), never with progress=False; log lines otherwise
     bar = tqdm(total=total or None, desc=f"evaluating {split}", unit="sample", disable=True if progress is False else None)
-    for batch in loader:
+    for n_batches, batch in enumerate(loader, 1):
         if limit is not None:
             batch = batch[:max(limit - len(rows), 0)]
         for group in _sub_batches(batch):
@@ -139,7 +139,7 @@ def evaluate(generator, data_path, split: str, output, batch_size: int = 8, limi
                 rows.append({"id": it.id, "question": it.question, "reference": it.reference, "prediction": pred,
                              "correct": exact_match(pred, it.reference), "vqa_correct": vqa_match(pred, it.reference)})
         bar.update(len(batch))
-        if not sys.stderr.isatty() and (len(rows) // batch_size) % 50 == 0:
+        if not sys.stderr.isatty() and n_batches % 50 == 0:  # no bar in a log file: a line now and then
             log.info("evaluated %d samples", len(rows))
         if limit is not None and len(rows) >= limit:
             break

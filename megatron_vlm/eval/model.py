@@ -60,8 +60,8 @@ def load_hf_export(model_dir, dtype: str = "auto", device: str = "cpu") -> Loade
     check_hf_dir(model_dir, "--model")
     check_tokenizer_dir(model_dir, "--model")
     spec = VLMSpec.from_hf_dir(model_dir)
-    stored = json.loads((model_dir / "config.json").read_text()).get("dtype") or \
-        json.loads((model_dir / "config.json").read_text()).get("torch_dtype")
+    config = json.loads((model_dir / "config.json").read_text())
+    stored = config.get("dtype") or config.get("torch_dtype")
     cls = getattr(transformers, ARCHS[spec.arch][1])
     model = cls.from_pretrained(str(model_dir), dtype=compute_dtype(dtype, device, stored)).to(device).eval()
     return LoadedModel(model, spec, model_dir, str(model_dir))

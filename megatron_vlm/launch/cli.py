@@ -88,7 +88,8 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
         else:
             problems.append(msg + "; run train/run.py from a complete megatron-vlm checkout")
     _fail_on(problems)
-    if cfg.sbatch:
+    if cfg.sbatch:  # the nodes' GPUs are not visible from here: --gpu-memory-gb is the limit, if given
+        cfg.memory_estimate, cfg.memory_warning = memory_notes(cfg, spec, {})
         return cfg, None, notes
 
     # Ask the runtime that will train: the container when there is one (not in a dry run: that would start it).
@@ -238,6 +239,8 @@ def _launch(cfg: TrainConfig, cmd: Command) -> int:
 def _sbatch(cfg: TrainConfig, repo_root: str) -> int:
     if cfg.dry_run:
         config = sbatch.job_config_path(cfg.sbatch)
+        for line in getattr(cfg, "memory_estimate", ()):
+            print(f"# {line}")
         print(f"# {config} (dry run: not written)")
         print(sbatch.job_config(cfg).rstrip())
         print(f"# {cfg.sbatch} (dry run: not written)")
