@@ -24,6 +24,25 @@ class WorldError(RuntimeError):
     pass
 
 
+def thread_names() -> dict[str, int]:
+    """This process's threads by name (Linux ``/proc/self/task/*/comm``; elsewhere Python's own threads): a
+    world's jobs must not accumulate them (gloo starts three per process group, see
+    :func:`megatron_vlm.runtime.distributed.destroy_parallel_groups`)."""
+    import collections
+    import threading
+
+    names: collections.Counter = collections.Counter()
+    task = Path("/proc/self/task")
+    if not task.is_dir():
+        return dict(collections.Counter(t.name for t in threading.enumerate()))
+    for t in task.iterdir():
+        try:
+            names[(t / "comm").read_text().strip()] += 1
+        except OSError:  # the thread ended meanwhile
+            pass
+    return dict(names)
+
+
 #: What the fork server imports once for every process it forks (see the module docstring): ranks, and the
 #: tests' commands (megatron_vlm.testing.forked_cli: train/run.py reads a tokenizer, make_wds writes energon sets).
 _PRELOAD = ["torch", "megatron.core", "megatron.core.dist_checkpointing", "transformers",

@@ -48,7 +48,7 @@ def anyres_jobs(jobs: list[dict]) -> list | None:
     from megatron_vlm.testing.train_jobs import _setup, job_config
     from megatron_vlm.testing.worlds import _model_for
     from megatron_vlm.training import batch_feed, checkpointing, resume
-    from megatron_vlm.training.build import build_training
+    from megatron_vlm.training.build import build_training, release
     from megatron_vlm.training.step import train_step
 
     out = []
@@ -85,6 +85,7 @@ def anyres_jobs(jobs: list[dict]) -> list | None:
                 checkpointing.save(train["save"], train["steps"], training.model, training.optimizer,
                                    training.scheduler, None, spec=spec, meta=meta, side_src=iter_dir,
                                    with_optim=False, total_limit=None)
+            release(training)
             del training
         out.append(result)
         gc.collect()

@@ -139,7 +139,7 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
     from megatron_vlm.spec import VLMSpec
     from megatron_vlm.testing.train_jobs import _setup, job_config
     from megatron_vlm.training import batch_feed
-    from megatron_vlm.training.build import build_training
+    from megatron_vlm.training.build import build_training, release
     from megatron_vlm.training.step import train_step
 
     out = []
@@ -196,6 +196,7 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
                         precision_grad_rel=_worst(grads["unpacked"], ref32[0]) if ref32 else None,
                         precision_loss_rel=_rel(u.loss_sum, u32.loss_sum) if u32 else None,
                         precision_grad_norm_rel=_rel(u.grad_norm, u32.grad_norm) if u32 else None, packs=len(packs)))
+        release(training)
         del training
     return out if torch.distributed.get_rank() == 0 else None
 

@@ -303,7 +303,7 @@ def trainer_job(job: dict, megatron_dir, hf_dir) -> dict:
     A TE job says ``device='cuda'``, as a GPU user's config does; the world itself runs on CPU.
     """
     from megatron_vlm.runtime import distributed
-    from megatron_vlm.training.build import build_training
+    from megatron_vlm.training.build import build_training, release
     from megatron_vlm.training.config import TrainConfig
 
     fields = {k: v for k, v in job.items() if k not in ("name", "step", "packing_samples")}
@@ -326,6 +326,7 @@ def trainer_job(job: dict, megatron_dir, hf_dir) -> dict:
         report["packing"] = _packing_report(cfg, spec, hf_dir, job["packing_samples"], training, rt)
     if job.get("step"):
         report["step"] = _one_step(cfg, training, hf_dir, rt)
+    release(training)
     del training
     return report
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from megatron_vlm import checkpoint as ckpt
+from megatron_vlm.runtime.spawn import thread_names
 from megatron_vlm.spec import VLMSpec
 
 #: what every job's TrainConfig has unless the job says otherwise
@@ -72,7 +73,8 @@ def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BAS
 def job_config(job: dict, n_steps: int, global_batch_size: int):
     from megatron_vlm.training.config import TrainConfig
 
-    fields = {k: v for k, v in job.items() if k not in ("name", "steps", "start", "save", "resume", "reload_weights")}
+    fields = {k: v for k, v in job.items()
+              if k not in ("name", "steps", "start", "save", "save_after", "resume", "reload_weights")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
     # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
@@ -94,19 +96,46 @@ def _setup(cfg):
     return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed)
 
 
+def weights_digest(model) -> str:
+    """sha256 of this rank's parameters (names, dtypes and bytes, in the model's order): equal digests are
+    bit-identical weights."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _save(job, step: int, cfg, rt, spec, training, iter_dir, global_batch_size: int) -> None:
+    from megatron_vlm.training import checkpointing, resume
+
+    meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp),
+                               dtype=str(training.dtype).replace("torch.", ""))
+    meta.extra.update(resume.layout_extra(cfg, rt.dp, step * global_batch_size))
+    checkpointing.save(Path(job["save"]), step, training.model, training.optimizer, training.scheduler, None,
+                       spec=spec, meta=meta, side_src=iter_dir, with_optim=cfg.save_optim, total_limit=None)
+
+
 def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list]) -> list | None:
     """Run each job; returns per job {'loss': [...], 'grad_norm': [...] (None: a skipped fp16 step),
-    'loss_scale': [...], 'readers': [global ranks that read data]} (on rank 0; None elsewhere).
+    'loss_scale': [...], 'readers': [global ranks that read data], 'weights':
+    [every rank's :func:`weights_digest` after the last step], 'threads': [every rank's
+    :func:`~megatron_vlm.runtime.spawn.thread_names` once the job's objects are dropped]} (on rank 0; None
+    elsewhere).
 
     Job keys: TrainConfig fields (tp, pp, precision, dist_optim, micro_batch_size, overlap_grad_reduce, ...),
     plus ``steps`` (default: all global batches), ``start`` (the first global batch, default 0), ``save`` (a
-    run dir to save a checkpoint to after the last step, with optimizer state unless save_optim=False) and
+    run dir to save a checkpoint to after the last step, or after step ``save_after`` of the job, with optimizer
+    state unless save_optim=False) and
     ``resume`` (an iteration dir to restore before the first step, the way the trainer resumes; with
     ``reload_weights=False`` the optimizer's main params are deliberately not refreshed, the defect the resume
     must avoid).
     """
     from megatron_vlm.training import batch_feed, checkpointing, resume
-    from megatron_vlm.training.build import build_training
+    from megatron_vlm.training.build import build_training, release
     from megatron_vlm.training.step import train_step
 
     iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
@@ -132,27 +161,29 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         # as the trainer: only the ranks batch_feed.reads_data names read (batch) the data; distribute() hands
         # it to the other TP ranks of the first/last stage
         reads = batch_feed.reads_data(rt.tp_rank, rt.pp_rank, rt.pp)
-        for gb in global_batches[first:first + steps]:
+        save_after = job.get("save_after", steps) if job.get("save") else None
+        for k, gb in enumerate(global_batches[first:first + steps], 1):
             mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
                 [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
             r = train_step(training, batch_feed.distribute(mine, rt.device), cfg, rt.device)
             losses.append(r.loss)
             norms.append(r.grad_norm)
             scales.append(r.loss_scale)
-        if job.get("save"):
-            meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp),
-                                       dtype=str(training.dtype).replace("torch.", ""))
-            meta.extra.update(resume.layout_extra(cfg, rt.dp, (first + steps) * len(global_batches[0])))
-            run_dir = Path(job["save"])
-            checkpointing.save(run_dir, first + steps, training.model, training.optimizer, training.scheduler, None,
-                               spec=spec, meta=meta, side_src=iter_dir, with_optim=cfg.save_optim,
-                               total_limit=None)
-        readers: list = [None] * torch.distributed.get_world_size()
+            if k == save_after:
+                _save(job, first + k, cfg, rt, spec, training, iter_dir, len(gb))
+        world = torch.distributed.get_world_size()
+        readers: list = [None] * world
         torch.distributed.all_gather_object(readers, reads)
+        digests: list = [None] * world
+        torch.distributed.all_gather_object(digests, weights_digest(training.model))
         out.append({"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
-                    "readers": [r for r, x in enumerate(readers) if x]})
+                    "readers": [r for r, x in enumerate(readers) if x], "weights": digests})
+        release(training)
         del training
         gc.collect()
+        threads: list = [None] * world
+        torch.distributed.all_gather_object(threads, thread_names())
+        out[-1]["threads"] = threads
     return out if torch.distributed.get_rank() == 0 else None
 
 

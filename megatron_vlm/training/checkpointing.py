@@ -92,6 +92,12 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
+def trains_here(model) -> bool:
+    """Whether this rank's model chunk has a trainable parameter. In stage 1 at PP>1 the later pipeline stages
+    hold only frozen language-model layers: their optimizer has empty parameter groups and no state."""
+    return any(p.requires_grad for p in _unwrap(model).parameters())
+
+
 def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim: bool, loading: bool,
                 with_rng: bool = True, with_data: bool = True, layout: ckpt.DistKeyLayout = ckpt.DistKeyLayout()):
     # Megatron-LM's convention: model keys without a prefix (older megatron-vlm checkpoints: "model.")
@@ -99,8 +105,13 @@ def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim
     sd = {"model": model_sd, "iteration": iteration,
           **_rank_objects(loader_state, None if loading else rng_state(), with_rng, with_data)}
     if with_optim:
-        # 'fully_reshardable': the distributed optimizer's state resumes at any TP/PP/DP
-        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIM_METADATA)
+        # A stage without trainable parameters holds no optimizer state, and megatron-core's optimizers cannot
+        # describe an empty one (the distributed optimizer asserts on its missing step, the mixed-precision one
+        # loads rank 0's main-parameter lists): it leaves the optimizer out. Every rank of such a stage (its TP
+        # and DP peers, who share its parameters) does the same, so the collectives of a save still match.
+        if trains_here(model):
+            # 'fully_reshardable': the distributed optimizer's state resumes at any TP/PP/DP
+            sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIM_METADATA)
         sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     return sd
 
@@ -198,6 +209,17 @@ def _dummy_optimizer_state(optimizer) -> list:
     return filled
 
 
+def _restore_loss_scale(optimizer, common: dict | None) -> None:
+    """A stage without trainable parameters still scales the loss when it is the last one (fp16): its grad
+    scaler takes the saved one, which every rank's equals (megatron reduces the overflow check over the model
+    parallel group, so all scalers step alike). The saved scaler is in the optimizer's common state, written
+    by global rank 0 (the first stage, which always trains: it holds the projector)."""
+    saved = (common or {}).get("grad_scaler")
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "grad_scaler", None) is not None and saved is not None:
+            opt.grad_scaler.load_state_dict(saved)
+
+
 class OptimizerStateMismatch(ValueError):
     """The checkpoint holds no optimizer state for parameters this run trains."""
 
@@ -237,13 +259,14 @@ def load(iter_dir, model, optimizer, scheduler, with_optim: bool, with_rng: bool
     sees the saved scheduler state before it is loaded."""
     from megatron.core import dist_checkpointing
 
-    dummy = _dummy_optimizer_state(optimizer) if with_optim else []
+    here = trains_here(model)
+    dummy = _dummy_optimizer_state(optimizer) if with_optim and here else []
     layout = ckpt.dist_key_layout(iter_dir)
     sd = _state_dict(model, optimizer, scheduler, 0, None, with_optim, loading=True, with_rng=with_rng,
                      with_data=with_data, layout=layout)
     for opt in dummy:
         opt.optimizer.state.clear()
-    if with_optim:
+    if with_optim and here:
         _check_optimizer_state(sd["optimizer"], iter_dir)
     layer_impl.prepare_dist_load(sd["model"], iter_dir)  # TE _extra_state may be absent; nothing else
     loaded = dist_checkpointing.load(sd, str(iter_dir))  # a local path or an msc:// URL
@@ -251,7 +274,10 @@ def load(iter_dir, model, optimizer, scheduler, with_optim: bool, with_rng: bool
     if with_optim:
         if scheduler is not None and loaded.get("scheduler") and schedule_check is not None:
             schedule_check(loaded["scheduler"])
-        optimizer.load_state_dict(loaded["optimizer"])
+        if here:
+            optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            _restore_loss_scale(optimizer, loaded.get("optimizer"))
         if scheduler is not None and loaded.get("scheduler"):
             scheduler.load_state_dict(loaded["scheduler"])
     return {"iteration": loaded["iteration"], "loader_state": loaded.get("loader_state"),
