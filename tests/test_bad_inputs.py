@@ -1,7 +1,8 @@
 """Bad input to every command ends in ONE clear line naming the input, a non-zero exit, no traceback and
 no output that looks complete (issue 18). Table-driven: each row is (command, arguments, words the message
 must contain, output that must not exist). Commands run in-process through their main(); only the two
-checks of the torchrun path (a failing rank, Ctrl-C) start processes.
+checks of the torchrun path (a failing rank, Ctrl-C) start processes. Every flag a message suggests must be one
+the command's argparse parser defines (or, after another script's name, that script's: issue 42).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from megatron_vlm.testing import forked_cli
 from tests.data_fixtures import vqa_dataset, vqa_inputs  # noqa: F401
 
 from .conftest import script
+from .parser_helpers import ROOT, unknown_flags
 from .launch_helpers import REPO, base_args, launcher, no_slurm_env, signal_when_ready  # noqa: F401 (autouse fixture)
 
 CMD = {
@@ -57,6 +59,13 @@ def run_command(cmd: str, args: list, capsys) -> tuple[int, str]:
     return rc, out.out + out.err
 
 
+def assert_flags_exist(cmd: str, text: str) -> None:
+    """The flags the error line names are the command's own (or the script's it names before them)."""
+    line = next((ln for ln in reversed(text.strip().splitlines()) if "error" in ln), "")
+    unknown = unknown_flags(line, ROOT / ("train/run.py" if cmd == "train" else CMD[cmd]))
+    assert not unknown, f"the message names flags its command does not take: {unknown}\n{line}"
+
+
 def assert_clean_failure(rc, text, expect, absent=()):
     assert rc not in (0, None), text
     assert "Traceback" not in text, text
@@ -78,6 +87,7 @@ def env(hf_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     hf = hf_models["llama_clip"]
     meg = convert_hf_to_megatron(hf, root / "meg", tp=1)
+    legacy = convert_hf_to_megatron(hf, root / "legacy", tp=2, ckpt_format="torch")
     images = root / "in" / "images"
     images.mkdir(parents=True)
     for i in range(2):
@@ -109,17 +119,27 @@ def env(hf_models, tmp_path_factory):
     a_file = root / "a_file"
     a_file.write_text("x")
     parts = hf.parent / (hf.name + "_parts")
-    return dict(root=root, hf=hf, meg=meg, text=parts / "text_llama", vision=parts / "vision_clip", images=images,
+    return dict(root=root, hf=hf, meg=meg, legacy=legacy, text=parts / "text_llama", vision=parts / "vision_clip", images=images,
                 bad_cfg=bad_cfg, no_cfg=no_cfg, empty=empty,
                 bad_tok=bad_tok, a_file=a_file)
 
 
 def damaged_checkpoint(env, tmp_path, how: str) -> Path:
     d = tmp_path / "ckpt"
-    shutil.copytree(env["meg"], d)
+    shutil.copytree(env["legacy" if how.startswith("legacy") else "meg"], d)
     rel = d / "release"
-    shard = sorted(rel.glob("*.distcp"))[0]
-    if how == "tracker":
+    shard = sorted(rel.glob("*.distcp"))[0] if not how.startswith("legacy") else None
+    rank1 = rel / "mp_rank_01" / "model_optim_rng.pt"
+    if how == "legacy_truncated":  # legacy rank files get the same check as torch_dist shards
+        rank1.write_bytes(rank1.read_bytes()[:-4096])
+    elif how == "legacy_missing_rank":
+        rank1.unlink()
+    elif how == "manifest_size":  # a checksum manifest (as training saves write): a file of another size
+        from megatron_vlm import manifest
+
+        manifest.write(rel, manifest.entries(rel, manifest.files_of(rel)))
+        (rel / "vlm_spec.json").write_text((rel / "vlm_spec.json").read_text() + "\n")  # still valid JSON
+    elif how == "tracker":
         (d / "latest_checkpointed_iteration.txt").write_text("garbage\n")
     elif how == "delete_shard":
         shard.unlink()
@@ -225,6 +245,9 @@ CASES = {
            ("spec_json", ["release/vlm_spec.json: invalid JSON"]),
            ("dcp_index", ["release/.metadata: unreadable"]),
            ("extra_truncated", ["release/hf_extra.safetensors: truncated", "its header needs"]),
+           ("legacy_truncated", ["release/mp_rank_01/model_optim_rng.pt: truncated", "pick another --iteration"]),
+           ("legacy_missing_rank", ["release/mp_rank_01/model_optim_rng.pt: missing rank file", "tp=2 pp=1"]),
+           ("manifest_size", ["release/vlm_spec.json: ", "bytes, its checksums.json says", "damaged"]),
        ]},
     # make_wds
     "wds-workers-negative": ("wds", _wds(["--workers", "-3"]), ["--workers", "-3 must be at least 1"], ["ds"]),
@@ -283,6 +306,7 @@ def test_bad_input(case, env, vqa_dataset, tmp_path, capsys):  # noqa: F811
         shutil.copytree(vqa_dataset.output, tmp_path / "ds")  # a dataset gets its stats.json by default
     args = build(env, tmp_path)
     rc, text = run_command(cmd, args, capsys)
+    assert_flags_exist(cmd, text)
     assert_clean_failure(rc, text, expect, [tmp_path / a for a in absent] + (
         [tmp_path / "ds" / "stats.json", tmp_path / "ds" / "metadataset.yaml", tmp_path / "metadataset.yaml"]
         if cmd == "stats" else []))
@@ -486,6 +510,26 @@ def _train_case(env, tmp_path, vqa_ds, how):
             shard = sorted((run / "iter_0000010").glob("*.distcp"))[0]
             shard.write_bytes(shard.read_bytes()[:100])
         return args + ["--train-iters", "20"]  # beyond iteration 10: a resume (a finished run is not started)
+    if how in ("resume_older_damaged", "resume_older_manifest", "ckpt_step_absent", "ckpt_step_older",
+               "load_run_damaged"):
+        # a run with complete iterations 5 and 10, the tracker at 10
+        for it in (5, 10):
+            shutil.copytree(env["meg"] / "release", run / f"iter_{it:07d}")
+        (run / "latest_checkpointed_iteration.txt").write_text("10")
+        it10 = run / "iter_0000010"
+        if how in ("resume_older_damaged", "ckpt_step_older", "load_run_damaged"):
+            shard = sorted(it10.glob("*.distcp"))[0]
+            shard.write_bytes(shard.read_bytes()[:100])
+        elif how == "resume_older_manifest":
+            from megatron_vlm import manifest
+
+            manifest.write(it10, manifest.entries(it10, manifest.files_of(it10)))
+            (it10 / "vlm_spec.json").write_text((it10 / "vlm_spec.json").read_text() + "\n")
+        if how == "load_run_damaged":  # a new run whose --megatron-load-dir is that run
+            args[args.index("--megatron-load-dir") + 1] = str(run)
+            return args + ["--name", "next"]
+        extra = {"ckpt_step_absent": ["--ckpt-step", "7"], "ckpt_step_older": ["--ckpt-step", "5"]}.get(how, [])
+        return args + ["--train-iters", "20"] + extra
     if how in ("resume_other_stage", "resume_other_schedule"):
         # a stage-1 run directory at iteration 10 whose ckpt_meta.json records what it trained and its schedule
         it_dir = run / "iter_0000010"
@@ -544,10 +588,34 @@ def _train_case(env, tmp_path, vqa_ds, how):
     return args
 
 
+def test_ckpt_step_resumes_an_older_iteration(env, vqa_dataset, tmp_path, capsys):  # noqa: F811
+    """The positive control of the rows above: with --ckpt-step 5 the same run passes every check (the damaged
+    iteration 10 is not read)."""
+    args = _train_case(env, tmp_path, vqa_dataset, "ckpt_step_older")
+    for flag in ("--image-token-id", "--pad-token-id", "--tokenizer-load-dir"):  # the converted model's own
+        i = args.index(flag)
+        del args[i:i + 2]
+    args += ["--tokenizer-load-dir", str(env["hf"])]
+    rc, text = run_command("train", args + ["--dry-run"], capsys)
+    assert rc == 0, text
+    rc, text = run_command("train", [a for a in args if a != "5" and a != "--ckpt-step"] + ["--dry-run"], capsys)
+    assert rc == 2 and "--ckpt-step 5" in text, text  # without it: refused, naming it
+
+
 @pytest.mark.parametrize("how,expect", [
     ("resume_tracker", ["cannot resume the run in", "latest_checkpointed_iteration.txt reads", "another --name"]),
-    ("resume_missing_iter", ["iter_0000040 does not exist", "available: none"]),
-    ("resume_truncated", ["iter_0000010/", ".distcp: truncated"]),
+    ("resume_missing_iter", ["iter_0000040 does not exist", "available: none",
+                             "the run holds no other complete iteration: start a new run with another --name"]),
+    ("resume_truncated", ["iter_0000010/", ".distcp: truncated", "the run holds no other complete iteration"]),
+    # issue 42: a damaged iteration names the newest complete one and --ckpt-step
+    ("resume_older_damaged", ["cannot resume the run in", "iter_0000010/__0_0.distcp: truncated",
+                              "resume from its newest complete iteration with --ckpt-step 5"]),
+    ("resume_older_manifest", ["iter_0000010/vlm_spec.json: ", "bytes, its checksums.json says",
+                               "resume from its newest complete iteration with --ckpt-step 5"]),
+    ("ckpt_step_absent", ["iter_0000007 does not exist", "available: iter_0000005, iter_0000010",
+                          "with --ckpt-step 10"]),
+    ("load_run_damaged", ["--megatron-load-dir", "iter_0000010/__0_0.distcp: truncated",
+                          "load its newest complete iteration with --ckpt-step 5"]),
     ("load_truncated", ["--megatron-load-dir", "release/__0_0.distcp: truncated"]),
     ("data_truncated", ["000000.tar is truncated (1000 bytes"]),
     ("data_missing_shard", ["000001.tar is missing"]),
@@ -575,6 +643,7 @@ def test_launcher_refuses_before_starting(how, expect, env, vqa_dataset, tmp_pat
     rc, text = run_command("train", args + ["--dry-run"], capsys)
     assert rc == 2
     assert_clean_failure(rc, text, expect)
+    assert_flags_exist("train", text)
     rc, text = run_command("train", args, capsys)  # a real launch stops there too: nothing written, nothing started
     assert rc == 2 and not list(tmp_path.glob("**/llava-stage*/config.yaml"))
 

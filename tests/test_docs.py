@@ -3,10 +3,11 @@
 - every relative link resolves to a file of the repository, and every ``#anchor`` to a heading of its target
   (GitHub's heading slugs);
 - every command a page shows -- ``python SCRIPT.py --flag ...`` in a code block, or an inline code span such as
-  ``train/run.py --device cpu`` -- names an existing script that accepts each flag shown, checked against the
-  script's own ``--help`` (run in this process, once per script: the scripts import their heavy libraries only
-  after parsing, so a ``--help`` costs milliseconds); ``python -m MODULE`` names an importable module and
-  ``make TARGET`` a target of the Makefile;
+  ``train/run.py --device cpu`` -- names an existing script whose argparse parser defines each flag shown (the
+  parser its ``main`` builds, captured while ``--help`` runs in this process: the scripts import their heavy
+  libraries only after parsing, so that costs milliseconds; a flag only mentioned in the ``--help`` text does not
+  count, :mod:`tests.parser_helpers`); ``python -m MODULE`` names an importable module and ``make TARGET`` a target
+  of the Makefile;
 - no page sends the reader outside the repository for the architecture (``docs/architecture.md`` replaced the
   design card in ``../shared/DESIGN.md``).
 
@@ -15,27 +16,23 @@ Nothing here starts a process, so it runs in the fast set.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
-import inspect
-import io
 import os
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 
 from .conftest import CI, ROOT
+from .parser_helpers import command_flags, command_parser, scripts
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: Pages the guides link to that other work in progress writes (issue 38: the model support table, the packing
 #: guide). While one is absent the link check skips naming it, and under CI (``CI=true``) fails: the lead removes an
 #: entry once its page is in. An anchor into a pending page is checked as soon as the page exists.
 PENDING: dict[str, str] = {}  # page -> what it will hold, for a link that lands before its page
-SCRIPT_DIRS = ("convert", "data_prep", "train", "eval", "demo", "bench", "tools")
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -172,17 +169,7 @@ def _code_commands(page: Path) -> list[tuple[int, str]]:
     return out
 
 
-def _scripts() -> dict[str, Path]:
-    """Script name as a page may write it (``convert/build_llava.py`` or ``build_llava.py``) -> its path."""
-    paths = [p for d in SCRIPT_DIRS for p in sorted((ROOT / d).glob("*.py"))]
-    names: dict[str, list[Path]] = {}
-    for p in paths:
-        names.setdefault(_rel(p), []).append(p)
-        names.setdefault(p.name, []).append(p)
-    return {k: v[0] for k, v in names.items() if len(v) == 1}
-
-
-SCRIPTS = _scripts()
+SCRIPTS = scripts()
 
 
 def _tokens(command: str) -> list[str]:
@@ -231,40 +218,14 @@ def page_commands(page: Path) -> list[tuple[int, tuple[str, str, list[str]]]]:
     return found
 
 
-@functools.lru_cache(maxsize=None)
 def help_text(path: Path) -> str:
     """``path --help``, from the script's main() in this process (its ``__main__`` block never runs)."""
-    name = f"_docs_help_{path.parent.name}_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up while the script executes
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    out = io.StringIO()
-    try:
-        spec.loader.exec_module(mod)
-        params = inspect.signature(mod.main).parameters
-        sys.argv = [str(path), "--help"]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-            try:
-                if "repo_root" in params:
-                    mod.main(["--help"], repo_root=ROOT)
-                elif params:
-                    mod.main(["--help"])
-                else:
-                    mod.main()  # reads sys.argv
-            except SystemExit as e:
-                assert e.code in (0, None), f"{_rel(path)} --help exited {e.code}"
-    finally:
-        sys.argv = saved_argv
-        sys.path[:] = saved_path
-        sys.modules.pop(name, None)
-    assert "usage:" in out.getvalue(), f"{_rel(path)} --help printed no usage"
-    return out.getvalue()
+    return command_parser(path)[1]
 
 
-@functools.lru_cache(maxsize=None)
 def accepted_flags(path: Path) -> frozenset[str]:
-    return frozenset(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", help_text(path)))
+    """The flags ``path``'s argparse parser defines."""
+    return command_flags(path)
 
 
 def make_targets() -> set[str]:
@@ -308,6 +269,9 @@ def test_the_checker_catches_what_it_should():
     """Negative controls: a flag a script lacks, a missing anchor, a slug with punctuation."""
     run = ROOT / "train" / "run.py"
     assert "--tp" in accepted_flags(run) and "--no-such-flag" not in accepted_flags(run)
+    # a flag --help only mentions is not one the command takes: stats.py's help names make_wds/train's --data-path
+    stats = ROOT / "data_prep" / "stats.py"
+    assert "--data-path" in help_text(stats) and "--data-path" not in accepted_flags(stats)
     assert parse_command("python train/run.py -g 8 --tp 2 [--dry-run] \\") == ("script", "train/run.py",
                                                                                 ["-g", "--tp", "--dry-run"])
     assert parse_command("python convert/hf_to_megatron.py [--ckpt-format torch_dist|torch]")[2] == ["--ckpt-format"]

@@ -233,9 +233,9 @@ def describe_error(e: BaseException) -> str | None:
                 hint = errno_hint(inner)  # its writer threads pass an OSError on as text ("[Errno 28] ...")
                 if hint:
                     return f"reading or writing the distributed checkpoint: {hint}"
+            # which other checkpoint to pick is the command's to say (--iteration, --ckpt-step): see its caller
             return f"the distributed checkpoint could not be read or written ({type(exc).__name__}: " \
-                   f"{_first_line(exc)}); a .distcp shard is missing or truncated: re-save or re-convert it, or " \
-                   "pick another --iteration"
+                   f"{_first_line(exc)}); a .distcp shard is missing or truncated: re-save or re-convert it"
         return f"the distributed checkpoint could not be read or written ({_first_line(e)})"
     if isinstance(e, RuntimeError) and "unexpected pos" in str(e):  # torch.save's zip writer on a full disk
         return f"writing a file failed part-way ({_first_line(e)}); most likely the disk is full: free space " \

@@ -166,7 +166,8 @@ def read_tracker(ckpt_dir) -> str:
     return (ckpt_dir / TRACKER_FILE).read_text().strip()
 
 
-def check_checkpoint(ckpt_dir: str) -> list[str]:
+def check_checkpoint(ckpt_dir: str, iteration: int | None = None) -> list[str]:
+    """``--megatron-load-dir`` of a new run: its tracker's iteration, or ``iteration`` (``--ckpt-step``)."""
     if storage.is_remote(ckpt_dir):
         try:
             ckpt_dir = storage.check_url(ckpt_dir, "--megatron-load-dir")
@@ -179,11 +180,15 @@ def check_checkpoint(ckpt_dir: str) -> list[str]:
     if not (d / SPEC_FILE).is_file():
         problems.append(f"--megatron-load-dir {d} has no {SPEC_FILE}: not a megatron-vlm checkpoint; convert one "
                         "with convert/hf_to_megatron.py (or pass --init to start from random weights)")
-    if not (d / TRACKER_FILE).is_file():
+    if iteration is not None:
+        it = str(iteration)
+    elif not (d / TRACKER_FILE).is_file():
         problems.append(f"--megatron-load-dir {d} has no {TRACKER_FILE}: the checkpoint is incomplete or not a "
-                        "Megatron checkpoint; point at the directory that holds it")
+                        "Megatron checkpoint; point at the directory that holds it"
+                        + (", or pick one of its iterations with --ckpt-step" if _iterations(d) else ""))
         return problems
-    it = read_tracker(d)
+    else:
+        it = read_tracker(d)
     if it == "release":
         sub = "release"
     elif re.fullmatch(r"\d+", it):
@@ -192,36 +197,54 @@ def check_checkpoint(ckpt_dir: str) -> list[str]:
         return problems + [f"--megatron-load-dir {d}: {TRACKER_FILE} reads {it!r}, expected an iteration number "
                            "or 'release'"]
     if not (d / sub).is_dir():
-        problems.append(f"--megatron-load-dir {d}: {TRACKER_FILE} points at {sub}/, which does not exist")
+        which = f"--ckpt-step {iteration} names" if iteration is not None else f"{TRACKER_FILE} points at"
+        have = ", ".join(f"iter_{i:07d}" for i in _iterations(d)) or "none"
+        problems.append(f"--megatron-load-dir {d}: {which} {sub}/, which does not exist (iterations there: {have})")
     elif not storage.is_remote(ckpt_dir):
         from megatron_vlm.cli import InputError
-        from megatron_vlm.cli.inputs import check_iteration_files
+        from megatron_vlm.cli.inputs import check_iteration_files, newest_complete_iteration
 
-        try:  # JSON files and torch_dist shards, before the ranks read them
-            check_iteration_files(d / sub)
-        except InputError as e:
-            problems.append(f"--megatron-load-dir {d}: {e}")
+        try:  # JSON files, the checksum manifest's sizes, torch_dist shards and torch files, before ranks read them
+            check_iteration_files(d / sub, "re-convert it")
+        except InputError:
+            other = newest_complete_iteration(d, other_than=it)
+            fix = "re-convert it" + (f", or load its newest complete iteration with --ckpt-step {other}"
+                                     if other is not None else "")
+            try:
+                check_iteration_files(d / sub, fix)
+            except InputError as e:
+                problems.append(f"--megatron-load-dir {d}: {e}")
         else:
             problems += _check_spec_files(d, d / sub, "--megatron-load-dir")
     return problems
 
 
+def _iterations(d) -> list[int]:
+    """The ``iter_XXXXXXX`` directories of a local checkpoint directory (complete or not)."""
+    d = Path(d)
+    return sorted(int(p.name[5:]) for p in d.iterdir() if re.fullmatch(r"iter_\d{7}", p.name) and p.is_dir()) \
+        if d.is_dir() else []
+
+
 def resumes(cfg: TrainConfig) -> bool:
-    """Whether this launch resumes the run in ``<save-dir>/<name>`` (it has a tracker)."""
+    """Whether this launch resumes the run in ``<save-dir>/<name>``: it has a tracker, or ``--ckpt-step`` names one
+    of its iteration directories."""
     try:
-        return (storage.path(cfg.checkpoint_dir) / TRACKER_FILE).is_file()
+        d = storage.path(cfg.checkpoint_dir)
+        return (d / TRACKER_FILE).is_file() or \
+            (cfg.ckpt_step is not None and (d / f"iter_{cfg.ckpt_step:07d}").is_dir())
     except Exception:  # noqa: BLE001 - an unreachable object store is reported by check_request
         return False
 
 
-def _iteration_dir(ckpt_dir):
-    """The iteration directory the tracker of ``ckpt_dir`` points at (``ckpt_dir`` itself when it is one), or
-    None when it cannot be told (no or bad tracker: reported by the other checks)."""
+def _iteration_dir(ckpt_dir, iteration: int | None = None):
+    """The iteration directory ``iteration`` of ``ckpt_dir``, else the one its tracker points at (``ckpt_dir``
+    itself when it is one), or None when it cannot be told (no or bad tracker: reported by the other checks)."""
     d = storage.path(ckpt_dir)
     if (d / "ckpt_meta.json").is_file() or (d / ".metadata").is_file():
         return d
     try:
-        it = read_tracker(d)
+        it = str(iteration) if iteration is not None else read_tracker(d)
     except OSError:
         return None
     sub = "release" if it == "release" else f"iter_{int(it):07d}" if re.fullmatch(r"\d+", it) else None
@@ -234,7 +257,7 @@ def load_spec(cfg: TrainConfig) -> tuple[VLMSpec | None, str]:
     the weights; the directory-level copy must agree with it (:func:`check_spec_copies`)."""
     ckpt_dir = cfg.checkpoint_dir if resumes(cfg) else cfg.megatron_load_dir
     if ckpt_dir:
-        it_dir = _iteration_dir(ckpt_dir)
+        it_dir = _iteration_dir(ckpt_dir, cfg.ckpt_step)
         for d in ([it_dir] if it_dir is not None else []) + [storage.path(ckpt_dir)]:
             if (d / SPEC_FILE).is_file():
                 return VLMSpec.load(d), str(d / SPEC_FILE)
@@ -246,10 +269,10 @@ def load_spec(cfg: TrainConfig) -> tuple[VLMSpec | None, str]:
     return None, ""
 
 
-def check_spec_copies(ckpt_dir, flag: str) -> list[str]:
+def check_spec_copies(ckpt_dir, flag: str, it_dir=None) -> list[str]:
     """A checkpoint directory's ``vlm_spec.json`` and its iteration's copy (the one read with the weights) agree."""
     d = storage.path(ckpt_dir)
-    it_dir = _iteration_dir(ckpt_dir)
+    it_dir = it_dir if it_dir is not None else _iteration_dir(ckpt_dir)
     top, inner = d / SPEC_FILE, (it_dir / SPEC_FILE) if it_dir is not None else None
     if inner is None or it_dir == d or not top.is_file() or not inner.is_file():
         return []
@@ -348,7 +371,7 @@ def check_request(cfg: TrainConfig) -> list[str]:
             problems.append(str(e))
     problems += check_resume(cfg)
     if cfg.megatron_load_dir and not cfg.init:
-        problems += check_checkpoint(cfg.megatron_load_dir)
+        problems += check_checkpoint(cfg.megatron_load_dir, None if resumes(cfg) else cfg.ckpt_step)
     elif cfg.megatron_load_dir and not storage.is_remote(cfg.megatron_load_dir) and \
             not Path(cfg.megatron_load_dir).is_dir():
         problems.append(f"--megatron-load-dir {cfg.megatron_load_dir}: no such directory")
@@ -476,7 +499,7 @@ def finished_iteration(cfg: TrainConfig) -> int | None:
     train), else None."""
     try:
         d = storage.path(cfg.checkpoint_dir)
-        it = read_tracker(d)
+        it = str(cfg.ckpt_step) if cfg.ckpt_step is not None else read_tracker(d)
         if not re.fullmatch(r"\d+", it) or int(it) < cfg.train_iters:
             return None
         complete = (d / f"iter_{int(it):07d}" / "ckpt_meta.json").is_file()  # written last by a save
@@ -490,16 +513,16 @@ def check_resume_layout(cfg: TrainConfig) -> list[str]:
     check it again): the data-parallel size (unless --reset-data-position), the optimizer state against the
     parameters this run trains, the loss objective (a resume keeps it), and the learning-rate schedule (unless one of Megatron-LM's two scheduler
     flags; not for a finished run, which is not started at all)."""
-    if not storage.is_remote(cfg.checkpoint_dir) and not (Path(cfg.checkpoint_dir) / TRACKER_FILE).is_file():
+    if not storage.is_remote(cfg.checkpoint_dir) and not resumes(cfg):
         return []  # a new run: nothing to check, and no torch to import for it (~1.5 s of a CPU launch)
     try:  # torch is imported here; a bare host that launches into a container leaves this to the trainer
         from megatron_vlm import checkpoint as ckpt
         from megatron_vlm.training import objective, schedule
         from megatron_vlm.training.resume import check_data_position, optimizer_problem
 
-        if ckpt.read_tracker(cfg.checkpoint_dir) is None:
+        if ckpt.read_tracker(cfg.checkpoint_dir) is None and cfg.ckpt_step is None:
             return []
-        it_dir = ckpt.resolve_iteration_dir(cfg.checkpoint_dir)
+        it_dir = ckpt.resolve_iteration_dir(cfg.checkpoint_dir, cfg.ckpt_step)
         meta = ckpt.CheckpointMeta.load(it_dir)
     except Exception:  # an unreadable run dir is reported by the trainer with its own message
         return []
@@ -523,21 +546,33 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     if storage.is_remote(cfg.checkpoint_dir):
         return []
     d = Path(cfg.checkpoint_dir)
-    if not (d / TRACKER_FILE).is_file():
+    if not resumes(cfg):
         return []  # a new run
     from megatron_vlm.cli import InputError
-    from megatron_vlm.cli.inputs import check_checkpoint
+    from megatron_vlm.cli.inputs import check_checkpoint, resume_fix
 
     try:
-        it_dir = check_checkpoint(d, flag="--save-dir/--name")
-    except InputError as e:
-        return [f"cannot resume the run in {d}: {e}; or start a new run with another --name"]
+        it_dir = check_checkpoint(d, cfg.ckpt_step, "--save-dir/--name", fix="start a new run with another --name")
+    except InputError as first:
+        try:  # the same check again, its message naming the iteration to resume from instead
+            check_checkpoint(d, cfg.ckpt_step, "--save-dir/--name", fix=resume_fix(d, _resumed(d, cfg)))
+        except InputError as e:
+            return [f"cannot resume the run in {d}: {e}"]
+        return [f"cannot resume the run in {d}: {first}"]
     return _check_spec_files(d, it_dir, "--save-dir/--name")
+
+
+def _resumed(d: Path, cfg: TrainConfig):
+    """The iteration this launch resumes: ``--ckpt-step``, else the tracker's (None if it cannot be read)."""
+    if cfg.ckpt_step is not None:
+        return cfg.ckpt_step
+    text = (d / TRACKER_FILE).read_text(errors="replace").strip()
+    return int(text) if re.fullmatch(r"\d+", text) else None
 
 
 def _check_spec_files(ckpt_dir, it_dir, flag: str) -> list[str]:
     """The two copies of the spec agree, and the iteration's describes its tensors."""
-    problems = check_spec_copies(ckpt_dir, flag)
+    problems = check_spec_copies(ckpt_dir, flag, it_dir)
     if not problems and (Path(it_dir) / SPEC_FILE).is_file():
         try:
             spec = VLMSpec.load(it_dir)

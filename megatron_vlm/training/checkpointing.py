@@ -7,8 +7,13 @@ spec, the HF-only tensors and the metadata, updates the tracker last and prunes 
 
 How a save becomes visible (a crash at any point leaves the previous checkpoint the one that is resumed):
 
-- local directory: everything goes into ``.iter_XXXXXXX.tmp``, which is renamed to ``iter_XXXXXXX`` when
-  complete; the tracker is then replaced atomically (temporary file + rename).
+- local directory: everything goes into ``.iter_XXXXXXX.tmp-<time>-<pid>``, which is renamed to
+  ``iter_XXXXXXX`` when complete; the tracker is then replaced atomically (temporary file + rename). A save
+  killed part-way leaves its temporary directory, which is never read: the next start reports it
+  (:func:`interrupted_saves`) and leaves it for the user to delete.
+- integrity: before ``ckpt_meta.json`` a local save writes ``checksums.json`` (:mod:`megatron_vlm.manifest`: size
+  and crc32 of every file, each rank reading back a share of the shards); a resume checks it the same way
+  (:func:`damaged_files`) before it loads anything.
 - object store (``--save-dir msc://PROFILE/...``): there is no rename, so the shards are written straight
   into ``iter_XXXXXXX/`` (emptied first if an interrupted save left objects there). ``ckpt_meta.json`` is
   the last object of an iteration directory, so a directory without it is known to be incomplete; the
@@ -24,12 +29,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
 
 from megatron_vlm import checkpoint as ckpt
-from megatron_vlm import layer_impl, storage
+from megatron_vlm import layer_impl, manifest, storage
 from megatron_vlm.spec import VLMSpec
 
 log = logging.getLogger(__name__)
@@ -151,14 +157,19 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
     """Save iteration ``iteration`` under ``run_dir`` (a local directory or an ``msc://`` URL); returns its path."""
     remote = storage.is_remote(run_dir)
     final = storage.join(run_dir, ckpt.iter_dir_name(iteration))
-    # local: write under a temporary name and rename; remote: write in place, commit with the tracker
-    target = final if remote else storage.join(run_dir, f".{ckpt.iter_dir_name(iteration)}.tmp")
     rank0 = torch.distributed.get_rank() == 0
+    # local: write under a temporary name of this save's own and rename; remote: write in place, commit with the
+    # tracker. A save killed part-way leaves its temporary directory: reported at the next start, never read
+    # (interrupted_saves), and not reused, so nothing still writing into it can touch a later save.
+    name = [None]
     if rank0:
-        storage.remove_tree(target)
+        name[0] = final if remote else storage.join(
+            run_dir, f".{ckpt.iter_dir_name(iteration)}{TMP_MARK}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        storage.remove_tree(name[0])
         if not remote:
-            Path(target).mkdir(parents=True)
-    torch.distributed.barrier()
+            Path(name[0]).mkdir(parents=True)
+    torch.distributed.broadcast_object_list(name, src=0)
+    target = name[0]
     sd = _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim, loading=False)
     try:
         ckpt.save_sharded(sd, target)
@@ -168,6 +179,7 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
             raise
         raise CheckpointWriteError(f"saving checkpoint {final}: {hint}") from e
     torch.distributed.barrier()
+    shards = _checksum_share(target) if not remote else {}  # every rank reads back its share of the shards
     if rank0:
         if side_src is not None and (storage.path(side_src) / ckpt.EXTRA).is_file():
             ckpt.copy_side_files(side_src, target)
@@ -178,14 +190,24 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
             storage.write_text(storage.join(target, "config.yaml"), config_yaml)
         meta.iteration = iteration
         meta.extra["optimizer"] = with_optim
+        if not remote:  # the side files (written here, after the shards) are checksummed by rank 0
+            side = [n for n in manifest.files_of(target) if n not in shards]
+            manifest.write(target, {**shards, **manifest.entries(target, side)})
         meta.save(target)  # last object of the iteration directory: marks it complete
         if not remote:
-            if Path(final).exists():
-                shutil.rmtree(final)
+            old_copy = None
+            if Path(final).exists():  # the same iteration saved again (a resume from an earlier one)
+                old_copy = Path(run_dir) / f".{ckpt.iter_dir_name(iteration)}.replaced-{os.getpid()}"
+                Path(final).rename(old_copy)
             Path(target).rename(final)
+            if old_copy is not None:
+                shutil.rmtree(old_copy)
         spec.save(run_dir)  # like a converted checkpoint: the run directory itself says what it holds
         ckpt.write_tracker(run_dir, iteration)  # the commit point
-        old = ckpt.list_iterations(run_dir)[:-total_limit] if total_limit else []
+        # --save-total-limit: the newest iterations up to this one; an iteration after it is one a resume from an
+        # earlier iteration (--ckpt-step) left, which the run replaces as it saves that iteration again
+        kept = [it for it in ckpt.list_iterations(run_dir) if it <= iteration]
+        old = kept[:-total_limit] if total_limit else []
         if remote:
             old += ckpt.list_iterations(run_dir, complete=False)
         for it in old:
@@ -193,6 +215,52 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
         log.info("saved checkpoint %s", final)
     torch.distributed.barrier()
     return final
+
+
+def _checksum_share(it_dir) -> dict[str, dict]:
+    """The checksum manifest's entries of every file now in ``it_dir`` (the shards a save just wrote), each rank
+    reading its share (:func:`megatron_vlm.manifest.share`); collective, every rank gets them all."""
+    root = Path(it_dir)
+    names = manifest.files_of(root)
+    sizes = {n: (root / n).stat().st_size for n in names}
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mine = manifest.entries(root, manifest.share(names, sizes, world, rank))
+    gathered: list = [None] * world
+    torch.distributed.all_gather_object(gathered, mine)
+    return {k: v for part in gathered for k, v in part.items()}
+
+
+def damaged_files(iter_dir) -> list[str]:
+    """The files of ``iter_dir`` whose size or crc32 differs from its checksum manifest (empty: none, or no
+    manifest to compare with). Collective: each rank reads its share of the files, every rank gets the answer."""
+    if storage.is_remote(iter_dir):
+        return []
+    problems: list[str] = []
+    try:
+        files = manifest.read(iter_dir)
+    except ValueError as e:
+        files, problems = None, [str(e)]
+    if files is not None:
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        sizes = {n: e["bytes"] for n, e in files.items()}
+        problems = manifest.checksum_problems(iter_dir, files, manifest.share(sorted(files), sizes, world, rank))
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, problems)
+    return sorted({q for part in gathered for q in part})
+
+
+#: the mark of a save's temporary directory, ``.iter_XXXXXXX.tmp-<time>-<pid>``
+TMP_MARK = ".tmp-"
+
+
+def interrupted_saves(run_dir) -> list[Path]:
+    """Temporary directories of saves that never committed (a rank killed while saving): not checkpoints, never
+    loaded, left for the user to delete (local run directories; an object store's are pruned after the next
+    commit)."""
+    if storage.is_remote(run_dir) or not Path(run_dir).is_dir():
+        return []
+    return sorted(p for p in Path(run_dir).iterdir()
+                  if p.is_dir() and p.name.startswith(".iter_") and (TMP_MARK in p.name or p.name.endswith(".tmp")))
 
 
 def _dummy_optimizer_state(optimizer) -> list:

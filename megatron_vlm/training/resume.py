@@ -15,7 +15,10 @@ precision, distributed optimizer, samples consumed). On resume:
   (stage 1's run directory resumed as stage 2) is refused, naming ``--name`` and ``--no-load-optim``;
 - the loss objective (padded vocabulary rows in the softmax or not) is the checkpoint's (:mod:`.objective`);
 - the learning-rate schedule is the checkpoint's (``extra["schedule"]``); another one needs
-  ``--override-opt-param-scheduler`` or ``--use-checkpoint-opt-param-scheduler`` (:mod:`.schedule`).
+  ``--override-opt-param-scheduler`` or ``--use-checkpoint-opt-param-scheduler`` (:mod:`.schedule`);
+- which iteration: the tracker's, or ``--ckpt-step N`` (Megatron-LM's flag). A damaged iteration (a file whose
+  size or crc32 differs from the checksum manifest, a shard torch cannot read) is never loaded: the resume stops,
+  naming the file and the newest complete iteration to pass to ``--ckpt-step`` (:func:`check_integrity`).
 
 The launcher runs the same checks on ``ckpt_meta.json`` before any rank starts
 (:func:`megatron_vlm.launch.preflight.check_resume_layout`); the ranks check again against the tensors they load,
@@ -28,6 +31,7 @@ import logging
 from dataclasses import dataclass, field
 
 from megatron_vlm import checkpoint as ckpt
+from megatron_vlm import storage
 from megatron_vlm.training import checkpointing, objective, schedule
 
 log = logging.getLogger("megatron_vlm.train")
@@ -35,6 +39,60 @@ log = logging.getLogger("megatron_vlm.train")
 
 class ResumeError(RuntimeError):
     """A resume that cannot continue as asked; the message names the flag that allows it."""
+
+
+def resumes(cfg) -> bool:
+    """Whether the run resumes ``<save-dir>/<name>``: it has a tracker, or ``--ckpt-step`` names one of its iteration
+    directories (the launcher's :func:`megatron_vlm.launch.preflight.resumes`, for local and remote run dirs)."""
+    run_dir = cfg.checkpoint_dir
+    if ckpt.read_tracker(run_dir) is not None:
+        return True
+    step = getattr(cfg, "ckpt_step", None)
+    return step is not None and storage.path(storage.join(run_dir, ckpt.iter_dir_name(step))).is_dir()
+
+
+def _fix(cfg, iter_dir, resuming: bool) -> str:
+    from megatron_vlm.cli.inputs import newest_complete_iteration, resume_fix
+
+    where = ckpt.run_dir(iter_dir)
+    if storage.is_remote(where):
+        return "re-save it, or resume from an earlier iteration with --ckpt-step N"
+    it = ckpt.CheckpointMeta.load(iter_dir).iteration if (storage.path(iter_dir) / ckpt.META).is_file() else None
+    if resuming:
+        return resume_fix(where, it)
+    other = newest_complete_iteration(where, other_than=it)
+    return "re-convert it" + (f", or load its newest complete iteration with --ckpt-step {other}" if other is not None
+                              else "")
+
+
+def report_run_dir(cfg, resumed_dir) -> None:
+    """Log (rank 0) what the run directory holds besides the iteration it resumes: the temporary directories of
+    saves that never committed (left for the user; never read), and, with ``--ckpt-step``, the tracker's newer
+    iteration that the run passes over."""
+    for d in checkpointing.interrupted_saves(cfg.checkpoint_dir):
+        log.warning("an interrupted save left %s: not a checkpoint, never loaded; delete it when you no longer need "
+                    "it", d)
+    step = getattr(cfg, "ckpt_step", None)
+    if resumed_dir is None or step is None:
+        return
+    tracked = ckpt.read_tracker(cfg.checkpoint_dir)
+    if tracked is not None and tracked != step:
+        log.warning("resuming from iteration %d (--ckpt-step) while the tracker names %s: the iterations after %d are "
+                    "left as they are, and each is replaced when the run saves that iteration again; drop "
+                    "--ckpt-step once the run has saved", step, tracked, step)
+
+
+def check_integrity(cfg, iter_dir, resuming: bool) -> None:
+    """Refuse a damaged iteration before anything is loaded: its files against its checksum manifest, each rank
+    reading its share (collective; checkpoints without a manifest pass). ``resuming``: ``iter_dir`` is the run's
+    own (the message names ``--ckpt-step``), else ``--megatron-load-dir``'s."""
+    problems = checkpointing.damaged_files(iter_dir)
+    if not problems:
+        return
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    what = f"cannot resume the run in {ckpt.run_dir(iter_dir)}" if resuming else \
+        f"--megatron-load-dir {cfg.megatron_load_dir}"
+    raise ResumeError(f"{what}: {problems[0]}{more}; the checkpoint is damaged: {_fix(cfg, iter_dir, resuming)}")
 
 
 @dataclass
@@ -159,9 +217,17 @@ def restore(training, p: ResumePlan):
     """Load what ``p`` says into ``training`` (collective); returns this DP rank's loader state or None."""
     from megatron_vlm.training.build import weights_changed
 
-    state = checkpointing.load(p.iter_dir, training.model, training.optimizer, training.scheduler, p.load_optim,
-                               with_rng=p.load_rng, with_data=p.load_data,
-                               schedule_check=lambda state: _check_schedule(state, p))
+    try:
+        state = checkpointing.load(p.iter_dir, training.model, training.optimizer, training.scheduler, p.load_optim,
+                                   with_rng=p.load_rng, with_data=p.load_data,
+                                   schedule_check=lambda state: _check_schedule(state, p))
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        if type(e).__name__ != "CheckpointException":
+            raise
+        from megatron_vlm.cli import describe_error
+
+        raise ResumeError(f"cannot resume the run in {ckpt.run_dir(p.iter_dir)} from {p.iter_dir}: "
+                          f"{describe_error(e)}; {_fix(p.cfg, p.iter_dir, True)}") from e
     if int(state["iteration"]) != p.iteration:
         raise ResumeError(f"{p.iter_dir}: its ckpt_meta.json says iteration {p.iteration} but the checkpoint "
                           f"holds {state['iteration']}")

@@ -52,16 +52,18 @@ class _StopFlag:
 
 
 def _source(cfg):
-    """(spec, iteration dir to start or resume from or None, side-file dir, resume?)."""
-    run_dir = cfg.checkpoint_dir
-    if ckpt.read_tracker(run_dir) is not None:
-        it_dir = ckpt.resolve_iteration_dir(run_dir)
+    """(spec, iteration dir to start or resume from or None, side-file dir, resume?); ``--ckpt-step`` picks the
+    iteration of the run it resumes, else of ``--megatron-load-dir``."""
+    from megatron_vlm.training.resume import resumes
+
+    if resumes(cfg):
+        it_dir = ckpt.resolve_iteration_dir(cfg.checkpoint_dir, cfg.ckpt_step)
         return VLMSpec.load(it_dir), it_dir, it_dir, True
     if cfg.init:
         spec = VLMSpec.from_hf_dir(cfg.tokenizer_load_dir) if cfg.megatron_load_dir is None else \
-            VLMSpec.load(ckpt.resolve_iteration_dir(cfg.megatron_load_dir))
+            VLMSpec.load(ckpt.resolve_iteration_dir(cfg.megatron_load_dir, cfg.ckpt_step))
         return spec, None, None, False
-    it_dir = ckpt.resolve_iteration_dir(cfg.megatron_load_dir)
+    it_dir = ckpt.resolve_iteration_dir(cfg.megatron_load_dir, cfg.ckpt_step)
     return VLMSpec.load(it_dir), it_dir, it_dir, False
 
 
@@ -107,6 +109,10 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
     spec, load_dir, side_src, resuming = _source(cfg)
     if cfg.image_token_id is not None and cfg.image_token_id != spec.image_token_id:
         raise ValueError(f"--image-token-id {cfg.image_token_id} differs from the checkpoint's {spec.image_token_id}")
+    if load_dir is not None:  # a damaged iteration is refused before anything reads it (collective)
+        resume.check_integrity(cfg, load_dir, resuming)
+    if rt.rank == 0:
+        resume.report_run_dir(cfg, load_dir if resuming else None)
     plan = resume.plan(cfg, load_dir, rt.tp, rt.pp, rt.dp) if resuming else None
     # the encoder first: it checks the image processor against the spec before the model is built
     kw = dict(image_token_id=spec.image_token_id, pad_token_id=cfg.pad_token_id,

@@ -33,7 +33,7 @@ def check_types_and_ranges(cfg: ConfigFields) -> list[str]:
         if v is not None and v < 1:
             p.append(f"{_flag(name)} {v}: must be at least 1")
     for name in ("eval_iters", "num_workers", "min_lr", "weight_decay", "clip_grad", "seed", "image_token_id",
-                 "pad_token_id"):
+                 "pad_token_id", "ckpt_step"):
         v = getattr(cfg, name)
         if v is not None and v < 0:
             p.append(f"{_flag(name)} {v}: must not be negative")

@@ -318,6 +318,11 @@ class ConfigFields:
         "flag", False, "ckpt")
     save_total_limit: int | None = _f(("--save-total-limit",), "Keep only the newest N checkpoints. "
                                       "Default: keep all.", "int", None, "ckpt")
+    ckpt_step: int | None = _f(
+        ("--ckpt-step",), "Resume from iteration N of <save-dir>/<name> instead of the one its tracker names (e.g. "
+        "when the newest is damaged), or, for a new run, load iteration N of --megatron-load-dir (Megatron-LM's "
+        "--ckpt-step). Drop it once the run has saved again: re-running with it starts from N again.", "int", None,
+        "ckpt")
 
     # ---- logging and evaluation -----------------------------------------------------------------------
     log_interval: int = _f(("--log-interval",), "Log loss, learning rate and throughput every N "

@@ -1,0 +1,99 @@
+"""The cheap integrity checks of a checkpoint, on files made here (no model, no process): the checksum manifest
+(:mod:`megatron_vlm.manifest`), legacy rank files, and the newest complete iteration a damaged run's message names
+(:mod:`megatron_vlm.cli.inputs`). The trainer's use of them runs in tests/test_fault_drill.py, the launcher's in
+tests/test_bad_inputs.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_vlm import manifest
+from megatron_vlm.cli import InputError
+from megatron_vlm.cli.inputs import (check_iteration_files, check_legacy_ranks, check_torch_file,
+                                     newest_complete_iteration, resume_fix)
+
+
+def _iteration(d, files: dict[str, bytes], meta: bool = True, with_manifest: bool = True):
+    d.mkdir(parents=True)
+    for name, data in files.items():
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(data)
+    if with_manifest:
+        manifest.write(d, manifest.entries(d, manifest.files_of(d)))
+    if meta:
+        (d / "ckpt_meta.json").write_text(json.dumps({"format": "torch_dist"}))
+    return d
+
+
+def test_manifest_catches_a_changed_byte_that_sizes_cannot(tmp_path):
+    d = _iteration(tmp_path / "iter_0000003", {"__0_0.distcp": b"a" * 5000, "__1_0.distcp": b"b" * 3000,
+                                               "vlm_spec.json": b"{}"})
+    files = manifest.read(d)
+    assert sorted(files) == ["__0_0.distcp", "__1_0.distcp", "vlm_spec.json"]  # not itself, not ckpt_meta.json
+    assert manifest.checksum_problems(d, files, sorted(files)) == []
+    data = bytearray((d / "__1_0.distcp").read_bytes())
+    data[1500] ^= 1
+    (d / "__1_0.distcp").write_bytes(bytes(data))
+    check_iteration_files(d)  # the cheap check reads sizes only: it passes
+    problems = manifest.checksum_problems(d, files, sorted(files))
+    assert len(problems) == 1 and "__1_0.distcp: its bytes changed after the save" in problems[0], problems
+    (d / "__0_0.distcp").write_bytes(b"a" * 4999)
+    with pytest.raises(InputError, match=r"__0_0.distcp: 4999 bytes, its checksums.json says 5000; the checkpoint "
+                                         r"is damaged: re-save or re-convert it, or pick another --iteration"):
+        check_iteration_files(d)
+    (d / manifest.MANIFEST).write_text('{"algorithm": "crc32", "files": 3}')
+    with pytest.raises(InputError, match="checksums.json: unreadable checksum manifest"):
+        check_iteration_files(d)
+
+
+def test_checkpoints_without_a_manifest_pass(tmp_path):
+    d = _iteration(tmp_path / "iter_0000003", {"__0_0.distcp": b"x" * 10}, with_manifest=False)
+    assert manifest.read(d) is None
+    check_iteration_files(d)
+
+
+def test_every_rank_checksums_a_balanced_share(tmp_path):
+    names = [f"f{i}" for i in range(10)]
+    sizes = {n: (i + 1) * 100 for i, n in enumerate(names)}
+    shares = [manifest.share(names, sizes, 4, r) for r in range(4)]
+    assert sorted(sum(shares, [])) == sorted(names)  # each file once
+    loads = [sum(sizes[n] for n in s) for s in shares]
+    assert max(loads) - min(loads) <= max(sizes.values()), loads
+    assert shares == [manifest.share(list(reversed(names)), sizes, 4, r) for r in range(4)]  # same on every rank
+
+
+def test_legacy_rank_files_are_checked_like_shards(tmp_path):
+    d = tmp_path / "release"
+    for t in range(2):
+        (d / f"mp_rank_{t:02d}").mkdir(parents=True)
+        torch.save({"model": {"w": torch.arange(5000.0)}}, d / f"mp_rank_{t:02d}" / "model_optim_rng.pt")
+    check_iteration_files(d)
+    f = d / "mp_rank_01" / "model_optim_rng.pt"
+    whole = f.read_bytes()
+    for cut in (len(whole) - 30, len(whole) // 2):  # inside the zip directory, inside the data
+        f.write_bytes(whole[:cut])
+        with pytest.raises(InputError, match=r"mp_rank_01/model_optim_rng.pt: truncated"):
+            check_iteration_files(d)
+    f.unlink()
+    with pytest.raises(InputError, match=r"mp_rank_01/model_optim_rng.pt: missing rank file \(the checkpoint spans "
+                                         r"tp=2 pp=1\)"):
+        check_legacy_ranks(d)
+    old = tmp_path / "old.pt"  # torch's pre-zip format (Megatron-LM's oldest files): not checked, not refused
+    torch.save({"w": torch.ones(3)}, old, _use_new_zipfile_serialization=False)
+    check_torch_file(old, "fix")
+
+
+def test_the_newest_complete_iteration_is_named(tmp_path):
+    run = tmp_path / "run"
+    for it in (3, 6, 9):
+        _iteration(run / f"iter_{it:07d}", {"__0_0.distcp": b"z" * 100})
+    (run / "iter_0000009" / "__0_0.distcp").write_bytes(b"z" * 99)  # damaged
+    _iteration(run / "iter_0000012", {"__0_0.distcp": b"z" * 100}, meta=False)  # a save that never finished
+    assert newest_complete_iteration(run) == 6
+    assert newest_complete_iteration(run, other_than=6) == 3
+    assert resume_fix(run, 9) == ("resume from its newest complete iteration with --ckpt-step 6, or start a new run "
+                                  "with another --name")
+    assert resume_fix(tmp_path / "empty", 9).startswith("the run holds no other complete iteration")
