@@ -324,20 +324,35 @@ def save_sharded(sharded_state_dict: dict, iter_dir) -> None:
 
 
 def _fork_write_results_queue() -> None:
-    """Start megatron-core's write-results queue (see :func:`save_sharded`) by fork, if not started yet:
-    megatron-core 0.19 takes the start method as an argument, 0.16 keeps the queue in a module global."""
-    import inspect
+    """Start megatron-core's write-results queue (see :func:`save_sharded`) by fork, if not started yet: both
+    megatron-core 0.16 and 0.19 keep it in the module global ``_results_queue``, which their getter fills only when
+    empty. The queue's server process is made to end with the rank that forked it (:func:`_end_with_parent`)."""
     import multiprocessing
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", None) is not None:
+    if getattr(filesystem_async, "_results_queue", None) is not None or not hasattr(filesystem_async,
+                                                                                    "_results_queue"):
+        return  # started, or a megatron-core whose queue lives elsewhere: its own choice stands
+    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    manager.start(_end_with_parent, (os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager (and its server) alive
+
+
+def _end_with_parent(parent: int) -> None:
+    """In the write-results queue's server process: end when the rank that forked it ends, even by SIGKILL (Linux
+    ``PR_SET_PDEATHSIG``). A rank killed in the middle of a save otherwise left this process running for good."""
+    import signal
+
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the server ends with its manager, as before
         return
-    getter = getattr(filesystem_async, "get_write_results_queue", None)
-    if getter is not None and "mp_mode" in inspect.signature(getter).parameters:
-        getter("fork")
-    elif hasattr(filesystem_async, "_results_queue"):
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    if os.getppid() != parent:  # the rank ended before the line above ran
+        os._exit(0)
 
 
 def save_model_weights(model, iter_dir) -> None:

@@ -2,8 +2,10 @@
 and a checkpoint whose bytes changed after it was committed (issue 42).
 
 1. kill -9 one rank while it saves iteration 6: both ranks' shards are written, the commit is not. The tracker
-   still names iteration 3; re-running the same command continues from it (its iterations 4-6 give the killed run's
-   losses bit for bit), reports the half-written directory and leaves it as it was (never loaded).
+   still names iteration 3; no process of the killed run is left (the killed rank's write-results queue server,
+   which megatron-core's writer forks, ends with it); re-running the same command continues from iteration 3 (its
+   iterations 4-6 give the killed run's losses bit for bit), reports the half-written directory and leaves it as it
+   was (never loaded).
 2. a shard of the committed iteration 6 overwritten in place (its size unchanged, so only its bytes tell): the
    launcher's size checks pass, the ranks' checksum manifest check refuses the automatic resume in one line naming
    the file, ``--ckpt-step`` and iteration 3; with ``--ckpt-step 3`` the run continues from iteration 3 (the same
@@ -86,12 +88,34 @@ def killed_in_save(setup, tmp_path_factory):
         time.sleep(0.05)
     os.kill(int(marker.read_text()), signal.SIGKILL)
     out, _ = p.communicate(timeout=300)
-    return setup["root"] / "ckpt" / "drill", p.returncode, out
+    return setup["root"] / "ckpt" / "drill", p.returncode, out, _left_behind(str(hook))
+
+
+def _left_behind(mark: str, wait_s: float = 10.0) -> list[str]:
+    """Processes of the drilled run still alive (they carry its MVLM_DRILL_DIR): a killed rank's children, such as
+    the write-results queue server megatron-core's torch_dist writer forks, must end with it."""
+    import psutil
+
+    deadline = time.time() + wait_s
+    while True:
+        alive = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if proc.environ().get("MVLM_DRILL_DIR") == mark:
+                    alive.append(f"{proc.pid}: {' '.join(proc.info['cmdline'] or [])[:120]}")
+            except (psutil.Error, OSError):
+                pass
+        if not alive or time.time() > deadline:
+            for line in alive:  # do not leave them to the rest of the suite
+                psutil.Process(int(line.split(":")[0])).kill()
+            return alive
+        time.sleep(0.2)
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_iteration_committed(setup, killed_in_save):
-    run_dir, rc, out = killed_in_save
+    run_dir, rc, out, left = killed_in_save
     assert rc != 0, out[-3000:]
+    assert not left, left  # nothing of the killed run keeps running
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert not (run_dir / "iter_0000006").exists()
     half = sorted(run_dir.glob(".iter_0000006.tmp-*"))
@@ -112,7 +136,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_iteration_committed(setup, k
 
 
 def test_bytes_changed_after_the_commit_are_refused_and_ckpt_step_resumes_before_them(setup, killed_in_save):
-    run_dir, _, _ = killed_in_save
+    run_dir = killed_in_save[0]
     if (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() != "6":
         pytest.fail("the drill above did not commit iteration 6", pytrace=False)
     shard = max((run_dir / "iter_0000006").glob("*.distcp"), key=lambda f: f.stat().st_size)
