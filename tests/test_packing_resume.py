@@ -4,7 +4,10 @@
   optimizer) kill -9'd after its iteration-3 checkpoint and resumed gives bit-identical losses and grad norms at
   every iteration (the packing buffer's position is part of energon's saved loader state);
 - its iteration-6 checkpoint resumed at TP=2 (DP=1) is refused without ``--reset-data-position`` and continues
-  with it (from the checkpoint's loss, not the initial one);
+  with it from the checkpoint's weights: the resumed run steps over iteration 7 (``--skip-train-iteration-range``)
+  and evaluates there, and its validation loss (the whole 'val' split, packed) equals the straight run's at
+  iteration 6, whose weights it holds, to a relative 1e-5 (fp32 at another TP/DP; measured 3e-8). A restart from
+  the initial weights cannot pass: the training loss fell from 5.80 to 4.79 by iteration 6;
 - the metrics count real samples and real (non-pad) tokens of the packs, with the padding fraction and the
   samples per pack.
 """
@@ -15,13 +18,14 @@ import time
 import pytest
 
 from .launch_helpers import kill9_tree
-from .train_helpers import args, launch, losses, run, setup  # noqa: F401 (setup: fixture)
+from .train_helpers import args, launch, losses, run, setup, val_losses  # noqa: F401 (setup: fixture)
 
 pytestmark = pytest.mark.slow
 
 PACK = ("--packing-buffer-size", "8", "--packed-seq-length", "160", "--micro-batch-size", "1",
         "--global-batch-size", "4", "--stage", "2", "--dist-optim", "--save-interval", "3", "--log-interval", "1",
-        "--deterministic")
+        "--deterministic", "--eval-iters", "100", "--eval-interval", "6")
+RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +71,15 @@ def test_packed_resume_at_another_data_parallel_size(setup, packed_full):
     p = launch(args(setup, "packed_moved", *other, iters=8))
     out, _ = p.communicate(timeout=120)
     assert p.returncode != 0 and "--reset-data-position" in out and "Traceback" not in out, out[-3000:]
-    out = run(args(setup, "packed_moved", *other, "--reset-data-position", iters=8))
+    # iteration 7 consumes its batch without training, then evaluates: the weights are the checkpoint's
+    out = run(args(setup, "packed_moved", *other, "--reset-data-position", "--skip-train-iteration-range", "7-7",
+                   "--eval-interval", "7", iters=8))
     assert "at iteration 6" in out and "data position reset" in out, out[-3000:]
     resumed, before = losses(moved), losses(full_dir)
-    assert sorted(resumed) == [7, 8]
-    assert abs(resumed[7]["loss"] - before[6]["loss"]) < 0.5 * before[6]["loss"] < 0.5 * before[1]["loss"]
+    assert sorted(resumed) == [7, 8] and resumed[7]["skipped"] and not resumed[8]["skipped"]
+    val, val_before = val_losses(moved), val_losses(full_dir)
+    rel = abs(val[7] - val_before[6]) / val_before[6]
+    print(f"\nval loss of iteration 6's weights: straight (TP1 x DP2) {val_before[6]!r}, resumed at TP2 x DP1 "
+          f"{val[7]!r}: relative {rel:.2e}; training loss at 1: {before[1]['loss']:.4f}, at 6: {before[6]['loss']:.4f}")
+    assert rel <= RTOL, (val, val_before)
+    assert before[6]["loss"] < 0.9 * before[1]["loss"]  # the checkpoint's weights are far from the initial ones

@@ -9,8 +9,11 @@ each sample's HF loss times its label count, over the global batch's label count
 trainer normalises over the whole global batch (:mod:`megatron_vlm.training.step`).
 
 :func:`train` runs ``steps`` global batches through HF with ``torch.optim.AdamW`` and gradient-norm clipping set as
-the trainer's config, and returns the loss and the gradient norm (before clipping, over the trained parameters) of
-every step, to be compared with the trainer's logged numbers.
+the trainer's optimizer is (:func:`megatron_vlm.training.build.optimizer_config`: learning rate, betas, eps, weight
+decay; weight decay only on the tensors megatron-core decays, not on biases and norms), and returns the loss and the
+gradient norm (before clipping, over the trained parameters) of every step, to be compared with the trainer's
+logged numbers; with ``grads=True`` also the first step's gradient of every trained tensor in Megatron's layout
+(:func:`mcore_grads`), to be compared tensor by tensor.
 """
 
 from __future__ import annotations
@@ -60,6 +63,29 @@ def hf_inputs(sample, spec: VLMSpec) -> dict:
     return out
 
 
+def decays(name: str, param: torch.Tensor, spec: VLMSpec) -> bool:
+    """Whether megatron-core's optimizer applies weight decay to HF tensor ``name``: not to biases and
+    one-dimensional tensors (norms, ``image_newline``; its default without ``apply_wd_to_qk_layernorm``), judged on
+    the Megatron tensor it becomes (HF's 1-D CLIP class embedding is Megatron's 3-D ``class_token``)."""
+    from megatron_vlm.convert import mapping
+
+    rule = next((r for r in mapping.rules(spec) if name in r.hf), None)
+    if rule is None:  # a tensor Megatron does not hold: it trains nowhere
+        return param.dim() > 1 and not name.endswith(".bias")
+    if rule.kind == "class_token":
+        return True
+    return param.dim() > 1 and not rule.mcore.endswith(".bias")
+
+
+def mcore_grads(hf_grads: dict[str, torch.Tensor], spec: VLMSpec) -> dict[str, torch.Tensor]:
+    """Gradients by HF name -> full Megatron tensors by their global name (every rule whose HF tensors all have
+    one; the TP/PP shards of a rank come from :func:`megatron_vlm.convert.mapping.tp_shard` and ``local_name``)."""
+    from megatron_vlm.convert import mapping
+
+    return {rule.mcore: mapping.to_mcore(rule, [hf_grads[h] for h in rule.hf], spec)
+            for rule in mapping.rules(spec) if all(h in hf_grads for h in rule.hf)}
+
+
 def trained(name: str, parts: dict) -> bool:
     """Whether HF parameter ``name`` trains, given the trainer's ``cfg.trained_parts``."""
     if "vision_tower" in name:
@@ -69,21 +95,35 @@ def trained(name: str, parts: dict) -> bool:
     return parts["language"]
 
 
-def train(hf_dir, global_batches: list[list], cfg, steps: int | None = None) -> dict:
+def train(hf_dir, global_batches: list[list], cfg, steps: int | None = None, grads: bool = False,
+          decay_everything: bool = False) -> dict:
     """HF losses and gradient norms of ``steps`` global batches (all of them by default), with AdamW updates
-    between them as ``cfg`` (a TrainConfig: trained parts, lr, betas, weight decay, clip) sets; fp32."""
+    between them as ``cfg`` (a TrainConfig: trained parts and the optimizer settings) sets; fp32. ``grads``: also
+    the first step's gradients (before clipping) in Megatron's layout (``"grads"``: global name -> full tensor).
+    ``decay_everything``: weight decay on every tensor, as the reference did before (the negative control)."""
+    from megatron_vlm.convert import mapping
     from megatron_vlm.convert.verify import load_hf_model
+    from megatron_vlm.training.build import optimizer_config
 
     spec = VLMSpec.from_hf_dir(hf_dir)
+    oc = optimizer_config(cfg)
+    if oc.optimizer != "adam" or not oc.decoupled_weight_decay:
+        raise ValueError(f"the HF reference runs AdamW; the trainer's optimizer is {oc.optimizer} "
+                         f"(decoupled weight decay {oc.decoupled_weight_decay})")
     model = load_hf_model(hf_dir).train()
-    params = []
+    groups: dict[bool, list] = {True: [], False: []}
+    names = {}
     for name, p in model.named_parameters():
         p.requires_grad_(trained(name, cfg.trained_parts))
         if p.requires_grad:
-            params.append(p)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=1e-8,
-                            weight_decay=cfg.weight_decay)
-    losses, norms = [], []
+            canonical = mapping.canonical_hf_name(name)
+            groups[decay_everything or decays(canonical, p, spec)].append(p)
+            names[p] = canonical
+    params = groups[True] + groups[False]
+    opt = torch.optim.AdamW([{"params": groups[True], "weight_decay": oc.weight_decay},
+                             {"params": groups[False], "weight_decay": 0.0}],
+                            lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps)
+    losses, norms, first_grads = [], [], None
     for gb in global_batches[:steps]:
         opt.zero_grad(set_to_none=True)
         inputs = [hf_inputs(s, spec) for s in gb]
@@ -95,9 +135,14 @@ def train(hf_dir, global_batches: list[list], cfg, steps: int | None = None) -> 
             loss.backward()
             total += loss.item()
         norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None))
-        if cfg.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad)
+        if grads and first_grads is None:
+            first_grads = mcore_grads({names[p]: p.grad.detach().clone() for p in params if p.grad is not None}, spec)
+        if oc.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(params, oc.clip_grad)
         opt.step()
         losses.append(total)
         norms.append(norm)
-    return {"loss": losses, "grad_norm": norms}
+    out = {"loss": losses, "grad_norm": norms}
+    if grads:
+        out["grads"] = first_grads
+    return out

@@ -124,8 +124,8 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
     encoder's own hooks), with the trainer's :func:`~megatron_vlm.training.build.build_training` and
     :func:`~megatron_vlm.training.step.train_step` at lr 0 and no clipping (so the weights stay and the reduced
     gradients can be read). Returns per job (rank 0): the two summed losses, loss-token counts and grad norms,
-    and the largest per-tensor relative gradient difference ``|g_packed - g_unpacked| / |g_unpacked|`` over all
-    ranks and tensors.
+    the largest per-tensor relative gradient difference ``|g_packed - g_unpacked| / |g_unpacked|`` over all
+    ranks and tensors, and ``pack_sizes``: every rank's samples per pack.
 
     ``models``: name -> (converted Megatron dir, HF dir). Job keys: ``name``, ``model`` (a key of ``models``),
     ``samples`` (a key of ``sample_sets``: lists of encoded-sample fields), ``packed_seq_length``,
@@ -165,7 +165,10 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
         mine = samples[rt.dp_rank * per_rank:(rt.dp_rank + 1) * per_rank]
         reads = batch_feed.reads_data(rt.tp_rank, rt.pp_rank, rt.pp)
         unpacked = [super(type(enc), enc).batch(mine)]  # the architecture's plain batch: separate rows
-        packs = [enc.batch([enc.pack_selected_samples(p)]) for p in enc.select_samples_to_pack(mine)]
+        selected = enc.select_samples_to_pack(mine)
+        packs = [enc.batch([enc.pack_selected_samples(p)]) for p in selected]
+        pack_sizes: list = [None] * torch.distributed.get_world_size()  # samples per pack, on every rank
+        torch.distributed.all_gather_object(pack_sizes, [len(p) for p in selected])
         ucfg = copy.copy(cfg)
         ucfg.micro_batch_size = len(mine)
         training = build_training(cfg, spec, init_from=iter_dir)
@@ -195,7 +198,8 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
                         grad_rel=_worst(grads["packed"], grads["unpacked"]),
                         precision_grad_rel=_worst(grads["unpacked"], ref32[0]) if ref32 else None,
                         precision_loss_rel=_rel(u.loss_sum, u32.loss_sum) if u32 else None,
-                        precision_grad_norm_rel=_rel(u.grad_norm, u32.grad_norm) if u32 else None, packs=len(packs)))
+                        precision_grad_norm_rel=_rel(u.grad_norm, u32.grad_norm) if u32 else None, packs=len(packs),
+                        pack_sizes=pack_sizes))
         release(training)
         del training
     return out if torch.distributed.get_rank() == 0 else None

@@ -78,6 +78,32 @@ def freeze(model, cfg) -> tuple[bool, bool, bool]:
     return parts["vision"], True, parts["language"]
 
 
+def optimizer_config(cfg):
+    """megatron-core's OptimizerConfig of a run: Adam (decoupled weight decay, i.e. AdamW, with megatron's defaults
+    for what the run does not set, such as ``adam_eps``), fp32 main parameters, loss scaling for fp16. The outside
+    reference (:mod:`megatron_vlm.testing.hf_reference`) reads its settings from here."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2, clip_grad=cfg.clip_grad, bf16=cfg.precision == "bf16",
+        fp16=cfg.precision == "fp16", params_dtype=compute_dtype(cfg), use_distributed_optimizer=cfg.dist_optim,
+        loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale, min_loss_scale=cfg.min_loss_scale,
+        loss_scale_window=cfg.loss_scale_window, hysteresis=cfg.hysteresis,
+        overlap_param_gather=cfg.overlap_param_gather,
+    )
+
+
+def packing_note(impl: str, device: str) -> str | None:
+    """What the log says once when packing runs a slow path: local layers on CUDA run megatron's local attention
+    once per packed sample, a Python loop over each pack's ``cu_seqlens`` (on CPU that is the only path)."""
+    if impl == "transformer_engine" or device != "cuda":
+        return None
+    return ("sequence packing with local layers on CUDA: megatron's local attention runs once per packed sample (a "
+            "Python loop over every pack's segments), far slower than Transformer Engine's fused 'thd' attention; "
+            "use --transformer-impl transformer_engine where Transformer Engine is installed")
+
+
 def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     """Model (weights from the iteration dir ``init_from``, else random), DDP, optimizer and scheduler.
 
@@ -85,7 +111,7 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     changes model weights later must call :func:`weights_changed`.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
     from megatron_vlm.model import build_model
@@ -100,6 +126,9 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     impl, why = layer_impl.choose(cfg.transformer_impl, device, cfg.fp8)
     if cfg.packing:
         check_packing_supported(impl, device)
+        note = packing_note(impl, device)
+        if note and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            log.warning(note)
     fusions = fusions_mod.resolve(fusions_mod.requested(cfg), device, impl)
     model = build_model(spec, model_options(cfg, spec, impl, fusions))
     if torch.cuda.is_available() and cfg.device != "cpu":
@@ -118,15 +147,7 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     # config.calculate_per_token_loss is set at build time: DDP reads it here to leave gradients unscaled by
     # 1/DP, and finalize_model_grads then divides them by the global batch's loss-token count.
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=wrapped)
-    opt_cfg = OptimizerConfig(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2, clip_grad=cfg.clip_grad, bf16=cfg.precision == "bf16",
-        fp16=cfg.precision == "fp16", params_dtype=dtype, use_distributed_optimizer=cfg.dist_optim,
-        loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale, min_loss_scale=cfg.min_loss_scale,
-        loss_scale_window=cfg.loss_scale_window, hysteresis=cfg.hysteresis,
-        overlap_param_gather=cfg.overlap_param_gather,
-    )
-    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    optimizer = get_megatron_optimizer(optimizer_config(cfg), [ddp])
     scheduler = schedule.build(cfg, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss

@@ -163,12 +163,12 @@ def plan(cfg, iter_dir, tp: int, pp: int, dp: int) -> ResumePlan:
     problem = check_data_position(cfg, meta, dp, iter_dir)
     if problem:
         raise ResumeError(problem)
+    notes: list[str] = []
     try:  # the run keeps the objective it was trained with (decided before the model is built)
-        cfg.loss_over_padded_vocab = objective.resolve(cfg.loss_over_padded_vocab, meta.extra, iter_dir)
+        cfg.loss_over_padded_vocab = objective.resolve(cfg.loss_over_padded_vocab, meta.extra, iter_dir, notes)
     except ValueError as e:
         raise ResumeError(str(e)) from None
     iteration = int(meta.iteration)
-    notes = []
     for refusal in (optimizer_problem(cfg, meta, iter_dir),
                     schedule.problem(meta.extra.get("schedule"), cfg, iter_dir, iteration) if cfg.load_optim else None):
         if refusal:
