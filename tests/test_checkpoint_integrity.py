@@ -6,6 +6,7 @@ tests/test_bad_inputs.py."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -97,3 +98,42 @@ def test_the_newest_complete_iteration_is_named(tmp_path):
     assert resume_fix(run, 9) == ("resume from its newest complete iteration with --ckpt-step 6, or start a new run "
                                   "with another --name")
     assert resume_fix(tmp_path / "empty", 9).startswith("the run holds no other complete iteration")
+
+
+def test_a_shard_torch_cannot_read_at_resume_names_ckpt_step(tmp_path, monkeypatch):
+    """What a rank says when torch.distributed.checkpoint fails on the resumed iteration's files (a damage the
+    launcher's size checks and a missing manifest let through): the error, the file, --ckpt-step and the newest
+    complete iteration. A failure that is not damage (a tensor of another shape) keeps its own message."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_vlm.training import checkpointing, resume
+
+    run = tmp_path / "run"
+    for it in (3, 6):
+        _iteration(run / f"iter_{it:07d}", {"__0_0.distcp": b"z" * 100})
+    (run / "iter_0000006" / "ckpt_meta.json").write_text(json.dumps({
+        "format": "torch_dist", "tp": 1, "pp": 1, "pp_layers": [2], "iteration": 6}))
+    plan = resume.ResumePlan(str(run / "iter_0000006"), 6, True, False, False, 1234)
+    training = SimpleNamespace(model=None, optimizer=None, scheduler=None)  # load() below never reaches them
+    gone = FileNotFoundError(2, "No such file or directory", str(run / "iter_0000006" / "__1_0.distcp"))
+
+    def fails(error):
+        def load(*args, **kwargs):
+            raise CheckpointException("load", {0: error})
+        return load
+
+    monkeypatch.setattr(checkpointing, "load", fails(gone))
+    with pytest.raises(resume.ResumeError) as e:
+        resume.restore(training, plan)
+    msg = str(e.value)
+    assert f"cannot resume the run in {run} from {run / 'iter_0000006'}: " in msg, msg
+    assert "__1_0.distcp: no such file or directory" in msg, msg
+    assert msg.endswith("resume from its newest complete iteration with --ckpt-step 3, or start a new run with "
+                        "another --name"), msg
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    shape = CheckpointingException("Global shape mismatch for loaded (torch.Size([384, 64])) and expected ((512, 64)) "
+                                   "tensor for key language_model.embedding.word_embeddings.weight")
+    monkeypatch.setattr(checkpointing, "load", fails(shape))
+    with pytest.raises(CheckpointException):
+        resume.restore(training, plan)

@@ -41,6 +41,10 @@ class ResumeError(RuntimeError):
     """A resume that cannot continue as asked; the message names the flag that allows it."""
 
 
+#: what :func:`megatron_vlm.cli.describe_error` says of a torch_dist checkpoint whose files cannot be read
+DAMAGED_WORDS = ("missing or truncated", "input/output error", "no such file or directory")
+
+
 def resumes(cfg) -> bool:
     """Whether the run resumes ``<save-dir>/<name>``: it has a tracker, or ``--ckpt-step`` names one of its iteration
     directories (the launcher's :func:`megatron_vlm.launch.preflight.resumes`, for local and remote run dirs)."""
@@ -222,12 +226,13 @@ def restore(training, p: ResumePlan):
                                    with_rng=p.load_rng, with_data=p.load_data,
                                    schedule_check=lambda state: _check_schedule(state, p))
     except BaseException as e:  # torch's CheckpointException derives from BaseException
-        if type(e).__name__ != "CheckpointException":
-            raise
         from megatron_vlm.cli import describe_error
 
-        raise ResumeError(f"cannot resume the run in {ckpt.run_dir(p.iter_dir)} from {p.iter_dir}: "
-                          f"{describe_error(e)}; {_fix(p.cfg, p.iter_dir, True)}") from e
+        line = describe_error(e) if type(e).__name__ == "CheckpointException" else None
+        if line is None or not any(w in line for w in DAMAGED_WORDS):
+            raise  # not damage (a model that does not fit, a full disk, ...): its own message says what to do
+        raise ResumeError(f"cannot resume the run in {ckpt.run_dir(p.iter_dir)} from {p.iter_dir}: {line}; "
+                          f"{_fix(p.cfg, p.iter_dir, True)}") from e
     if int(state["iteration"]) != p.iteration:
         raise ResumeError(f"{p.iter_dir}: its ckpt_meta.json says iteration {p.iteration} but the checkpoint "
                           f"holds {state['iteration']}")
