@@ -54,6 +54,26 @@ class ModelOptions:
     per_token_loss: bool = False  # training: loss summed per token, normalised over the global batch
     perform_initialization: bool = True  # False when weights are loaded right after (conversion)
     fusions: object = None  # megatron_vlm.fusions.Fusions (training); None: every fusion off
+    # mixture of experts (read only for an MoE spec; Megatron-LM's flags and defaults, see MoEOptions)
+    ep: int = 1  # expert-model-parallel size
+    etp: int | None = None  # expert-tensor-parallel size (None: tp, as megatron-core)
+    moe: "MoEOptions | None" = None
+
+
+@dataclass
+class MoEOptions:
+    """Run-time choices of a mixture-of-experts language model (Megatron-LM's ``--moe-*`` flags). The defaults
+    compute what HF's model computes: every token reaches its top-k experts (no capacity, no dropping)."""
+
+    aux_loss_coeff: float | None = None  # None: the spec's (HF router_aux_loss_coef)
+    load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none
+    z_loss_coeff: float | None = None
+    token_dispatcher_type: str = "allgather"  # allgather | alltoall
+    expert_capacity_factor: float | None = None  # None: no token dropping
+    pad_expert_input_to_capacity: bool = False
+    grouped_gemm: bool | None = None  # None: on with Transformer Engine layers (TEGroupedMLP), off for local layers
+    router_dtype: str | None = None  # None: the parameters' dtype; fp32 / fp64 for the gating GEMM and softmax
+    per_layer_logging: bool = False
 
 
 def _activation(name: str):
@@ -86,10 +106,45 @@ def _common(opts: ModelOptions, part: str) -> dict:
     )
 
 
+def _moe_config(spec: VLMSpec, opts: ModelOptions) -> dict:
+    """TransformerConfig MoE fields: HF's routing (softmax over all experts, top-k, renormalised when
+    ``norm_topk_prob``: megatron's top-k of the logits then softmax over them is the same distribution; without
+    renormalisation, megatron's pre-softmax), the per-layer MoE pattern (``moe_layer_freq``) and expert
+    parallelism."""
+    if not spec.is_moe:
+        return {}
+    moe = opts.moe or MoEOptions()
+    grouped = opts.use_te if moe.grouped_gemm is None else moe.grouped_gemm
+    if grouped and not opts.use_te:
+        raise ValueError("--moe-grouped-gemm needs Transformer Engine layers (TEGroupedMLP); drop it with "
+                         "--transformer-impl local")
+    return dict(
+        num_moe_experts=spec.num_moe_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_topk=spec.moe_router_topk,
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+        moe_router_score_function="softmax",
+        # every layer MoE: megatron's int form, whose checkpoints stack the layers as Megatron-LM's do (a list
+        # pattern saves each layer under its own key)
+        moe_layer_freq=1 if len(spec.moe_layers) == spec.num_layers else list(spec.moe_layer_pattern),
+        moe_aux_loss_coeff=spec.moe_aux_loss_coeff if moe.aux_loss_coeff is None else moe.aux_loss_coeff,
+        moe_router_load_balancing_type=moe.load_balancing_type,
+        moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_token_dispatcher_type=moe.token_dispatcher_type,
+        moe_expert_capacity_factor=moe.expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=moe.pad_expert_input_to_capacity,
+        moe_grouped_gemm=grouped,
+        moe_router_dtype=moe.router_dtype,
+        moe_per_layer_logging=moe.per_layer_logging,
+        expert_model_parallel_size=opts.ep,
+        expert_tensor_parallel_size=opts.etp if opts.etp is not None else opts.tp,
+    )
+
+
 def language_config(spec: VLMSpec, opts: ModelOptions):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    layers = spec.check_parallelism(opts.tp, opts.pp, opts.pp_layers)
+    layers = spec.check_parallelism(opts.tp, opts.pp, opts.pp_layers, opts.ep, opts.etp)
     kw = _common(opts, "language")
     if opts.pp > 1 and len(set(layers)) > 1:
         kw.update(num_layers_in_first_pipeline_stage=layers[0], num_layers_in_last_pipeline_stage=layers[-1])
@@ -115,6 +170,7 @@ def language_config(spec: VLMSpec, opts: ModelOptions):
         sequence_parallel=opts.sequence_parallel,
         calculate_per_token_loss=opts.per_token_loss,
         **_recompute(opts),
+        **_moe_config(spec, opts),
         **kw,
     )
 
@@ -177,7 +233,7 @@ def layer_specs(use_te: bool, qk_layernorm: bool = False):
     The local language layers use megatron-core's WrappedTorchNorm (torch RMSNorm): its local spec picks apex's
     FusedLayerNorm whenever apex imports, and that refuses RMSNorm. ``qk_layernorm`` (Qwen3): megatron-core's
     per-head RMSNorm of queries and keys (``q_layernorm``/``k_layernorm``, over ``kv_channels``), as HF's
-    ``q_norm``/``k_norm``.
+    ``q_norm``/``k_norm``. The language spec is a dense layer's; :func:`moe_layer_spec` makes an MoE layer's.
     """
     from megatron.core.models.multimodal import llava_spec
     from megatron.core.models.vision import vit_layer_specs
@@ -212,6 +268,50 @@ def layer_specs(use_te: bool, qk_layernorm: bool = False):
         for layer_spec in (language, vision):
             layer_spec.submodules.sharded_state_dict_keys_map = dict(LOCAL_TO_TE_KEYS)
     return language, vision, projector
+
+
+def moe_layer_spec(dense_spec, use_te: bool, num_experts: int, grouped_gemm: bool):
+    """A mixture-of-experts language layer: ``dense_spec`` (from :func:`layer_specs`) with megatron-core's
+    ``MoELayer`` (router, token dispatcher, experts: ``SequentialMLP`` of local linears, or Transformer Engine's
+    ``TEGroupedMLP`` with ``grouped_gemm``) as its MLP. The experts' linears hold no layer norm, so the layer
+    gets its own ``pre_mlp_layernorm`` (Transformer Engine's norm, or torch's for local layers), saved under
+    that name in both implementations (Megatron-LM's MoE checkpoint key)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    spec = copy.deepcopy(dense_spec)
+    spec.submodules.mlp = get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        spec.submodules.pre_mlp_layernorm = TENorm
+    else:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        spec.submodules.pre_mlp_layernorm = WrappedTorchNorm
+        spec.submodules.sharded_state_dict_keys_map = {
+            k: v for k, v in LOCAL_TO_TE_KEYS.items() if not k.startswith("pre_mlp_layernorm")}
+    return spec
+
+
+def _language_block(spec: VLMSpec, lang_cfg, dense_spec, use_te: bool):
+    """This pipeline stage's language layers (megatron-core's TransformerBlockSubmodules): the dense or MoE spec
+    of each layer it builds, by the spec's MoE pattern, and the final norm (torch's for local layers: megatron's
+    block would pick apex's FusedLayerNorm, which has no RMSNorm)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    n = get_num_layers_to_build(lang_cfg)
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    else:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm as final_norm
+    if not spec.is_moe:
+        return TransformerBlockSubmodules(layer_specs=[dense_spec] * n, layer_norm=final_norm)
+    moe_spec = moe_layer_spec(dense_spec, use_te, spec.num_moe_experts, lang_cfg.moe_grouped_gemm)
+    offset = get_transformer_layer_offset(lang_cfg)
+    moe = set(spec.moe_layers)
+    return TransformerBlockSubmodules(layer_specs=[moe_spec if offset + i in moe else dense_spec for i in range(n)],
+                                      layer_norm=final_norm)
 
 
 NONDETERMINISTIC_ENV = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
@@ -265,12 +365,8 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         post_process = ps.is_pipeline_last_stage(ignore_virtual=True)
     lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te, spec.qk_layernorm)
     lang_cfg = language_config(spec, opts)
-    if not opts.use_te:  # megatron's block would pick apex's FusedLayerNorm (no RMSNorm) as final norm
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-        lang_spec = TransformerBlockSubmodules(layer_specs=[lang_spec] * get_num_layers_to_build(lang_cfg),
-                                               layer_norm=WrappedTorchNorm)
+    if not opts.use_te or spec.is_moe:
+        lang_spec = _language_block(spec, lang_cfg, lang_spec, opts.use_te)
     cls, extra = LLaVAModel, {}
     if spec.is_anyres:
         from megatron_vlm.anyres_model import AnyresLLaVAModel

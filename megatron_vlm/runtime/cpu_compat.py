@@ -29,6 +29,13 @@ makes the same code run on CPU:
   else on the packed path is megatron-core's own: rotary embeddings restart per segment in its
   ``_apply_rotary_pos_emb_thd``, and LLaVAModel lays out images, labels and loss mask.
 
+- megatron-core's mixture-of-experts layers (:func:`moe_on_cpu`): the router's gating GEMM runs on torch's
+  matmul, which megatron-core uses whenever Transformer Engine's ``general_gemm`` is unavailable (the 3.12 lane
+  imports TE, whose GEMM needs a GPU); the all-to-all token dispatcher's device-to-host stream, which its
+  constructor makes with ``torch.cuda.Stream()``, is torch's CPU stream (the current stream, so the dispatcher
+  copies its split sizes on it without a side stream). The collectives the dispatchers use (all-gather,
+  reduce-scatter, ``all_to_all_single`` with split sizes) are gloo's own.
+
 It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine).
 
 ``allow_te_construction()`` (called by :func:`megatron_vlm.model.build_model` for Transformer Engine layers while
@@ -39,8 +46,8 @@ other caller still gets the real answer (False). Its limits: TE's kernels (the f
 linears, norms and attention, FP8 casts) still need a GPU and fail on CPU; nothing else in TE, megatron-core or
 torch is changed for it; it refuses to run on a machine with CUDA, where TE needs no help.
 
-Separately, two fixes are needed whenever Transformer Engine (and Apex) are missing, on CPU or GPU, and
-``fix_without_te()`` applies both:
+Separately, three fixes are needed whenever Transformer Engine (and Apex) are missing, on CPU or GPU, and
+``fix_without_te()`` applies them:
 
 - ``fix_norm_fallback()`` repairs CLIPViTModel's LayerNorm fallback (it defaults to ``torch.nn.LayerNorm``,
   which ``build_module`` cannot construct with a config);
@@ -49,7 +56,9 @@ Separately, two fixes are needed whenever Transformer Engine (and Apex) are miss
   expects on the destination side (a ``KeyError: 'step'`` on every resume); the step is restored from the
   checkpoint's param groups by megatron already, but as ONE tensor shared by all parameters, which torch's Adam
   would increment once per parameter (the bias correction then drifts after a resume): each parameter gets its
-  own copy.
+  own copy;
+- ``fix_moe_router_gemm()``: megatron-core's MoE router tests ``te_general_gemm is not None``, a name its module
+  binds only when TE imports (a ``NameError`` without TE): it is bound to None, megatron-core's torch path.
 """
 
 from __future__ import annotations
@@ -121,6 +130,7 @@ def enable() -> bool:
     use_torch_optimizer_kernels()
     run_compiled_functions_eagerly()
     packed_local_attention()
+    moe_on_cpu()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _recompute_under_mode(mrandom)
@@ -235,9 +245,28 @@ def use_torch_optimizer_kernels() -> None:
     distrib_optimizer.USING_TE_OPTIMIZER = distrib_optimizer.USING_APEX_OPTIMIZER = False
 
 
+def moe_on_cpu() -> None:
+    """megatron-core's MoE layers on CPU (idempotent; see the module docstring)."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    moe_utils.te_general_gemm = None
+    if getattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None) is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cpu.current_stream()
+
+
 def fix_without_te() -> None:
     fix_norm_fallback()
     fix_torch_adam_state_load()
+    fix_moe_router_gemm()
+
+
+def fix_moe_router_gemm() -> None:
+    """See the module docstring: bind megatron-core's ``te_general_gemm`` to None where TE did not import."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def fix_torch_adam_state_load() -> None:

@@ -27,6 +27,8 @@ class Runtime:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep: int = 1  # expert-model-parallel size (mixture-of-experts models)
+    ep_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -46,8 +48,10 @@ def choose_device(device: str | None = None) -> str:
     return device
 
 
-def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234, timeout_min: int = 30) -> Runtime:
-    """Initialise torch.distributed and megatron's model-parallel groups for this process."""
+def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234, timeout_min: int = 30, ep: int = 1,
+          etp: int | None = None) -> Runtime:
+    """Initialise torch.distributed and megatron's model-parallel groups for this process (``ep``/``etp``: the
+    expert-parallel groups of a mixture-of-experts model; ``etp`` defaults to ``tp``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -76,9 +80,14 @@ def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234,
     world = torch.distributed.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp={tp * pp}")
+    etp = tp if etp is None else etp
+    if (world // pp) % (ep * etp):
+        raise ValueError(f"world size {world} / pp={pp} is not a multiple of ep*etp={ep * etp}: each pipeline stage's "
+                         f"{world // pp} ranks must hold whole expert-parallel groups")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     seed_everything(seed)
     model_parallel_cuda_manual_seed(seed)
     return current()
@@ -99,6 +108,8 @@ def current() -> Runtime:
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
 
 
