@@ -12,6 +12,7 @@ for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get :class:`~megatr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -227,6 +228,51 @@ def projection_config(spec: VLMSpec, opts: ModelOptions):
     )
 
 
+class LocalNorm:
+    """The language model's norm with local layers: megatron-core's ``WrappedTorchNorm`` (torch's RMSNorm), which
+    also runs under sequence parallelism. ``WrappedTorchNorm`` refuses sequence parallelism only because nothing
+    marks its weight for the tensor-parallel gradient all-reduce that a norm applied to a sequence shard needs
+    (megatron-core's ``finalize_model_grads`` sums the gradients of parameters with ``sequence_parallel=True``,
+    which its fused norms set); this builds the same torch norm and marks its parameters so."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        if not config.sequence_parallel:
+            return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = WrappedTorchNorm(plain, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
+@contextlib.contextmanager
+def _llava_accepts_local_sequence_parallel(active: bool):
+    """megatron-core's ``LLaVAModel`` asserts, when it is built with sequence parallelism, that the language layer
+    spec's attention is Transformer Engine's. megatron's local ``DotProductAttention`` runs under sequence
+    parallelism as it does in megatron's GPT models (the column-parallel QKV gathers the sequence, the row-parallel
+    projection scatters it), so while ``active`` the check accepts it; the check is the only thing that changes."""
+    if not active:
+        yield
+        return
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    missing = object()
+    saved = {k: llava_model.__dict__.get(k, missing) for k in ("TEDotProductAttention", "HAVE_TE")}
+    llava_model.TEDotProductAttention, llava_model.HAVE_TE = DotProductAttention, True
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is missing:
+                delattr(llava_model, k)
+            else:
+                setattr(llava_model, k, v)
+
+
 def layer_specs(use_te: bool, qk_layernorm: bool = False):
     """(language, vision, projector) layer specs; the ViT attention is bidirectional like CLIP/SigLIP.
 
@@ -255,14 +301,12 @@ def layer_specs(use_te: bool, qk_layernorm: bool = False):
     vision = copy.deepcopy(vision)
     vision.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.no_mask}
     if not use_te:
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
         language = copy.deepcopy(language)
-        language.submodules.input_layernorm = WrappedTorchNorm
-        language.submodules.pre_mlp_layernorm = WrappedTorchNorm
+        language.submodules.input_layernorm = LocalNorm
+        language.submodules.pre_mlp_layernorm = LocalNorm
         if qk_layernorm:
-            language.submodules.self_attention.submodules.q_layernorm = WrappedTorchNorm
-            language.submodules.self_attention.submodules.k_layernorm = WrappedTorchNorm
+            language.submodules.self_attention.submodules.q_layernorm = LocalNorm
+            language.submodules.self_attention.submodules.k_layernorm = LocalNorm
         # Save local layer norms under the Transformer Engine names, as megatron's GPT local spec does, so
         # a torch_dist checkpoint loads into either spec (convert on CPU, train with TE on GPU).
         for layer_spec in (language, vision):
@@ -285,18 +329,16 @@ def moe_layer_spec(dense_spec, use_te: bool, num_experts: int, grouped_gemm: boo
 
         spec.submodules.pre_mlp_layernorm = TENorm
     else:
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        spec.submodules.pre_mlp_layernorm = WrappedTorchNorm
+        spec.submodules.pre_mlp_layernorm = LocalNorm
         spec.submodules.sharded_state_dict_keys_map = {
             k: v for k, v in LOCAL_TO_TE_KEYS.items() if not k.startswith("pre_mlp_layernorm")}
     return spec
 
 
 def _language_block(spec: VLMSpec, lang_cfg, dense_spec, use_te: bool):
-    """This pipeline stage's language layers (megatron-core's TransformerBlockSubmodules): the dense or MoE spec
-    of each layer it builds, by the spec's MoE pattern, and the final norm (torch's for local layers: megatron's
-    block would pick apex's FusedLayerNorm, which has no RMSNorm)."""
+    """This pipeline stage's language layers (:class:`LanguageBlock`): the dense or MoE spec of each layer it
+    builds, by the spec's MoE pattern, and the final norm (torch's for local layers: megatron's block would pick
+    apex's FusedLayerNorm, which has no RMSNorm)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -304,14 +346,28 @@ def _language_block(spec: VLMSpec, lang_cfg, dense_spec, use_te: bool):
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm as final_norm
-    if not spec.is_moe:
-        return TransformerBlockSubmodules(layer_specs=[dense_spec] * n, layer_norm=final_norm)
-    moe_spec = moe_layer_spec(dense_spec, use_te, spec.num_moe_experts, lang_cfg.moe_grouped_gemm)
-    offset = get_transformer_layer_offset(lang_cfg)
-    moe = set(spec.moe_layers)
-    return TransformerBlockSubmodules(layer_specs=[moe_spec if offset + i in moe else dense_spec for i in range(n)],
-                                      layer_norm=final_norm)
+        final_norm = LocalNorm
+    layers = [dense_spec] * n
+    if spec.is_moe:
+        moe_spec = moe_layer_spec(dense_spec, use_te, spec.num_moe_experts, lang_cfg.moe_grouped_gemm)
+        offset = get_transformer_layer_offset(lang_cfg)
+        layers = [moe_spec if offset + i in set(spec.moe_layers) else dense_spec for i in range(n)]
+    return _language_block_class()(layer_specs=layers, layer_norm=final_norm, submodules=dense_spec.submodules)
+
+
+@functools.lru_cache(maxsize=None)
+def _language_block_class():
+    """megatron-core's ``TransformerBlockSubmodules`` (a layer spec per layer, and the final norm) that also carries
+    one layer's ``submodules``: megatron-core's ``LLaVAModel`` reads ``.submodules.self_attention`` of its language
+    layer spec to check the attention under sequence parallelism, a check written for one spec shared by all
+    layers."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    @dataclass
+    class LanguageBlock(TransformerBlockSubmodules):
+        submodules: object = None
+
+    return LanguageBlock
 
 
 NONDETERMINISTIC_ENV = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
@@ -343,9 +399,6 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
             cpu_compat.allow_te_construction()
         if opts.deterministic:
             te_deterministic_env()
-    if opts.sequence_parallel and not opts.use_te:
-        raise ValueError("--sequence-parallel needs Transformer Engine layers: megatron-core's LLaVAModel supports "
-                         "sequence parallelism only with TE attention; drop --sequence-parallel for local layers")
     if opts.fp8:
         from megatron_vlm import fp8
 
@@ -367,12 +420,33 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
     lang_cfg = language_config(spec, opts)
     if not opts.use_te or spec.is_moe:
         lang_spec = _language_block(spec, lang_cfg, lang_spec, opts.use_te)
+    local_sp = opts.sequence_parallel and not opts.use_te
     cls, extra = LLaVAModel, {}
     if spec.is_anyres:
         from megatron_vlm.anyres_model import AnyresLLaVAModel
 
         cls, extra = AnyresLLaVAModel, dict(anyres=spec.anyres, video_token_index=spec.video_token_id)
-    model = cls(
+    with _llava_accepts_local_sequence_parallel(local_sp):
+        model = _build_llava(cls, spec, opts, lang_cfg, lang_spec, vit_spec, proj_spec, pre_process, post_process,
+                             extra)
+    if model.vision_model is not None and spec.vision_family == "siglip":
+        # HF LLaVA reads hidden_states[k], which SigLIP's post_layernorm never touches.
+        model.vision_model.ln_post = None
+    if model.vision_model is not None and not opts.use_te:
+        _local_vit_norms(model.vision_model)
+    if spec.is_moe and opts.ep > 1:
+        # Expert-parallel ranks exchange their tokens in blocks of one size (megatron-core's all-gather dispatcher),
+        # and data-parallel ranks' micro batches differ in length: every micro batch is padded to the full
+        # sequence length, as megatron's LLaVAModel pads for pipeline parallelism (the flag it pads by).
+        model._language_is_pipeline_parallel = True
+    model.model_type = ModelType.encoder_or_decoder
+    return model
+
+
+def _build_llava(cls, spec: VLMSpec, opts: ModelOptions, lang_cfg, lang_spec, vit_spec, proj_spec, pre_process: bool,
+                 post_process: bool, extra: dict):
+    """megatron-core's ``LLaVAModel`` (or ``cls``, a subclass) for this rank."""
+    return cls(
         language_transformer_config=lang_cfg,
         language_transformer_layer_spec=lang_spec,
         language_vocab_size=spec.padded_vocab_size,
@@ -399,13 +473,6 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         image_token_index=spec.image_token_id,
         **extra,
     )
-    if model.vision_model is not None and spec.vision_family == "siglip":
-        # HF LLaVA reads hidden_states[k], which SigLIP's post_layernorm never touches.
-        model.vision_model.ln_post = None
-    if model.vision_model is not None and not opts.use_te:
-        _local_vit_norms(model.vision_model)
-    model.model_type = ModelType.encoder_or_decoder
-    return model
 
 
 def _local_vit_norms(vit) -> None:

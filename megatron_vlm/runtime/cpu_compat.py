@@ -7,8 +7,9 @@ makes the same code run on CPU:
 - a ``TorchFunctionMode`` that rewrites CUDA devices (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``,
   integer device indices) to ``"cpu"`` in factory functions / ``Tensor.to``, and makes ``Tensor.cuda()``
   a no-op;
-- the same mode around megatron's activation-recomputation backward (which re-runs the forward inside the
-  autograd engine, where the thread-local mode is not active);
+- the same mode around the backward of megatron-core's autograd Functions (the autograd engine runs them where
+  the thread-local mode is not active): activation recomputation re-runs the forward there, sequence parallelism
+  reduce-scatters into buffers made on ``torch.cuda.current_device()``;
 - CPU stand-ins for ``torch.cuda.current_device / synchronize / current_stream / get_rng_state /
   set_rng_state / manual_seed`` (``current_stream`` is torch's no-op CPU stream: megatron-core 0.19's DDP grad
   sync waits on the current stream's events) (the "CUDA" RNG state *is* the CPU default generator's state, so megatron's RNG tracker
@@ -133,24 +134,40 @@ def enable() -> bool:
     moe_on_cpu()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
-    _recompute_under_mode(mrandom)
+    _backward_under_mode()
     return True
 
 
-def _recompute_under_mode(mrandom) -> None:
-    """Activation recomputation re-runs the forward inside the autograd engine, where torch function modes
-    (thread-local) are not active: run megatron's checkpoint backward under the CPU mode too."""
-    fn = mrandom.CheckpointFunction
-    if getattr(fn.backward, "_cpu_compat", False):
-        return
-    original = fn.backward
+#: megatron-core modules whose autograd Functions allocate on the CUDA device in their backward (activation
+#: recomputation, the sequence-parallel gathers and reduce-scatters of linears and mappings, MoE's autograd helpers)
+BACKWARD_MODULES = ("megatron.core.tensor_parallel.random", "megatron.core.tensor_parallel.layers",
+                    "megatron.core.tensor_parallel.mappings", "megatron.core.transformer.moe.moe_utils",
+                    "megatron.core.transformer.moe.token_dispatcher")
 
-    def backward(ctx, *args):
-        with _CudaToCpuMode():
-            return original(ctx, *args)
 
-    backward._cpu_compat = True
-    fn.backward = staticmethod(backward)
+def _backward_under_mode() -> None:
+    """The autograd engine runs a Function's backward outside the thread-local torch function mode: run the
+    backward of megatron-core's own autograd Functions (:data:`BACKWARD_MODULES`) under the CPU mode too, so the
+    devices they name there (activation recomputation re-running the forward, the buffers of sequence-parallel
+    reduce-scatters) are rewritten as in the forward."""
+    import importlib
+
+    for name in BACKWARD_MODULES:
+        module = importlib.import_module(name)
+        for fn in vars(module).values():
+            if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function) and fn.__module__ == name):
+                continue
+            original = fn.__dict__.get("backward")
+            if original is None or getattr(original, "_cpu_compat", False):
+                continue
+            original = original.__func__ if isinstance(original, staticmethod) else original
+
+            def backward(ctx, *args, _original=original):
+                with _CudaToCpuMode():
+                    return _original(ctx, *args)
+
+            backward._cpu_compat = True
+            fn.backward = staticmethod(backward)
 
 
 def segments(cu_seqlens, total: int) -> list[tuple[int, int]]:

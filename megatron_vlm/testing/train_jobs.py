@@ -72,7 +72,8 @@ def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BAS
 def job_config(job: dict, n_steps: int, global_batch_size: int):
     from megatron_vlm.training.config import TrainConfig
 
-    fields = {k: v for k, v in job.items() if k not in ("name", "steps", "start", "save", "resume", "reload_weights")}
+    fields = {k: v for k, v in job.items()
+              if k not in ("name", "steps", "start", "save", "resume", "reload_weights", "grads")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
     # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
@@ -91,7 +92,7 @@ def micro_batches(collate, samples: list, dp: int, dp_rank: int, micro_batch_siz
 def _setup(cfg):
     from megatron_vlm.runtime import distributed
 
-    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed)
+    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp)
 
 
 def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list]) -> list | None:
@@ -103,7 +104,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     run dir to save a checkpoint to after the last step, with optimizer state unless save_optim=False) and
     ``resume`` (an iteration dir to restore before the first step, the way the trainer resumes; with
     ``reload_weights=False`` the optimizer's main params are deliberately not refreshed, the defect the resume
-    must avoid).
+    must avoid). ``grads``: also return, as 'grads', every rank's (coordinates, local gradients) of the first step
+    (:mod:`megatron_vlm.testing.grad_reference`); an MoE model's routing numbers of each step come as 'moe'.
     """
     from megatron_vlm.training import batch_feed, checkpointing, resume
     from megatron_vlm.training.build import build_training
@@ -127,7 +129,11 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             else:  # the defect: weights loaded, the optimizer's fp32 main params left as they were
                 checkpointing.load(plan.iter_dir, training.model, training.optimizer, training.scheduler, False,
                                    with_rng=False, with_data=False)
-        losses, norms, scales = [], [], []
+        if job.get("grads"):
+            from megatron_vlm.testing import grad_reference
+
+            captured = grad_reference.capture(training)
+        losses, norms, scales, moe = [], [], [], []
         first = job.get("start", 0)
         # as the trainer: only the ranks batch_feed.reads_data names read (batch) the data; distribute() hands
         # it to the other TP ranks of the first/last stage
@@ -139,9 +145,10 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             losses.append(r.loss)
             norms.append(r.grad_norm)
             scales.append(r.loss_scale)
+            moe.append(r.moe)
         if job.get("save"):
             meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp),
-                                       dtype=str(training.dtype).replace("torch.", ""))
+                                       dtype=str(training.dtype).replace("torch.", ""), ep=cfg.ep, etp=cfg.etp)
             meta.extra.update(resume.layout_extra(cfg, rt.dp, (first + steps) * len(global_batches[0])))
             run_dir = Path(job["save"])
             checkpointing.save(run_dir, first + steps, training.model, training.optimizer, training.scheduler, None,
@@ -149,8 +156,13 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
                                total_limit=None)
         readers: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(readers, reads)
-        out.append({"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
-                    "readers": [r for r, x in enumerate(readers) if x]})
+        result = {"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
+                  "readers": [r for r, x in enumerate(readers) if x], "moe": moe}
+        if job.get("grads"):
+            ranks: list = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(ranks, (grad_reference.coordinates(), captured[0]))
+            result.update(grads=ranks, layers=spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers))
+        out.append(result)
         del training
         gc.collect()
     return out if torch.distributed.get_rank() == 0 else None
