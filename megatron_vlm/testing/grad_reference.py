@@ -9,7 +9,10 @@
 - :func:`hf_gradients` runs HF's model on the same global batch (the per-token objective of
   :mod:`megatron_vlm.testing.hf_reference`) and has HF's own ``save_pretrained`` write its gradients in place of
   its weights, so the names and layouts are HF's on-disk ones (experts one by one) without this module knowing how
-  transformers holds them in memory.
+  transformers holds them in memory. With ``aux_coeff``, a mixture-of-experts model's objective also holds the
+  load-balancing term the trainer optimises (:mod:`megatron_vlm.training.moe`): megatron-core's switch loss,
+  computed from the router logits of HF's own routers (captured by forward hooks) per micro batch and MoE layer,
+  times the coefficient, averaged over micro batches and summed over layers.
 
 :func:`compare` gives each tensor's difference relative to the norm of HF's gradient.
 """
@@ -76,10 +79,27 @@ def assemble(ranks: list[tuple[dict, dict]], spec: VLMSpec, tp: int, pp: int, la
     return out
 
 
-def hf_gradients(hf_dir, global_batch: list, cfg) -> tuple[float, dict]:
-    """(loss, {HF on-disk name: gradient}) of HF's model on ``global_batch`` (encoded trainer samples) with the
-    trainer's trained parts (``cfg.trained_parts``), fp32. The loss is the per-token objective of
-    :func:`megatron_vlm.testing.hf_reference.train`."""
+def switch_loss(logits: torch.Tensor, topk: int) -> torch.Tensor:
+    """megatron-core's load-balancing (switch) loss of one micro batch at one MoE layer, from router ``logits``
+    [tokens, experts]: ``E / (k T^2) * sum_i (sum_x p_xi) * count_i``, with ``p`` the softmax over all experts
+    and ``count_i`` how many of the tokens' top-k choices are expert ``i``; no coefficient."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    tokens, experts = logits.shape
+    counts = torch.zeros(experts).index_add_(0, torch.topk(probs, topk, dim=-1).indices.reshape(-1),
+                                             torch.ones(tokens * topk))
+    return (probs.sum(0) * counts).sum() * experts / (topk * tokens * tokens)
+
+
+def hf_gradients(hf_dir, global_batch: list, cfg, aux_coeff: float = 0.0,
+                 micro_batch_size: int | None = None) -> dict:
+    """HF's model on ``global_batch`` (encoded trainer samples) with the trainer's trained parts
+    (``cfg.trained_parts``), fp32: ``{"loss": the per-token cross entropy of
+    :func:`megatron_vlm.testing.hf_reference.train`, "aux": the load-balancing term (0 without ``aux_coeff``),
+    "grads": {HF on-disk name: gradient of loss + aux}}``.
+
+    With ``aux_coeff`` the samples run in micro batches of ``micro_batch_size`` (consecutive samples, as the
+    trainer's jobs split a global batch), each as one HF batch: every sample of a micro batch must have the same
+    length, so that the tokens HF routes are the trainer's (no padding)."""
     from megatron_vlm.convert import mapping
     from megatron_vlm.convert.hf_io import HFReader
     from megatron_vlm.convert.verify import load_hf_model
@@ -91,11 +111,32 @@ def hf_gradients(hf_dir, global_batch: list, cfg) -> tuple[float, dict]:
         p.requires_grad_(trained(name, cfg.trained_parts))
     inputs = [hf_inputs(s, spec) for s in global_batch]
     n_total = sum(int((i["labels"] != IGNORE).sum()) for i in inputs)
-    total = 0.0
-    for i in inputs:
-        loss = model(**i).loss * (int((i["labels"] != IGNORE).sum()) / n_total)
-        loss.backward()
-        total += loss.item()
+    total = aux_total = 0.0
+    if aux_coeff:
+        routed: list = []
+        hooks = [m.register_forward_hook(lambda mod, args, out: routed.append(out[0]))
+                 for n, m in model.named_modules() if n.endswith((".mlp.gate", ".block_sparse_moe.gate"))]
+        step = micro_batch_size or 1
+        groups = [inputs[i:i + step] for i in range(0, len(inputs), step)]
+        for group in groups:
+            batch = {k: torch.cat([i[k] for i in group]) for k in group[0]}
+            routed.clear()
+            out = model(**batch)
+            n = int((batch["labels"] != IGNORE).sum())
+            # HF's input holds each sample's last token too (its labels are read from the inputs); the trainer's
+            # rows stop before it (the token is only a label there): the router sees every position but that one
+            rows = [r.reshape(len(group), -1, r.shape[-1])[:, :-1].reshape(-1, r.shape[-1]) for r in routed]
+            aux = aux_coeff * sum(switch_loss(r, spec.moe_router_topk) for r in rows) / len(groups)
+            (out.loss * (n / n_total) + aux).backward()
+            total += out.loss.item() * n / n_total
+            aux_total += float(aux.detach())
+        for h in hooks:
+            h.remove()
+    else:
+        for i in inputs:
+            loss = model(**i).loss * (int((i["labels"] != IGNORE).sum()) / n_total)
+            loss.backward()
+            total += loss.item()
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -103,7 +144,7 @@ def hf_gradients(hf_dir, global_batch: list, cfg) -> tuple[float, dict]:
         model.save_pretrained(tmp, safe_serialization=True)
         names = HFReader(Path(tmp))
         grads = {mapping.canonical_hf_name(n): names.get(n).clone() for n in names.names()}
-    return total, grads
+    return {"loss": total, "aux": aux_total, "grads": grads}
 
 
 def compare(trainer: dict[str, torch.Tensor], hf: dict[str, torch.Tensor]) -> dict[str, float]:

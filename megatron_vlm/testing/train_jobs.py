@@ -45,9 +45,11 @@ def encoder_for(hf_dir, seq_length: int = BASE["seq_length"], spec: VLMSpec | No
     return task_encoder_for(spec, hf_dir, seq_length, image_token_id=spec.image_token_id)
 
 
-def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BASE["seq_length"]) -> list[list]:
+def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BASE["seq_length"],
+                            uniform: bool = False) -> list[list]:
     """``n`` global batches of ``size`` encoded samples of different lengths (and, for anyres models, image
-    sizes), the same on every call."""
+    sizes), the same on every call; ``uniform``: every sample has the first question and answer (one length, the
+    images differ)."""
     from megatron.energon import VQASample
     from PIL import Image
 
@@ -60,10 +62,10 @@ def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BAS
     for b in range(n):
         samples = []
         for i in range(size):
-            j = (b + i) % len(QUESTIONS)
-            image = Image.fromarray(image_array(sizes[(b + i) % len(sizes)], 8 * b + i))
+            j = 0 if uniform else (b + i) % len(QUESTIONS)
+            image = Image.fromarray(image_array(sizes[0 if uniform else (b + i) % len(sizes)], 8 * b + i))
             s = VQASample(__key__=f"{b}-{i}", image=image, context=QUESTIONS[j],
-                          answers=ANSWERS[(j + b) % len(ANSWERS)], answer_weights=None, **meta)
+                          answers=ANSWERS[0 if uniform else (j + b) % len(ANSWERS)], answer_weights=None, **meta)
             samples.append(enc.encode_sample(s))
         out.append(samples)
     return out
