@@ -244,9 +244,12 @@ def legacy_layout_ep(iter_dir, expert_parallel: bool = False) -> tuple[int, int,
 
 def normalize_legacy_names(state: dict) -> dict:
     """A rank file's model state under the local layer spec's names: Transformer Engine's fused norm names
-    (``linear_qkv.layer_norm_weight``) become ``input_layernorm.weight`` etc., and TE's ``_extra_state``
-    entries (FP8 scaling state, which no weight depends on) are dropped."""
-    return {local_norm_name(k): v for k, v in state.items() if not k.endswith("_extra_state")}
+    (``linear_qkv.layer_norm_weight``) become ``input_layernorm.weight`` etc., ``TEGroupedMLP``'s experts
+    (``experts.linear_fc1.weight3``) ``SequentialMLP``'s (``experts.local_experts.3.linear_fc1.weight``), and TE's
+    ``_extra_state`` entries (FP8 scaling state, which no weight depends on) are dropped."""
+    from megatron_vlm.layer_impl import sequential_expert_name
+
+    return {sequential_expert_name(local_norm_name(k)): v for k, v in state.items() if not k.endswith("_extra_state")}
 
 
 def local_norm_name(key: str) -> str:

@@ -11,8 +11,8 @@ makes the same code run on CPU:
   the thread-local mode is not active): activation recomputation re-runs the forward there, sequence parallelism
   reduce-scatters into buffers made on ``torch.cuda.current_device()``;
 - CPU stand-ins for ``torch.cuda.current_device / synchronize / current_stream / get_rng_state /
-  set_rng_state / manual_seed`` (``current_stream`` is torch's no-op CPU stream: megatron-core 0.19's DDP grad
-  sync waits on the current stream's events) (the "CUDA" RNG state *is* the CPU default generator's state, so megatron's RNG tracker
+  set_rng_state / manual_seed`` (``current_stream`` is torch's no-op CPU stream whose recorded events can be
+  waited on, :data:`CPU_STREAM`: megatron-core 0.19's DDP grad sync waits on the current stream's events) (the "CUDA" RNG state *is* the CPU default generator's state, so megatron's RNG tracker
   forks/restores the generator that CPU ops really use) and for megatron's own ``_get/_set_cuda_rng_state``;
 - megatron-core's optimizer code on megatron's own fallbacks, as when neither Transformer Engine nor Apex imports
   (:func:`use_torch_optimizer_kernels`): with Transformer Engine installed (the 3.12 lane), megatron binds TE's
@@ -33,8 +33,10 @@ makes the same code run on CPU:
 - megatron-core's mixture-of-experts layers (:func:`moe_on_cpu`): the router's gating GEMM runs on torch's
   matmul, which megatron-core uses whenever Transformer Engine's ``general_gemm`` is unavailable (the 3.12 lane
   imports TE, whose GEMM needs a GPU); the all-to-all token dispatcher's device-to-host stream, which its
-  constructor makes with ``torch.cuda.Stream()``, is torch's CPU stream (the current stream, so the dispatcher
-  copies its split sizes on it without a side stream). The collectives the dispatchers use (all-gather,
+  constructor makes with ``torch.cuda.Stream()``, is :data:`CPU_STREAM` (the current stream, so the dispatcher
+  copies its split sizes on it without a side stream, and synchronizes on its event), and its split sizes, CPU
+  tensors already, become the numpy arrays megatron-core makes of copied CUDA tensors (torch's
+  ``all_to_all_single`` takes no tensors as split sizes). The collectives the dispatchers use (all-gather,
   reduce-scatter, ``all_to_all_single`` with split sizes) are gloo's own.
 
 It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine).
@@ -116,7 +118,7 @@ def enable() -> bool:
         return True
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_stream = lambda device=None: torch.cpu.current_stream()
+    torch.cuda.current_stream = lambda device=None: CPU_STREAM
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
     # torch.manual_seed itself calls torch.cuda.manual_seed_all (a no-op without CUDA): leave that alone.
@@ -262,14 +264,54 @@ def use_torch_optimizer_kernels() -> None:
     distrib_optimizer.USING_TE_OPTIMIZER = distrib_optimizer.USING_APEX_OPTIMIZER = False
 
 
+class _CpuEvent:
+    """An event recorded on the CPU "stream": CPU work is complete when it is issued, so there is nothing to wait
+    for."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream(torch.cpu.Stream):
+    """torch's CPU stream (no-op waits), whose ``record_event`` gives an event to synchronize on (torch's returns
+    None; megatron-core's all-to-all dispatcher synchronizes on the event of its device-to-host copies)."""
+
+    def record_event(self, event=None) -> _CpuEvent:
+        return _CpuEvent()
+
+
+#: the one "CUDA stream" of a CPU process: torch.cuda.current_stream() and the dispatcher's side stream
+CPU_STREAM = _CpuStream()
+
+
 def moe_on_cpu() -> None:
     """megatron-core's MoE layers on CPU (idempotent; see the module docstring)."""
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+    from megatron.core.transformer.moe import token_dispatcher
+
     moe_utils.te_general_gemm = None
-    if getattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None) is None:
-        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cpu.current_stream()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = CPU_STREAM
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_cpu_compat", False):
+        return
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        """megatron-core's helper moves only CUDA tensors (and makes them numpy arrays, the all-to-all's split
+        sizes): a CPU tensor gets the same conversion."""
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._cpu_compat = True
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def fix_without_te() -> None:

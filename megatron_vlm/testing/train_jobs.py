@@ -75,7 +75,8 @@ def job_config(job: dict, n_steps: int, global_batch_size: int):
     from megatron_vlm.training.config import TrainConfig
 
     fields = {k: v for k, v in job.items()
-              if k not in ("name", "steps", "start", "save", "resume", "reload_weights", "grads")}
+              if k not in ("name", "steps", "start", "save", "resume", "reload_weights", "grads", "megatron_dir", "hf_dir",
+                           "batches")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
     # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
@@ -108,16 +109,28 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     ``reload_weights=False`` the optimizer's main params are deliberately not refreshed, the defect the resume
     must avoid). ``grads``: also return, as 'grads', every rank's (coordinates, local gradients) of the first step
     (:mod:`megatron_vlm.testing.grad_reference`); an MoE model's routing numbers of each step come as 'moe'.
+    ``megatron_dir``, ``hf_dir`` and ``batches`` give a job its own model and global batches (default: the
+    arguments), so one world trains several models: ``global_batches`` is then a dict and ``batches`` names one;
+    a value of that dict may be a recipe, ``(hf_dir, n, uniform, repeat)``, which every rank makes with
+    :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks.
     """
     from megatron_vlm.training import batch_feed, checkpointing, resume
     from megatron_vlm.training.build import build_training
     from megatron_vlm.training.step import train_step
 
-    iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
-    spec = VLMSpec.load(iter_dir)
-    encoder = encoder_for(hf_dir, spec=spec)  # for batch() only
     out = []
+    default, made = (megatron_dir, hf_dir, global_batches), {}
     for job in jobs:
+        megatron_dir, hf_dir = job.get("megatron_dir", default[0]), job.get("hf_dir", default[1])
+        global_batches = default[2][job["batches"]] if "batches" in job else default[2]
+        if isinstance(global_batches, tuple):
+            recipe, global_batches = global_batches, made.get(global_batches)
+            if global_batches is None:
+                global_batches = made[recipe] = variable_length_batches(recipe[0], recipe[1],
+                                                                        uniform=recipe[2]) * recipe[3]
+        iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
+        spec = VLMSpec.load(iter_dir)
+        encoder = encoder_for(hf_dir, spec=spec)  # for batch() only
         steps = job.get("steps", len(global_batches) - job.get("start", 0))
         cfg = job_config(job, steps, len(global_batches[0]))
         rt = _setup(cfg)

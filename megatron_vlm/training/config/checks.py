@@ -184,6 +184,10 @@ def _check_experts(cfg: ConfigFields) -> list[str]:
         p.append(f"--ep {cfg.ep} x --etp {cfg.expert_tp} = {experts} ranks per expert group do not fit the "
                  f"{stage_ranks} ranks of a pipeline stage (tp {cfg.tp} x data-parallel {cfg.dp}): use a GPU count "
                  f"whose tp x data-parallel size is a multiple of {experts}, or lower --ep/--etp")
+    if cfg.moe_token_dispatcher_type == "alltoall" and cfg.expert_tp > 1 and cfg.device == "cpu":
+        p.append(f"--moe-token-dispatcher-type alltoall with --etp {cfg.expert_tp} on --device cpu: the dispatcher "
+                 "all-gathers expert inputs of different sizes over the expert tensor-parallel ranks, which gloo "
+                 "cannot; use --etp 1 or the allgather dispatcher on CPU (NCCL on GPUs does both)")
     if cfg.moe_pad_expert_input_to_capacity and cfg.moe_expert_capacity_factor is None:
         p.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity it pads to)")
     if cfg.moe_grouped_gemm and (cfg.transformer_impl == "local" or cfg.device == "cpu"):
