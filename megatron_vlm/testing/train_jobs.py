@@ -37,12 +37,15 @@ ANSWERS = ["red", "a red square on a smooth gradient background", "a shape", "ye
 IMAGE_SIZES = [(40, 30), (20, 52), (64, 64), (12, 18)]
 
 
-def encoder_for(hf_dir, seq_length: int = BASE["seq_length"], spec: VLMSpec | None = None):
-    """The trainer's task encoder of ``hf_dir``'s architecture (plain LLaVA or anyres)."""
+def encoder_for(hf_dir, seq_length: int = BASE["seq_length"], spec: VLMSpec | None = None,
+                pad_to_multiple_of: int | None = None):
+    """The trainer's task encoder of ``hf_dir``'s architecture (plain LLaVA or anyres); ``pad_to_multiple_of``: as
+    the trainer pads batches for sequence parallelism (TP) or FP8."""
     from megatron_vlm.data.anyres_encoder import task_encoder_for
 
     spec = spec or VLMSpec.from_hf_dir(hf_dir)
-    return task_encoder_for(spec, hf_dir, seq_length, image_token_id=spec.image_token_id)
+    return task_encoder_for(spec, hf_dir, seq_length, image_token_id=spec.image_token_id,
+                            pad_to_multiple_of=pad_to_multiple_of)
 
 
 def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BASE["seq_length"],
@@ -130,9 +133,10 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
                                                                         uniform=recipe[2]) * recipe[3]
         iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
         spec = VLMSpec.load(iter_dir)
-        encoder = encoder_for(hf_dir, spec=spec)  # for batch() only
         steps = job.get("steps", len(global_batches) - job.get("start", 0))
         cfg = job_config(job, steps, len(global_batches[0]))
+        # for batch() only; sequence parallelism splits the image-expanded length over TP, as the trainer pads it
+        encoder = encoder_for(hf_dir, spec=spec, pad_to_multiple_of=cfg.tp if cfg.sequence_parallel else None)
         rt = _setup(cfg)
         if job.get("resume"):  # as the trainer: the plan (which fixes the loss objective) before the model
             plan = resume.plan(cfg, job["resume"], rt.tp, rt.pp, rt.dp)
