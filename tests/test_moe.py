@@ -19,7 +19,8 @@ MoE); a tiny Qwen3-MoE LLaVA-NeXT without top-k renormalisation (``norm_topk_pro
   megatron-core keeps the experts' optimizer state with the other parameters', it is refused naming the fix.
 - **The user's commands**: build -> ``hf_to_megatron --tp 2 --ep 2 --verify`` -> ``train/run.py`` at TP2 x EP2
   (experts unsplit, the all-to-all dispatcher: gloo cannot all-gather the uneven expert inputs of ETP2 with it),
-  bf16, packed -> ``megatron_to_hf`` -> HF ``generate``, for the OneVision and the LLaVA.
+  bf16, packed -> ``megatron_to_hf`` -> HF ``generate``, for the OneVision (stage 2) and the LLaVA (stage 1: the
+  language model, experts and routers frozen).
 """
 
 from __future__ import annotations
@@ -316,8 +317,8 @@ def coloured_data(tmp_path_factory):
     return root / "data"
 
 
-@pytest.mark.parametrize("name", ["qwen3moe_onevision", "qwen3moe_llava"])
-def test_build_convert_train_export_generate(name, models, coloured_data, tmp_path):
+@pytest.mark.parametrize("name,stage", [("qwen3moe_onevision", "2"), ("qwen3moe_llava", "1")])
+def test_build_convert_train_export_generate(name, stage, models, coloured_data, tmp_path):
     from megatron_vlm.convert.verify import load_hf_model
     from megatron_vlm.testing import forked_cli
 
@@ -329,7 +330,7 @@ def test_build_convert_train_export_generate(name, models, coloured_data, tmp_pa
                                               "--verify"])
     argv = ["--device", "cpu", "-g", "4", "--tp", "2", "--ep", "2", "--etp", "1", "--sequence-parallel", "--precision",
             "bf16",
-            "--stage", "2", "--megatron-load-dir", str(meg), "--tokenizer-load-dir", str(hf), "--data-path",
+            "--stage", stage, "--megatron-load-dir", str(meg), "--tokenizer-load-dir", str(hf), "--data-path",
             str(coloured_data), "--save-dir", str(tmp_path / "runs"), "--name", "moe", "--seq-length", "96",
             "--packing-buffer-size", "8", "--packed-seq-length", "192", "--micro-batch-size", "1",
             "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "1", "--num-workers", "1",
