@@ -17,8 +17,14 @@ def main(argv=None):
     p.add_argument("--hf-dir", required=True, help="HF LlavaForConditionalGeneration directory")
     p.add_argument("--megatron-dir", required=True,
                    help="output checkpoint directory (must not exist unless --overwrite)")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
+    p.add_argument("--tp", "--tensor-model-parallel-size", type=positive_int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", "--pipeline-model-parallel-size", type=positive_int, default=1,
+                   help="pipeline-parallel size")
+    p.add_argument("--ep", "--expert-model-parallel-size", type=positive_int, default=1,
+                   help="expert-parallel size of a mixture-of-experts LM (divides its experts): the layout of --verify's "
+                        "world and of legacy rank files (mp_rank_TT[_PPP]_EEE); torch_dist reshards to any")
+    p.add_argument("--etp", "--expert-tensor-parallel-size", type=positive_int, default=None,
+                   help="tensor-parallel size inside each expert (default: --tp, as megatron-core)")
     p.add_argument("--pp-layers", default=None,
                    help="uneven language layers per PP stage, e.g. 3,1 (only first/last may differ)")
     p.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
@@ -26,7 +32,7 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                    help="weight dtype in the checkpoint (auto: as stored in the HF files)")
     p.add_argument("--verify", action="store_true",
-                   help="before the checkpoint is committed, load it into a TPxPP Megatron model (TP*PP local "
+                   help="before the checkpoint is committed, load it into a TPxPP(xEP) Megatron model (local "
                         "processes) and compare fp32 logits with HF; above --tolerance it is deleted (nothing is "
                         "written; with --overwrite the previous checkpoint stays) and the command exits non-zero")
     p.add_argument("--tolerance", type=positive_float, default=1e-4, help="max abs logit difference for --verify")
@@ -48,7 +54,7 @@ def main(argv=None):
         from megatron_vlm.convert.verify import VerificationError, verify_checkpoint
 
         try:
-            diffs.append(verify_checkpoint(a.hf_dir, tmp_dir, a.tp, a.pp, tolerance=a.tolerance))
+            diffs.append(verify_checkpoint(a.hf_dir, tmp_dir, a.tp, a.pp, tolerance=a.tolerance, ep=a.ep, etp=a.etp))
         except VerificationError as e:
             kept = f"the previous checkpoint in {a.megatron_dir} is unchanged" if existed else \
                 f"nothing was written to {a.megatron_dir}"
@@ -59,11 +65,11 @@ def main(argv=None):
 
     convert_hf_to_megatron(a.hf_dir, a.megatron_dir, tp=a.tp, pp=a.pp, pp_layers=parse_pp_layers(a.pp_layers),
                            ckpt_format=a.ckpt_format, dtype=a.dtype, overwrite=a.overwrite,
-                           check=verify if a.verify else None)
-    print(f"wrote {a.ckpt_format} checkpoint (tp={a.tp} pp={a.pp}) to {a.megatron_dir}")
+                           check=verify if a.verify else None, ep=a.ep, etp=a.etp)
+    layout = f"tp={a.tp} pp={a.pp}" + (f" ep={a.ep} etp={a.etp or a.tp}" if a.ep > 1 or a.etp else "")
+    print(f"wrote {a.ckpt_format} checkpoint ({layout}) to {a.megatron_dir}")
     if a.verify:
-        print(f"verify: max |logit diff| HF vs Megatron (fp32, tp={a.tp} pp={a.pp}) = {diffs[0]:.3g} "
-              f"<= {a.tolerance:g}: OK")
+        print(f"verify: max |logit diff| HF vs Megatron (fp32, {layout}) = {diffs[0]:.3g} <= {a.tolerance:g}: OK")
 
 
 if __name__ == "__main__":

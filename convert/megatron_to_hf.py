@@ -34,8 +34,10 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="weight dtype of the HF model (auto: the checkpoint's, from its ckpt_meta.json: a training "
                         "run's precision, e.g. bf16, or the dtype a converted checkpoint was written in)")
-    p.add_argument("--tp", type=positive_int, default=None, help="expected TP of the checkpoint (checked if given)")
-    p.add_argument("--pp", type=positive_int, default=None, help="expected PP of the checkpoint (checked if given)")
+    p.add_argument("--tp", "--tensor-model-parallel-size", type=positive_int, default=None,
+                   help="expected TP of the checkpoint (checked if given)")
+    p.add_argument("--pp", "--pipeline-model-parallel-size", type=positive_int, default=None,
+                   help="expected PP of the checkpoint (checked if given)")
     p.add_argument("--max-shard-size-gb", type=positive_float, default=5.0,
                    help="safetensors shard size limit in GiB (at least 0.01)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --hf-dir")

@@ -8,7 +8,8 @@ Layout (Megatron's)::
         ckpt_meta.json                            format, tp, pp, pp_layers, iteration, dtype, and the
                                                   versions that wrote it (megatron-core, torch)
         hf_extra.safetensors                      HF tensors the Megatron model does not hold
-        <torch_dist files>  or  mp_rank_XX[_YYY]/model_optim_rng.pt
+        <torch_dist files>  or  mp_rank_XX[_YYY][_EEE]/model_optim_rng.pt   (TP rank, PP rank if pp > 1,
+                                                  expert-parallel rank if ep > 1, as Megatron-LM names them)
 
 Model keys follow Megatron-LM's convention: ``model.sharded_state_dict()`` with no prefix (torch_dist) and
 ``{"model": model.state_dict()}`` per rank file (legacy), norms under Transformer Engine names, so Megatron-LM
@@ -57,6 +58,8 @@ class CheckpointMeta:
     extra: dict = field(default_factory=dict)
     #: the software that wrote the checkpoint (megatron_core, torch, python, megatron_vlm); set by save()
     versions: dict = field(default_factory=dict)
+    ep: int = 1  # expert-model-parallel size (legacy rank files are per EP rank; torch_dist reshards)
+    etp: int | None = None  # expert tensor-parallel size (None: tp)
 
     def save(self, iter_dir) -> None:
         self.versions = mcore_version.writer_stamp()
@@ -193,43 +196,60 @@ def copy_tokenizer(hf_dir, ckpt_dir) -> None:
 
 
 # ---- legacy `torch` format -----------------------------------------------------------------------
-def legacy_rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def legacy_rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """Megatron-LM's rank directory: ``mp_rank_TT``, ``_PPP`` with pipeline parallelism, ``_EEE`` with expert
+    parallelism."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name + (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
-def legacy_rank_file(iter_dir, tp_rank: int, pp_rank: int, pp: int) -> Path:
-    return Path(iter_dir) / legacy_rank_dir(tp_rank, pp_rank, pp) / "model_optim_rng.pt"
+def legacy_rank_file(iter_dir, tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> Path:
+    return Path(iter_dir) / legacy_rank_dir(tp_rank, pp_rank, pp, ep_rank, ep) / "model_optim_rng.pt"
 
 
-def save_legacy_rank(iter_dir, tp_rank, pp_rank, pp, state: dict, iteration) -> None:
-    path = legacy_rank_file(iter_dir, tp_rank, pp_rank, pp)
+def save_legacy_rank(iter_dir, tp_rank, pp_rank, pp, state: dict, iteration, ep_rank: int = 0, ep: int = 1) -> None:
+    path = legacy_rank_file(iter_dir, tp_rank, pp_rank, pp, ep_rank, ep)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".pt.tmp")
     torch.save({"model": state, "checkpoint_version": 3.0, "iteration": iteration}, tmp)
     os.replace(tmp, path)
 
 
-def legacy_layout(iter_dir) -> tuple[int, int]:
-    """(tp, pp) of a legacy checkpoint, from its ``mp_rank_XX[_YYY]`` directories."""
+def legacy_layout(iter_dir, expert_parallel: bool = False) -> tuple[int, int]:
+    """(tp, pp) of a legacy checkpoint, from its ``mp_rank_XX[_YYY]`` directories. Megatron-LM's names do not say
+    whether a second number is a PP or an EP rank: ``expert_parallel`` reads ``mp_rank_XX[_YYY]_EEE`` (see
+    :func:`legacy_layout_ep`)."""
+    tp, pp, _ = legacy_layout_ep(iter_dir, expert_parallel)
+    return tp, pp
+
+
+def legacy_layout_ep(iter_dir, expert_parallel: bool = False) -> tuple[int, int, int]:
+    """(tp, pp, ep) of a legacy checkpoint; ``expert_parallel``: its names end in an expert-parallel rank."""
     ranks = set()
     for p in Path(iter_dir).iterdir():
-        m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?", p.name)
+        m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?", p.name)
         if m and (p / "model_optim_rng.pt").is_file():
-            ranks.add((int(m.group(1)), int(m.group(2) or 0)))
+            nums = [int(g) for g in m.groups()[1:] if g is not None]
+            e = nums.pop() if expert_parallel and nums else 0
+            ranks.add((int(m.group(1)), nums[0] if nums else 0, e))
     if not ranks:
         raise CheckpointLayoutError(f"{iter_dir} has no mp_rank_XX[_YYY]/model_optim_rng.pt files")
-    tp, pp = max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
-    missing = [legacy_rank_dir(t, p, pp) for p in range(pp) for t in range(tp) if (t, p) not in ranks]
+    tp, pp, ep = (max(r[i] for r in ranks) + 1 for i in range(3))
+    missing = [legacy_rank_dir(t, p, pp, e, ep) for p in range(pp) for e in range(ep) for t in range(tp)
+               if (t, p, e) not in ranks]
     if missing:
         raise CheckpointLayoutError(f"{iter_dir} lacks rank files {', '.join(missing)}; the checkpoint is incomplete")
-    return tp, pp
+    return tp, pp, ep
 
 
 def normalize_legacy_names(state: dict) -> dict:
     """A rank file's model state under the local layer spec's names: Transformer Engine's fused norm names
-    (``linear_qkv.layer_norm_weight``) become ``input_layernorm.weight`` etc., and TE's ``_extra_state``
-    entries (FP8 scaling state, which no weight depends on) are dropped."""
-    return {local_norm_name(k): v for k, v in state.items() if not k.endswith("_extra_state")}
+    (``linear_qkv.layer_norm_weight``) become ``input_layernorm.weight`` etc., ``TEGroupedMLP``'s experts
+    (``experts.linear_fc1.weight3``) ``SequentialMLP``'s (``experts.local_experts.3.linear_fc1.weight``), and TE's
+    ``_extra_state`` entries (FP8 scaling state, which no weight depends on) are dropped."""
+    from megatron_vlm.layer_impl import sequential_expert_name
+
+    return {sequential_expert_name(local_norm_name(k)): v for k, v in state.items() if not k.endswith("_extra_state")}
 
 
 def local_norm_name(key: str) -> str:
@@ -241,8 +261,8 @@ def local_norm_name(key: str) -> str:
     return key
 
 
-def load_legacy_rank(iter_dir, tp_rank, pp_rank, pp, mmap: bool = True) -> dict:
-    path = legacy_rank_file(iter_dir, tp_rank, pp_rank, pp)
+def load_legacy_rank(iter_dir, tp_rank, pp_rank, pp, mmap: bool = True, ep_rank: int = 0, ep: int = 1) -> dict:
+    path = legacy_rank_file(iter_dir, tp_rank, pp_rank, pp, ep_rank, ep)
     if not path.is_file():
         raise CheckpointLayoutError(f"{path} is missing; the checkpoint is incomplete")
     import megatron.core  # noqa: F401  (registers the safe globals of Megatron-LM's files: args, RNG state)
@@ -297,12 +317,16 @@ def model_sharded_state_dict(model, layout: DistKeyLayout = DistKeyLayout()) -> 
 
 
 # ---- model weights in a running world --------------------------------------------------------------
-def check_meta(meta: CheckpointMeta, spec: VLMSpec, tp: int, pp: int, where) -> None:
-    if meta.format == "torch" and (meta.tp, meta.pp) != (tp, pp):
+def check_meta(meta: CheckpointMeta, spec: VLMSpec, tp: int, pp: int, where, ep: int = 1,
+               etp: int | None = None) -> None:
+    have = (meta.tp, meta.pp, meta.ep, meta.etp or meta.tp)
+    if meta.format == "torch" and have != (tp, pp, ep, etp or tp):
+        ep_text = lambda e, x, t: f" ep={e} etp={x or t}" if spec.is_moe else ""  # noqa: E731
+        flags = f"--tp {meta.tp} --pp {meta.pp}" + (f" --ep {meta.ep} --etp {meta.etp or meta.tp}" if spec.is_moe else "")
         raise CheckpointLayoutError(
-            f"{where} is a legacy 'torch' checkpoint written at tp={meta.tp} pp={meta.pp}, which cannot be "
-            f"loaded at tp={tp} pp={pp}; use --tp {meta.tp} --pp {meta.pp}, or convert it to torch_dist "
-            "(which reshards on load)"
+            f"{where} is a legacy 'torch' checkpoint written at tp={meta.tp} pp={meta.pp}"
+            f"{ep_text(meta.ep, meta.etp, meta.tp)}, which cannot be loaded at tp={tp} pp={pp}{ep_text(ep, etp, tp)}; "
+            f"use {flags}, or convert it to torch_dist (which reshards on load)"
         )
 
 
@@ -369,7 +393,8 @@ def load_model_weights(model, iter_dir, strict: bool = True) -> CheckpointMeta:
     meta = CheckpointMeta.load(iter_dir)
     spec = VLMSpec.load(iter_dir)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    check_meta(meta, spec, tp, pp, iter_dir)
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    check_meta(meta, spec, tp, pp, iter_dir, ep, etp)
     if meta.format == "torch_dist":
         layout = dist_key_layout(iter_dir)
         sharded = model_sharded_state_dict(model, layout)
@@ -378,7 +403,8 @@ def load_model_weights(model, iter_dir, strict: bool = True) -> CheckpointMeta:
         state = dist_checkpointing.load(sharded, str(iter_dir))
         state = {k[len(layout.prefix):]: v for k, v in state.items() if k in names}
     else:
-        state = load_legacy_rank(iter_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp)["model"]
+        state = load_legacy_rank(iter_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp,
+                                 ep_rank=ps.get_expert_model_parallel_rank(), ep=ep)["model"]
         state = layer_impl.adapt_state_dict(state, model.state_dict(), where=str(iter_dir))
     _check_vocab(state, spec)
     model.load_state_dict(state, strict=strict)

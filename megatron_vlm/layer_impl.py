@@ -9,6 +9,10 @@ Owns:
   * norm weights: local layers save their layer norms under the Transformer Engine names
     (:data:`LOCAL_TO_TE_KEYS`, applied to torch_dist checkpoints by the layer specs in :mod:`megatron_vlm.model`);
     a legacy ``torch`` state dict is renamed by :func:`adapt_state_dict`;
+  * experts: megatron-core's ``SequentialMLP`` (local layers) names an expert's linear
+    ``mlp.experts.local_experts.<j>.linear_fc1.weight``, Transformer Engine's ``TEGroupedMLP`` (grouped GEMM)
+    ``mlp.experts.linear_fc1.weight<j>``; their torch_dist keys are the same (megatron-core maps both to the global
+    expert), and :func:`sequential_expert_name` / :func:`grouped_expert_name` rename plain state dicts;
   * ``_extra_state``: Transformer Engine modules (and megatron's linears, for compatibility) carry an
     ``_extra_state`` entry (FP8 scaling metadata). A checkpoint written with local layers, e.g. one converted from
     HF, lacks some of them (``core_attention._extra_state``). :func:`fill_absent_extra_state` (torch_dist) and
@@ -20,6 +24,7 @@ Owns:
 from __future__ import annotations
 
 import logging
+import re
 
 IMPLS = ("transformer_engine", "local")
 EXTRA_STATE = "_extra_state"
@@ -155,6 +160,21 @@ def checkpoint_keys(iter_dir) -> set[str]:
     return {v.key for v in load_sharded_metadata(str(iter_dir)).values() if hasattr(v, "key")}
 
 
+_GROUPED = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+_SEQUENTIAL = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+
+
+def sequential_expert_name(key: str) -> str:
+    """A ``TEGroupedMLP`` expert key (``...mlp.experts.linear_fc1.weight3``) under ``SequentialMLP``'s name
+    (``...mlp.experts.local_experts.3.linear_fc1.weight``); other keys unchanged."""
+    return _GROUPED.sub(lambda m: f".mlp.experts.local_experts.{m.group(3)}.{m.group(1)}.{m.group(2)}", key)
+
+
+def grouped_expert_name(key: str) -> str:
+    """The inverse of :func:`sequential_expert_name`."""
+    return _SEQUENTIAL.sub(lambda m: f".mlp.experts.{m.group(2)}.{m.group(3)}{m.group(1)}", key)
+
+
 def _renamed(key: str, table: dict[str, str]) -> str | None:
     for old, new in table.items():
         marker = "." + old
@@ -165,7 +185,8 @@ def _renamed(key: str, table: dict[str, str]) -> str | None:
 
 def adapt_state_dict(state: dict, model_state: dict, where="checkpoint") -> dict:
     """A plain (legacy ``torch``) ``state`` made loadable with ``strict=True`` into a model whose own state dict
-    is ``model_state``: norm names renamed between the local and Transformer Engine layouts, ``_extra_state``
+    is ``model_state``: norm names renamed between the local and Transformer Engine layouts, experts between
+    ``SequentialMLP`` and ``TEGroupedMLP``, ``_extra_state``
     the checkpoint lacks taken from the model, ``_extra_state`` the model lacks dropped. Real tensors are never
     dropped or invented: what still differs makes ``load_state_dict(strict=True)`` fail."""
     te_to_local = {v: k for k, v in LOCAL_TO_TE_KEYS.items()}
@@ -173,8 +194,11 @@ def adapt_state_dict(state: dict, model_state: dict, where="checkpoint") -> dict
     for key, value in state.items():
         if key not in model_state:
             alt = _renamed(key, LOCAL_TO_TE_KEYS) or _renamed(key, te_to_local)
+            experts = [n for n in (sequential_expert_name(key), grouped_expert_name(key)) if n != key]
             if alt is not None and alt in model_state:
                 key = alt
+            elif experts and experts[0] in model_state:
+                key = experts[0]
             elif is_extra_state(key):
                 continue
         out[key] = value

@@ -12,6 +12,7 @@ for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get :class:`~megatr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -54,6 +55,26 @@ class ModelOptions:
     per_token_loss: bool = False  # training: loss summed per token, normalised over the global batch
     perform_initialization: bool = True  # False when weights are loaded right after (conversion)
     fusions: object = None  # megatron_vlm.fusions.Fusions (training); None: every fusion off
+    # mixture of experts (read only for an MoE spec; Megatron-LM's flags and defaults, see MoEOptions)
+    ep: int = 1  # expert-model-parallel size
+    etp: int | None = None  # expert-tensor-parallel size (None: tp, as megatron-core)
+    moe: "MoEOptions | None" = None
+
+
+@dataclass
+class MoEOptions:
+    """Run-time choices of a mixture-of-experts language model (Megatron-LM's ``--moe-*`` flags). The defaults
+    compute what HF's model computes: every token reaches its top-k experts (no capacity, no dropping)."""
+
+    aux_loss_coeff: float | None = None  # None: the spec's (HF router_aux_loss_coef)
+    load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none
+    z_loss_coeff: float | None = None
+    token_dispatcher_type: str = "allgather"  # allgather | alltoall
+    expert_capacity_factor: float | None = None  # None: no token dropping
+    pad_expert_input_to_capacity: bool = False
+    grouped_gemm: bool | None = None  # None: on with Transformer Engine layers (TEGroupedMLP), off for local layers
+    router_dtype: str | None = None  # None: the parameters' dtype; fp32 / fp64 for the gating GEMM and softmax
+    per_layer_logging: bool = False
 
 
 def _activation(name: str):
@@ -86,10 +107,45 @@ def _common(opts: ModelOptions, part: str) -> dict:
     )
 
 
+def _moe_config(spec: VLMSpec, opts: ModelOptions) -> dict:
+    """TransformerConfig MoE fields: HF's routing (softmax over all experts, top-k, renormalised when
+    ``norm_topk_prob``: megatron's top-k of the logits then softmax over them is the same distribution; without
+    renormalisation, megatron's pre-softmax), the per-layer MoE pattern (``moe_layer_freq``) and expert
+    parallelism."""
+    if not spec.is_moe:
+        return {}
+    moe = opts.moe or MoEOptions()
+    grouped = opts.use_te if moe.grouped_gemm is None else moe.grouped_gemm
+    if grouped and not opts.use_te:
+        raise ValueError("--moe-grouped-gemm needs Transformer Engine layers (TEGroupedMLP); drop it with "
+                         "--transformer-impl local")
+    return dict(
+        num_moe_experts=spec.num_moe_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_topk=spec.moe_router_topk,
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+        moe_router_score_function="softmax",
+        # every layer MoE: megatron's int form, whose checkpoints stack the layers as Megatron-LM's do (a list
+        # pattern saves each layer under its own key)
+        moe_layer_freq=1 if len(spec.moe_layers) == spec.num_layers else list(spec.moe_layer_pattern),
+        moe_aux_loss_coeff=spec.moe_aux_loss_coeff if moe.aux_loss_coeff is None else moe.aux_loss_coeff,
+        moe_router_load_balancing_type=moe.load_balancing_type,
+        moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_token_dispatcher_type=moe.token_dispatcher_type,
+        moe_expert_capacity_factor=moe.expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=moe.pad_expert_input_to_capacity,
+        moe_grouped_gemm=grouped,
+        moe_router_dtype=moe.router_dtype,
+        moe_per_layer_logging=moe.per_layer_logging,
+        expert_model_parallel_size=opts.ep,
+        expert_tensor_parallel_size=opts.etp if opts.etp is not None else opts.tp,
+    )
+
+
 def language_config(spec: VLMSpec, opts: ModelOptions):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    layers = spec.check_parallelism(opts.tp, opts.pp, opts.pp_layers)
+    layers = spec.check_parallelism(opts.tp, opts.pp, opts.pp_layers, opts.ep, opts.etp)
     kw = _common(opts, "language")
     if opts.pp > 1 and len(set(layers)) > 1:
         kw.update(num_layers_in_first_pipeline_stage=layers[0], num_layers_in_last_pipeline_stage=layers[-1])
@@ -115,6 +171,7 @@ def language_config(spec: VLMSpec, opts: ModelOptions):
         sequence_parallel=opts.sequence_parallel,
         calculate_per_token_loss=opts.per_token_loss,
         **_recompute(opts),
+        **_moe_config(spec, opts),
         **kw,
     )
 
@@ -171,13 +228,58 @@ def projection_config(spec: VLMSpec, opts: ModelOptions):
     )
 
 
+class LocalNorm:
+    """The language model's norm with local layers: megatron-core's ``WrappedTorchNorm`` (torch's RMSNorm), which
+    also runs under sequence parallelism. ``WrappedTorchNorm`` refuses sequence parallelism only because nothing
+    marks its weight for the tensor-parallel gradient all-reduce that a norm applied to a sequence shard needs
+    (megatron-core's ``finalize_model_grads`` sums the gradients of parameters with ``sequence_parallel=True``,
+    which its fused norms set); this builds the same torch norm and marks its parameters so."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        if not config.sequence_parallel:
+            return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = WrappedTorchNorm(plain, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
+@contextlib.contextmanager
+def _llava_accepts_local_sequence_parallel(active: bool):
+    """megatron-core's ``LLaVAModel`` asserts, when it is built with sequence parallelism, that the language layer
+    spec's attention is Transformer Engine's. megatron's local ``DotProductAttention`` runs under sequence
+    parallelism as it does in megatron's GPT models (the column-parallel QKV gathers the sequence, the row-parallel
+    projection scatters it), so while ``active`` the check accepts it; the check is the only thing that changes."""
+    if not active:
+        yield
+        return
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    missing = object()
+    saved = {k: llava_model.__dict__.get(k, missing) for k in ("TEDotProductAttention", "HAVE_TE")}
+    llava_model.TEDotProductAttention, llava_model.HAVE_TE = DotProductAttention, True
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is missing:
+                delattr(llava_model, k)
+            else:
+                setattr(llava_model, k, v)
+
+
 def layer_specs(use_te: bool, qk_layernorm: bool = False):
     """(language, vision, projector) layer specs; the ViT attention is bidirectional like CLIP/SigLIP.
 
     The local language layers use megatron-core's WrappedTorchNorm (torch RMSNorm): its local spec picks apex's
     FusedLayerNorm whenever apex imports, and that refuses RMSNorm. ``qk_layernorm`` (Qwen3): megatron-core's
     per-head RMSNorm of queries and keys (``q_layernorm``/``k_layernorm``, over ``kv_channels``), as HF's
-    ``q_norm``/``k_norm``.
+    ``q_norm``/``k_norm``. The language spec is a dense layer's; :func:`moe_layer_spec` makes an MoE layer's.
     """
     from megatron.core.models.multimodal import llava_spec
     from megatron.core.models.vision import vit_layer_specs
@@ -199,19 +301,73 @@ def layer_specs(use_te: bool, qk_layernorm: bool = False):
     vision = copy.deepcopy(vision)
     vision.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.no_mask}
     if not use_te:
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
         language = copy.deepcopy(language)
-        language.submodules.input_layernorm = WrappedTorchNorm
-        language.submodules.pre_mlp_layernorm = WrappedTorchNorm
+        language.submodules.input_layernorm = LocalNorm
+        language.submodules.pre_mlp_layernorm = LocalNorm
         if qk_layernorm:
-            language.submodules.self_attention.submodules.q_layernorm = WrappedTorchNorm
-            language.submodules.self_attention.submodules.k_layernorm = WrappedTorchNorm
+            language.submodules.self_attention.submodules.q_layernorm = LocalNorm
+            language.submodules.self_attention.submodules.k_layernorm = LocalNorm
         # Save local layer norms under the Transformer Engine names, as megatron's GPT local spec does, so
         # a torch_dist checkpoint loads into either spec (convert on CPU, train with TE on GPU).
         for layer_spec in (language, vision):
             layer_spec.submodules.sharded_state_dict_keys_map = dict(LOCAL_TO_TE_KEYS)
     return language, vision, projector
+
+
+def moe_layer_spec(dense_spec, use_te: bool, num_experts: int, grouped_gemm: bool):
+    """A mixture-of-experts language layer: ``dense_spec`` (from :func:`layer_specs`) with megatron-core's
+    ``MoELayer`` (router, token dispatcher, experts: ``SequentialMLP`` of local linears, or Transformer Engine's
+    ``TEGroupedMLP`` with ``grouped_gemm``) as its MLP. The experts' linears hold no layer norm, so the layer
+    gets its own ``pre_mlp_layernorm`` (Transformer Engine's norm, or torch's for local layers), saved under
+    that name in both implementations (Megatron-LM's MoE checkpoint key)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    spec = copy.deepcopy(dense_spec)
+    spec.submodules.mlp = get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        spec.submodules.pre_mlp_layernorm = TENorm
+    else:
+        spec.submodules.pre_mlp_layernorm = LocalNorm
+        spec.submodules.sharded_state_dict_keys_map = {
+            k: v for k, v in LOCAL_TO_TE_KEYS.items() if not k.startswith("pre_mlp_layernorm")}
+    return spec
+
+
+def _language_block(spec: VLMSpec, lang_cfg, dense_spec, use_te: bool):
+    """This pipeline stage's language layers (:class:`LanguageBlock`): the dense or MoE spec of each layer it
+    builds, by the spec's MoE pattern, and the final norm (torch's for local layers: megatron's block would pick
+    apex's FusedLayerNorm, which has no RMSNorm)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    n = get_num_layers_to_build(lang_cfg)
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    else:
+        final_norm = LocalNorm
+    layers = [dense_spec] * n
+    if spec.is_moe:
+        moe_spec = moe_layer_spec(dense_spec, use_te, spec.num_moe_experts, lang_cfg.moe_grouped_gemm)
+        offset = get_transformer_layer_offset(lang_cfg)
+        layers = [moe_spec if offset + i in set(spec.moe_layers) else dense_spec for i in range(n)]
+    return _language_block_class()(layer_specs=layers, layer_norm=final_norm, submodules=dense_spec.submodules)
+
+
+@functools.lru_cache(maxsize=None)
+def _language_block_class():
+    """megatron-core's ``TransformerBlockSubmodules`` (a layer spec per layer, and the final norm) that also carries
+    one layer's ``submodules``: megatron-core's ``LLaVAModel`` reads ``.submodules.self_attention`` of its language
+    layer spec to check the attention under sequence parallelism, a check written for one spec shared by all
+    layers."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    @dataclass
+    class LanguageBlock(TransformerBlockSubmodules):
+        submodules: object = None
+
+    return LanguageBlock
 
 
 NONDETERMINISTIC_ENV = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
@@ -243,9 +399,6 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
             cpu_compat.allow_te_construction()
         if opts.deterministic:
             te_deterministic_env()
-    if opts.sequence_parallel and not opts.use_te:
-        raise ValueError("--sequence-parallel needs Transformer Engine layers: megatron-core's LLaVAModel supports "
-                         "sequence parallelism only with TE attention; drop --sequence-parallel for local layers")
     if opts.fp8:
         from megatron_vlm import fp8
 
@@ -265,18 +418,35 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         post_process = ps.is_pipeline_last_stage(ignore_virtual=True)
     lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te, spec.qk_layernorm)
     lang_cfg = language_config(spec, opts)
-    if not opts.use_te:  # megatron's block would pick apex's FusedLayerNorm (no RMSNorm) as final norm
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-        lang_spec = TransformerBlockSubmodules(layer_specs=[lang_spec] * get_num_layers_to_build(lang_cfg),
-                                               layer_norm=WrappedTorchNorm)
+    if not opts.use_te or spec.is_moe:
+        lang_spec = _language_block(spec, lang_cfg, lang_spec, opts.use_te)
+    local_sp = opts.sequence_parallel and not opts.use_te
     cls, extra = LLaVAModel, {}
     if spec.is_anyres:
         from megatron_vlm.anyres_model import AnyresLLaVAModel
 
         cls, extra = AnyresLLaVAModel, dict(anyres=spec.anyres, video_token_index=spec.video_token_id)
-    model = cls(
+    with _llava_accepts_local_sequence_parallel(local_sp):
+        model = _build_llava(cls, spec, opts, lang_cfg, lang_spec, vit_spec, proj_spec, pre_process, post_process,
+                             extra)
+    if model.vision_model is not None and spec.vision_family == "siglip":
+        # HF LLaVA reads hidden_states[k], which SigLIP's post_layernorm never touches.
+        model.vision_model.ln_post = None
+    if model.vision_model is not None and not opts.use_te:
+        _local_vit_norms(model.vision_model)
+    if spec.is_moe and opts.ep > 1:
+        # Expert-parallel ranks exchange their tokens in blocks of one size (megatron-core's all-gather dispatcher),
+        # and data-parallel ranks' micro batches differ in length: every micro batch is padded to the full
+        # sequence length, as megatron's LLaVAModel pads for pipeline parallelism (the flag it pads by).
+        model._language_is_pipeline_parallel = True
+    model.model_type = ModelType.encoder_or_decoder
+    return model
+
+
+def _build_llava(cls, spec: VLMSpec, opts: ModelOptions, lang_cfg, lang_spec, vit_spec, proj_spec, pre_process: bool,
+                 post_process: bool, extra: dict):
+    """megatron-core's ``LLaVAModel`` (or ``cls``, a subclass) for this rank."""
+    return cls(
         language_transformer_config=lang_cfg,
         language_transformer_layer_spec=lang_spec,
         language_vocab_size=spec.padded_vocab_size,
@@ -303,13 +473,6 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         image_token_index=spec.image_token_id,
         **extra,
     )
-    if model.vision_model is not None and spec.vision_family == "siglip":
-        # HF LLaVA reads hidden_states[k], which SigLIP's post_layernorm never touches.
-        model.vision_model.ln_post = None
-    if model.vision_model is not None and not opts.use_te:
-        _local_vit_norms(model.vision_model)
-    model.model_type = ModelType.encoder_or_decoder
-    return model
 
 
 def _local_vit_norms(vit) -> None:

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 SPEC_FILE = "vlm_spec.json"
-SUPPORTED_TEXT = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_TEXT = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+#: mixture-of-experts LM families (routed experts, no shared expert) -> how their HF config names the expert settings
+MOE_TEXT = ("qwen3_moe", "mixtral")
 SUPPORTED_VISION = ("clip", "siglip")  # SigLIP2 fixed-resolution checkpoints are model_type 'siglip'
 NAFLEX_REFUSAL = ("{where} has model_type 'siglip2' (SigLIP2 NaFlex: patches at each image's own resolution and "
                   "aspect ratio, with a position-embedding resize per image), which LLaVA's fixed-size tiles cannot "
@@ -61,6 +63,13 @@ class VLMSpec:
     rope_scaling_factor: float | None = None  # Llama-3 scaling (megatron's fixed low/high/original params)
     sliding_window: int | None = None
     make_vocab_size_divisible_by: int = 128
+    # mixture of experts (None: a dense LM); see moe_layers for which layers route to experts
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None  # each expert's intermediate size
+    moe_router_topk: int = 0
+    moe_norm_topk_prob: bool = True  # the top-k probabilities renormalised to sum to 1 (HF norm_topk_prob)
+    moe_layer_pattern: list[int] | None = None  # per language layer: 1 = MoE, 0 = dense MLP (ffn_hidden_size)
+    moe_aux_loss_coeff: float = 0.0  # HF router_aux_loss_coef: the load-balancing coefficient the LM was trained with
     # vision encoder
     vision_family: str = "clip"
     vision_num_layers: int = 24  # layers of the HF vision tower
@@ -95,6 +104,22 @@ class VLMSpec:
     def padded_vocab_size(self) -> int:
         d = self.make_vocab_size_divisible_by
         return int(math.ceil(self.vocab_size / d) * d)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the language layers whose MLP is a mixture of experts (none for a dense LM)."""
+        if not self.is_moe:
+            return []
+        pattern = self.moe_layer_pattern or [1] * self.num_layers
+        return [i for i, p in enumerate(pattern) if p]
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return len(self.moe_layers) < self.num_layers
 
     @property
     def vit_num_layers(self) -> int:
@@ -191,7 +216,7 @@ class VLMSpec:
         elif rope_type not in ("default", None):
             raise UnsupportedArchitectureError(f"rope scaling type {rope_type!r} is not supported (default, llama3)")
         sliding = getattr(t, "sliding_window", None)
-        if t.model_type in ("qwen2", "qwen3") and not getattr(t, "use_sliding_window", False):
+        if t.model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(t, "use_sliding_window", False):
             sliding = None
         vact = v.hidden_act
         if vact not in ("quick_gelu", "gelu_pytorch_tanh", "gelu"):
@@ -212,6 +237,7 @@ class VLMSpec:
                           vision_aspect_ratio=getattr(cfg, "vision_aspect_ratio", None) if arch == "llava_onevision"
                           else None)
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+        moe = _moe_settings(t)
         spec = cls(
             text_family=t.model_type,
             num_layers=t.num_hidden_layers,
@@ -225,7 +251,7 @@ class VLMSpec:
             max_position_embeddings=t.max_position_embeddings,
             vocab_size=t.vocab_size,
             qkv_bias=t.model_type == "qwen2",
-            qk_layernorm=t.model_type == "qwen3",
+            qk_layernorm=t.model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False) or getattr(t, "tie_word_embeddings", False)),
             rope_scaling_factor=rope_factor,
             sliding_window=sliding,
@@ -244,6 +270,7 @@ class VLMSpec:
             image_token_id=_config_image_token_id(cfg),
             pad_token_id=getattr(cfg, "pad_token_id", None),
             hf_config={k: v for k, v in cfg.to_dict().items() if k != "_name_or_path"},
+            **moe,
             **anyres,
         )
         video_index = getattr(cfg, "video_token_index", None) if arch == "llava_onevision" else None
@@ -324,10 +351,12 @@ class VLMSpec:
 
     # ---- parallelism checks -----------------------------------------------------------------------
     def _tp_divides(self) -> tuple[tuple[str, int, str], ...]:
+        dense_ffn = (("ffn_hidden_size (intermediate_size)", self.ffn_hidden_size, "language model"),) \
+            if self.has_dense_layers else ()
         return (
             ("num_attention_heads", self.num_attention_heads, "language model"),
             ("num_query_groups (num_key_value_heads)", self.num_query_groups, "language model"),
-            ("ffn_hidden_size (intermediate_size)", self.ffn_hidden_size, "language model"),
+            *dense_ffn,
             ("num_attention_heads", self.vision_num_attention_heads, "vision model"),
             ("ffn_hidden_size (intermediate_size)", self.vision_ffn_hidden_size, "vision model"),
             ("hidden_size (projector)", self.hidden_size, "projector"),
@@ -338,10 +367,32 @@ class VLMSpec:
         """The largest tensor-parallel size the shapes allow (every split in :meth:`check_parallelism`)."""
         return max(t for t in range(1, self.num_query_groups + 1) if all(v % t == 0 for _, v, _ in self._tp_divides()))
 
-    def check_parallelism(self, tp: int, pp: int, pp_layers: list[int] | None = None) -> list[int]:
-        """Validate TP/PP against the shapes; return the number of language layers per PP stage."""
+    def check_expert_parallelism(self, ep: int = 1, etp: int | None = None) -> None:
+        """Validate expert parallelism (``ep`` experts groups, ``etp`` tensor-parallel size inside an expert)
+        against the experts; a dense LM takes only ``ep=1``."""
+        if ep < 1 or (etp is not None and etp < 1):
+            raise ParallelismError(f"--ep {ep} / --etp {etp} must be >= 1")
+        if not self.is_moe:
+            if ep > 1 or (etp or 1) > 1:
+                raise ParallelismError(f"--ep/--etp apply to mixture-of-experts language models; this {self.text_family} "
+                                       "LM is dense: drop --ep/--etp")
+            return
+        if self.num_moe_experts % ep:
+            raise ParallelismError(
+                f"--ep {ep} does not divide the {self.num_moe_experts} experts of the language model; choose --ep "
+                f"from {[d for d in range(1, self.num_moe_experts + 1) if self.num_moe_experts % d == 0]}")
+        if etp is not None and self.moe_ffn_hidden_size % etp:
+            raise ParallelismError(
+                f"--etp {etp} does not divide each expert's moe_ffn_hidden_size={self.moe_ffn_hidden_size}; choose "
+                f"--etp from {_divisors_pow2(self.moe_ffn_hidden_size)}")
+
+    def check_parallelism(self, tp: int, pp: int, pp_layers: list[int] | None = None, ep: int = 1,
+                          etp: int | None = None) -> list[int]:
+        """Validate TP/PP (and expert parallelism) against the shapes; return the number of language layers per
+        PP stage. The expert tensor-parallel size ``etp`` defaults to ``tp``, as in megatron-core."""
         if tp < 1 or pp < 1:
             raise ParallelismError(f"--tp {tp} / --pp {pp} must be >= 1")
+        self.check_expert_parallelism(ep, etp if etp is not None else (tp if self.is_moe else None))
         checks = self._tp_divides()
         for name, value, where in checks:
             if name.startswith("num_query_groups") and tp > value:
@@ -373,6 +424,39 @@ class VLMSpec:
                 "split with --pp-layers"
             )
         return [self.num_layers // pp] * pp
+
+
+def _moe_settings(t) -> dict:
+    """The VLMSpec fields of a mixture-of-experts HF text config (Qwen3-MoE, Mixtral); {} for a dense LM. A layout
+    the mapping cannot express is refused, naming the setting."""
+    if t.model_type not in MOE_TEXT:
+        return {}
+    if t.model_type == "qwen3_moe":
+        experts, ffn = int(t.num_experts), int(t.moe_intermediate_size)
+        step = int(getattr(t, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(t, "mlp_only_layers", None) or [])
+        bad = sorted(i for i in dense if not 0 <= i < t.num_hidden_layers)
+        if bad:
+            raise UnsupportedArchitectureError(f"mlp_only_layers {bad} are not layers of a {t.num_hidden_layers}-layer "
+                                               "language model; fix the config")
+        pattern = [int(i not in dense and experts > 0 and (i + 1) % step == 0) for i in range(t.num_hidden_layers)]
+        norm_topk = bool(getattr(t, "norm_topk_prob", False))
+    else:  # mixtral: every layer routes; the experts' size is intermediate_size; top-k always renormalised
+        experts, ffn = int(t.num_local_experts), int(t.intermediate_size)
+        pattern = [1] * t.num_hidden_layers
+        norm_topk = True
+        jitter = float(getattr(t, "router_jitter_noise", 0.0) or 0.0)
+        if jitter:
+            raise UnsupportedArchitectureError(
+                f"router_jitter_noise={jitter}: HF Mixtral multiplies the experts' input by the noise too, which "
+                "megatron-core's router jitter does not; set router_jitter_noise to 0 in config.json")
+    topk = int(t.num_experts_per_tok)
+    if experts < 1 or not 1 <= topk <= experts:
+        raise UnsupportedArchitectureError(f"num_experts_per_tok={topk} must be between 1 and the {experts} experts")
+    if not any(pattern):
+        return {}
+    return dict(num_moe_experts=experts, moe_ffn_hidden_size=ffn, moe_router_topk=topk, moe_norm_topk_prob=norm_topk,
+                moe_layer_pattern=pattern, moe_aux_loss_coeff=float(getattr(t, "router_aux_loss_coef", 0.0) or 0.0))
 
 
 def _config_image_token_id(cfg) -> int:

@@ -78,3 +78,49 @@ def test_megatron_compiled_functions_run_eagerly():
     with torch.compiler.set_stance("default"):
         torch.compile(lambda t: t * 2, backend="eager")(x)
     assert counters["frames"]["total"] > before
+
+
+def test_moe_router_and_dispatcher_run_on_cpu():
+    """megatron-core's MoE on CPU: the router's gating GEMM is torch's (megatron-core binds Transformer Engine's
+    general_gemm whenever TE imports, as in the 3.12 lane, and leaves the name unbound without TE), and the
+    all-to-all dispatcher's device-to-host stream, which its constructor makes with torch.cuda.Stream(), is the
+    CPU's current stream, whose recorded event can be waited on; the router's gating function then gives the plain matmul and its gradients."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    assert moe_utils.te_general_gemm is None
+    stream = MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
+    assert stream is torch.cuda.current_stream() and stream is cpu_compat.CPU_STREAM
+    stream.record_event().synchronize()  # the dispatcher waits for its split sizes so
+    with torch.cuda.stream(stream):
+        assert torch.ones(2, device="cuda").sum() == 2
+    x = torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(4, 8, requires_grad=True)
+    out = moe_utils.router_gating_linear(x, w, None, torch.float32)
+    assert torch.allclose(out, x @ w.t())
+    out.sum().backward()
+    assert torch.allclose(x.grad, torch.ones(5, 4) @ w) and torch.allclose(w.grad, torch.ones(5, 4).t() @ x)
+
+
+def test_megatron_autograd_backwards_run_under_the_cpu_mode():
+    """The autograd engine runs a Function's backward outside the thread-local mode: the sequence-parallel
+    reduce-scatter of megatron's linear allocates its buffer on torch.cuda.current_device() there. Every
+    megatron-core autograd Function of the listed modules has its backward wrapped (the sequence-parallel runs of
+    tests/test_moe.py exercise them), and a wrapped backward computes what it computed."""
+    import importlib
+
+    wrapped = []
+    for name in cpu_compat.BACKWARD_MODULES:
+        for fn in vars(importlib.import_module(name)).values():
+            if isinstance(fn, type) and issubclass(fn, torch.autograd.Function) and fn.__module__ == name \
+                    and "backward" in fn.__dict__:
+                assert getattr(fn.backward, "_cpu_compat", False), fn
+                wrapped.append(fn.__name__)
+    assert {"CheckpointFunction", "LinearWithGradAccumulationAndAsyncCommunication",
+            "_GatherFromSequenceParallelRegion", "MoEAuxLossAutoScaler"} <= set(wrapped)
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    x = torch.ones(3, requires_grad=True)
+    aux = torch.tensor(2.0, requires_grad=True)
+    MoEAuxLossAutoScaler.apply(x, aux).sum().backward()  # a wrapped backward still computes what it computed
+    assert aux.grad is not None and x.grad.tolist() == [1.0, 1.0, 1.0]

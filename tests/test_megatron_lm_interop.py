@@ -193,3 +193,45 @@ def test_hf_only_tensors_are_initialised_without_hf_weights(hf_models, mlm, tmp_
     assert torch.equal(got.get("vision_tower.post_layernorm.weight"), torch.ones(32))
     assert torch.equal(got.get("vision_tower.encoder.layers.2.layer_norm1.bias"), torch.zeros(32))
     assert got.names() == HFReader(hf_models[NAME]).names()
+
+
+@pytest.fixture(scope="module")
+def moe_written(tmp_path_factory):
+    """A Qwen3-MoE LLaVA (3 MoE layers, 1 dense) as Megatron-LM writes it at TP2 x EP2: torch_dist, and legacy
+    rank files with SequentialMLP's and with TEGroupedMLP's expert names."""
+    from megatron_vlm.testing.tiny import make_tiny_llava
+
+    root = tmp_path_factory.mktemp("mlm_moe")
+    hf = make_tiny_llava(root / "hf", "qwen3_moe", "clip", text_overrides=dict(num_hidden_layers=4,
+                                                                                 mlp_only_layers=[2]))
+    converted = convert_hf_to_megatron(hf, root / "converted")
+    run_world(worlds.megatron_lm_moe_checkpoints, 4, str(converted), str(root / "mlm"))
+    return hf, root / "mlm"
+
+
+@pytest.mark.parametrize("kind", ["dist", "legacy_sequential", "legacy_grouped"])
+def test_megatron_lm_moe_checkpoints_export(kind, moe_written, tmp_path):
+    hf, mlm = moe_written
+    iter_dir = mlm / kind / "iter_0000005"
+    if kind != "dist":
+        assert sorted(p.name for p in iter_dir.glob("mp_rank_*")) == ["mp_rank_00_000", "mp_rank_00_001",
+                                                                       "mp_rank_01_000", "mp_rank_01_001"]
+        keys = ckpt.load_legacy_rank(iter_dir, 0, 0, 1, ep_rank=1, ep=2)["model"]
+        grouped = "language_model.decoder.layers.0.mlp.experts.linear_fc1.weight1"
+        sequential = "language_model.decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"
+        assert (grouped in keys, sequential in keys) == ((True, False) if kind == "legacy_grouped" else (False, True))
+    out = convert_megatron_to_hf(mlm / kind, tmp_path / "hf", hf_config=hf)
+    a, b = HFReader(hf), HFReader(out)
+    assert a.names() == b.names() and any(".mlp.experts.3.gate_proj." in n for n in a.names())
+    for n in a.names():
+        assert a.get(n).dtype == b.get(n).dtype and torch.equal(a.get(n), b.get(n)), n
+
+
+def test_megatron_lm_moe_checkpoint_with_other_experts_is_refused(moe_written, tmp_path):
+    from megatron_vlm.testing.tiny import make_tiny_llava
+
+    hf, mlm = moe_written
+    other = make_tiny_llava(tmp_path / "other", "qwen3_moe", "clip",
+                            text_overrides=dict(num_hidden_layers=4, mlp_only_layers=[2], num_experts=8))
+    with pytest.raises(MismatchError, match="experts .* = 8, but the checkpoint .* has 4"):
+        convert_megatron_to_hf(mlm / "legacy_grouped", tmp_path / "hf", hf_config=other)

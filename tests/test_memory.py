@@ -18,9 +18,15 @@ def specs(hf_models, tmp_path_factory):
     from megatron_vlm.spec import VLMSpec
     from megatron_vlm.testing.tiny import make_tiny_onevision
 
-    ov = make_tiny_onevision(tmp_path_factory.mktemp("mem") / "ov")
+    from megatron_vlm.testing.tiny import make_tiny_llava
+
+    root = tmp_path_factory.mktemp("mem")
+    ov = make_tiny_onevision(root / "ov")
+    # a mixture-of-experts LM: 3 MoE layers (4 experts of 32, top 2) and a dense one
+    moe = make_tiny_llava(root / "moe", "qwen3_moe", "clip", text_overrides=dict(num_hidden_layers=4,
+                                                                                   mlp_only_layers=[1]))
     return {"llava": VLMSpec.from_hf_dir(hf_models["llama_clip"]), "qwen2_tied": VLMSpec.from_hf_dir(
-        hf_models["qwen2_siglip"]), "ov": VLMSpec.from_hf_dir(ov)}
+        hf_models["qwen2_siglip"]), "ov": VLMSpec.from_hf_dir(ov), "moe": VLMSpec.from_hf_dir(moe)}
 
 
 @pytest.mark.parametrize("job", [
@@ -50,14 +56,19 @@ def test_estimate_equals_allocation_one_process(specs, job):
 
 @pytest.mark.slow
 def test_estimate_matches_allocation_in_parallel_worlds(specs):
-    """TP2 x DP2 and PP2 x DP2 with the distributed optimizer (bf16), TP2 x PP2 in fp32: every rank's weights
-    exactly, its gradient buffer and optimizer shard within megatron's padding."""
+    """TP2 x DP2 and PP2 x DP2 with the distributed optimizer (bf16), TP2 x PP2 in fp32, and for the MoE model
+    EP2 x DP2 and TP2 x EP2 (the experts' optimizer state sharded over their own data-parallel group) and PP2 x EP2:
+    every rank's weights exactly, its gradient buffer and optimizer shard within megatron's padding."""
     from megatron_vlm.runtime.spawn import run_world
     from megatron_vlm.testing.memory_jobs import memory_jobs
 
     jobs = [dict(tp=2, precision="bf16", dist_optim=True), dict(pp=2, precision="bf16", dist_optim=True),
             dict(tp=2, pp=2, precision="fp32", stage=1)]
-    for name in ("llava", "ov"):
+    moe_jobs = [dict(ep=2, precision="bf16", dist_optim=True),
+                dict(tp=2, ep=2, sequence_parallel=True, precision="bf16", dist_optim=True),
+                dict(pp=2, ep=2, precision="fp32")]
+    for name in ("llava", "ov", "moe"):
+        jobs = moe_jobs if name == "moe" else jobs
         results = run_world(memory_jobs, 4, specs[name].to_json(), jobs)
         for rank, per_job in enumerate(results):
             for job, r in zip(jobs, per_job):

@@ -14,6 +14,7 @@ Each world runs every job of its size in one process group (one start-up per wor
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.runtime.spawn import run_world
@@ -101,13 +102,21 @@ def test_bf16_resume_without_optimizer_state_continues_from_checkpoint_weights(w
     assert abs(stale["loss"][1] - fresh["loss"][1]) > 0.05, (stale["loss"], fresh["loss"])
 
 
-def test_sequence_parallel_needs_transformer_engine_layers(hf_models):
-    from megatron_vlm.model import ModelOptions, build_model
-    from megatron_vlm.spec import VLMSpec
+def test_local_layers_mark_their_norms_for_sequence_parallelism(hf_models):
+    """Local layers under sequence parallelism: torch's RMSNorm, each norm weight marked for the tensor-parallel
+    gradient all-reduce (megatron-core's finalize sums the partial gradients of a norm applied to a sequence
+    shard); without it the weights are unmarked. tests/test_train_reference.py and tests/test_moe.py train such
+    layouts against HF."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    spec = VLMSpec.from_hf_dir(hf_models["llama_clip"])
-    with pytest.raises(ValueError, match="--sequence-parallel needs Transformer Engine layers"):
-        build_model(spec, ModelOptions(tp=2, sequence_parallel=True))
+    from megatron_vlm.model import LocalNorm
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                            tensor_model_parallel_size=2, sequence_parallel=True)
+    norm = LocalNorm(cfg, 8, eps=1e-5)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-5 and norm.weight.sequence_parallel is True
+    cfg.sequence_parallel = False
+    assert not hasattr(LocalNorm(cfg, 8).weight, "sequence_parallel")
 
 
 def test_bf16_distributed_optimizer_resume_is_exact(worlds):

@@ -62,6 +62,7 @@ STAGES = {1: dict(stage=1, freeze_lm=True, freeze_vit=True, weight_decay=WEIGHT_
           2: dict(stage=2, freeze_lm=False, freeze_vit=True, weight_decay=WEIGHT_DECAY)}
 LAYOUTS = {
     "tp2dp2": dict(tp=2, micro_batch_size=2, dist_optim=True),
+    "tp2dp2-sp": dict(tp=2, micro_batch_size=2, sequence_parallel=True),
     "tp2pp2": dict(tp=2, pp=2, micro_batch_size=2),
     "pp2dp2": dict(pp=2, micro_batch_size=2),
 }

@@ -10,6 +10,11 @@ result is split across tensor-parallel ranks (``split``):
 - ``column`` (dim 0), ``row`` (dim 1), ``replicated``; ``gated`` tensors are split as
   ``cat(gate.chunk(tp)[r], up.chunk(tp)[r])`` per rank.
 
+Mixture-of-experts layers (Qwen3-MoE, Mixtral: :data:`MOE_HF_NAMES`, one row per family) have a router
+(``mlp.router.weight``, replicated) and one rule per expert and linear (``expert`` set): an expert lives on one
+expert-parallel rank (:func:`ep_rank_of`), under its local index there (:func:`local_name`), and is split over
+the expert tensor-parallel size (:func:`split_size`), which megatron-core sets apart from the attention's TP.
+
 Megatron names here are those of a TP=1/PP=1 model's ``state_dict`` with the local layer spec and global
 layer numbers ("full" names); ``local_name`` renumbers language layers for a pipeline stage. HF names are
 the transformers-5 on-disk names (``canonical_hf_name`` reads other layouts). Tensors of the HF model that
@@ -38,6 +43,7 @@ class Rule:
     heads: int = 0  # qkv: attention heads
     groups: int = 0  # qkv: query groups
     head_dim: int = 0
+    expert: int | None = None  # the global expert index of an expert's tensor (MoE layers)
 
 
 LM = "language_model.model."
@@ -65,6 +71,29 @@ def canonical_hf_name(name: str) -> str:
     return name
 
 
+# HF on-disk names of an MoE layer's router and expert ``{j}``'s SwiGLU linears, per family (relative to the layer).
+MOE_HF_NAMES = {
+    "qwen3_moe": dict(router="mlp.gate.weight", gate="mlp.experts.{j}.gate_proj.weight",
+                      up="mlp.experts.{j}.up_proj.weight", down="mlp.experts.{j}.down_proj.weight"),
+    "mixtral": dict(router="block_sparse_moe.gate.weight", gate="block_sparse_moe.experts.{j}.w1.weight",
+                    up="block_sparse_moe.experts.{j}.w3.weight", down="block_sparse_moe.experts.{j}.w2.weight"),
+}
+
+
+def _moe_mlp_rules(spec: VLMSpec, m: str, h: str, at: dict) -> list[Rule]:
+    """Router and experts of the MoE layer with Megatron prefix ``m`` and HF prefix ``h``."""
+    names = MOE_HF_NAMES[spec.text_family]
+    rules = [Rule(m + "mlp.router.weight", (h + names["router"],), **at)]
+    for j in range(spec.num_moe_experts):
+        e = f"{m}mlp.experts.local_experts.{j}."
+        rules += [
+            Rule(e + "linear_fc1.weight", (h + names["gate"].format(j=j), h + names["up"].format(j=j)),
+                 "gated", "gated", expert=j, **at),
+            Rule(e + "linear_fc2.weight", (h + names["down"].format(j=j),), split="row", expert=j, **at),
+        ]
+    return rules
+
+
 def _language_rules(spec: VLMSpec) -> list[Rule]:
     rules = [
         Rule("language_model.embedding.word_embeddings.weight", (LM + "embed_tokens.weight",), "vocab", "column"),
@@ -73,6 +102,7 @@ def _language_rules(spec: VLMSpec) -> list[Rule]:
     if not spec.tie_word_embeddings:
         rules.append(Rule("language_model.output_layer.weight", (LM_HEAD,), "vocab", "column", placement="last"))
     qkv = dict(heads=spec.num_attention_heads, groups=spec.num_query_groups, head_dim=spec.kv_channels)
+    moe_layers = set(spec.moe_layers)
     for i in range(spec.num_layers):
         m, h = f"language_model.decoder.layers.{i}.", f"{LM}layers.{i}."
         at = dict(placement="layer", layer=i)
@@ -82,10 +112,15 @@ def _language_rules(spec: VLMSpec) -> list[Rule]:
                  tuple(h + f"self_attn.{x}_proj.weight" for x in "qkv"), "qkv", "column", **at, **qkv),
             Rule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), split="row", **at),
             Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), **at),
-            Rule(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-                 "gated", "gated", **at),
-            Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), split="row", **at),
         ]
+        if i in moe_layers:
+            rules += _moe_mlp_rules(spec, m, h, at)
+        else:
+            rules += [
+                Rule(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                     "gated", "gated", **at),
+                Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), split="row", **at),
+            ]
         if spec.qk_layernorm:  # Qwen3: RMSNorm over each head's kv_channels, shared by all heads
             rules += [Rule(m + f"self_attention.{x}_layernorm.weight", (h + f"self_attn.{x}_norm.weight",), **at)
                       for x in "qk"]
@@ -202,7 +237,22 @@ def to_hf(rule: Rule, full: torch.Tensor, spec: VLMSpec) -> list[torch.Tensor]:
     raise ValueError(rule.kind)
 
 
-# ---- tensor parallel ---------------------------------------------------------------------------------
+# ---- tensor and expert parallel --------------------------------------------------------------------------
+def split_size(rule: Rule, tp: int, etp: int | None = None) -> int:
+    """The tensor-parallel size ``rule``'s tensor is split over: the expert TP size (default ``tp``) for an
+    expert's linear, ``tp`` otherwise."""
+    return (tp if etp is None else etp) if rule.expert is not None else tp
+
+
+def ep_rank_of(rule: Rule, spec: VLMSpec, ep: int) -> int | None:
+    """The expert-parallel rank holding ``rule``'s expert (experts are dealt out in contiguous blocks, as
+    megatron-core does); None for a tensor every EP rank holds."""
+    if rule.expert is None:
+        return None
+    return rule.expert // (spec.num_moe_experts // ep)
+
+
+
 def tp_shard(rule: Rule, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     if tp == 1 or rule.split == "replicated":
         return full
@@ -251,11 +301,18 @@ def stages_of(rule: Rule, spec: VLMSpec, layers_per_stage: list[int]) -> list[in
     raise ValueError(f"layer {rule.layer} is beyond {sum(layers_per_stage)} layers")
 
 
-def local_name(rule: Rule, stage: int, layers_per_stage: list[int]) -> str:
-    """The name of ``rule``'s tensor in the state dict of pipeline stage ``stage``."""
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def local_name(rule: Rule, stage: int, layers_per_stage: list[int], experts_per_rank: int | None = None) -> str:
+    """The name of ``rule``'s tensor in the state dict of pipeline stage ``stage`` (and, for an expert's tensor
+    with ``experts_per_rank`` experts on each expert-parallel rank, under its local index there)."""
     if rule.placement == "layer":
         offset = sum(layers_per_stage[:stage])
-        return _LAYER.sub(f"language_model.decoder.layers.{rule.layer - offset}.", rule.mcore)
+        name = _LAYER.sub(f"language_model.decoder.layers.{rule.layer - offset}.", rule.mcore)
+        if rule.expert is not None and experts_per_rank:
+            name = _EXPERT.sub(f".local_experts.{rule.expert % experts_per_rank}.", name)
+        return name
     if rule.kind == "vocab" and stage > 0 and rule.placement == "first":
         return "language_model.output_layer.weight"  # tied copy on the last stage
     return rule.mcore

@@ -110,8 +110,11 @@ def _read_dist(iter_dir) -> tuple[dict, dict, dict, dict]:
             continue
         name = ckpt.local_norm_name(key[len(layout.prefix):])
         shape = tuple(sh.global_shape)
-        m = re.match(r"^(language_model|vision_model)\.decoder\.layers\.", name)
-        if m:  # megatron stacks the layers of a model along a leading axis
+        m = re.match(r"^(language_model|vision_model)\.decoder\.layers\.(\d+\.)?", name)
+        if m and m.group(2):  # one key per layer (a model whose layers differ: dense layers among MoE layers)
+            counts[m.group(1)] = max(counts.get(m.group(1), 0), int(m.group(2)[:-1]) + 1)
+            name = name.replace(f"decoder.layers.{m.group(2)}", "decoder.layers.0.", 1)
+        elif m:  # megatron stacks the layers of a model along a leading axis
             counts[m.group(1)] = shape[0]
             name, shape = name.replace("decoder.layers.", "decoder.layers.0.", 1), shape[1:]
         shapes[name] = shape
@@ -120,25 +123,40 @@ def _read_dist(iter_dir) -> tuple[dict, dict, dict, dict]:
     return shapes, counts, _args_of(common.get("args")), dtypes
 
 
-def _read_legacy(iter_dir, tp: int, pp: int, spec: VLMSpec) -> tuple[dict, dict, dict, dict, list[int]]:
-    """Legacy rank files: as :func:`_read_dist`, plus the language layers of each pipeline stage."""
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _read_legacy(iter_dir, tp: int, pp: int, spec: VLMSpec, ep: int = 1,
+                 etp: int | None = None) -> tuple[dict, dict, dict, dict, list[int]]:
+    """Legacy rank files: as :func:`_read_dist`, plus the language layers of each pipeline stage. With expert
+    parallelism (``ep`` rank files per TP rank and stage) each file's experts are renumbered to their global index,
+    and an expert's TP shards are those of the first ``etp`` TP ranks."""
     split = {r.mcore: r.split for r in mapping.rules(spec)}
     shapes, dtypes, args, per_stage, vit = {}, {}, {}, [], 0
+    per_rank = spec.num_moe_experts // ep if spec.is_moe else 0
     for stage in range(pp):
         local = {}
-        for t in range(tp):
-            f = ckpt.load_legacy_rank(iter_dir, t, stage, pp)
-            if "model" not in f:
-                found = sorted(k for k in f if k.startswith("model"))
-                raise ckpt.CheckpointLayoutError(
-                    f"{ckpt.legacy_rank_file(iter_dir, t, stage, pp)} has no 'model' entry (it has {found}); "
-                    "checkpoints with virtual pipeline stages are not supported: save with "
-                    "--num-layers-per-virtual-pipeline-stage unset"
-                )
-            args = args or _args_of(f.get("args"))
-            for k, v in ckpt.normalize_legacy_names(f["model"]).items():
-                if isinstance(v, torch.Tensor):
-                    local.setdefault(k, []).append(v)
+        for e in range(ep):
+            for t in range(tp):
+                f = ckpt.load_legacy_rank(iter_dir, t, stage, pp, ep_rank=e, ep=ep)
+                if "model" not in f:
+                    found = sorted(k for k in f if k.startswith("model"))
+                    raise ckpt.CheckpointLayoutError(
+                        f"{ckpt.legacy_rank_file(iter_dir, t, stage, pp, e, ep)} has no 'model' entry (it has "
+                        f"{found}); checkpoints with virtual pipeline stages are not supported: save with "
+                        "--num-layers-per-virtual-pipeline-stage unset"
+                    )
+                args = args or _args_of(f.get("args"))
+                for k, v in ckpt.normalize_legacy_names(f["model"]).items():
+                    expert = _EXPERT.search(k)
+                    if expert:  # one EP rank's experts, split over the first etp TP ranks
+                        if t >= (etp or tp):
+                            continue
+                        k = _EXPERT.sub(f".local_experts.{int(expert.group(1)) + e * per_rank}.", k)
+                    elif e > 0:  # every EP rank holds the same dense tensors
+                        continue
+                    if isinstance(v, torch.Tensor):
+                        local.setdefault(k, []).append(v)
         layers = {int(m.group(2)) for k in local if (m := _LAYER.match(k)) and m.group(1) == "language_model"}
         per_stage.append(len(layers))
         if stage == 0:
@@ -158,6 +176,17 @@ def _read_legacy(iter_dir, tp: int, pp: int, spec: VLMSpec) -> tuple[dict, dict,
                 dtypes[ts[0].dtype] = dtypes.get(ts[0].dtype, 0) + ts[0].numel()
     counts = {"language_model": sum(per_stage), "vision_model": vit}
     return shapes, counts, args, dtypes, per_stage
+
+
+
+def _legacy_args(iter_dir) -> dict:
+    """Megatron-LM's args from the first rank file of a legacy checkpoint ({} without any)."""
+    names = sorted(p for p in Path(iter_dir).glob("mp_rank_*/model_optim_rng.pt"))
+    if not names:
+        raise ckpt.CheckpointLayoutError(f"{iter_dir} has no mp_rank_XX[_YYY]/model_optim_rng.pt files")
+    import megatron.core  # noqa: F401  (the safe globals of Megatron-LM's files)
+
+    return _args_of(torch.load(names[0], map_location="cpu", weights_only=True, mmap=True).get("args"))
 
 
 # ---- the cross-check ------------------------------------------------------------------------------------
@@ -191,8 +220,8 @@ def _check(spec: VLMSpec, shapes: dict, counts: dict, args: dict, where: str, ti
     L, V = "language_model.", "vision_model."
     lay, vlay = L + "decoder.layers.0.", V + "decoder.layers.0."
     emb = need(L + "embedding.word_embeddings.weight")
-    qkv, proj, fc1 = (need(lay + "self_attention.linear_qkv.weight"), need(lay + "self_attention.linear_proj.weight"),
-                      need(lay + "mlp.linear_fc1.weight"))
+    qkv, proj = need(lay + "self_attention.linear_qkv.weight"), need(lay + "self_attention.linear_proj.weight")
+    fc1 = need(lay + "mlp.linear_fc1.weight") if spec.has_dense_layers else (2 * spec.ffn_hidden_size,)
     conv, pos = need(V + "conv1.weight"), need(V + "position_embeddings.weight")
     vqkv, vfc1 = need(vlay + "self_attention.linear_qkv.weight"), need(vlay + "mlp.linear_fc1.weight")
     proj_enc = "vision_projection.encoder."
@@ -224,6 +253,7 @@ def _check(spec: VLMSpec, shapes: dict, counts: dict, args: dict, where: str, ti
         ("projector biases (multimodal_projector_bias)", s.projector_bias,
          "vision_projection.encoder.linear_fc1.bias" in shapes, "vision_projection.encoder.linear_fc1.bias"),
     ]
+    checks += _expert_checks(spec, shapes, need, lay)
     for what, ours, theirs, detail in checks:
         if ours != theirs:
             raise MismatchError(f"--hf-config says {what} = {ours}, but the checkpoint {where} has {theirs} "
@@ -247,6 +277,16 @@ def _check(spec: VLMSpec, shapes: dict, counts: dict, args: dict, where: str, ti
         if ours is not None and theirs is not None and theirs != ours:
             raise MismatchError(f"--hf-config gives {name}={ours}, but the checkpoint {where} was trained with "
                                 f"args.{name}={theirs}; use the HF config of the model it was trained from")
+    for name, ours in (("num_experts", spec.num_moe_experts), ("moe_router_topk", spec.moe_router_topk or None),
+                       ("moe_ffn_hidden_size", spec.moe_ffn_hidden_size)):
+        theirs = args.get(name)
+        if ours is not None and theirs is not None and theirs != ours:
+            raise MismatchError(f"--hf-config gives {name}={ours}, but the checkpoint {where} was trained with "
+                                f"args.{name}={theirs}; use the HF config of the model it was trained from")
+        if ours is None and theirs:
+            raise MismatchError(f"--hf-config is a dense {spec.text_family} language model, but the checkpoint {where} "
+                                f"was trained with args.{name}={theirs} (mixture of experts); use the HF config of "
+                                "the model it was trained from")
     if "swiglu" in args and not args["swiglu"]:
         raise MismatchError(f"the checkpoint {where} was trained without --swiglu, but a {s.text_family} "
                             "language model needs SwiGLU")
@@ -266,6 +306,27 @@ def _check(spec: VLMSpec, shapes: dict, counts: dict, args: dict, where: str, ti
         )
 
 
+def _expert_checks(spec: VLMSpec, shapes: dict, need, lay: str) -> list:
+    """(what, ours, theirs, detail) rows for an MoE layer's router and experts: from the per-expert names of legacy
+    files (``local_experts.<j>``, TEGroupedMLP's renamed) or torch_dist's expert-stacked tensor."""
+    if not spec.is_moe:
+        return []
+    router = need(lay + "mlp.router.weight")
+    stacked = shapes.get(lay + "mlp.experts.experts.linear_fc1.weight")  # torch_dist: [experts, 2 x ffn, hidden]
+    if stacked is not None:
+        experts, fc1 = stacked[0], stacked[1:]
+    else:
+        found = {int(m.group(1)) for k in shapes if k.startswith(lay) and (m := _EXPERT.search(k))}
+        experts, fc1 = len(found), need(lay + "mlp.experts.local_experts.0.linear_fc1.weight")
+    return [
+        ("experts (text_config num_experts / num_local_experts)", spec.num_moe_experts, experts,
+         "mlp.experts.*"),
+        ("router rows (the experts)", spec.num_moe_experts, router[0], f"mlp.router.weight {router}"),
+        ("2 x expert FFN size (moe_intermediate_size)", 2 * spec.moe_ffn_hidden_size, fc1[0],
+         f"an expert's linear_fc1.weight {tuple(fc1)}"),
+    ]
+
+
 def describe(iter_dir, hf_config) -> tuple[VLMSpec, ckpt.CheckpointMeta, dict[str, torch.Tensor]]:
     """Spec, format meta and HF-only tensors of the Megatron-LM checkpoint in ``iter_dir``, checked against
     ``hf_config`` (an HF LLaVA dir or config.json). Raises :class:`MismatchError` naming both values."""
@@ -278,8 +339,11 @@ def describe(iter_dir, hf_config) -> tuple[VLMSpec, ckpt.CheckpointMeta, dict[st
         per_stage = None
     else:
         fmt = "torch"
-        tp, pp = ckpt.legacy_layout(iter_dir)
-        shapes, counts, args, dtypes, per_stage = _read_legacy(iter_dir, tp, pp, spec)
+        first_args = _legacy_args(iter_dir)
+        ep = int(first_args.get("expert_model_parallel_size") or 1)
+        etp = first_args.get("expert_tensor_parallel_size")
+        tp, pp, _ = ckpt.legacy_layout_ep(iter_dir, expert_parallel=ep > 1)
+        shapes, counts, args, dtypes, per_stage = _read_legacy(iter_dir, tp, pp, spec, ep, etp)
         for name, have in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
             if args.get(name) not in (None, have):
                 raise ckpt.CheckpointLayoutError(f"{iter_dir} has rank files for {name}={have}, but its args say "
@@ -290,7 +354,9 @@ def describe(iter_dir, hf_config) -> tuple[VLMSpec, ckpt.CheckpointMeta, dict[st
     _check(spec, shapes, counts, args, where, tied_once=fmt == "torch_dist" or pp == 1)
     dtype = max(dtypes, key=dtypes.get) if dtypes else torch.float32
     meta = ckpt.CheckpointMeta(fmt, tp or 1, pp or 1, per_stage or [spec.num_layers], iteration,
-                               str(dtype).replace("torch.", ""), extra={"source": "Megatron-LM"})
+                               str(dtype).replace("torch.", ""), extra={"source": "Megatron-LM"},
+                               ep=int(args.get("expert_model_parallel_size") or 1) if fmt == "torch" else 1,
+                               etp=args.get("expert_tensor_parallel_size") if fmt == "torch" else None)
     log.info("Megatron-LM checkpoint %s (%s%s, %s) matches %s", iter_dir, fmt,
              f", tp={tp} pp={pp}" if tp else "", meta.dtype, _config_path(hf_config))
     return spec, meta, hf_only_tensors(spec, hf_config, dtype)

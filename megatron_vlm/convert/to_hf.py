@@ -30,17 +30,21 @@ def read_full_megatron_state(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta)
     if meta.format == "torch":
         files = {}
         state = {}
+        ep, etp = meta.ep, meta.etp or meta.tp
+        per_rank = spec.num_moe_experts // ep if spec.is_moe else None
         for rule in rules:
             stage = mapping.stages_of(rule, spec, meta.pp_layers)[0]
+            e = mapping.ep_rank_of(rule, spec, ep) or 0
             shards = []
-            for t in range(meta.tp):
-                key = (t, stage)
+            for t in range(mapping.split_size(rule, meta.tp, etp)):
+                key = (t, stage, e)
                 if key not in files:
-                    rank_file = ckpt.load_legacy_rank(iter_dir, t, stage, meta.pp)
+                    rank_file = ckpt.load_legacy_rank(iter_dir, t, stage, meta.pp, ep_rank=e, ep=ep)
                     files[key] = ckpt.normalize_legacy_names(rank_file["model"])  # TE names, _extra_state
-                name = mapping.local_name(rule, stage, meta.pp_layers)
+                name = mapping.local_name(rule, stage, meta.pp_layers, per_rank)
                 if name not in files[key]:
-                    raise ckpt.CheckpointLayoutError(f"{name} is missing from rank file tp={t} pp={stage} of {iter_dir}")
+                    raise ckpt.CheckpointLayoutError(f"{name} is missing from rank file tp={t} pp={stage}"
+                                                     f"{f' ep={e}' if ep > 1 else ''} of {iter_dir}")
                 shards.append(files[key][name])
             state[rule.mcore] = mapping.tp_merge(rule, shards)
         return state

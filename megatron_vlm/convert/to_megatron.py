@@ -42,14 +42,20 @@ def convert_hf_to_megatron(
     dtype: str = "auto",
     overwrite: bool = False,
     check=None,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> Path:
     """Write ``megatron_dir``. ``check(tmp_dir)``, if given, runs on the complete checkpoint under its temporary
     name before the rename (``--verify``): when it raises, the new checkpoint is deleted and ``megatron_dir`` is
-    left as it was (absent, or the previous checkpoint with ``overwrite``)."""
+    left as it was (absent, or the previous checkpoint with ``overwrite``). ``ep``/``etp``: the expert-parallel
+    layout of a mixture-of-experts model (legacy rank files are written per EP rank; torch_dist reshards to any)."""
     if ckpt_format not in ckpt.FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {ckpt.FORMATS}")
     spec = VLMSpec.from_hf_dir(hf_dir)
-    layers = spec.check_parallelism(tp, pp, pp_layers)
+    layers = spec.check_parallelism(tp, pp, pp_layers, ep, etp)
+    if ckpt_format == "torch" and (etp or tp) not in (1, tp):
+        raise ValueError(f"--etp {etp} with --tp {tp}: legacy rank files hold experts whole (--etp 1) or split as the "
+                         "attention (--etp equal to --tp); use --ckpt-format torch_dist, which reshards to any --etp")
     reader = HFReader(hf_dir)
     torch_dtype = reader.dtype() if dtype == "auto" else DTYPES[dtype]
     rules = mapping.rules(spec)
@@ -57,12 +63,13 @@ def convert_hf_to_megatron(
     if missing:
         raise ValueError(f"{hf_dir} lacks {len(missing)} tensors the spec needs, e.g. {missing[0]}")
     extra = {n: _cast(reader.get(n), torch_dtype) for n in mapping.extra_hf_names(spec, reader.names())}
-    meta = ckpt.CheckpointMeta(ckpt_format, tp, pp, layers, "release", str(torch_dtype).replace("torch.", ""))
+    meta = ckpt.CheckpointMeta(ckpt_format, tp, pp, layers, "release", str(torch_dtype).replace("torch.", ""),
+                               ep=ep, etp=etp)
     with atomic_dir(megatron_dir, overwrite=overwrite, what="--megatron-dir") as tmp:
         iter_dir = tmp / "release"
         iter_dir.mkdir()
         if ckpt_format == "torch":
-            _write_legacy(reader, spec, rules, iter_dir, tp, pp, layers, torch_dtype)
+            _write_legacy(reader, spec, rules, iter_dir, tp, pp, layers, torch_dtype, ep, etp)
         else:
             _write_dist(reader, spec, rules, iter_dir, torch_dtype)
         ckpt.write_side_files(iter_dir, spec, extra)
@@ -76,17 +83,21 @@ def convert_hf_to_megatron(
     return Path(megatron_dir)
 
 
-def _write_legacy(reader, spec, rules, iter_dir, tp, pp, layers, dtype) -> None:
-    ranks = [(p, t) for p in range(pp) for t in range(tp)]
-    for p, t in tqdm(ranks, desc="writing rank files", unit="rank", disable=None):
+def _write_legacy(reader, spec, rules, iter_dir, tp, pp, layers, dtype, ep: int = 1, etp: int | None = None) -> None:
+    """One rank file per (PP stage, EP rank, TP rank), as Megatron-LM writes them: an EP rank's file holds its own
+    experts (under their local indices) and the stage's other tensors; experts split over ``etp`` (1 or ``tp``)."""
+    ranks = [(p, e, t) for p in range(pp) for e in range(ep) for t in range(tp)]
+    per_rank = spec.num_moe_experts // ep if spec.is_moe else None
+    for p, e, t in tqdm(ranks, desc="writing rank files", unit="rank", disable=None):
         state = {}
         for rule in rules:
-            if p not in mapping.stages_of(rule, spec, layers):
+            if p not in mapping.stages_of(rule, spec, layers) or mapping.ep_rank_of(rule, spec, ep) not in (None, e):
                 continue
             full = _full_tensor(rule, reader, spec, dtype)
-            state[mapping.local_name(rule, p, layers)] = mapping.tp_shard(rule, full, tp, t).clone()
+            split = mapping.split_size(rule, tp, etp)
+            state[mapping.local_name(rule, p, layers, per_rank)] = mapping.tp_shard(rule, full, split, t % split).clone()
             del full
-        ckpt.save_legacy_rank(iter_dir, t, p, pp, state, "release")
+        ckpt.save_legacy_rank(iter_dir, t, p, pp, state, "release", ep_rank=e, ep=ep)
         del state
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -390,7 +391,7 @@ def megatron_max_diffs(model, batch: ReferenceBatch, reference_file, vocab: int,
 
 
 def _verify_worker(megatron_dir, iteration, tp: int, pp: int, batch: ReferenceBatch, reference_file, rows: int,
-                   device=None, progress: bool = False):
+                   device=None, progress: bool = False, ep: int = 1, etp: int | None = None):
     from megatron_vlm import checkpoint as ckpt
     from megatron_vlm.model import ModelOptions, build_model
     from megatron_vlm.runtime import distributed
@@ -399,12 +400,13 @@ def _verify_worker(megatron_dir, iteration, tp: int, pp: int, batch: ReferenceBa
         from megatron_vlm.cli import setup_logging
 
         setup_logging()
-    distributed.setup(tp, pp, device=device)
+    distributed.setup(tp, pp, device=device, ep=ep, etp=etp)
     iter_dir = ckpt.resolve_iteration_dir(megatron_dir, iteration)
     spec = VLMSpec.load(iter_dir)
     meta = ckpt.CheckpointMeta.load(iter_dir)
     pp_layers = meta.pp_layers if meta.pp == pp else None
-    opts = ModelOptions(tp=tp, pp=pp, pp_layers=pp_layers, seq_length=batch.combined_length, perform_initialization=False)
+    opts = ModelOptions(tp=tp, pp=pp, pp_layers=pp_layers, seq_length=batch.combined_length, perform_initialization=False,
+                        ep=ep, etp=etp)
     model = build_model(spec, opts)
     if torch.cuda.is_available():
         model.cuda()
@@ -413,9 +415,19 @@ def _verify_worker(megatron_dir, iteration, tp: int, pp: int, batch: ReferenceBa
     return megatron_max_diffs(model, batch, reference_file, spec.vocab_size, rows)
 
 
+def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """Processes of a verification world: TP x PP, with as many data-parallel replicas as expert parallelism needs
+    (each pipeline stage's ranks must hold whole EP x expert-TP groups)."""
+    experts = ep * (tp if etp is None else etp)
+    return pp * math.lcm(tp, experts)
+
+
 def verify_checkpoint(hf_dir, megatron_dir, tp: int = 1, pp: int = 1, iteration=None,
-                      tolerance: float = DEFAULT_TOLERANCE, chunk_bytes: int | None = None) -> float:
-    """Max |logit difference| between HF and the Megatron checkpoint; raises above ``tolerance``.
+                      tolerance: float = DEFAULT_TOLERANCE, chunk_bytes: int | None = None, ep: int = 1,
+                      etp: int | None = None) -> float:
+    """Max |logit difference| between HF and the Megatron checkpoint; raises above ``tolerance``. ``ep``/``etp``:
+    the expert-parallel layout of a mixture-of-experts model (a world of :func:`world_size` processes; every
+    data-parallel replica runs the same batch, so the experts see every replica's tokens).
 
     Peak memory: the larger of HF's fp32 model and Megatron's (TP*PP ranks together hold one fp32 copy), plus
     one sample's activations and ``chunk_bytes``-sized logit slices (default :data:`CHUNK_BYTES`); never a
@@ -430,22 +442,24 @@ def verify_checkpoint(hf_dir, megatron_dir, tp: int = 1, pp: int = 1, iteration=
     with tempfile.TemporaryDirectory(prefix=".verify-", dir=where) as tmp:
         reference = Path(tmp) / "hf_reference.safetensors"
         write_hf_reference(hf_dir, batch, reference)
-        _progress(f"loading the checkpoint into a tp={tp} pp={pp} Megatron model"
-                  + (f" ({tp * pp} processes)" if tp * pp > 1 else ""))
+        world = world_size(tp, pp, ep, etp)
+        layout = f"tp={tp} pp={pp}" + (f" ep={ep} etp={tp if etp is None else etp}" if spec.is_moe else "")
+        _progress(f"loading the checkpoint into a {layout} Megatron model"
+                  + (f" ({world} processes)" if world > 1 else ""))
         progress = log.isEnabledFor(logging.INFO)
-        if tp * pp == 1:
+        if world == 1:
             with single_process_world():
                 diffs = _verify_worker(megatron_dir, iteration, 1, 1, batch, reference, rows, progress=progress)
         else:
             from megatron_vlm.runtime.spawn import run_world
 
-            results = run_world(_verify_worker, tp * pp, megatron_dir, iteration, tp, pp, batch, reference, rows,
-                                progress=progress)
-            diffs = next(r for r in results if r is not None)
+            results = run_world(_verify_worker, world, megatron_dir, iteration, tp, pp, batch, reference, rows,
+                                progress=progress, ep=ep, etp=etp)
+            diffs = [d for r in results if r is not None for d in r]  # every data-parallel replica's comparison
     diff = float(torch.tensor(diffs).max())  # NaN stays NaN, and fails below
-    log.info("max |logit diff| HF vs Megatron (tp=%d pp=%d, fp32): %.3g (tolerance %.1g)", tp, pp, diff, tolerance)
+    log.info("max |logit diff| HF vs Megatron (%s, fp32): %.3g (tolerance %.1g)", layout, diff, tolerance)
     if not diff <= tolerance:
-        raise VerificationError(f"logits differ by {diff:.3g} > {tolerance:g} between HF and Megatron (tp={tp} pp={pp})")
+        raise VerificationError(f"logits differ by {diff:.3g} > {tolerance:g} between HF and Megatron ({layout})")
     return diff
 
 

@@ -328,9 +328,13 @@ def check_spec_against_tensors(spec: VLMSpec, source: str, it_dir) -> list[str]:
 def check_spec(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
     problems = []
     try:
-        spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers)
+        spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers, cfg.ep, cfg.etp)
     except ParallelismError as e:
         problems.append(f"{e} (model: {source})")
+    if spec.is_moe and cfg.tp > 1 and not cfg.sequence_parallel:
+        problems.append(f"--tp {cfg.tp} with the mixture-of-experts language model of {source} needs "
+                        "--sequence-parallel: megatron-core's MoE layers train with tensor parallelism only on a "
+                        "sequence-parallel split (add --sequence-parallel, or use --tp 1 with --ep)")
     if cfg.seq_length <= spec.num_image_tokens:
         problems.append(f"--seq-length {cfg.seq_length} cannot hold the {spec.num_image_tokens} image tokens of one "
                         f"image plus text (model: {source}); use a larger --seq-length")

@@ -7,11 +7,12 @@ makes the same code run on CPU:
 - a ``TorchFunctionMode`` that rewrites CUDA devices (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``,
   integer device indices) to ``"cpu"`` in factory functions / ``Tensor.to``, and makes ``Tensor.cuda()``
   a no-op;
-- the same mode around megatron's activation-recomputation backward (which re-runs the forward inside the
-  autograd engine, where the thread-local mode is not active);
+- the same mode around the backward of megatron-core's autograd Functions (the autograd engine runs them where
+  the thread-local mode is not active): activation recomputation re-runs the forward there, sequence parallelism
+  reduce-scatters into buffers made on ``torch.cuda.current_device()``;
 - CPU stand-ins for ``torch.cuda.current_device / synchronize / current_stream / get_rng_state /
-  set_rng_state / manual_seed`` (``current_stream`` is torch's no-op CPU stream: megatron-core 0.19's DDP grad
-  sync waits on the current stream's events) (the "CUDA" RNG state *is* the CPU default generator's state, so megatron's RNG tracker
+  set_rng_state / manual_seed`` (``current_stream`` is torch's no-op CPU stream whose recorded events can be
+  waited on, :data:`CPU_STREAM`: megatron-core 0.19's DDP grad sync waits on the current stream's events) (the "CUDA" RNG state *is* the CPU default generator's state, so megatron's RNG tracker
   forks/restores the generator that CPU ops really use) and for megatron's own ``_get/_set_cuda_rng_state``;
 - megatron-core's optimizer code on megatron's own fallbacks, as when neither Transformer Engine nor Apex imports
   (:func:`use_torch_optimizer_kernels`): with Transformer Engine installed (the 3.12 lane), megatron binds TE's
@@ -29,6 +30,15 @@ makes the same code run on CPU:
   else on the packed path is megatron-core's own: rotary embeddings restart per segment in its
   ``_apply_rotary_pos_emb_thd``, and LLaVAModel lays out images, labels and loss mask.
 
+- megatron-core's mixture-of-experts layers (:func:`moe_on_cpu`): the router's gating GEMM runs on torch's
+  matmul, which megatron-core uses whenever Transformer Engine's ``general_gemm`` is unavailable (the 3.12 lane
+  imports TE, whose GEMM needs a GPU); the all-to-all token dispatcher's device-to-host stream, which its
+  constructor makes with ``torch.cuda.Stream()``, is :data:`CPU_STREAM` (the current stream, so the dispatcher
+  copies its split sizes on it without a side stream, and synchronizes on its event), and its split sizes, CPU
+  tensors already, become the numpy arrays megatron-core makes of copied CUDA tensors (torch's
+  ``all_to_all_single`` takes no tensors as split sizes). The collectives the dispatchers use (all-gather,
+  reduce-scatter, ``all_to_all_single`` with split sizes) are gloo's own.
+
 It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine).
 
 ``allow_te_construction()`` (called by :func:`megatron_vlm.model.build_model` for Transformer Engine layers while
@@ -39,8 +49,8 @@ other caller still gets the real answer (False). Its limits: TE's kernels (the f
 linears, norms and attention, FP8 casts) still need a GPU and fail on CPU; nothing else in TE, megatron-core or
 torch is changed for it; it refuses to run on a machine with CUDA, where TE needs no help.
 
-Separately, two fixes are needed whenever Transformer Engine (and Apex) are missing, on CPU or GPU, and
-``fix_without_te()`` applies both:
+Separately, three fixes are needed whenever Transformer Engine (and Apex) are missing, on CPU or GPU, and
+``fix_without_te()`` applies them:
 
 - ``fix_norm_fallback()`` repairs CLIPViTModel's LayerNorm fallback (it defaults to ``torch.nn.LayerNorm``,
   which ``build_module`` cannot construct with a config);
@@ -49,7 +59,9 @@ Separately, two fixes are needed whenever Transformer Engine (and Apex) are miss
   expects on the destination side (a ``KeyError: 'step'`` on every resume); the step is restored from the
   checkpoint's param groups by megatron already, but as ONE tensor shared by all parameters, which torch's Adam
   would increment once per parameter (the bias correction then drifts after a resume): each parameter gets its
-  own copy.
+  own copy;
+- ``fix_moe_router_gemm()``: megatron-core's MoE router tests ``te_general_gemm is not None``, a name its module
+  binds only when TE imports (a ``NameError`` without TE): it is bound to None, megatron-core's torch path.
 """
 
 from __future__ import annotations
@@ -106,7 +118,7 @@ def enable() -> bool:
         return True
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_stream = lambda device=None: torch.cpu.current_stream()
+    torch.cuda.current_stream = lambda device=None: CPU_STREAM
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
     # torch.manual_seed itself calls torch.cuda.manual_seed_all (a no-op without CUDA): leave that alone.
@@ -121,26 +133,43 @@ def enable() -> bool:
     use_torch_optimizer_kernels()
     run_compiled_functions_eagerly()
     packed_local_attention()
+    moe_on_cpu()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
-    _recompute_under_mode(mrandom)
+    _backward_under_mode()
     return True
 
 
-def _recompute_under_mode(mrandom) -> None:
-    """Activation recomputation re-runs the forward inside the autograd engine, where torch function modes
-    (thread-local) are not active: run megatron's checkpoint backward under the CPU mode too."""
-    fn = mrandom.CheckpointFunction
-    if getattr(fn.backward, "_cpu_compat", False):
-        return
-    original = fn.backward
+#: megatron-core modules whose autograd Functions allocate on the CUDA device in their backward (activation
+#: recomputation, the sequence-parallel gathers and reduce-scatters of linears and mappings, MoE's autograd helpers)
+BACKWARD_MODULES = ("megatron.core.tensor_parallel.random", "megatron.core.tensor_parallel.layers",
+                    "megatron.core.tensor_parallel.mappings", "megatron.core.transformer.moe.moe_utils",
+                    "megatron.core.transformer.moe.token_dispatcher")
 
-    def backward(ctx, *args):
-        with _CudaToCpuMode():
-            return original(ctx, *args)
 
-    backward._cpu_compat = True
-    fn.backward = staticmethod(backward)
+def _backward_under_mode() -> None:
+    """The autograd engine runs a Function's backward outside the thread-local torch function mode: run the
+    backward of megatron-core's own autograd Functions (:data:`BACKWARD_MODULES`) under the CPU mode too, so the
+    devices they name there (activation recomputation re-running the forward, the buffers of sequence-parallel
+    reduce-scatters) are rewritten as in the forward."""
+    import importlib
+
+    for name in BACKWARD_MODULES:
+        module = importlib.import_module(name)
+        for fn in vars(module).values():
+            if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function) and fn.__module__ == name):
+                continue
+            original = fn.__dict__.get("backward")
+            if original is None or getattr(original, "_cpu_compat", False):
+                continue
+            original = original.__func__ if isinstance(original, staticmethod) else original
+
+            def backward(ctx, *args, _original=original):
+                with _CudaToCpuMode():
+                    return _original(ctx, *args)
+
+            backward._cpu_compat = True
+            fn.backward = staticmethod(backward)
 
 
 def segments(cu_seqlens, total: int) -> list[tuple[int, int]]:
@@ -235,9 +264,68 @@ def use_torch_optimizer_kernels() -> None:
     distrib_optimizer.USING_TE_OPTIMIZER = distrib_optimizer.USING_APEX_OPTIMIZER = False
 
 
+class _CpuEvent:
+    """An event recorded on the CPU "stream": CPU work is complete when it is issued, so there is nothing to wait
+    for."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream(torch.cpu.Stream):
+    """torch's CPU stream (no-op waits), whose ``record_event`` gives an event to synchronize on (torch's returns
+    None; megatron-core's all-to-all dispatcher synchronizes on the event of its device-to-host copies)."""
+
+    def record_event(self, event=None) -> _CpuEvent:
+        return _CpuEvent()
+
+
+#: the one "CUDA stream" of a CPU process: torch.cuda.current_stream() and the dispatcher's side stream
+CPU_STREAM = _CpuStream()
+
+
+def moe_on_cpu() -> None:
+    """megatron-core's MoE layers on CPU (idempotent; see the module docstring)."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    moe_utils.te_general_gemm = None
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = CPU_STREAM
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_cpu_compat", False):
+        return
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        """megatron-core's helper moves only CUDA tensors (and makes them numpy arrays, the all-to-all's split
+        sizes): a CPU tensor gets the same conversion."""
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._cpu_compat = True
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
 def fix_without_te() -> None:
     fix_norm_fallback()
     fix_torch_adam_state_load()
+    fix_moe_router_gemm()
+
+
+def fix_moe_router_gemm() -> None:
+    """See the module docstring: bind megatron-core's ``te_general_gemm`` to None where TE did not import."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def fix_torch_adam_state_load() -> None:

@@ -27,6 +27,8 @@ class Runtime:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep: int = 1  # expert-model-parallel size (mixture-of-experts models)
+    ep_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -46,8 +48,10 @@ def choose_device(device: str | None = None) -> str:
     return device
 
 
-def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234, timeout_min: int = 30) -> Runtime:
-    """Initialise torch.distributed and megatron's model-parallel groups for this process."""
+def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234, timeout_min: int = 30, ep: int = 1,
+          etp: int | None = None) -> Runtime:
+    """Initialise torch.distributed and megatron's model-parallel groups for this process (``ep``/``etp``: the
+    expert-parallel groups of a mixture-of-experts model; ``etp`` defaults to ``tp``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -76,8 +80,13 @@ def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234,
     world = torch.distributed.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp={tp * pp}")
+    etp = tp if etp is None else etp
+    if (world // pp) % (ep * etp):
+        raise ValueError(f"world size {world} / pp={pp} is not a multiple of ep*etp={ep * etp}: each pipeline stage's "
+                         f"{world // pp} ranks must hold whole expert-parallel groups")
     destroy_parallel_groups()  # a world that runs several jobs: the previous job's groups and their threads
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     seed_everything(seed)
     model_parallel_cuda_manual_seed(seed)
     return current()
@@ -98,6 +107,8 @@ def current() -> Runtime:
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
 
 
@@ -133,6 +144,7 @@ def destroy_parallel_groups() -> None:
         if isinstance(value, torch.distributed.ProcessGroup):
             setattr(ps, name, None)
     _clear_module_caches()
+    _clear_moe_tracker()
 
     world = c10d.GroupMember.WORLD
     groups = [g for g in c10d._world.pg_map if g is not world and g is not c10d.GroupMember.NON_GROUP_MEMBER]
@@ -162,6 +174,18 @@ def _clear_module_caches() -> None:
         clear = getattr(getattr(cls, "forward", None), "cache_clear", None)
         if clear is not None:
             clear()
+
+
+def _clear_moe_tracker() -> None:
+    """megatron-core's MoE metrics tracker (a module global) keeps each metric's reduction group: a finished job's."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:  # megatron-core 0.16: a module-level dict
+        from megatron.core.transformer.moe import moe_utils
+
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
 
 
 def teardown() -> None:

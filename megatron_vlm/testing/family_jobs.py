@@ -14,7 +14,8 @@ from megatron_vlm import checkpoint as ckpt
 
 
 def logit_diffs(jobs: list[dict]) -> list[float] | None:
-    """Each job: {megatron_dir, tp, pp, batch, ref_file, vocab}; returns the max |logit diff| per job (rank 0)."""
+    """Each job: {megatron_dir, tp, pp, ep?, etp?, batch, ref_file, vocab}; returns the max |logit diff| per job
+    (rank 0; a job whose layout needs fewer ranks than the world has runs with data-parallel replicas)."""
     from megatron.core import parallel_state as ps
 
     from megatron_vlm.convert.verify import max_logit_diff, megatron_forward_logits
@@ -24,7 +25,7 @@ def logit_diffs(jobs: list[dict]) -> list[float] | None:
     for job in jobs:
         batch = job["batch"]
         model = _model_for(ckpt.resolve_iteration_dir(job["megatron_dir"]), job["tp"], job["pp"],
-                           batch.combined_length)
+                           batch.combined_length, ep=job.get("ep", 1), etp=job.get("etp"))
         logits = megatron_forward_logits(model, batch)
         mine = None
         if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:

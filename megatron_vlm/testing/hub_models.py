@@ -148,3 +148,31 @@ def qwen3_text_model(out_dir, seed: int = 0, tie_word_embeddings: bool | None = 
                                                                      "transformers_version")})
     _save_random_lm(cfg, out, seed)
     return out
+
+
+#: Qwen/Qwen3-30B-A3B-Instruct-2507's config as published (the LM of the 30B-A3B OneVision-1.5 / InternVL3.5 /
+#: Qwen3-VL variants); no file of it is stored in ../shared/hub, so its values are written out here
+QWEN3_30B_A3B = dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     intermediate_size=6144, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                     rope_theta=10_000_000.0, router_aux_loss_coef=0.001, output_router_logits=False,
+                     tie_word_embeddings=False, vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=262144,
+                     hidden_act="silu", attention_bias=False)
+#: shrunk in size only: hidden 64, 4 layers, 4 heads of 32 with 2 KV heads, 8 experts of 32 (top 2)
+QWEN3_MOE_SMALL = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128)
+
+
+def qwen3_moe_text_model(out_dir, seed: int = 0, **overrides) -> Path:
+    """Qwen3-30B-A3B-Instruct-2507's config (:data:`QWEN3_30B_A3B`) shrunk in size only (:data:`QWEN3_MOE_SMALL`;
+    routing, norms, rope, untied 151,936-row embeddings as published) around Qwen3's real tokenizer (the
+    ``tokenizer_config.json`` of Qwen3-4B-Instruct-2507, whose tokenizer the 30B-A3B model shares, over the Qwen2
+    ``vocab.json``/``merges.txt``: 151,669 tokens)."""
+    from transformers import Qwen3MoeConfig
+
+    out = Path(out_dir)
+    copy_token_files(hub.hub_model_dir(hub.ONEVISION_QWEN2), out, ("vocab.json", "merges.txt"))
+    copy_token_files(hub.hub_model_dir(hub.QWEN3_4B), out, ("tokenizer_config.json",))
+    cfg = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **QWEN3_MOE_SMALL, **overrides})
+    _save_random_lm(cfg, out, seed)
+    return out

@@ -88,9 +88,10 @@ def te_modules(model) -> dict:
             continue
         layer = sub.decoder.layers[0]
         attn, mlp = layer.self_attention, layer.mlp
+        mlp_roles = (("experts", mlp.experts), ("router", mlp.router)) if hasattr(mlp, "experts") else \
+            (("linear_fc1", mlp.linear_fc1), ("linear_fc2", mlp.linear_fc2))
         for role, m in (("linear_qkv", attn.linear_qkv), ("core_attention", attn.core_attention),
-                        ("linear_proj", attn.linear_proj), ("linear_fc1", mlp.linear_fc1),
-                        ("linear_fc2", mlp.linear_fc2), ("input_layernorm", layer.input_layernorm),
+                        ("linear_proj", attn.linear_proj), *mlp_roles, ("input_layernorm", layer.input_layernorm),
                         ("pre_mlp_layernorm", layer.pre_mlp_layernorm)):
             info = {"class": _class(m)}
             for attr in ("normalization", "eps", "sequence_parallel", "attn_mask_type", "num_gqa_groups",
@@ -115,12 +116,13 @@ def te_modules(model) -> dict:
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------
-def _finish_checkpoint(src_iter_dir, run_dir: Path, fmt: str, tp: int, pp: int, spec: VLMSpec) -> None:
+def _finish_checkpoint(src_iter_dir, run_dir: Path, fmt: str, tp: int, pp: int, spec: VLMSpec, ep: int = 1,
+                       etp: int | None = None) -> None:
     """Side files, meta, spec, tokenizer and tracker of a checkpoint whose weights were just written (rank 0)."""
     it = run_dir / "release"
     meta = ckpt.CheckpointMeta.load(src_iter_dir)
     ckpt.copy_side_files(src_iter_dir, it)
-    ckpt.CheckpointMeta(fmt, tp, pp, spec.check_parallelism(tp, pp), "release", meta.dtype).save(it)
+    ckpt.CheckpointMeta(fmt, tp, pp, spec.check_parallelism(tp, pp), "release", meta.dtype, ep=ep, etp=etp).save(it)
     spec.save(run_dir)
     ckpt.copy_tokenizer(Path(src_iter_dir).parent / ckpt.TOKENIZER_DIR, run_dir)
     ckpt.write_tracker(run_dir, "release")
@@ -134,14 +136,15 @@ def save_te_checkpoint(te_model, src_iter_dir, run_dir, fmt: str) -> Path:
     run_dir = Path(run_dir)
     it = run_dir / "release"
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
     if fmt == "torch_dist":
         ckpt.save_model_weights(te_model, it)
-    elif ps.get_data_parallel_rank() == 0:
+    elif ps.get_expert_data_parallel_rank() == 0:  # one file per (TP, PP, EP) rank, as Megatron-LM writes
         ckpt.save_legacy_rank(it, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp,
-                              te_model.state_dict(), "release")
+                              te_model.state_dict(), "release", ep_rank=ps.get_expert_model_parallel_rank(), ep=ep)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        _finish_checkpoint(src_iter_dir, run_dir, fmt, tp, pp, VLMSpec.load(src_iter_dir))
+        _finish_checkpoint(src_iter_dir, run_dir, fmt, tp, pp, VLMSpec.load(src_iter_dir), ep, etp)
     torch.distributed.barrier()
     return it
 
@@ -151,7 +154,8 @@ def layout_job(job: dict) -> dict:
     """Build the TE model of ``job`` and check it against the local layers; returns this rank's report.
 
     Job keys: ``name``, ``megatron_dir`` (a checkpoint converted from HF: local layout), ``tp``, ``pp``, and
-    optionally ``sequence_parallel``, ``fp8_recipe`` (the trainer's FP8 settings, as on a GPU that runs every
+    optionally ``ep`` (a mixture-of-experts model: TE's experts are TEGroupedMLP, the local ones SequentialMLP),
+    ``sequence_parallel``, ``fp8_recipe`` (the trainer's FP8 settings, as on a GPU that runs every
     recipe) and ``save`` ({format: run dir}: save the TE model there, then load that into local layers).
     """
     from megatron.core import parallel_state as ps
@@ -160,10 +164,10 @@ def layout_job(job: dict) -> dict:
     from megatron_vlm.model import ModelOptions, build_model
     from megatron_vlm.runtime import distributed
 
-    distributed.setup(job["tp"], job["pp"], device="cpu")
+    distributed.setup(job["tp"], job["pp"], device="cpu", ep=job.get("ep", 1))
     iter_dir = ckpt.resolve_iteration_dir(job["megatron_dir"])
     spec = VLMSpec.load(iter_dir)
-    opts = ModelOptions(tp=job["tp"], pp=job["pp"], seq_length=64, perform_initialization=False)
+    opts = ModelOptions(tp=job["tp"], pp=job["pp"], seq_length=64, perform_initialization=False, ep=job.get("ep", 1))
     te_opts = dataclasses.replace(opts, use_te=True, sequence_parallel=job.get("sequence_parallel", False))
     report: dict = {"rank": torch.distributed.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
                     "pp_rank": ps.get_pipeline_model_parallel_rank()}
@@ -210,7 +214,9 @@ def layout_job(job: dict) -> dict:
             k for k in keys if layer_impl.is_extra_state(k)), compare=compare_models(back, local))
         if fmt == "torch":
             state = ckpt.load_legacy_rank(out, ps.get_tensor_model_parallel_rank(),
-                                          ps.get_pipeline_model_parallel_rank(), job["pp"])["model"]
+                                          ps.get_pipeline_model_parallel_rank(), job["pp"],
+                                          ep_rank=ps.get_expert_model_parallel_rank(), ep=job.get("ep", 1))["model"]
+            report["saved"][fmt]["grouped_expert_keys"] = sorted(k for k in state if ".mlp.experts.linear_fc" in k)
             report["saved"][fmt]["extra_state_keys"] = sorted(k for k in state if layer_impl.is_extra_state(k))
         del back
     return report

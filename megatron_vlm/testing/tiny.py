@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-TEXT_FAMILIES = ("llama", "mistral", "qwen2")
+TEXT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3_moe", "mixtral")
+#: the tiny mixture-of-experts shape: 4 experts, top 2, experts half the dense MLP's size
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 VISION_FAMILIES = ("clip", "siglip")
 
 DEFAULT_CORPUS = [
@@ -124,7 +126,8 @@ TOKENIZER_STYLES = {"plain": None, "chatml": chatml_tokenizer, "mistral_v03": mi
 
 
 def text_config(family: str = "llama", vocab_size: int = 300, **overrides):
-    """A tiny config of ``family`` (GQA; Llama-3 rope scaling for llama; qkv bias + tied embeddings for qwen2)."""
+    """A tiny config of ``family`` (GQA; Llama-3 rope scaling for llama; qkv bias + tied embeddings for qwen2;
+    qwen3_moe and mixtral: :data:`TINY_MOE` experts, q/k norms and its own ``head_dim`` for qwen3_moe)."""
     from transformers import AutoConfig
 
     if family not in TEXT_FAMILIES:
@@ -155,6 +158,13 @@ def text_config(family: str = "llama", vocab_size: int = 300, **overrides):
         kw.update(sliding_window=None, rms_norm_eps=1e-6)
     elif family == "qwen2":
         kw.update(tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
+    elif family == "qwen3_moe":
+        kw.update(TINY_MOE, head_dim=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, router_aux_loss_coef=0.001)
+    elif family == "mixtral":
+        kw.update(num_local_experts=TINY_MOE["num_experts"], num_experts_per_tok=TINY_MOE["num_experts_per_tok"],
+                  intermediate_size=TINY_MOE["moe_intermediate_size"], sliding_window=None, rms_norm_eps=1e-5,
+                  router_aux_loss_coef=0.02)
     kw.update(overrides)
     return AutoConfig.for_model(family, **kw)
 

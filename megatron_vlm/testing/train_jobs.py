@@ -38,17 +38,22 @@ ANSWERS = ["red", "a red square on a smooth gradient background", "a shape", "ye
 IMAGE_SIZES = [(40, 30), (20, 52), (64, 64), (12, 18)]
 
 
-def encoder_for(hf_dir, seq_length: int = BASE["seq_length"], spec: VLMSpec | None = None):
-    """The trainer's task encoder of ``hf_dir``'s architecture (plain LLaVA or anyres)."""
+def encoder_for(hf_dir, seq_length: int = BASE["seq_length"], spec: VLMSpec | None = None,
+                pad_to_multiple_of: int | None = None):
+    """The trainer's task encoder of ``hf_dir``'s architecture (plain LLaVA or anyres); ``pad_to_multiple_of``: as
+    the trainer pads batches for sequence parallelism (TP) or FP8."""
     from megatron_vlm.data.anyres_encoder import task_encoder_for
 
     spec = spec or VLMSpec.from_hf_dir(hf_dir)
-    return task_encoder_for(spec, hf_dir, seq_length, image_token_id=spec.image_token_id)
+    return task_encoder_for(spec, hf_dir, seq_length, image_token_id=spec.image_token_id,
+                            pad_to_multiple_of=pad_to_multiple_of)
 
 
-def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BASE["seq_length"]) -> list[list]:
+def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BASE["seq_length"],
+                            uniform: bool = False) -> list[list]:
     """``n`` global batches of ``size`` encoded samples of different lengths (and, for anyres models, image
-    sizes), the same on every call."""
+    sizes), the same on every call; ``uniform``: every sample has the first question and answer (one length, the
+    images differ)."""
     from megatron.energon import VQASample
     from PIL import Image
 
@@ -61,10 +66,10 @@ def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BAS
     for b in range(n):
         samples = []
         for i in range(size):
-            j = (b + i) % len(QUESTIONS)
-            image = Image.fromarray(image_array(sizes[(b + i) % len(sizes)], 8 * b + i))
+            j = 0 if uniform else (b + i) % len(QUESTIONS)
+            image = Image.fromarray(image_array(sizes[0 if uniform else (b + i) % len(sizes)], 8 * b + i))
             s = VQASample(__key__=f"{b}-{i}", image=image, context=QUESTIONS[j],
-                          answers=ANSWERS[(j + b) % len(ANSWERS)], answer_weights=None, **meta)
+                          answers=ANSWERS[0 if uniform else (j + b) % len(ANSWERS)], answer_weights=None, **meta)
             samples.append(enc.encode_sample(s))
         out.append(samples)
     return out
@@ -75,7 +80,7 @@ def job_config(job: dict, n_steps: int, global_batch_size: int):
 
     fields = {k: v for k, v in job.items()
               if k not in ("name", "steps", "start", "save", "save_after", "resume", "reload_weights",
-                           "reference_grads")}
+                           "reference_grads", "grads", "megatron_dir", "hf_dir", "batches")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
     # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
@@ -94,7 +99,7 @@ def micro_batches(collate, samples: list, dp: int, dp_rank: int, micro_batch_siz
 def _setup(cfg):
     from megatron_vlm.runtime import distributed
 
-    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed)
+    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp)
 
 
 def weights_digest(model) -> str:
@@ -153,7 +158,7 @@ def _save(job, step: int, cfg, rt, spec, training, iter_dir, global_batch_size: 
     from megatron_vlm.training import checkpointing, resume
 
     meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp),
-                               dtype=str(training.dtype).replace("torch.", ""))
+                               dtype=str(training.dtype).replace("torch.", ""), ep=cfg.ep, etp=cfg.etp)
     meta.extra.update(resume.layout_extra(cfg, rt.dp, step * global_batch_size))
     checkpointing.save(Path(job["save"]), step, training.model, training.optimizer, training.scheduler, None,
                        spec=spec, meta=meta, side_src=iter_dir, with_optim=cfg.save_optim, total_limit=None)
@@ -175,18 +180,33 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     must avoid); ``reference_grads`` (global Megatron name -> full tensor: the first step's gradients are compared
     with them tensor by tensor, :func:`grad_differences`; the result's ``grad_rel`` holds each tensor's relative
     difference, over all ranks).
+    ``grads``: also return, as 'grads', every rank's (coordinates, local gradients) of the first step
+    (:mod:`megatron_vlm.testing.grad_reference`); an MoE model's routing numbers of each step come as 'moe'.
+    ``megatron_dir``, ``hf_dir`` and ``batches`` give a job its own model and global batches (default: the
+    arguments), so one world trains several models: ``global_batches`` is then a dict and ``batches`` names one;
+    a value of that dict may be a recipe, ``(hf_dir, n, uniform, repeat)``, which every rank makes with
+    :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks.
     """
     from megatron_vlm.training import batch_feed, checkpointing, resume
     from megatron_vlm.training.build import build_training, release
     from megatron_vlm.training.step import train_step
 
-    iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
-    spec = VLMSpec.load(iter_dir)
-    encoder = encoder_for(hf_dir, spec=spec)  # for batch() only
     out = []
+    default, made = (megatron_dir, hf_dir, global_batches), {}
     for job in jobs:
+        megatron_dir, hf_dir = job.get("megatron_dir", default[0]), job.get("hf_dir", default[1])
+        global_batches = default[2][job["batches"]] if "batches" in job else default[2]
+        if isinstance(global_batches, tuple):
+            recipe, global_batches = global_batches, made.get(global_batches)
+            if global_batches is None:
+                global_batches = made[recipe] = variable_length_batches(recipe[0], recipe[1],
+                                                                        uniform=recipe[2]) * recipe[3]
+        iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
+        spec = VLMSpec.load(iter_dir)
         steps = job.get("steps", len(global_batches) - job.get("start", 0))
         cfg = job_config(job, steps, len(global_batches[0]))
+        # for batch() only; sequence parallelism splits the image-expanded length over TP, as the trainer pads it
+        encoder = encoder_for(hf_dir, spec=spec, pad_to_multiple_of=cfg.tp if cfg.sequence_parallel else None)
         rt = _setup(cfg)
         if job.get("resume"):  # as the trainer: the plan (which fixes the loss objective) before the model
             plan = resume.plan(cfg, job["resume"], rt.tp, rt.pp, rt.dp)
@@ -198,7 +218,11 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             else:  # the defect: weights loaded, the optimizer's fp32 main params left as they were
                 checkpointing.load(plan.iter_dir, training.model, training.optimizer, training.scheduler, False,
                                    with_rng=False, with_data=False)
-        losses, norms, scales = [], [], []
+        if job.get("grads"):
+            from megatron_vlm.testing import grad_reference
+
+            captured = grad_reference.capture(training)
+        losses, norms, scales, moe = [], [], [], []
         first = job.get("start", 0)
         # as the trainer: only the ranks batch_feed.reads_data names read (batch) the data; distribute() hands
         # it to the other TP ranks of the first/last stage
@@ -215,6 +239,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             losses.append(r.loss)
             norms.append(r.grad_norm)
             scales.append(r.loss_scale)
+            moe.append(r.moe)
             if k == save_after:
                 _save(job, first + k, cfg, rt, spec, training, iter_dir, len(gb))
         world = torch.distributed.get_world_size()
@@ -224,9 +249,14 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         torch.distributed.all_gather_object(digests, weights_digest(training.model))
         rels: list = [None] * world
         torch.distributed.all_gather_object(rels, rel)
-        out.append({"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
-                    "readers": [r for r, x in enumerate(readers) if x], "weights": digests,
-                    "grad_rel": {k: max(d[k] for d in rels if k in d) for d in rels for k in d}})
+        result = {"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
+                  "readers": [r for r, x in enumerate(readers) if x], "weights": digests, "moe": moe,
+                  "grad_rel": {k: max(d[k] for d in rels if k in d) for d in rels for k in d}}
+        if job.get("grads"):
+            ranks: list = [None] * world
+            torch.distributed.all_gather_object(ranks, (grad_reference.coordinates(), captured[0]))
+            result.update(grads=ranks, layers=spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers))
+        out.append(result)
         release(training)
         del training
         gc.collect()

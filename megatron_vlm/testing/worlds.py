@@ -13,14 +13,14 @@ from megatron_vlm.convert.verify import ReferenceBatch, megatron_forward_logits
 from megatron_vlm.spec import VLMSpec
 
 
-def _model_for(iter_dir, tp, pp, seq_length, pp_layers=None):
+def _model_for(iter_dir, tp, pp, seq_length, pp_layers=None, ep: int = 1, etp: int | None = None):
     from megatron_vlm.model import ModelOptions, build_model
     from megatron_vlm.runtime import distributed
 
-    distributed.setup(tp, pp, device="cpu")
+    distributed.setup(tp, pp, device="cpu", ep=ep, etp=etp)
     spec = VLMSpec.load(iter_dir)
     model = build_model(spec, ModelOptions(tp=tp, pp=pp, pp_layers=pp_layers, seq_length=seq_length,
-                                           perform_initialization=False))
+                                           perform_initialization=False, ep=ep, etp=etp))
     ckpt.load_model_weights(model, iter_dir)
     model.eval()
     return model
@@ -164,3 +164,67 @@ def _megatron_lm_checkpoints(megatron_dir, out_root, seq_length: int) -> None:
     torch.distributed.barrier()
     if rank == 0:
         ckpt.write_tracker(out / "legacy", 7)
+
+
+def megatron_lm_moe_checkpoints(megatron_dir, out_root, seq_length: int = 64) -> None:
+    """The checkpoints Megatron-LM writes of a mixture-of-experts LLaVA, at TP2 x EP2 in a 4-process world (data
+    parallel 2), with Megatron-LM's ``args`` and none of megatron-vlm's side files:
+
+    - ``dist``: torch_dist (keys without prefix, Transformer Engine norm names; experts under megatron-core's
+      global expert axis, the same for SequentialMLP and TEGroupedMLP), ``iter_0000005`` + tracker;
+    - ``legacy_sequential``: ``mp_rank_TT_EEE/model_optim_rng.pt`` per (TP, EP) rank, SequentialMLP's names
+      (``mlp.experts.local_experts.<local j>.linear_fc1.weight``);
+    - ``legacy_grouped``: the same files under Transformer Engine's TEGroupedMLP names
+      (``mlp.experts.linear_fc1.weight<local j>``), as a grouped-GEMM run saves them.
+    """
+    import argparse
+    import os
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_vlm.layer_impl import grouped_expert_name
+    from megatron_vlm.model import LOCAL_TO_TE_KEYS
+
+    assert int(os.environ["WORLD_SIZE"]) == 4
+    src = ckpt.resolve_iteration_dir(megatron_dir)
+    model = _model_for(src, 2, 1, seq_length, ep=2)
+    spec = VLMSpec.load(src)
+    out = Path(out_root)
+    args = argparse.Namespace(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        group_query_attention=True, num_query_groups=spec.num_query_groups, kv_channels=spec.kv_channels,
+        ffn_hidden_size=spec.ffn_hidden_size, swiglu=True, padded_vocab_size=spec.padded_vocab_size,
+        make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by // 2, tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=1, expert_model_parallel_size=2, expert_tensor_parallel_size=2,
+        num_experts=spec.num_moe_experts, moe_router_topk=spec.moe_router_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size, qk_layernorm=spec.qk_layernorm,
+        attention_backend=AttnBackend.auto, ckpt_format="torch_dist", bf16=False)
+    iter_dir = out / "dist" / "iter_0000005"
+    if torch.distributed.get_rank() == 0:
+        iter_dir.mkdir(parents=True)
+    torch.distributed.barrier()
+    ckpt.save_sharded({"model": ckpt.model_sharded_state_dict(model), "checkpoint_version": 3.0, "iteration": 5,
+                       "args": args}, iter_dir)
+    if torch.distributed.get_rank() == 0:
+        ckpt.write_tracker(out / "dist", 5)
+    state = {}
+    moe_layers = tuple(f"language_model.decoder.layers.{i}." for i in spec.moe_layers)
+    for k, v in model.state_dict().items():
+        for local, te in LOCAL_TO_TE_KEYS.items():
+            if not (local == "pre_mlp_layernorm." and k.startswith(moe_layers)):  # an MoE layer keeps its own norm
+                k = k.replace("." + local, "." + te)
+        state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+    args.ckpt_format = "torch"
+    tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    for name, named in (("legacy_sequential", state), ("legacy_grouped",
+                                                       {grouped_expert_name(k): v for k, v in state.items()})):
+        path = ckpt.legacy_rank_file(out / name / "iter_0000005", tp_rank, 0, 1, ep_rank=ep_rank, ep=2)
+        if ps.get_expert_data_parallel_rank() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 5, "model": named}, path)
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            ckpt.write_tracker(out / name, 5)
+    torch.distributed.barrier()

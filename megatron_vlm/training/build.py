@@ -42,6 +42,8 @@ class Training:
     impl: str = "local"  # layer implementation: "transformer_engine" or "local"
     impl_reason: str = ""
     fusions: object = None  # megatron_vlm.fusions.Fusions in effect
+    routing: object = None  # megatron_vlm.training.moe.RoutingStats of a mixture-of-experts model
+    aux_weight: object = None  # megatron_vlm.training.moe.AuxLossWeight of a mixture-of-experts model
 
     @property
     def config(self):
@@ -66,6 +68,7 @@ def model_options(cfg, spec: VLMSpec, impl: str, fusions=None):
         deterministic=cfg.deterministic, recompute_granularity=cfg.recompute_granularity,
         recompute_method=cfg.recompute_method, recompute_num_layers=cfg.recompute_num_layers,
         sequence_parallel=cfg.sequence_parallel, per_token_loss=True, fusions=fusions,
+        ep=cfg.ep, etp=cfg.etp, moe=cfg.moe_options(),
     )
 
 
@@ -152,7 +155,12 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync
-    return Training(spec, model, ddp, optimizer, scheduler, trained, dtype, impl, why, fusions)
+    routing = aux_weight = None
+    if spec.is_moe:
+        from megatron_vlm.training.moe import AuxLossWeight, RoutingStats
+
+        routing, aux_weight = RoutingStats(model, spec, config), AuxLossWeight(model, config)
+    return Training(spec, model, ddp, optimizer, scheduler, trained, dtype, impl, why, fusions, routing, aux_weight)
 
 
 def release(training: Training) -> None:

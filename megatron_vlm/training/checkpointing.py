@@ -304,8 +304,31 @@ def missing_optimizer_state(optimizer_sd: dict, iter_dir) -> list[str]:
     return sorted(wanted - have)
 
 
+def _expert_optimizer_split_differs(missing: list[str], iter_dir) -> bool:
+    """Whether the missing keys are only named apart: megatron-core keeps expert and dense parameters in two
+    optimizers (keys ``chained_<i>.optimizer...``) whenever EP x ETP differs from TP, in one (no prefix) otherwise."""
+    import re
+
+    from megatron.core import dist_checkpointing
+
+    have = set(dist_checkpointing.load_tensors_metadata(str(iter_dir)))
+    bare = {re.sub(r"^chained_\d+\.", "", k) for k in have}
+    return all(re.sub(r"^chained_\d+\.", "", k) in bare for k in missing)
+
+
 def _check_optimizer_state(optimizer_sd: dict, iter_dir) -> None:
     missing = missing_optimizer_state(optimizer_sd, iter_dir)
+    if missing and _expert_optimizer_split_differs(missing, iter_dir):
+        meta = ckpt.CheckpointMeta.load(iter_dir)
+        saved_apart = not any(k.startswith("chained_") for k in missing)  # this run asks for unprefixed keys
+        raise OptimizerStateMismatch(
+            f"{iter_dir} was saved at --ep {meta.ep} --etp {meta.etp or meta.tp} --tp {meta.tp}, where megatron-core "
+            f"keeps the optimizer state of the experts {'apart from' if saved_apart else 'together with'} the other "
+            "parameters, "
+            "and this run keeps it the other way (megatron-core separates them whenever EP x ETP differs from TP): the "
+            "optimizer state cannot move between the two. Resume at a layout that keeps them as the checkpoint does "
+            f"(e.g. --ep {meta.ep} --etp {meta.etp or meta.tp}), or pass --no-load-optim to continue from its weights "
+            "with a fresh optimizer")
     if missing:
         params = sorted({k.split(".", 3)[-1] for k in missing if k.startswith("optimizer.state.")} or set(missing))
         raise OptimizerStateMismatch(

@@ -9,7 +9,8 @@ multiply-add) that one optimizer step needs for a given number of samples, seque
 - projector per image: ``linear_fc1`` and ``linear_fc2`` on the image tokens the language model receives;
 - language model per token: QKV (grouped-query), attention over the sample's length (counted in full, as
   in the usual MFU convention, not halved for the causal mask), output projection, the gated MLP, and the
-  output layer over the true vocabulary.
+  output layer over the true vocabulary. A mixture-of-experts layer counts its router and the top-k experts each
+  token runs (the active parameters), not every expert.
 
 Backward: a trained part computes weight gradients (1x its weight matmuls) and activation gradients (1x its
 weight matmuls, 2x its attention matmuls), except the gradient of its own input where nothing before it trains
@@ -97,11 +98,15 @@ class StepFlops:
         seq = tokens / max(samples, 1)
         q_dim, kv_dim = s.num_attention_heads * s.kv_channels, s.num_query_groups * s.kv_channels
         layer = _attention_block(tokens, seq, s.hidden_size, q_dim, kv_dim, s.hidden_size)
-        mlp = 2 * tokens * 3 * s.hidden_size * s.ffn_hidden_size  # gate, up, down
+        n_moe = len(s.moe_layers)
+        dense = 2 * tokens * 3 * s.hidden_size * s.ffn_hidden_size  # gate, up, down
+        moe = 2 * tokens * (s.hidden_size * s.num_moe_experts + s.moe_router_topk * 3 * s.hidden_size
+                            * s.moe_ffn_hidden_size) if n_moe else 0.0  # router + the experts a token runs
         logits = 2 * tokens * s.hidden_size * s.vocab_size
         n = s.num_layers
         qkv = 2 * tokens * s.hidden_size * (q_dim + 2 * kv_dim)
-        return PartFlops(n * (layer.weights + mlp) + logits, n * layer.attention, entry=qkv)
+        mlps = (n - n_moe) * dense + n_moe * moe
+        return PartFlops(n * layer.weights + mlps + logits, n * layer.attention, entry=qkv)
 
     def __call__(self, samples: float, tokens: float, images: float) -> float:
         """FLOPs of forward + backward for ``samples`` samples of ``tokens`` tokens in all (image tokens

@@ -49,6 +49,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1  # expert parallelism of a mixture-of-experts LM
+    etp: int | None = None  # expert tensor parallelism (None: tp)
     pp_layers: tuple[int, ...] | None = None
     micro_batch_size: int = 1
     grad_accum: int = 1
@@ -67,7 +69,7 @@ class Layout:
         parts = cfg.trained_parts
         if fused_attention is None:
             fused_attention = cfg.device != "cpu" and cfg.transformer_impl != "local"
-        return cls(tp=cfg.tp, pp=cfg.pp, dp=max(cfg.dp, 1), pp_layers=tuple(cfg.pp_layers) if cfg.pp_layers else None,
+        return cls(tp=cfg.tp, pp=cfg.pp, dp=max(cfg.dp, 1), ep=cfg.ep, etp=cfg.etp, pp_layers=tuple(cfg.pp_layers) if cfg.pp_layers else None,
                    micro_batch_size=cfg.micro_batch_size or 1, grad_accum=max(cfg.grad_accum, 1),
                    seq_length=cfg.lm_seq_length, precision=cfg.precision or "bf16", dist_optim=bool(cfg.dist_optim),
                    sequence_parallel=bool(cfg.sequence_parallel), recompute_granularity=cfg.recompute_granularity,
@@ -79,6 +81,16 @@ class Layout:
     def dtype_bytes(self) -> int:
         return 4 if self.precision == "fp32" else 2
 
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """The data-parallel size of the experts: a stage's TP x DP ranks over EP x ETP (what the distributed
+        optimizer shards expert state over)."""
+        return max(1, self.tp * self.dp // (self.ep * self.expert_tp))
+
 
 # ---- parameters ------------------------------------------------------------------------------------------
 @dataclass
@@ -87,7 +99,8 @@ class Params:
 
     vision: int = 0
     projector: int = 0
-    language: int = 0
+    language: int = 0  # the experts of a mixture-of-experts LM included
+    experts: int = 0  # of ``language``: the experts this rank holds (their optimizer state shards apart)
 
     @property
     def total(self) -> int:
@@ -107,25 +120,43 @@ def language_attention_params(spec, tp: int) -> int:
     return n + h  # input RMSNorm
 
 
-def language_mlp_params(spec, tp: int) -> int:
-    """One language layer's MLP on one TP rank (SwiGLU: FC1 holds gate and up; no biases) and its pre-norm.
-
-    The one place for a layer's MLP parameters: a mixture-of-experts layer (experts, expert-parallel and
-    expert-tensor-parallel sizes, the router, shared experts) is counted here."""
+def language_mlp_params(spec, tp: int, moe: bool = False, ep: int = 1, etp: int | None = None) -> int:
+    """One language layer's MLP on one TP rank (SwiGLU: FC1 holds gate and up; no biases) and its pre-norm; for a
+    mixture-of-experts layer (``moe``) the router (replicated) and this rank's experts (``experts / ep`` of them,
+    each split over ``etp``, default ``tp``): see :func:`language_expert_params`."""
     h, f = spec.hidden_size, spec.ffn_hidden_size
+    if moe:
+        return spec.num_moe_experts * h + h + language_expert_params(spec, tp, ep, etp)
     return h * 2 * f // tp + f * h // tp + h
 
 
-def language_mlp_activations(spec, layout: Layout) -> float:
+def language_expert_params(spec, tp: int, ep: int = 1, etp: int | None = None) -> int:
+    """The experts one rank holds in one mixture-of-experts layer."""
+    h, f, t = spec.hidden_size, spec.moe_ffn_hidden_size, tp if etp is None else etp
+    return spec.num_moe_experts // ep * (3 * h * f // t)
+
+
+def language_mlp_activations(spec, layout: Layout, moe: bool = False) -> float:
     """Elements per position that a language layer's MLP keeps for its backward pass on one TP rank, beyond its
-    input (counted with the layer's): FC1's output (gate and up) and the SwiGLU output. The one place for the MLP's
-    activations: a mixture-of-experts layer (routed tokens per expert, the router's probabilities) goes here."""
+    input (counted with the layer's): FC1's output (gate and up) and the SwiGLU output. A mixture-of-experts layer
+    keeps them for each of a token's top-k experts (a balanced router sends a rank as many tokens as it has), the
+    permuted inputs and the router's probabilities."""
+    if moe:
+        f, k = spec.moe_ffn_hidden_size, spec.moe_router_topk
+        return k * (3 * f / layout.expert_tp + spec.hidden_size) + spec.num_moe_experts
     f = spec.ffn_hidden_size
     return (2 * f + f) / layout.tp
 
 
-def language_layer_params(spec, tp: int) -> int:
-    return language_attention_params(spec, tp) + language_mlp_params(spec, tp)
+def language_layer_params(spec, tp: int, moe: bool = False, ep: int = 1, etp: int | None = None) -> int:
+    return language_attention_params(spec, tp) + language_mlp_params(spec, tp, moe, ep, etp)
+
+
+def stage_layers(spec, layout: Layout, stage: int) -> list[int]:
+    """The language layers (global indices) of pipeline stage ``stage``."""
+    counts = layers_per_stage(spec, layout)
+    start = sum(counts[:stage])
+    return list(range(start, start + counts[stage]))
 
 
 def vision_params(spec, tp: int) -> int:
@@ -161,7 +192,10 @@ def layers_per_stage(spec, layout: Layout) -> list[int]:
 def stage_params(spec, layout: Layout, stage: int) -> Params:
     tp, pp = layout.tp, layout.pp
     p = Params()
-    p.language = layers_per_stage(spec, layout)[stage] * language_layer_params(spec, tp)
+    moe = set(spec.moe_layers)
+    layers = stage_layers(spec, layout, stage)
+    p.language = sum(language_layer_params(spec, tp, i in moe, layout.ep, layout.etp) for i in layers)
+    p.experts = sum(language_expert_params(spec, tp, layout.ep, layout.etp) for i in layers if i in moe)
     emb = spec.padded_vocab_size * spec.hidden_size // tp
     if stage == 0:
         p.language += emb
@@ -191,7 +225,7 @@ class StageEstimate:
         return self.weights + self.gradients + self.optimizer + self.activations
 
 
-def _layer_activation_bytes(spec, layout: Layout, s: int, b: int) -> int:
+def _layer_activation_bytes(spec, layout: Layout, s: int, b: int, moe: bool = False) -> int:
     """What one language layer keeps for its backward pass, for ``b`` rows of ``s`` positions, on one TP rank."""
     t, e = layout.tp, layout.dtype_bytes
     h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.kv_channels
@@ -199,7 +233,7 @@ def _layer_activation_bytes(spec, layout: Layout, s: int, b: int) -> int:
     replicated = 4 * h  # inputs of the two norms, of QKV and of FC1
     split = qkv + spec.num_attention_heads * d  # Q/K/V, attention output
     per_pos = (replicated / t if layout.sequence_parallel else replicated) + split / t
-    per_pos += language_mlp_activations(spec, layout)
+    per_pos += language_mlp_activations(spec, layout, moe)
     out = s * b * per_pos * e
     if not layout.fused_attention and layout.recompute_granularity != "selective":
         out += 2 * spec.num_attention_heads / t * s * s * b * e  # scores and probabilities
@@ -210,7 +244,9 @@ def _activation_bytes(spec, layout: Layout, stage: int) -> tuple[int, str]:
     s, b, t, e = layout.seq_length, layout.micro_batch_size, layout.tp, layout.dtype_bytes
     n_layers = layers_per_stage(spec, layout)[stage]
     in_flight = min(layout.pp - stage, layout.grad_accum) if layout.pp > 1 else 1
-    layer = _layer_activation_bytes(spec, layout, s, b)
+    moe = set(spec.moe_layers)
+    kinds = [i in moe for i in stage_layers(spec, layout, stage)] or [False]
+    layer = sum(_layer_activation_bytes(spec, layout, s, b, k) for k in kinds) // len(kinds)  # a mean layer
     layer_input = s * b * spec.hidden_size * e // (t if layout.sequence_parallel else 1)
     vision_trains = layout.trained[0]  # a frozen language model still keeps its activations: stage 1's gradient
     # reaches the projector through it
@@ -244,11 +280,14 @@ def estimate(spec, layout: Layout) -> list[StageEstimate]:
         p = stage_params(spec, layout, stage)
         trainable = p.trainable(layout.trained)
         main = 0 if layout.precision == "fp32" else 4  # fp32 main parameters (fp32 training: the parameters)
-        opt = trainable * (main + 8)
+        experts = p.experts if layout.trained[2] else 0
+        dense, opt_experts = (trainable - experts) * (main + 8), experts * (main + 8)
         notes = []
         if layout.dist_optim:
-            opt = -(-opt // layout.dp)
-            notes.append(f"optimizer state sharded over DP={layout.dp}")
+            dense, opt_experts = -(-dense // layout.dp), -(-opt_experts // layout.expert_dp)
+            notes.append(f"optimizer state sharded over DP={layout.dp}"
+                         + (f" (experts' over their DP={layout.expert_dp})" if experts else ""))
+        opt = dense + opt_experts
         act, what = _activation_bytes(spec, layout, stage)
         notes.append(what)
         out.append(StageEstimate(stage, p, trainable, p.total * e, trainable * 4, opt, act, notes))
@@ -268,12 +307,14 @@ def format_estimate(stages: list[StageEstimate], layout: Layout, limit_gib: floa
     dtype = layout.precision
     lines = [
         f"memory per GPU (estimate; pipeline stage {worst.stage} of {layout.pp} needs the most; TP={layout.tp} "
-        f"PP={layout.pp} DP={layout.dp})",
+        f"PP={layout.pp} DP={layout.dp}" + (f" EP={layout.ep} ETP={layout.expert_tp}" if worst.params.experts else "")
+        + ")",
         f"  weights          {gib(worst.weights)}  ({count(worst.params.total)} parameters on this rank, {dtype})",
         f"  gradients        {gib(worst.gradients)}  (fp32 buffers of the {count(worst.trainable)} trainable)",
         f"  optimizer state  {gib(worst.optimizer)}  ("
         + ("Adam moments" if layout.precision == "fp32" else "fp32 main parameters + Adam moments")
-        + (f", sharded over DP={layout.dp} by --dist-optim" if layout.dist_optim else ", whole on every DP rank") + ")",
+        + (f", sharded over DP={layout.dp}" + (f" (experts: {layout.expert_dp})" if worst.params.experts else "")
+           + " by --dist-optim" if layout.dist_optim else ", whole on every DP rank") + ")",
         f"  activations      {gib(worst.activations)}  ({worst.notes[-1]})",
         f"  total            {gib(worst.total)}"
         + (f"  of {limit_gib:g} GiB ({limit_source})" if limit_gib else ""),

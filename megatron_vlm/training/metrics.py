@@ -9,6 +9,11 @@ padding of a row or of a pack), samples are samples (a pack counts the samples i
 TFLOP/s and MFU are those of the real samples (:mod:`.flops`). With sequence packing the record and the console line
 also give the padding fraction (pad positions / positions the language model ran: global batch x
 ``--packed-seq-length``) and the packing efficiency (samples per pack).
+
+A mixture-of-experts model's records also carry its routing numbers (:mod:`.moe`): the load-balancing
+loss (and z-loss) per MoE layer and their mean, each layer's expert-load imbalance and tokens per expert; the
+console line gives the mean loss and the worst layer's imbalance, TensorBoard the same under ``moe/`` (each layer
+too with ``--moe-per-layer-logging``).
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ class MetricsLogger:
                                     config=cfg.to_dict(), resume="allow")
 
     def step(self, iteration: int, loss_sum: float, loss_tokens: float, samples: int, tokens: int, images: int,
-             lr: float, grad_norm, skipped: bool = False) -> None:
+             lr: float, grad_norm, skipped: bool = False, moe: dict | None = None) -> None:
         if not self.enabled:
             return
         flops = self.flops(samples, tokens, images) if self.flops is not None and samples else 0.0
@@ -75,6 +80,7 @@ class MetricsLogger:
         if packs is not None:
             w["positions"] += packs["positions"]
             record.update(padding_fraction=packs["padding_fraction"], samples_per_pack=packs["samples_per_pack"])
+        record.update(moe or {})
         with open(self.history_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if iteration % self.cfg.log_interval and iteration != self.total:
@@ -99,8 +105,9 @@ class MetricsLogger:
             per_pack = w["samples"] / (w["iters"] * self.cfg.global_batch_size)
             scalars.update({"perf/padding_fraction": pad, "perf/samples_per_pack": per_pack})
             packed = f" | padding {100 * pad:.1f}% | {per_pack:.2f} samples/pack"
-        log.info("iter %d/%d | loss %.4f | lr %.3e | grad norm %s | %.1f samples/s | %.0f real tokens/s%s | %s | "
-                 "ETA %s", iteration, self.total, avg_loss, lr, gn, sps, tps, packed, perf, _fmt_eta(eta))
+        routing = self._moe_scalars(moe or {}, scalars)
+        log.info("iter %d/%d | loss %.4f | lr %.3e | grad norm %s%s | %.1f samples/s | %.0f real tokens/s%s | %s | "
+                 "ETA %s", iteration, self.total, avg_loss, lr, gn, routing, sps, tps, packed, perf, _fmt_eta(eta))
         if grad_norm is not None:
             scalars["train/grad_norm"] = float(grad_norm)
         for k, v in scalars.items():
@@ -110,6 +117,30 @@ class MetricsLogger:
             self.wandb.log(scalars, step=iteration)
         self.window = {k: 0 for k in w}
         self.t_last = now
+
+    def _moe_scalars(self, moe: dict, scalars: dict) -> str:
+        """Add an MoE step's routing numbers to ``scalars``; return their part of the console line."""
+        if not moe:
+            return ""
+        text = []
+        for key, value in moe.items():
+            if key.endswith("_per_layer"):
+                if self.cfg.moe_per_layer_logging:
+                    for layer, v in zip(self.moe_layer_numbers(len(value)), value):
+                        scalars[f"moe/{key[4:-10]}_layer_{layer}"] = v
+            elif isinstance(value, float):
+                scalars[f"moe/{key[4:]}"] = value
+                if key != "moe_load_imbalance":
+                    text.append(f"{key[4:].replace('_', ' ')} {value:.4g}")
+        per_layer = moe["moe_load_imbalance_per_layer"]
+        worst = self.moe_layer_numbers(len(per_layer))[per_layer.index(max(per_layer))]
+        text.append(f"expert load max/mean {moe['moe_load_imbalance']:.2f} (layer {worst})")
+        return " | " + " | ".join(text)
+
+    def moe_layer_numbers(self, n: int) -> list[int]:
+        """The language-layer indices of the first ``n`` MoE layers (per-layer lists follow the MoE layers)."""
+        layers = getattr(self.flops.spec, "moe_layers", None) if self.flops is not None else None
+        return list(layers[:n]) if layers else list(range(n))
 
     def validation(self, iteration: int, loss: float | None) -> None:
         if not self.enabled or loss is None:

@@ -12,6 +12,7 @@ first pipeline stage.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
@@ -30,6 +31,7 @@ class StepResult:
     tokens: int
     images: int
     loss_scale: float = 1.0  # the loss scale the step ran at (fp16; 1 otherwise)
+    moe: dict | None = None  # a mixture-of-experts model's routing numbers (megatron_vlm.training.moe)
 
     @property
     def loss(self) -> float:
@@ -92,12 +94,22 @@ def train_step(training, batches: list, cfg, device, before_optimizer_step=None)
     # fp16's dynamic loss scale (read before the step changes it); other precisions have none, and reading the
     # scale tensor would be one more host-device sync per step
     scale = float(optimizer.get_loss_scale()) if cfg.precision == "fp16" else 1.0
-    losses = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
-        num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
-        forward_only=False)
+    routing, aux_weight = getattr(training, "routing", None), getattr(training, "aux_weight", None)
+    if routing is not None:
+        routing.reset()
+    with contextlib.ExitStack() as stack:
+        if aux_weight is not None:  # the MoE auxiliary losses' weight in this step (megatron_vlm.training.moe)
+            from megatron_vlm.training.moe import global_loss_tokens
+
+            micro_batches = len(batches) * ps.get_data_parallel_world_size()
+            stack.enter_context(aux_weight.step(global_loss_tokens(batches, device), micro_batches))
+        losses = get_forward_backward_func()(
+            forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
+            num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
+            forward_only=False)
     if before_optimizer_step is not None:
         before_optimizer_step(training)
+    moe = routing.collect(len(batches), device) if routing is not None else None
     ok, grad_norm, _ = optimizer.step()
     training.scheduler.step(increment=1)
     total = _reduce_losses(losses, device)
@@ -111,7 +123,7 @@ def train_step(training, batches: list, cfg, device, before_optimizer_step=None)
     torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
     samples, tokens, images = (int(c) for c in counts.tolist())
     return StepResult(total[0].item(), total[1].item(), float(grad_norm) if ok else None, samples, tokens, images,
-                      scale)
+                      scale, moe)
 
 
 def pad_micro_batch(batch, micro_batch_size: int, image_token_id):

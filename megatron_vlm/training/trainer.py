@@ -67,6 +67,23 @@ def _source(cfg):
     return VLMSpec.load(it_dir), it_dir, it_dir, False
 
 
+def describe_moe(spec: VLMSpec, config, cfg) -> str:
+    """The start-up line of an MoE run: the routing the model was built with, its parallel layout and losses."""
+    coeff = config.moe_aux_loss_coeff
+    source = "the HF config's router_aux_loss_coef" if cfg.moe_aux_loss_coeff is None else "--moe-aux-loss-coeff"
+    balance = "no load-balancing loss" if config.moe_router_load_balancing_type == "none" or not coeff else \
+        f"{config.moe_router_load_balancing_type} coefficient {coeff:g} ({source})"
+    capacity = "no capacity (no token dropped)" if config.moe_expert_capacity_factor is None else \
+        f"capacity factor {config.moe_expert_capacity_factor:g} (tokens over it are dropped)"
+    experts = "TEGroupedMLP (grouped GEMM)" if config.moe_grouped_gemm else "SequentialMLP"
+    return (f"{spec.num_moe_experts} experts of {spec.moe_ffn_hidden_size}, top {spec.moe_router_topk} per token "
+            f"({'renormalised' if spec.moe_norm_topk_prob else 'not renormalised'}), {len(spec.moe_layers)} of "
+            f"{spec.num_layers} layers; ep={config.expert_model_parallel_size} "
+            f"etp={config.expert_tensor_parallel_size}; {balance}"
+            + (f"; z-loss {config.moe_z_loss_coeff:g}" if config.moe_z_loss_coeff else "")
+            + f"; {config.moe_token_dispatcher_type} dispatcher; {capacity}; experts: {experts}")
+
+
 def _pad_multiple(cfg) -> int | None:
     """Batches are padded so the image-expanded length is a multiple of this: FP8 GEMMs need 16 (32 for
     mxfp8) tokens, sequence parallelism a multiple of the TP size."""
@@ -137,6 +154,8 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
                  "optimizer" if cfg.precision != "fp32" else "fp32 throughout")
         log.info("fusions: %s; overlap_grad_reduce=%s overlap_param_gather=%s", training.fusions.summary(),
                  cfg.overlap_grad_reduce, cfg.overlap_param_gather)
+        if spec.is_moe:
+            log.info("mixture of experts: %s", describe_moe(spec, training.config, cfg))
         log.info("data: read on TP rank 0 of the first and last pipeline stage, broadcast to the other TP ranks%s",
                  f"; sequence packing into {cfg.packed_seq_length} positions from buffers of "
                  f"{cfg.packing_buffer_size} samples" if cfg.packing else "")
@@ -192,7 +211,7 @@ def save(cfg, run: Run, iteration: int) -> None:
     if overlap:  # the model's parameters must be current (gathered) when they are written
         training.ddp.disable_forward_pre_hook(param_sync=True)
     meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, run.spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers),
-                               dtype=str(training.dtype).replace("torch.", ""))
+                               dtype=str(training.dtype).replace("torch.", ""), ep=cfg.ep, etp=cfg.etp)
     from megatron_vlm.training.resume import layout_extra
 
     meta.extra.update(layout_extra(cfg, run.rt.dp, iteration * cfg.global_batch_size, training.scheduler))
@@ -242,7 +261,7 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
                 log.warning("iteration %d skipped: fp16 gradients overflowed at loss scale %g; the scaler backs off "
                             "(loss scale now %g)", iteration, r.loss_scale, training.optimizer.get_loss_scale().item())
             metrics.step(iteration, r.loss_sum, r.loss_tokens, r.samples, r.tokens, r.images, training.lr(),
-                         r.grad_norm)
+                         r.grad_norm, moe=r.moe)
         if cfg.eval_iters > 0 and (iteration % cfg.eval_interval == 0 or iteration == cfg.train_iters):
             metrics.validation(iteration, evaluate(cfg, run))
         if first_iter_time is None:
@@ -274,7 +293,7 @@ def train(cfg) -> dict:
     t_launch = time.time()
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    rt = distributed.setup(cfg.tp, cfg.pp, device=cfg.device, seed=cfg.seed)
+    rt = distributed.setup(cfg.tp, cfg.pp, device=cfg.device, seed=cfg.seed, ep=cfg.ep, etp=cfg.etp)
     stop = _StopFlag()
     run = start(cfg, rt, t_launch)
     freeze_long_lived()  # the model, optimizer, loader and imports live until exit: no collection walks them again

@@ -24,7 +24,7 @@ def check_types_and_ranges(cfg: ConfigFields) -> list[str]:
         v = getattr(cfg, f.name)
         if f.metadata["kind"] == "float" and isinstance(v, float) and v - v != 0:
             p.append(f"{f.metadata['flags'][0]} {v}: must be a finite number")
-    positive = ["gpus", "nodes", "tp", "pp", "micro_batch_size", "global_batch_size", "train_iters",
+    positive = ["gpus", "nodes", "tp", "pp", "ep", "etp", "micro_batch_size", "global_batch_size", "train_iters",
                 "seq_length", "save_interval", "save_total_limit", "log_interval", "eval_interval",
                 "gpus_per_node", "cpus_per_task", "ddp_bucket_size", "recompute_num_layers",
                 "max_consecutive_skipped_samples", "packing_buffer_size", "packed_seq_length", "video_frames"]
@@ -101,6 +101,7 @@ def check_consistency(cfg: ConfigFields) -> list[str]:
             p.append(f"global batch {cfg.global_batch_size}{src} is not divisible by micro batch "
                      f"{cfg.micro_batch_size} x data-parallel {cfg.dp} = {unit}; pass --global-batch-size "
                      f"{lo or hi}" + (f" or {hi}" if lo else "") + " (or change --micro-batch-size)")
+    p += _check_experts(cfg)
     if cfg.pp_layers is not None and (len(cfg.pp_layers) != cfg.pp or min(cfg.pp_layers) < 1):
         p.append(f"--pp-layers {','.join(map(str, cfg.pp_layers))}: give {cfg.pp} positive layer counts, "
                  f"one per pipeline stage of --pp {cfg.pp}")
@@ -131,10 +132,6 @@ def check_consistency(cfg: ConfigFields) -> list[str]:
     if cfg.overlap_param_gather and not cfg.dist_optim:
         p.append("--overlap-param-gather needs --dist-optim (it overlaps the distributed optimizer's "
                  "parameter all-gather)")
-    if cfg.sequence_parallel and (cfg.transformer_impl == "local" or cfg.device == "cpu"):
-        p.append("--sequence-parallel needs Transformer Engine layers (megatron-core's LLaVAModel runs sequence "
-                 "parallelism only with TE attention); drop --sequence-parallel or use --transformer-impl "
-                 "transformer_engine on a GPU")
     if cfg.sequence_parallel and cfg.tp == 1:
         p.append("--sequence-parallel needs --tp > 1 (it splits the sequence over tensor-parallel ranks)")
     if cfg.recompute_granularity != "full":
@@ -173,6 +170,29 @@ def check_consistency(cfg: ConfigFields) -> list[str]:
     elif cfg.gpus_per_node != cfg.gpus:
         p.append(f"--gpus-per-node {cfg.gpus_per_node} disagrees with -g {cfg.gpus} (both count GPUs per "
                  "node); give one of them")
+    return p
+
+
+def _check_experts(cfg: ConfigFields) -> list[str]:
+    """Expert parallelism against the world (the experts themselves are checked against the model's spec before
+    launch): megatron-core forms EP x expert-TP groups out of each pipeline stage's TP x DP ranks."""
+    p: list[str] = []
+    if cfg.ep < 1 or cfg.expert_tp < 1 or cfg.world_size % (cfg.tp * cfg.pp):
+        return p
+    stage_ranks, experts = cfg.tp * cfg.dp, cfg.ep * cfg.expert_tp
+    if stage_ranks % experts:
+        p.append(f"--ep {cfg.ep} x --etp {cfg.expert_tp} = {experts} ranks per expert group do not fit the "
+                 f"{stage_ranks} ranks of a pipeline stage (tp {cfg.tp} x data-parallel {cfg.dp}): use a GPU count "
+                 f"whose tp x data-parallel size is a multiple of {experts}, or lower --ep/--etp")
+    if cfg.moe_token_dispatcher_type == "alltoall" and cfg.expert_tp > 1 and cfg.device == "cpu":
+        p.append(f"--moe-token-dispatcher-type alltoall with --etp {cfg.expert_tp} on --device cpu: the dispatcher "
+                 "all-gathers expert inputs of different sizes over the expert tensor-parallel ranks, which gloo "
+                 "cannot; use --etp 1 or the allgather dispatcher on CPU (NCCL on GPUs does both)")
+    if cfg.moe_pad_expert_input_to_capacity and cfg.moe_expert_capacity_factor is None:
+        p.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity it pads to)")
+    if cfg.moe_grouped_gemm and (cfg.transformer_impl == "local" or cfg.device == "cpu"):
+        p.append("--moe-grouped-gemm needs Transformer Engine layers on a GPU (TEGroupedMLP); drop it for "
+                 "--transformer-impl local or --device cpu")
     return p
 
 

@@ -36,6 +36,7 @@ GROUPS = {
     "launch": "processes and nodes",
     "parallel": "parallelism and batch",
     "stage": "training stage and freezing",
+    "moe": "mixture of experts (Qwen3-MoE, Mixtral language models; Megatron-LM's --moe-* flags)",
     "optim": "optimizer and schedule",
     "fusion": "kernel fusions (Megatron-LM's switches; default: on where they work, i.e. on CUDA, off on CPU)",
     "model": "model, tokenizer and data",
@@ -101,10 +102,15 @@ class ConfigFields:
         "when it exceeds it), e.g. 80. Default: the visible GPU's.", "float", None, metavar="GB")
 
     # ---- parallelism and batch ------------------------------------------------------------------------
-    tp: int = _f(("--tp",), "Tensor-parallel size (divides attention heads, FFN and vocab sizes).",
-                 "int", 1, "parallel")
-    pp: int = _f(("--pp",), "Pipeline-parallel size (language model layers split across stages).",
-                 "int", 1, "parallel")
+    tp: int = _f(("--tp", "--tensor-model-parallel-size"), "Tensor-parallel size (divides attention heads, FFN and "
+                 "vocab sizes).", "int", 1, "parallel")
+    pp: int = _f(("--pp", "--pipeline-model-parallel-size"), "Pipeline-parallel size (language model layers split "
+                 "across stages).", "int", 1, "parallel")
+    ep: int = _f(("--ep", "--expert-model-parallel-size"), "Expert-parallel size of a mixture-of-experts language "
+                 "model: its experts are dealt out over EP ranks of each pipeline stage (must divide the number of "
+                 "experts; EP x --etp must divide TP x data-parallel size).", "int", 1, "parallel")
+    etp: int | None = _f(("--etp", "--expert-tensor-parallel-size"), "Tensor-parallel size inside each expert. "
+                         "Default: --tp (megatron-core's).", "int", None, "parallel")
     pp_layers: list[int] | None = _f(
         ("--pp-layers",), "Uneven pipeline split: language layers per stage, e.g. 3,1 for --pp 2. "
         "Default: an even split.", "intlist", None, "parallel", metavar="N,N,...")
@@ -143,6 +149,38 @@ class ConfigFields:
     recompute_num_layers: int | None = _f(
         ("--recompute-num-layers",), "Layers per recomputed chunk (uniform) or recomputed layers per stage "
         "(block). Default: 1.", "int", None, "parallel")
+
+    # ---- mixture of experts ---------------------------------------------------------------------------
+    moe_aux_loss_coeff: float | None = _f(
+        ("--moe-aux-loss-coeff",), "Load-balancing loss coefficient. Default: the HF config's "
+        "router_aux_loss_coef (what the language model was trained with; logged at start-up). 0 turns it off.",
+        "float", None, "moe")
+    moe_router_load_balancing_type: str = _f(
+        ("--moe-router-load-balancing-type",), "Load-balancing loss: aux_loss (GShard/Switch, per micro batch), "
+        "seq_aux_loss (per sequence), global_aux_loss (over the global batch) or none.", "choice", "aux_loss", "moe",
+        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
+    moe_z_loss_coeff: float | None = _f(
+        ("--moe-z-loss-coeff",), "Router z-loss coefficient (ST-MoE; 1e-3 is a usual start). Default: off.",
+        "float", None, "moe")
+    moe_token_dispatcher_type: str = _f(
+        ("--moe-token-dispatcher-type",), "How tokens reach their experts' ranks: allgather (Megatron-LM's default) "
+        "or alltoall (less traffic at larger --ep).", "choice", "allgather", "moe", choices=("allgather", "alltoall"))
+    moe_expert_capacity_factor: float | None = _f(
+        ("--moe-expert-capacity-factor",), "Tokens an expert takes, as a multiple of an even share; the rest are "
+        "dropped. Default: no capacity and no dropping, as in HF's model.", "float", None, "moe")
+    moe_pad_expert_input_to_capacity: bool = _f(
+        ("--moe-pad-expert-input-to-capacity",), "With --moe-expert-capacity-factor: pad each expert's input to its "
+        "capacity (fixed shapes).", "flag", False, "moe")
+    moe_grouped_gemm: bool | None = _f(
+        ("--moe-grouped-gemm",), "Run a rank's experts as one grouped GEMM (Transformer Engine's TEGroupedMLP). "
+        "Default: on with Transformer Engine layers, off with local layers (megatron-core's SequentialMLP). "
+        "Checkpoints load into either.", "tristate", None, "moe", negative="--no-moe-grouped-gemm")
+    moe_router_dtype: str | None = _f(
+        ("--moe-router-dtype",), "Precision of the router's gating GEMM and softmax (fp32 is steadier in bf16 "
+        "runs). Default: the parameters' precision.", "choice", None, "moe", choices=("fp32", "fp64"))
+    moe_per_layer_logging: bool = _f(
+        ("--moe-per-layer-logging",), "Also log each MoE layer's load-balancing loss and expert-load imbalance to "
+        "TensorBoard (the console and metrics.jsonl give the mean and the worst layer).", "flag", False, "moe")
 
     # ---- stage and freezing ---------------------------------------------------------------------------
     stage: int = _f(
@@ -381,6 +419,23 @@ class ConfigFields:
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size: ``--etp``, else ``--tp``."""
+        return self.etp if self.etp is not None else self.tp
+
+    def moe_options(self):
+        """The :class:`~megatron_vlm.model.MoEOptions` of this run (read only for an MoE language model)."""
+        from megatron_vlm.model import MoEOptions
+
+        return MoEOptions(aux_loss_coeff=self.moe_aux_loss_coeff,
+                          load_balancing_type=self.moe_router_load_balancing_type,
+                          z_loss_coeff=self.moe_z_loss_coeff, token_dispatcher_type=self.moe_token_dispatcher_type,
+                          expert_capacity_factor=self.moe_expert_capacity_factor,
+                          pad_expert_input_to_capacity=self.moe_pad_expert_input_to_capacity,
+                          grouped_gemm=self.moe_grouped_gemm, router_dtype=self.moe_router_dtype,
+                          per_layer_logging=self.moe_per_layer_logging)
 
     @property
     def packing(self) -> bool:

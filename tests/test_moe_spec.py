@@ -1,0 +1,164 @@
+"""Mixture-of-experts language models, the parts that need no process world: the spec read from HF configs
+(Qwen3-MoE's layer pattern and routing, Mixtral's), the mapping rows, expert-parallel placement and names, the
+refusals (each one line naming the fix), the launcher's checks, the active-parameter FLOPs and the legacy rank-file
+names. tests/test_moe.py runs the models."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_vlm.convert import mapping
+from megatron_vlm.spec import ParallelismError, UnsupportedArchitectureError, VLMSpec
+from megatron_vlm.testing.tiny import text_config, vision_config
+
+
+def _spec(family="qwen3_moe", **text) -> VLMSpec:
+    from transformers import LlavaConfig
+
+    cfg = LlavaConfig(text_config=text_config(family, **text).to_dict(), vision_config=vision_config("clip").to_dict(),
+                      image_token_id=3)
+    return VLMSpec.from_hf(cfg)
+
+
+def test_qwen3_moe_spec_reads_experts_routing_and_layer_pattern():
+    s = _spec(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False)
+    assert (s.num_moe_experts, s.moe_router_topk, s.moe_ffn_hidden_size) == (4, 2, 32)
+    # HF: layer i routes when i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    assert s.moe_layer_pattern == [0, 1, 0, 0, 0, 1] and s.moe_layers == [1, 5]
+    assert s.moe_norm_topk_prob is False and s.qk_layernorm and s.moe_aux_loss_coeff == 0.001
+    assert s.has_dense_layers and s.ffn_hidden_size == 128
+
+
+def test_mixtral_spec_routes_every_layer_with_renormalised_top_k():
+    s = _spec("mixtral", num_hidden_layers=3)
+    assert s.moe_layers == [0, 1, 2] and not s.has_dense_layers and s.moe_norm_topk_prob
+    assert (s.num_moe_experts, s.moe_ffn_hidden_size, s.moe_aux_loss_coeff) == (4, 32, 0.02)
+    assert not s.qk_layernorm
+
+
+def test_moe_settings_megatron_core_receives():
+    from megatron_vlm.model import ModelOptions, MoEOptions, _moe_config
+
+    s = _spec(num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)
+    kw = _moe_config(s, ModelOptions(tp=2, ep=2))
+    assert kw["moe_layer_freq"] == [1, 0, 1] and kw["moe_router_pre_softmax"] is False
+    assert (kw["expert_model_parallel_size"], kw["expert_tensor_parallel_size"]) == (2, 2)
+    assert kw["moe_aux_loss_coeff"] == 0.001 and kw["moe_expert_capacity_factor"] is None
+    assert kw["moe_grouped_gemm"] is False  # local layers: SequentialMLP
+    every = _moe_config(_spec("mixtral"), ModelOptions(moe=MoEOptions(aux_loss_coeff=0.0, token_dispatcher_type="alltoall")))
+    # all layers MoE: megatron's int form, whose checkpoints stack the layers as Megatron-LM's do
+    assert every["moe_layer_freq"] == 1 and every["moe_aux_loss_coeff"] == 0.0
+    assert every["moe_router_pre_softmax"] is False and every["moe_token_dispatcher_type"] == "alltoall"
+    assert _moe_config(_spec(norm_topk_prob=False), ModelOptions())["moe_router_pre_softmax"] is True
+    with pytest.raises(ValueError, match="--moe-grouped-gemm needs Transformer Engine layers"):
+        _moe_config(s, ModelOptions(moe=MoEOptions(grouped_gemm=True)))
+
+
+@pytest.mark.parametrize("family,router,gate,up,down", [
+    ("qwen3_moe", "mlp.gate.weight", "mlp.experts.3.gate_proj.weight", "mlp.experts.3.up_proj.weight",
+     "mlp.experts.3.down_proj.weight"),
+    ("mixtral", "block_sparse_moe.gate.weight", "block_sparse_moe.experts.3.w1.weight",
+     "block_sparse_moe.experts.3.w3.weight", "block_sparse_moe.experts.3.w2.weight"),
+])
+def test_mapping_rows_name_hf_experts_one_by_one(family, router, gate, up, down):
+    s = _spec(family, num_hidden_layers=2)
+    rules = {r.mcore: r for r in mapping.rules(s)}
+    h = "language_model.model.layers.1."
+    m = "language_model.decoder.layers.1.mlp."
+    assert rules[m + "router.weight"].hf == (h + router,)
+    fc1, fc2 = rules[m + "experts.local_experts.3.linear_fc1.weight"], rules[m + "experts.local_experts.3.linear_fc2.weight"]
+    assert fc1.hf == (h + gate, h + up) and fc1.kind == "gated" and fc1.expert == 3
+    assert fc2.hf == (h + down,) and fc2.split == "row"
+    assert not any(r.startswith("language_model.") and "mlp.linear_fc1" in r for r in rules)  # every layer routes
+
+
+def test_expert_parallel_placement_and_local_names():
+    s = _spec(num_hidden_layers=4, num_experts=8)
+    rules = {r.mcore: r for r in mapping.rules(s)}
+    r = rules["language_model.decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight"]
+    assert mapping.ep_rank_of(r, s, 2) == 1 and mapping.ep_rank_of(r, s, 4) == 2
+    assert mapping.local_name(r, 1, [2, 2], experts_per_rank=4) == \
+        "language_model.decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"
+    assert mapping.split_size(r, tp=2, etp=1) == 1 and mapping.split_size(r, tp=2) == 2
+    router = rules["language_model.decoder.layers.3.mlp.router.weight"]
+    assert mapping.ep_rank_of(router, s, 2) is None and mapping.split_size(router, 2, 1) == 2
+
+
+def test_parallelism_refusals_name_the_fix():
+    s = _spec(num_experts=6)
+    with pytest.raises(ParallelismError, match=r"--ep 4 does not divide the 6 experts .* choose --ep from \[1, 2, 3, 6\]"):
+        s.check_parallelism(1, 1, ep=4)
+    with pytest.raises(ParallelismError, match="--etp 3 does not divide each expert's moe_ffn_hidden_size=32"):
+        s.check_parallelism(1, 1, ep=2, etp=3)
+    dense = _spec("llama")
+    with pytest.raises(ParallelismError, match="--ep/--etp apply to mixture-of-experts language models; this llama LM "
+                                               "is dense: drop --ep/--etp"):
+        dense.check_parallelism(1, 1, ep=2)
+    assert s.check_parallelism(2, 2, ep=3) == [1, 1]
+
+
+def test_unsupported_moe_layouts_are_refused_in_one_line():
+    with pytest.raises(UnsupportedArchitectureError, match="router_jitter_noise=0.1: HF Mixtral multiplies the "
+                                                           "experts' input by the noise too"):
+        _spec("mixtral", router_jitter_noise=0.1)
+    with pytest.raises(UnsupportedArchitectureError, match=r"mlp_only_layers \[7\] are not layers of a 2-layer"):
+        _spec(mlp_only_layers=[7])
+    with pytest.raises(UnsupportedArchitectureError, match="num_experts_per_tok=5 must be between 1 and the 4 experts"):
+        _spec(num_experts_per_tok=5)
+    from transformers import LlavaConfig, Qwen2MoeConfig
+
+    cfg = LlavaConfig(text_config=Qwen2MoeConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4).to_dict(),
+                      vision_config=vision_config("clip").to_dict(), image_token_id=3)
+    with pytest.raises(UnsupportedArchitectureError, match="language model type 'qwen2_moe' is not supported"):
+        VLMSpec.from_hf(cfg)
+
+
+def test_launcher_checks_expert_groups_against_the_world():
+    from megatron_vlm.training.config import ConfigError, TrainConfig
+
+    req = ["--data-path", "d", "--tokenizer-load-dir", "t", "--megatron-load-dir", "m", "--train-iters", "1",
+           "--device", "cpu", "-g", "4", "--mbs", "1", "--gbs", "8"]
+
+    def error(*args) -> str:
+        with pytest.raises(ConfigError) as e:
+            TrainConfig.from_args([*args, *req])
+        return str(e.value)
+
+    assert TrainConfig.from_args(["--tp", "2", "--ep", "2", *req]).expert_tp == 2  # tp 2 x dp 2 hold ep 2 x etp 2
+    assert TrainConfig.from_args(["--pp", "2", "--expert-model-parallel-size", "2", "--etp", "1", *req]).ep == 2
+    assert "--ep 4 x --etp 2 = 8 ranks per expert group do not fit the 4 ranks of a pipeline stage (tp 2 x " \
+        "data-parallel 2)" in error("--tp", "2", "--ep", "4")
+    assert "needs --moe-expert-capacity-factor" in error("--moe-pad-expert-input-to-capacity")
+    assert "--moe-grouped-gemm needs Transformer Engine layers on a GPU" in error("--moe-grouped-gemm")
+    assert "--ep 0: must be at least 1" in error("--ep", "0")
+    assert "all-gathers expert inputs of different sizes over the expert tensor-parallel ranks, which gloo cannot" \
+        in error("--tp", "2", "--ep", "2", "--moe-token-dispatcher-type", "alltoall")
+
+
+def test_flops_count_the_active_experts():
+    from megatron_vlm.training.flops import StepFlops, _attention_block
+
+    s = _spec(num_hidden_layers=2, mlp_only_layers=[1], num_experts=64, num_experts_per_tok=2)
+    h, t = s.hidden_size, 100
+    q, kv = s.num_attention_heads * s.kv_channels, s.num_query_groups * s.kv_channels
+    attention = _attention_block(t, t, h, q, kv, h).weights
+    routed = 2 * t * (h * s.num_moe_experts + 2 * 3 * h * s.moe_ffn_hidden_size)  # router + 2 of the 64 experts
+    dense = 2 * t * 3 * h * s.ffn_hidden_size
+    logits = 2 * t * h * s.vocab_size
+    assert StepFlops(s, False, True, True).language(1, t).weights == pytest.approx(2 * attention + routed + dense
+                                                                                   + logits)
+
+
+def test_legacy_rank_files_are_named_as_megatron_lm_names_them(tmp_path):
+    from megatron_vlm import checkpoint as ckpt
+
+    assert ckpt.legacy_rank_dir(1, 0, 1) == "mp_rank_01"
+    assert ckpt.legacy_rank_dir(1, 0, 1, ep_rank=3, ep=4) == "mp_rank_01_003"
+    assert ckpt.legacy_rank_dir(0, 1, 2, ep_rank=1, ep=2) == "mp_rank_00_001_001"
+    for t in range(2):
+        for e in range(2):
+            d = tmp_path / ckpt.legacy_rank_dir(t, 0, 1, e, 2)
+            d.mkdir()
+            (d / "model_optim_rng.pt").write_bytes(b"x")
+    assert ckpt.legacy_layout_ep(tmp_path, expert_parallel=True) == (2, 1, 2)
+    assert ckpt.legacy_layout(tmp_path) == (2, 2)  # the names alone read as PP without the EP hint
