@@ -21,11 +21,12 @@ from .conftest import FAMILIES, script
 
 
 def _no_copies(monkeypatch):
-    monkeypatch.setattr(copyplan, "row_runs", lambda *a, **k: None)
+    monkeypatch.setattr(copyplan.RowPlan, "runs", lambda *a, **k: None)
 
 
 def _all_copies(monkeypatch):
     monkeypatch.setattr(copyplan, "MIN_COPY_BYTES", 0)
+    monkeypatch.setattr(copyplan, "SMALL_RUN", 512)  # the tiny models' runs take both ways
 
 
 def _legacy_state(meg, tp, pp):
@@ -141,6 +142,7 @@ def test_failure_midway_leaves_nothing(how, fmt, hf_models, tmp_path, monkeypatc
         return real(*args)
 
     monkeypatch.setattr(copyplan, "copy_range", failing)
+    monkeypatch.setattr(copyplan, "SMALL_RUN", 0)  # every run by copy_range, even the tiny model's
     _all_copies(monkeypatch)
     threads = set(threading.enumerate())
     with pytest.raises(KeyboardInterrupt if how == "ctrl-c" else (OSError, Exception)):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import math
+import mmap
 import os
 import threading
 from dataclasses import dataclass
@@ -28,8 +29,8 @@ _SRC_SHIFT = 40  # label = (source + 1) << 40 | (row * blocks + block)
 #: outputs smaller than this are computed: a copy plan saves nothing there
 MIN_COPY_BYTES = 1 << 16
 #: a two-dimensional tensor's rows are labelled in (at most) this many blocks, so that splits along the second
-#: dimension (row-parallel TP shards) are followed too
-MAX_BLOCKS = 64
+#: dimension (row-parallel TP shards, up to TP=8) are followed too
+MAX_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -77,74 +78,104 @@ def row_runs(fn: Callable[[list[torch.Tensor]], torch.Tensor], sources: list[Loc
              ) -> list[tuple[int, int, int, int]] | None:
     """The byte runs ``(source index, source byte offset, output byte offset, length)`` that make
     ``fn(sources)`` (the padding rows left out), or None when the output is not made of whole blocks of source
-    rows of its own dtype.
-
-    The rows are labelled in blocks (:func:`_blocks`), and the step is taken twice, at that granularity and at
-    half of it: a step that moves whole blocks gives the same bytes both times, one that reorders elements inside
-    a block (a flip, an element interleave) does not, and is computed instead. A row that cannot be split into two
-    or more equal blocks is labelled by its two ends, which the step must keep together and in order."""
-    out_shape = tuple(out_shape)
-    if len(out_shape) < 2 or not sources or any(len(s.shape) != len(out_shape) or s.dtype != out_dtype
-                                                 or tuple(s.shape[1:]) != tuple(sources[0].shape[1:])
-                                                 for s in sources):
-        return None
-    k = _blocks(sources[0].shape)
-    runs = _runs(fn, sources, out_shape, out_dtype, k)
-    if runs is None or k == 1:
-        return runs
-    return runs if _runs(fn, sources, out_shape, out_dtype, k // 2) == runs else None
+    rows of its own dtype (:class:`RowPlan` with ``fn`` as the whole step)."""
+    return RowPlan(sources, fn).runs(lambda t: t, out_shape, out_dtype)
 
 
-def _runs(fn, sources, out_shape, out_dtype, k: int):
-    """:func:`row_runs` at ``k`` blocks per row (``k == 1``: whole rows, labelled by their two ends)."""
-    row = math.prod(sources[0].shape[1:])  # elements
-    out_row = math.prod(out_shape[1:])
-    labels_per_row = max(k, 2)
-    block = row // k
-    if not out_row or out_row % block:
-        return None
-    k_out = out_row // block * (2 if k == 1 else 1)
-    if k == 1 and out_row != row:
-        return None
-    try:
-        proxies = []
-        for i, s in enumerate(sources):
-            labels = ((i + 1) << _SRC_SHIFT) + torch.arange(s.shape[0] * labels_per_row, dtype=torch.int64)
-            proxies.append(labels.view((s.shape[0],) + (1,) * (len(s.shape) - 2) + (labels_per_row,)))
-        out = fn(proxies)
-    except Exception:  # noqa: BLE001 (a step the proxy cannot take: computed instead)
-        return None
-    if tuple(out.shape) != (out_shape[0],) + (1,) * (len(out_shape) - 2) + (k_out,) or out.dtype != torch.int64:
-        return None
-    labels = out.reshape(-1)
-    pad = labels == 0
-    src = torch.where(pad, -1, (labels >> _SRC_SHIFT) - 1)
-    pos = labels & ((1 << _SRC_SHIFT) - 1)
-    if bool(torch.any((src >= len(sources)) | (~pad & (src < 0)))):
-        return None
-    if k == 1:  # whole rows: each output row is one source row's two ends, in order
-        ends = labels.view(-1, 2)
-        if not bool(torch.all((ends[:, 0] == 0) & (ends[:, 1] == 0) | (ends[:, 1] == ends[:, 0] + 1)
-                              & (pos.view(-1, 2)[:, 0] % 2 == 0))):
+class RowPlan:
+    """Copy plans of the outputs of one step ``full(sources)`` (e.g. the TP shards of one tensor): the step is
+    taken on the proxies once per granularity, and each output's ``part(full)`` from it.
+
+    The rows are labelled in blocks (:func:`_blocks`), and a plan that moves parts of rows is made twice, at that
+    granularity and at half of it: a step that moves whole blocks gives the same bytes both times, one that
+    reorders elements inside a block (a flip, an element interleave) does not, and is computed instead. A row
+    that cannot be split into two or more equal blocks is labelled by its two ends, which the step must keep
+    together and in order."""
+
+    def __init__(self, sources: list[Located], full: Callable[[list[torch.Tensor]], torch.Tensor]):
+        self.sources, self.full = sources, full
+        self.ok = bool(sources) and all(len(s.shape) >= 2 and s.dtype == sources[0].dtype
+                                        and tuple(s.shape[1:]) == tuple(sources[0].shape[1:]) for s in sources)
+        self.k = _blocks(sources[0].shape) if self.ok else 1
+        self._made: dict[int, torch.Tensor | None] = {}
+
+    def _proxy_full(self, k: int):
+        if k not in self._made:
+            per_row = max(k, 2)
+            try:
+                proxies = []
+                for i, s in enumerate(self.sources):
+                    labels = ((i + 1) << _SRC_SHIFT) + torch.arange(s.shape[0] * per_row, dtype=torch.int64)
+                    proxies.append(labels.view((s.shape[0],) + (1,) * (len(s.shape) - 2) + (per_row,)))
+                self._made[k] = self.full(proxies)
+            except Exception:  # noqa: BLE001 (a step the proxy cannot take: computed instead)
+                self._made[k] = None
+        return self._made[k]
+
+    def runs(self, part: Callable[[torch.Tensor], torch.Tensor], out_shape, out_dtype) -> list | None:
+        """The byte runs of output ``part(full)`` (shape ``out_shape``, ``out_dtype``), or None."""
+        out_shape = tuple(out_shape)
+        if not self.ok or len(out_shape) != len(self.sources[0].shape) or self.sources[0].dtype != out_dtype:
             return None
-        src, pos, pad = src.view(-1, 2)[:, 0], pos.view(-1, 2)[:, 0] // 2, pad.view(-1, 2)[:, 0]
-    bb = block * _itemsize(out_dtype)
-    runs = []
-    src_l, pos_l = src.tolist(), pos.tolist()
-    start, n = 0, len(src_l)
-    for j in range(1, n + 1):
-        if j == n or src_l[j] != src_l[start] or src_l[j] < 0 or pos_l[j] != pos_l[j - 1] + 1:
-            if src_l[start] >= 0:
-                runs.append((src_l[start], pos_l[start] * bb, start * bb, (j - start) * bb))
-            start = j
-    return runs
+        runs = self._runs(part, out_shape, out_dtype, self.k)
+        if runs is None or self.k == 1:
+            return runs
+        src_row = math.prod(self.sources[0].shape[1:]) * _itemsize(out_dtype)
+        out_row = math.prod(out_shape[1:]) * _itemsize(out_dtype)
+        if src_row == out_row and all(a % src_row == 0 and b % out_row == 0 and n % out_row == 0
+                                      for _, a, b, n in runs):
+            return runs  # whole rows moved: nothing inside a row to check
+        return runs if self._runs(part, out_shape, out_dtype, self.k // 2) == runs else None
+
+    def _runs(self, part, out_shape, out_dtype, k: int):
+        row = math.prod(self.sources[0].shape[1:])  # elements
+        out_row = math.prod(out_shape[1:])
+        block = row // k
+        if not out_row or out_row % block or k == 1 and out_row != row:
+            return None
+        k_out = out_row // block * (2 if k == 1 else 1)
+        full = self._proxy_full(k)
+        if full is None:
+            return None
+        try:
+            out = part(full)
+        except Exception:  # noqa: BLE001
+            return None
+        if tuple(out.shape) != (out_shape[0],) + (1,) * (len(out_shape) - 2) + (k_out,) or out.dtype != torch.int64:
+            return None
+        labels = out.reshape(-1)
+        pad = labels == 0
+        src = torch.where(pad, -1, (labels >> _SRC_SHIFT) - 1)
+        pos = labels & ((1 << _SRC_SHIFT) - 1)
+        if bool(torch.any((src >= len(self.sources)) | (~pad & (src < 0)))):
+            return None
+        if k == 1:  # whole rows: each output row is one source row's two ends, in order
+            ends = labels.view(-1, 2)
+            if not bool(torch.all((ends[:, 0] == 0) & (ends[:, 1] == 0) | (ends[:, 1] == ends[:, 0] + 1)
+                                  & (pos.view(-1, 2)[:, 0] % 2 == 0))):
+                return None
+            src, pos, pad = src.view(-1, 2)[:, 0], pos.view(-1, 2)[:, 0] // 2, pad.view(-1, 2)[:, 0]
+        bb = block * _itemsize(out_dtype)
+        n = src.numel()
+        if not n:
+            return []
+        cut = torch.ones(n, dtype=torch.bool)  # where a run starts: another source, a jump, padding
+        cut[1:] = (src[1:] != src[:-1]) | (pos[1:] != pos[:-1] + 1) | pad[1:] | pad[:-1]
+        starts = cut.nonzero().flatten()
+        lengths = torch.diff(starts, append=torch.tensor([n]))
+        keep = ~pad[starts]
+        starts, lengths = starts[keep], lengths[keep]
+        return list(zip(src[starts].tolist(), (pos[starts] * bb).tolist(), (starts * bb).tolist(),
+                        (lengths * bb).tolist()))
 
 
 class Files:
-    """Read-only descriptors of the source files, opened once (thread-safe)."""
+    """The source files, opened once: read-only descriptors, and read-only mappings for gathered writes
+    (thread-safe)."""
 
     def __init__(self):
         self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
     def fd(self, path: str) -> int:
@@ -154,11 +185,31 @@ class Files:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY)
             return fd
 
+    def mapped(self, path: str) -> memoryview:
+        fd = self.fd(path)
+        with self._lock:
+            m = self._maps.get(path)
+            if m is None:
+                m = self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            return memoryview(m)
+
     def close(self) -> None:
         with self._lock:
+            for m in self._maps.values():
+                try:
+                    m.close()
+                except BufferError:  # a view is still alive; the mapping goes with it
+                    pass
             for fd in self._fds.values():
                 os.close(fd)
+            self._maps.clear()
             self._fds.clear()
+
+
+#: runs shorter than this are gathered into one ``pwritev`` (a row-parallel shard is one run per row) rather than
+#: copied one ``copy_file_range`` each
+SMALL_RUN = 1 << 16
+_IOV_MAX = 1024
 
 
 _KERNEL_COPY = [True]  # cleared after the first file system that refuses copy_file_range
@@ -190,17 +241,44 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, n: int) -> 
 def fill(target: Target, fn: Callable[[list[torch.Tensor]], torch.Tensor], sources: list[Located], files: Files,
          runs: list | None = None) -> None:
     """Write ``fn(sources)`` to ``target``: the byte runs of :func:`row_runs` (``runs``, computed when None) in
-    the kernel, or the tensor computed from the sources' views and written."""
+    the kernel (long runs by ``copy_file_range``, short ones gathered from the mapped sources into ``pwritev``
+    calls), or the tensor computed from the sources' views and written."""
     if runs is None:
         runs = plan(fn, sources, target)
-    if runs is not None:
-        for s, src_off, out_off, n in runs:
-            copy_range(files.fd(sources[s].path), sources[s].offset + src_off, target.fd, target.offset + out_off, n)
+    if runs is None:
+        out = fn([s.view() for s in sources])
+        if out.dtype != target.dtype or tuple(out.shape) != tuple(target.shape):
+            raise ValueError(f"made {out.dtype} {tuple(out.shape)}, planned {target.dtype} {tuple(target.shape)}")
+        write_all(target.fd, tensor_bytes(out), target.offset)
         return
-    out = fn([s.view() for s in sources])
-    if out.dtype != target.dtype or tuple(out.shape) != tuple(target.shape):
-        raise ValueError(f"made {out.dtype} {tuple(out.shape)}, planned {target.dtype} {tuple(target.shape)}")
-    write_all(target.fd, tensor_bytes(out), target.offset)
+    gather: list = []
+    for s, src_off, out_off, n in runs:
+        if n >= SMALL_RUN:
+            copy_range(files.fd(sources[s].path), sources[s].offset + src_off, target.fd, target.offset + out_off, n)
+            continue
+        if gather and (gather[-1][0] + gather[-1][1] != out_off or len(gather) == _IOV_MAX):
+            _gathered(target, gather, files, sources)
+            gather = []
+        gather.append((out_off, n, s, src_off))
+    if gather:
+        _gathered(target, gather, files, sources)
+
+
+def _gathered(target: Target, pieces: list, files: Files, sources: list[Located]) -> None:
+    """One ``pwritev`` of consecutive output pieces ``(output offset, length, source, source offset)``, each a
+    slice of its mapped source file (no copy in the process)."""
+    views = [files.mapped(sources[s].path)[sources[s].offset + a:sources[s].offset + a + n]
+             for _, n, s, a in pieces]
+    pos = target.offset + pieces[0][0]
+    done = os.pwritev(target.fd, views, pos)
+    for v in views:  # after a short write (rare), the rest piece by piece
+        skip = min(done, v.nbytes)
+        done -= skip
+        if skip < v.nbytes:
+            write_all(target.fd, v[skip:], pos + skip)
+        pos += v.nbytes
+    for v in views:
+        v.release()
 
 
 def plan(fn, sources: list[Located], target: Target) -> list | None:

@@ -200,33 +200,33 @@ def _out_dtype(have: torch.dtype, dtype: torch.dtype) -> torch.dtype:
 
 
 def _copy_plan(source, rule, spec: VLMSpec, outs, out_dtypes):
-    """``(sources, [(hf name, fn, runs)])`` when every HF tensor of ``rule`` is whole stored rows, else None."""
+    """``(sources, [(hf name, runs)])`` when every HF tensor of ``rule`` is whole stored rows, else None."""
     if any(o.numel() * o.element_size() < copyplan.MIN_COPY_BYTES for o in outs):
         return None
     located = source.located(rule)
     if located is None:
         return None
     sources, assemble = located
+    rows = copyplan.RowPlan(sources, assemble)
     plans = []
     for k, (name, o, d) in enumerate(zip(rule.hf, outs, out_dtypes)):
-        fn = functools.partial(_hf_part, rule, spec, assemble, k)
-        runs = copyplan.row_runs(fn, sources, tuple(o.shape), d)
+        runs = rows.runs(functools.partial(_hf_part, rule, spec, k), tuple(o.shape), d)
         if runs is None:
             return None
-        plans.append((name, fn, runs))
+        plans.append((name, runs))
     return sources, plans
 
 
-def _hf_part(rule, spec: VLMSpec, assemble, k: int, xs):
-    return mapping.to_hf(rule, assemble(xs), spec)[k]
+def _hf_part(rule, spec: VLMSpec, k: int, full):
+    return mapping.to_hf(rule, full, spec)[k]
 
 
 def _copy_run(files, rule, runs, writer: SafetensorsWriter):
     sources, plans = runs
 
     def run():
-        for name, fn, r in plans:
-            copyplan.fill(writer.target(name), fn, sources, files, runs=r)
+        for name, r in plans:
+            copyplan.fill(writer.target(name), None, sources, files, runs=r)
 
     return run
 

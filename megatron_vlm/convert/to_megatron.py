@@ -81,17 +81,17 @@ class _Plan:
         sources = [self.reader.located(h) for h in rule.hf]
         dtype = self.out_dtype(rule)
 
-        def of(part):
-            return lambda xs: part(_cast(mapping.to_mcore(rule, xs, self.spec), self.dtype))
+        def made(xs):
+            return _cast(mapping.to_mcore(rule, xs, self.spec), self.dtype)
 
-        runs = [copyplan.row_runs(of(part), sources, shape, dtype)
-                if math.prod(shape) * _itemsize(dtype) >= copyplan.MIN_COPY_BYTES else None
-                for part, shape, _ in outs]
+        rows = copyplan.RowPlan(sources, made)
+        runs = [rows.runs(part, shape, dtype) if math.prod(shape) * _itemsize(dtype) >= copyplan.MIN_COPY_BYTES
+                else None for part, shape, _ in outs]
         nbytes = sum(math.prod(shape) for _, shape, _ in outs) * _itemsize(dtype)
         if all(r is not None for r in runs):
             def copy():
-                for (part, _, target), r in zip(outs, runs):
-                    copyplan.fill(target(), of(part), sources, files, runs=r)
+                for (_, _, target), r in zip(outs, runs):
+                    copyplan.fill(target(), None, sources, files, runs=r)
 
             return st.Task(rule.mcore, cost=0, nbytes=nbytes, run=copy, after=lambda: self.release(rule))
 
