@@ -73,24 +73,27 @@ def make_model(out: Path, layers: int, hidden: int, vision_layers: int) -> int:
     return writer.total
 
 
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (each of its threads may have started some)."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
 def tree_anon(root: int) -> int:
     """Sum of Pss_Anon over ``root`` and its descendants (bytes)."""
     from megatron_vlm.convert.streaming import anon_bytes
 
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
     total, todo = 0, [root]
     while todo:
         pid = todo.pop()
         total += anon_bytes(pid) or 0
-        todo += children.get(pid, [])
+        todo += _children(pid)
     return total
 
 

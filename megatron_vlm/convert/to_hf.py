@@ -1,10 +1,16 @@
 """Megatron checkpoint (converted or from training; any iteration, either format, any TP/PP) -> HF LLaVA dir.
 
-torch_dist is read through megatron's ``dist_checkpointing`` into a TP=1/PP=1 model (resharding on load);
-legacy rank files are memory-mapped and merged tensor by tensor. Weights stream into safetensors shards, each
-in the checkpoint's dtype; the HF-only tensors carried by the checkpoint are added back, so HF -> Megatron ->
-HF is lossless. A checkpoint Megatron-LM wrote (no ``vlm_spec.json``) is described by
-:mod:`megatron_vlm.convert.megatron_lm` from an HF config and read the same way.
+One task per Megatron tensor (:class:`~megatron_vlm.convert.mapping.Rule`) writes its HF tensors in place in the
+planned safetensors shards (:class:`~megatron_vlm.convert.hf_io.SafetensorsWriter`). Where they are whole stored
+rows (the tensors of a converted torch_dist checkpoint, the TP shards of legacy rank files, row-parallel ones
+too), their bytes go file to file in the kernel (:mod:`megatron_vlm.convert.copyplan`), located in the
+``.distcp`` items through torch.distributed.checkpoint's index and torch's own archive reader, or in the
+memory-mapped rank files. Otherwise the full tensor is read (torch_dist through torch.distributed.checkpoint,
+resharding blocks saved at any TP/PP; legacy rank files memory-mapped and merged over TP), split by
+``mapping.to_hf``, cast and written. A few tensors are in memory at a time (:mod:`megatron_vlm.convert.streaming`).
+Every tensor comes out in one dtype (the checkpoint's by default); the HF-only tensors the checkpoint carries are
+added back, so HF -> Megatron -> HF is lossless. A checkpoint Megatron-LM wrote (no ``vlm_spec.json``) is
+described by :mod:`megatron_vlm.convert.megatron_lm` from an HF config and read the same way.
 """
 
 from __future__ import annotations
