@@ -32,6 +32,24 @@ from megatron_vlm.spec import VLMSpec
 log = logging.getLogger(__name__)
 
 
+def read_full_megatron_state(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta) -> dict[str, torch.Tensor]:
+    """Every full (TP=1/PP=1, global layer numbers) Megatron tensor of an iteration directory, in memory and in
+    the dtypes stored: for building a model from a checkpoint (the export itself never holds them all)."""
+    rules = mapping.rules(spec)
+    if meta.format == "torch":
+        source = mcore_io.LegacyReader(iter_dir, spec, meta)
+        return {r.mcore: source.read(r) for r in rules}
+    from megatron_vlm.runtime.session import single_process_world
+
+    _check_dist_vocab(iter_dir, spec)
+    layout = ckpt.dist_key_layout(iter_dir)
+    with single_process_world():
+        model = mcore_io.meta_model(spec, getattr(torch, meta.dtype))
+        _, pieces = mcore_io.dist_pieces(model, {r.mcore for r in rules}, layout)
+        source = mcore_io.DistReader(iter_dir, pieces)
+        return {r.mcore: source.read(r) for r in rules}
+
+
 def _check_dist_vocab(iter_dir, spec: VLMSpec) -> None:
     """dist_checkpointing would load embeddings of another padded size without error: check it here."""
     from megatron.core import dist_checkpointing
