@@ -35,6 +35,7 @@ def _legacy_state(meg, tp, pp):
     return {(t, p): ckpt.load_legacy_rank(meg / "release", t, p, pp)["model"] for t in range(tp) for p in range(pp)}
 
 
+@pytest.mark.slow  # 8 conversions of each family (~5 s each family on an idle 2-core machine)
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_kernel_copies_equal_computed_tensors(name, hf_models, tmp_path, monkeypatch):
     """Every output that the copy plans make (forced down to the smallest tensor) equals the one computed by
