@@ -32,7 +32,7 @@ def main(argv=None):
                         "written; with --overwrite the previous checkpoint stays) and the command exits non-zero")
     p.add_argument("--tolerance", type=positive_float, default=1e-4, help="max abs logit difference for --verify")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --megatron-dir")
-    p.add_argument("--max-memory", type=memory_size, default=None,
+    p.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
                    help="cap on the converter's memory, e.g. 16GB or 800MiB (a bare number is GiB); the conversion "
                         "holds a few tensors at a time and refuses at the start, naming the tensor, when the largest "
                         "does not fit (default: 80%% of the memory available); with --verify, also refused at the "

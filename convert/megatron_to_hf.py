@@ -40,7 +40,7 @@ def main(argv=None):
     p.add_argument("--max-shard-size-gb", type=positive_float, default=5.0,
                    help="safetensors shard size limit in GiB (at least 0.01)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --hf-dir")
-    p.add_argument("--max-memory", type=memory_size, default=None,
+    p.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
                    help="cap on the converter's memory, e.g. 16GB or 800MiB (a bare number is GiB); the export "
                         "holds a few tensors at a time and refuses at the start, naming the tensor, when the largest "
                         "does not fit (default: 80%% of the memory available)")

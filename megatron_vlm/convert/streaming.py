@@ -227,7 +227,7 @@ class Runner:
 
 
 # ---- memory plan ----------------------------------------------------------------------------------------------
-def memory_budget(tasks: list[Task], max_memory: int | None, workers: int, what: str) -> int:
+def memory_budget(tasks: list[Task], max_memory: int | None, workers: int) -> int:
     """The bytes ``tasks`` may hold at once (at most ``workers`` of the largest), checked against the cap.
 
     The cap is ``max_memory`` (``--max-memory``) or, when None, what the process holds now plus
@@ -252,7 +252,7 @@ def memory_budget(tasks: list[Task], max_memory: int | None, workers: int, what:
         need = held + SLACK + biggest.cost
         fix = "raise --max-memory" if max_memory is not None else "free memory or use a machine with more"
         raise MemoryCapError(
-            f"{what}: {biggest.name} needs about {format_bytes(biggest.cost)} to convert, beside the "
+            f"--max-memory: {biggest.name} needs about {format_bytes(biggest.cost)} to convert, beside the "
             f"{format_bytes(held)} this process holds, which is more than {source} allows; {fix} (at least "
             f"{format_bytes(need)})")
     budget = min(room, want)

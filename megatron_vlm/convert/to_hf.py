@@ -197,7 +197,7 @@ def _export_tensors(source, rules, spec: VLMSpec, extra, hf_dir, dtype: torch.dt
         entries.append((name, out, tuple(shape)))
         tasks.append(st.Task(name, cost=nbytes if out != edtype else 0, nbytes=nbytes, run=None))
         makers.append(functools.partial(_extra_run, files, name, get, located, dtype))
-    budget = st.memory_budget(tasks, max_memory, workers, "--max-memory")
+    budget = st.memory_budget(tasks, max_memory, workers)
     try:
         with atomic_dir(hf_dir, overwrite=overwrite, what="--hf-dir") as tmp:
             writer = SafetensorsWriter(tmp, entries, max_shard_bytes)

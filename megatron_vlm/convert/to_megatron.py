@@ -164,7 +164,7 @@ def _convert(plan: _Plan, files, hf_dir, megatron_dir, overwrite, check, max_mem
              output) -> None:
     extra = _Extra(plan.reader, mapping.extra_hf_names(plan.spec, plan.reader.names()), plan.dtype, files)
     tasks = output.tasks + extra.tasks
-    budget = st.memory_budget(tasks, max_memory, workers, "--max-memory")
+    budget = st.memory_budget(tasks, max_memory, workers)
     if before_write is not None:
         before_write(plan.spec)
     with atomic_dir(megatron_dir, overwrite=overwrite, what="--megatron-dir") as tmp:
