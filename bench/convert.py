@@ -1,22 +1,35 @@
 #!/usr/bin/env python
-"""Conversion speed and memory benchmark (not a test): prints ratios measured in one run.
+"""Conversion memory and speed benchmark (not a test): marginal memory and time per extra model byte.
 
-Builds a ~1.5B-parameter random LLaVA (Llama-like 1.2B LM + CLIP-L/14-336-shaped ViT) in bf16 as sharded
-safetensors, like a hub model, then times and measures peak RSS of:
-  cp -r of the HF files | HF->Megatron TP=2 PP=2 torch_dist | same, legacy torch | Megatron->HF (torch_dist)
-Each step is timed until its output is on disk (sync before and after), and the fixed cost of starting
-Python and importing megatron-core + transformers is printed for reference.
-Targets: each conversion <= 2x the copy time; peak RSS <= 1.25x model bytes (torch_dist) and
-<= 1.25x model bytes / (TP*PP) + 1 GiB (legacy).
+Builds two random bf16 LLaVAs of one shape family (a Llama-like LM of hidden 2048 with --small-layers and
+--large-layers layers, a CLIP-L/14-336-shaped ViT; ~1.1 GB and ~3.2 GB by default) as sharded safetensors, like
+hub models, then runs on each, in one go:
+
+  cp -r of the HF files (the reference) | HF->Megatron TP=2 PP=2 torch_dist | the same, legacy torch |
+  Megatron->HF from the torch_dist checkpoint | Megatron->HF from the legacy one
+
+Each step runs as its own process tree, --repeat times at each size (the fastest run counts; the peak is the
+highest of them). Its peak memory is the sum over the tree of each process's anonymous
+memory with shared pages counted in proportion (``Pss_Anon`` of /proc/PID/smaps_rollup), sampled every
+--interval seconds: not ``ru_maxrss`` of one child, and not the memory-mapped input files or the page cache. Its
+time runs until its output is on disk (``sync`` before and after: the converters fsync their files, and a copy is
+not done while its pages are dirty).
+
+The printed table gives, per step, the peak at each size and, between the two sizes, the extra peak memory per
+extra model byte (target <= 0.10) and the extra time per extra byte relative to ``cp``'s (target <= 1.5, aim
+1.2): fixed costs (Python start-up, imports, the tiny tensors) cancel out. The machine's load average is printed
+with the results; on a shared machine run it when the load is low.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,7 +43,7 @@ def make_model(out: Path, layers: int, hidden: int, vision_layers: int) -> int:
     from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
     from megatron_vlm.chat_template import llava_chat_template
-    from megatron_vlm.convert.hf_io import HFShardWriter
+    from megatron_vlm.convert.hf_io import SafetensorsWriter
     from megatron_vlm.convert.mapping import canonical_hf_name
     from megatron_vlm.testing.tiny import text_config, train_tokenizer
     from megatron_vlm.tokenizer import add_vlm_tokens
@@ -51,63 +64,138 @@ def make_model(out: Path, layers: int, hidden: int, vision_layers: int) -> int:
     cfg.save_pretrained(str(out))
     with torch.device("meta"):
         meta_model = LlavaForConditionalGeneration(cfg)
-    writer = HFShardWriter(out, max_shard_bytes=2**30)
+    tensors = {canonical_hf_name(n): p for n, p in meta_model.state_dict().items()}
+    writer = SafetensorsWriter(out, [(n, torch.bfloat16, tuple(p.shape)) for n, p in tensors.items()],
+                               max_shard_bytes=2**30)
     g = torch.Generator().manual_seed(0)
-    for name, p in meta_model.state_dict().items():
-        writer.add(canonical_hf_name(name), (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16))
+    for name, p in tensors.items():
+        writer.write(name, (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16))
     writer.close()
     return writer.total
 
 
-def measured(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds until ``cmd``'s output is on disk (``sync`` before and after: dist_checkpointing fsyncs its
-    files, and a copy is not done while its pages are still dirty) and peak RSS (bytes) of its largest process."""
-    code = ("import os,resource,subprocess,sys,time;os.sync();t=time.time();r=subprocess.run(sys.argv[1:]);os.sync();"
-            "print(time.time()-t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss*1024);sys.exit(r.returncode)")
-    r = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True, cwd=ROOT)
-    if r.returncode:
-        sys.stderr.write(r.stderr[-4000:])
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (each of its threads may have started some)."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def tree_anon(root: int) -> int:
+    """Sum of Pss_Anon over ``root`` and its descendants (bytes)."""
+    from megatron_vlm.convert.streaming import anon_bytes
+
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += anon_bytes(pid) or 0
+        todo += _children(pid)
+    return total
+
+
+def measured(cmd: list[str], interval: float) -> tuple[float, int]:
+    """(seconds until the output is on disk, peak Pss_Anon of the process tree) of ``cmd``."""
+    os.sync()
+    t = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = [0]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], tree_anon(proc.pid))
+            done.wait(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out = proc.communicate()[0]
+    done.set()
+    sampler.join()
+    os.sync()
+    secs = time.time() - t
+    if proc.returncode:
+        sys.stderr.write(out[-4000:])
         raise SystemExit(f"failed: {' '.join(cmd)}")
-    secs, rss = r.stdout.strip().splitlines()[-1].split()
-    return float(secs), int(rss)
+    return secs, peak[0]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", default="/tmp/mvlm-bench-convert", help="scratch directory (replaced)")
-    p.add_argument("--layers", type=int, default=22, help="LM layers (22 x hidden 2048 ~ 1.2B)")
+    p.add_argument("--work", default="/tmp/mvlm-bench-convert", help="scratch directory (replaced, then removed)")
+    p.add_argument("--small-layers", type=int, default=3, help="LM layers of the small model (~1.1 GB)")
+    p.add_argument("--large-layers", type=int, default=26, help="LM layers of the large model (~3.2 GB)")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--vision-layers", type=int, default=24)
+    p.add_argument("--interval", type=float, default=0.05, help="seconds between memory samples")
+    p.add_argument("--repeat", type=int, default=2,
+                   help="runs of each step at each size; the fastest counts (a shared machine's load comes in spikes)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     a = p.parse_args(argv)
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
-    t = time.time()
-    nbytes = make_model(work / "hf", a.layers, a.hidden, a.vision_layers)
-    print(f"model: {nbytes / 1e9:.2f} GB of bf16 weights ({nbytes / 2 / 1e9:.2f} B params), built in "
-          f"{time.time() - t:.0f} s")
     py = sys.executable
-    rows = []
-    secs, rss = measured(["cp", "-r", str(work / "hf"), str(work / "hf_copy")])
-    rows.append(("cp -r (reference)", secs, rss, None))
-    copy = secs
-    secs, rss = measured([py, "-c", "import megatron.core, transformers, megatron_vlm.convert.to_megatron"])
-    rows.append(("python start-up + imports (fixed)", secs, rss, None))
-    for fmt in ("torch_dist", "torch"):
-        secs, rss = measured([py, "convert/hf_to_megatron.py", "--hf-dir", str(work / "hf"), "--megatron-dir",
-                              str(work / f"meg_{fmt}"), "--tp", "2", "--pp", "2", "--ckpt-format", fmt])
-        limit = 1.25 * nbytes if fmt == "torch_dist" else 1.25 * nbytes / 4 + 2**30
-        rows.append((f"HF->Megatron {fmt} tp2 pp2", secs, rss, limit))
-    secs, rss = measured([py, "convert/megatron_to_hf.py", "--megatron-dir", str(work / "meg_torch_dist"),
-                          "--hf-dir", str(work / "hf_back")])
-    rows.append(("Megatron->HF (torch_dist)", secs, rss, 1.25 * nbytes))
-    startup = rows[1][1]
-    print(f"\n{'step':34s} {'seconds':>8s} {'x copy':>7s} {'x copy w/o start-up':>20s} {'peak RSS GB':>12s} "
-          f"{'x model':>8s} {'RSS target':>11s}")
-    for name, secs, rss, limit in rows:
-        tgt = "" if limit is None else ("ok" if rss <= limit else "OVER") + f" {limit / 1e9:.1f}GB"
-        net = f"{(secs - startup) / copy:20.2f}" if limit is not None else " " * 20
-        print(f"{name:34s} {secs:8.1f} {secs / copy:7.2f} {net} {rss / 1e9:12.2f} {rss / nbytes:8.2f} {tgt:>11s}")
-    (work / "results.json").write_text(json.dumps({"model_bytes": nbytes, "rows": rows}, indent=2))
+    sizes, rows = {}, {}
+    load = [os.getloadavg()]
+    try:
+        for size, layers in (("small", a.small_layers), ("large", a.large_layers)):
+            t = time.time()
+            sizes[size] = make_model(work / size / "hf", layers, a.hidden, a.vision_layers)
+            print(f"{size} model: {sizes[size] / 1e9:.2f} GB of bf16 weights ({layers} LM layers), built in "
+                  f"{time.time() - t:.0f} s", flush=True)
+        steps = [  # (name, output, command)
+            ("cp -r (reference)", "hf_copy", lambda d: ["cp", "-r", str(d / "hf"), str(d / "hf_copy")]),
+            ("HF->Megatron torch_dist tp2 pp2", "meg_dist", lambda d: [
+                py, "convert/hf_to_megatron.py", "--hf-dir", str(d / "hf"), "--megatron-dir", str(d / "meg_dist"),
+                "--tp", "2", "--pp", "2"]),
+            ("HF->Megatron legacy torch tp2 pp2", "meg_legacy", lambda d: [
+                py, "convert/hf_to_megatron.py", "--hf-dir", str(d / "hf"), "--megatron-dir", str(d / "meg_legacy"),
+                "--tp", "2", "--pp", "2", "--ckpt-format", "torch"]),
+            ("Megatron->HF from torch_dist", "hf_dist", lambda d: [
+                py, "convert/megatron_to_hf.py", "--megatron-dir", str(d / "meg_dist"), "--hf-dir",
+                str(d / "hf_dist")]),
+            ("Megatron->HF from legacy torch", "hf_legacy", lambda d: [
+                py, "convert/megatron_to_hf.py", "--megatron-dir", str(d / "meg_legacy"), "--hf-dir",
+                str(d / "hf_legacy")]),
+        ]
+        for name, out, cmd in steps:
+            for _ in range(a.repeat):
+                for size in ("small", "large"):
+                    shutil.rmtree(work / size / out, ignore_errors=True)  # each run writes a fresh output
+                    secs, peak = measured(cmd(work / size), a.interval)
+                    best = rows.setdefault(name, {}).get(size, (float("inf"), 0))
+                    rows[name][size] = (min(secs, best[0]), max(peak, best[1]))
+                    print(f"  {name:36s} {size:5s} {secs:7.1f} s  peak {peak / 1e9:6.3f} GB  (load "
+                          f"{os.getloadavg()[0]:.1f})", flush=True)
+            if name.startswith("cp"):  # the copy's output is not needed again
+                for size in ("small", "large"):
+                    shutil.rmtree(work / size / out, ignore_errors=True)
+        load.append(os.getloadavg())
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    extra = sizes["large"] - sizes["small"]
+    cp = rows["cp -r (reference)"]
+    cp_marginal = (cp["large"][0] - cp["small"][0]) / extra
+    print(f"\nmodels: {sizes['small'] / 1e9:.2f} GB and {sizes['large'] / 1e9:.2f} GB (+{extra / 1e9:.2f} GB); cp: "
+          f"{cp_marginal * 1e9:.2f} s per extra GB; load average {load[0][0]:.1f} at the start, {load[-1][0]:.1f} "
+          "at the end (1 min)")
+    print(f"{'step':36s} {'peak small':>11s} {'peak large':>11s} {'x model (large)':>16s} "
+          f"{'extra mem / extra byte':>23s} {'extra time / extra byte, x cp':>30s}")
+    results = {"model_bytes": sizes, "load_average": load, "rows": {}}
+    for name, r in rows.items():
+        (ts, ps), (tl, pl) = r["small"], r["large"]
+        mem = (pl - ps) / extra
+        tim = (tl - ts) / extra / cp_marginal
+        print(f"{name:36s} {ps / 1e9:9.3f} GB {pl / 1e9:8.3f} GB {pl / sizes['large']:16.2f} {mem:23.3f} "
+              f"{tim:30.2f}")
+        results["rows"][name] = {"seconds": [ts, tl], "peak_pss_anon": [ps, pl], "marginal_memory": mem,
+                                 "marginal_time_x_cp": tim}
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":

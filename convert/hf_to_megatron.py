@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_vlm.cli import (add_debug_flag, parse_pp_layers, positive_float, positive_int, run_cli,  # noqa: E402
                               setup_logging)
+from megatron_vlm.convert.streaming import memory_size  # noqa: E402
 from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
 
 
@@ -37,6 +38,11 @@ def main(argv=None):
                         "written; with --overwrite the previous checkpoint stays) and the command exits non-zero")
     p.add_argument("--tolerance", type=positive_float, default=1e-4, help="max abs logit difference for --verify")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --megatron-dir")
+    p.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="cap on the converter's memory, e.g. 16GB or 800MiB (a bare number is GiB); the conversion "
+                        "holds a few tensors at a time and refuses at the start, naming the tensor, when the largest "
+                        "does not fit (default: 80%% of the memory available); with --verify, also refused at the "
+                        "start when the check would not fit")
     add_debug_flag(p)
     a = p.parse_args(argv)
     setup_logging(a.verbose)
@@ -63,9 +69,15 @@ def main(argv=None):
                 "that size is rounding: raise --tolerance; otherwise the conversion is wrong for this model: "
                 "rerun with -v and report it") from None
 
+    def verify_fits(spec):
+        from megatron_vlm.convert.verify import check_memory
+
+        check_memory(a.hf_dir, spec, a.tp, a.pp, a.max_memory, a.ep, a.etp)
+
     convert_hf_to_megatron(a.hf_dir, a.megatron_dir, tp=a.tp, pp=a.pp, pp_layers=parse_pp_layers(a.pp_layers),
                            ckpt_format=a.ckpt_format, dtype=a.dtype, overwrite=a.overwrite,
-                           check=verify if a.verify else None, ep=a.ep, etp=a.etp)
+                           check=verify if a.verify else None, ep=a.ep, etp=a.etp, max_memory=a.max_memory,
+                           before_write=verify_fits if a.verify else None)
     layout = f"tp={a.tp} pp={a.pp}" + (f" ep={a.ep} etp={a.etp or a.tp}" if a.ep > 1 or a.etp else "")
     print(f"wrote {a.ckpt_format} checkpoint ({layout}) to {a.megatron_dir}")
     if a.verify:

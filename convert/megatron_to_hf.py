@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_vlm.cli import (add_debug_flag, iteration, positive_float, positive_int, run_cli,  # noqa: E402
                               setup_logging)
+from megatron_vlm.convert.streaming import memory_size  # noqa: E402
 from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
 
 
@@ -41,6 +42,10 @@ def main(argv=None):
     p.add_argument("--max-shard-size-gb", type=positive_float, default=5.0,
                    help="safetensors shard size limit in GiB (at least 0.01)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --hf-dir")
+    p.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="cap on the converter's memory, e.g. 16GB or 800MiB (a bare number is GiB); the export "
+                        "holds a few tensors at a time and refuses at the start, naming the tensor, when the largest "
+                        "does not fit (default: 80%% of the memory available)")
     add_debug_flag(p)
     a = p.parse_args(argv)
     if a.max_shard_size_gb < 0.01:
@@ -74,7 +79,8 @@ def main(argv=None):
 
     convert_megatron_to_hf(a.megatron_dir, a.hf_dir, iteration=a.iteration, tokenizer_dir=a.tokenizer_dir, tp=a.tp,
                            pp=a.pp, overwrite=a.overwrite, max_shard_bytes=int(a.max_shard_size_gb * 2**30),
-                           hf_config=a.hf_config, dtype=None if a.dtype == "auto" else a.dtype)
+                           hf_config=a.hf_config, dtype=None if a.dtype == "auto" else a.dtype,
+                           max_memory=a.max_memory)
     print(f"wrote HF LLaVA model to {a.hf_dir}")
 
 

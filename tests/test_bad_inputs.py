@@ -429,20 +429,14 @@ def test_output_beside_an_input_is_fine(env, tmp_path, capsys):
 # ---- faults the environment causes (simulated where root cannot cause them: CI runs as root) -------------------
 @pytest.mark.parametrize("fault,expect", [
     ("enospc", ["no space left on the device", "free space"]),
-    ("safetensors_enospc", ["writing safetensors: no space left on the device"]),
     ("eacces", ["permission denied", "choose a directory you can write"]),
 ])
 def test_filesystem_faults(fault, expect, env, tmp_path, capsys, monkeypatch):
-    import safetensors.torch
-    from safetensors import SafetensorError
-
     import megatron_vlm.atomic
+    from megatron_vlm.convert import hf_io
 
-    def full_disk(tensors, filename, metadata=None):
-        if fault == "enospc":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
-        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
-                              '"No space left on device" })')
+    def full_disk(fd, data, offset):  # the safetensors writer's write of a tensor's bytes
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     def read_only(prefix=None, dir=None, **kw):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
@@ -450,7 +444,7 @@ def test_filesystem_faults(fault, expect, env, tmp_path, capsys, monkeypatch):
     if fault == "eacces":
         monkeypatch.setattr(megatron_vlm.atomic.tempfile, "mkdtemp", read_only)
     else:
-        monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+        monkeypatch.setattr(hf_io, "write_all", full_disk)
     rc, text = run_command("m2h", _m2h([])(env, tmp_path), capsys)
     assert rc == 2
     assert_clean_failure(rc, text, expect, [tmp_path / "hf"])

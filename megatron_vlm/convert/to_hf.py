@@ -1,74 +1,53 @@
 """Megatron checkpoint (converted or from training; any iteration, either format, any TP/PP) -> HF LLaVA dir.
 
-torch_dist is read through megatron's ``dist_checkpointing`` into a TP=1/PP=1 model (resharding on load);
-legacy rank files are memory-mapped and merged tensor by tensor. Weights stream into safetensors shards, each
-in the checkpoint's dtype; the HF-only tensors carried by the checkpoint are added back, so HF -> Megatron ->
-HF is lossless. A checkpoint Megatron-LM wrote (no ``vlm_spec.json``) is described by
-:mod:`megatron_vlm.convert.megatron_lm` from an HF config and read the same way.
+One task per Megatron tensor (:class:`~megatron_vlm.convert.mapping.Rule`) writes its HF tensors in place in the
+planned safetensors shards (:class:`~megatron_vlm.convert.hf_io.SafetensorsWriter`). Where they are whole stored
+rows (the tensors of a converted torch_dist checkpoint, the TP shards of legacy rank files, row-parallel ones
+too), their bytes go file to file in the kernel (:mod:`megatron_vlm.convert.copyplan`), located in the
+``.distcp`` items through torch.distributed.checkpoint's index and torch's own archive reader, or in the
+memory-mapped rank files. Otherwise the full tensor is read (torch_dist through torch.distributed.checkpoint,
+resharding blocks saved at any TP/PP; legacy rank files memory-mapped and merged over TP), split by
+``mapping.to_hf``, cast and written. A few tensors are in memory at a time (:mod:`megatron_vlm.convert.streaming`).
+Every tensor comes out in one dtype (the checkpoint's by default); the HF-only tensors the checkpoint carries are
+added back, so HF -> Megatron -> HF is lossless. A checkpoint Megatron-LM wrote (no ``vlm_spec.json``) is
+described by :mod:`megatron_vlm.convert.megatron_lm` from an HF config and read the same way.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from megatron_vlm import checkpoint as ckpt
 from megatron_vlm.atomic import atomic_dir
-from megatron_vlm.convert import mapping
-from megatron_vlm.convert.hf_io import HFShardWriter
+from megatron_vlm.convert import copyplan, mapping, mcore_io
+from megatron_vlm.convert import streaming as st
+from megatron_vlm.convert.hf_io import SafetensorsFile, SafetensorsWriter, tensor_bytes, write_all
 from megatron_vlm.spec import VLMSpec
 
 log = logging.getLogger(__name__)
 
 
 def read_full_megatron_state(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta) -> dict[str, torch.Tensor]:
-    """Full (TP=1/PP=1, global layer numbers) Megatron tensors of an iteration directory."""
+    """Every full (TP=1/PP=1, global layer numbers) Megatron tensor of an iteration directory, in memory and in
+    the dtypes stored: for building a model from a checkpoint (the export itself never holds them all)."""
     rules = mapping.rules(spec)
     if meta.format == "torch":
-        files = {}
-        state = {}
-        ep, etp = meta.ep, meta.etp or meta.tp
-        per_rank = spec.num_moe_experts // ep if spec.is_moe else None
-        for rule in rules:
-            stage = mapping.stages_of(rule, spec, meta.pp_layers)[0]
-            e = mapping.ep_rank_of(rule, spec, ep) or 0
-            shards = []
-            for t in range(mapping.split_size(rule, meta.tp, etp)):
-                key = (t, stage, e)
-                if key not in files:
-                    rank_file = ckpt.load_legacy_rank(iter_dir, t, stage, meta.pp, ep_rank=e, ep=ep)
-                    files[key] = ckpt.normalize_legacy_names(rank_file["model"])  # TE names, _extra_state
-                name = mapping.local_name(rule, stage, meta.pp_layers, per_rank)
-                if name not in files[key]:
-                    raise ckpt.CheckpointLayoutError(f"{name} is missing from rank file tp={t} pp={stage}"
-                                                     f"{f' ep={e}' if ep > 1 else ''} of {iter_dir}")
-                shards.append(files[key][name])
-            state[rule.mcore] = mapping.tp_merge(rule, shards)
-        return state
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import apply_factories
-
-    from megatron_vlm.model import ModelOptions, build_model
+        source = mcore_io.LegacyReader(iter_dir, spec, meta)
+        return {r.mcore: source.read(r) for r in rules}
     from megatron_vlm.runtime.session import single_process_world
 
-    dtype = getattr(torch, meta.dtype)
     _check_dist_vocab(iter_dir, spec)
     layout = ckpt.dist_key_layout(iter_dir)
     with single_process_world():
-        model = build_model(spec, ModelOptions(params_dtype=dtype, perform_initialization=False, seq_length=64))
-        sharded = ckpt.model_sharded_state_dict(model, layout)
-        # With the factories applied here, split tensors (the SwiGLU halves of linear_fc1) are views of the
-        # parameters, so everything loads in place: no merged copies next to the model.
-        apply_factories(sharded)
-        dist_checkpointing.load(sharded, str(iter_dir))
-        del sharded
-        names = {r.mcore for r in rules}
-        state = {k: v.detach() for k, v in model.state_dict().items() if k in names}
-        del model
-    return state
+        model = mcore_io.meta_model(spec, getattr(torch, meta.dtype))
+        _, pieces = mcore_io.dist_pieces(model, {r.mcore for r in rules}, layout)
+        source = mcore_io.DistReader(iter_dir, pieces)
+        return {r.mcore: source.read(r) for r in rules}
 
 
 def _check_dist_vocab(iter_dir, spec: VLMSpec) -> None:
@@ -97,6 +76,8 @@ def convert_megatron_to_hf(
     max_shard_bytes: int = 5 * 2**30,
     hf_config=None,
     dtype: str | None = None,
+    max_memory: int | None = None,
+    workers: int | None = None,
 ) -> Path:
     """Export ``megatron_dir`` (a checkpoint directory or one of its iteration directories) to ``hf_dir``.
 
@@ -115,8 +96,9 @@ def convert_megatron_to_hf(
                 "pass --hf-config HF_DIR_OR_CONFIG_JSON of the LLaVA model it holds"
             )
         spec, meta, extra = megatron_lm.describe(iter_dir, hf_config)
+        extra = {n: (t.dtype, tuple(t.shape), (lambda t=t: t), None) for n, t in extra.items()}
         return _export(iter_dir, spec, meta, extra, hf_dir, megatron_lm.tokenizer_dir(hf_config, tokenizer_dir),
-                       overwrite, max_shard_bytes, tp, pp, dtype)
+                       overwrite, max_shard_bytes, tp, pp, dtype, max_memory, workers)
     meta = ckpt.CheckpointMeta.load(iter_dir)
     spec = VLMSpec.load(iter_dir)
     if hf_config is not None:
@@ -126,15 +108,24 @@ def convert_megatron_to_hf(
     tok_dir = Path(tokenizer_dir) if tokenizer_dir else ckpt.run_dir(iter_dir) / ckpt.TOKENIZER_DIR
     if not tok_dir.is_dir():
         raise FileNotFoundError(f"no tokenizer at {tok_dir}; pass --tokenizer-dir HF_DIR")
-    return _export(iter_dir, spec, meta, ckpt.read_extra(iter_dir), hf_dir, tok_dir, overwrite, max_shard_bytes,
-                   tp, pp, dtype)
+    extra_file = SafetensorsFile(Path(iter_dir) / ckpt.EXTRA) if (Path(iter_dir) / ckpt.EXTRA).is_file() else None
+    try:
+        extra = {} if extra_file is None else {
+            n: (extra_file.info(n).dtype, extra_file.info(n).shape, None, extra_file.located(n))
+            for n in extra_file.names()}
+        return _export(iter_dir, spec, meta, extra, hf_dir, tok_dir, overwrite, max_shard_bytes, tp, pp, dtype,
+                       max_memory, workers)
+    finally:
+        if extra_file is not None:
+            extra_file.close()
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def _export(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta, extra: dict, hf_dir, tok_dir: Path | None,
-            overwrite: bool, max_shard_bytes: int, tp: int | None, pp: int | None, out_dtype: str | None) -> Path:
+def _export(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta, extra, hf_dir, tok_dir: Path | None,
+            overwrite: bool, max_shard_bytes: int, tp: int | None, pp: int | None, out_dtype: str | None,
+            max_memory: int | None = None, workers: int | None = None) -> Path:
     for flag, given, have in (("--tp", tp, meta.tp), ("--pp", pp, meta.pp)):
         if given is not None and given != have:
             raise ckpt.CheckpointLayoutError(
@@ -142,23 +133,146 @@ def _export(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta, extra: dict, hf_
                 f"drop {flag} or pass {flag} {have}"
             )
     log.info("reading %s (%s, tp=%d pp=%d)", iter_dir, meta.format, meta.tp, meta.pp)
-    state = read_full_megatron_state(iter_dir, spec, meta)
     # Every tensor in one dtype (default the checkpoint's): megatron holds local norms and the ViT's conv1 in fp32
     # whatever the model's dtype, which would otherwise reach the HF files.
     dtype_name = DTYPES[out_dtype] if out_dtype else meta.dtype
     dtype = getattr(torch, dtype_name)
-    with atomic_dir(hf_dir, overwrite=overwrite, what="--hf-dir") as tmp:
-        writer = HFShardWriter(tmp, max_shard_bytes)
-        for rule in tqdm(mapping.rules(spec), desc="writing HF tensors", unit="tensor", disable=None):
-            full = state.pop(rule.mcore)
-            for name, t in zip(rule.hf, mapping.to_hf(rule, full, spec)):
-                writer.add(name, _cast(t, dtype))
-        for name, t in extra.items():
-            writer.add(name, _cast(t, dtype))
-        writer.close()
-        _write_configs(spec, tmp, dtype_name, tok_dir)
-    log.debug("wrote HF LLaVA (%s) to %s", dtype_name, hf_dir)
+    workers = workers or st.default_workers()
+    rules = mapping.rules(spec)
+    if meta.format == "torch":
+        source = mcore_io.LegacyReader(iter_dir, spec, meta)
+        _export_tensors(source, rules, spec, extra, hf_dir, dtype, dtype_name, tok_dir, overwrite, max_shard_bytes,
+                        max_memory, workers)
+        return Path(hf_dir)
+    from megatron_vlm.runtime.session import single_process_world
+
+    _check_dist_vocab(iter_dir, spec)
+    layout = ckpt.dist_key_layout(iter_dir)
+    with single_process_world():
+        model = mcore_io.meta_model(spec, getattr(torch, meta.dtype))
+        _, pieces = mcore_io.dist_pieces(model, {r.mcore for r in rules}, layout)
+        del model
+        source = mcore_io.DistReader(iter_dir, pieces)
+        _export_tensors(source, rules, spec, extra, hf_dir, dtype, dtype_name, tok_dir, overwrite, max_shard_bytes,
+                        max_memory, workers)
     return Path(hf_dir)
+
+
+def _source_meta(source, rule) -> torch.Tensor:
+    """The full tensor of ``rule`` on the meta device (its shape and stored dtype, nothing read)."""
+    if isinstance(source, mcore_io.DistReader):
+        return torch.empty(source.shape(rule.mcore), dtype=source.dtype(rule.mcore), device="meta")
+    shards = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in source.shards(rule)]
+    return mapping.tp_merge(rule, shards)
+
+
+def _export_tensors(source, rules, spec: VLMSpec, extra, hf_dir, dtype: torch.dtype, dtype_name: str,
+                    tok_dir: Path | None, overwrite: bool, max_shard_bytes: int, max_memory: int | None,
+                    workers: int) -> None:
+    """One task per Megatron tensor: its HF tensors, each written to its place in the planned shards; the rows
+    that are unchanged stored rows go file to file in the kernel, the rest is computed from the tensor read
+    (merged over TP). The HF-only tensors the checkpoint carries follow."""
+    files = copyplan.Files()
+    entries, tasks, makers = [], [], []
+    for rule in rules:
+        full = _source_meta(source, rule)
+        outs = mapping.to_hf(rule, full, spec)
+        out_dtypes = [_out_dtype(o.dtype, dtype) for o in outs]
+        entries += [(n, d, tuple(o.shape)) for n, d, o in zip(rule.hf, out_dtypes, outs)]
+        nbytes = sum(o.numel() * torch.empty((), dtype=d).element_size() for o, d in zip(outs, out_dtypes))
+        runs = _copy_plan(source, rule, spec, outs, out_dtypes)
+        if runs is not None:
+            tasks.append(st.Task(rule.mcore, cost=0, nbytes=nbytes, run=None))
+            makers.append(functools.partial(_copy_run, files, rule, runs))
+            continue
+        stored = full.numel() * full.element_size()
+        merged = stored if isinstance(source, mcore_io.DistReader) or rule.split != "replicated" else 0
+        # the merged tensor (or the loaded one and the chunk it is read from), the split copies, the cast
+        cost = 2 * merged + (stored if rule.kind == "qkv" else 0) + (nbytes if dtype != full.dtype else 0)
+        tasks.append(st.Task(rule.mcore, cost=cost, nbytes=nbytes, run=None))
+        makers.append(functools.partial(_rule_run, source, rule, spec, dtype))
+    for name, (edtype, shape, get, located) in extra.items():
+        out = _out_dtype(edtype, dtype)
+        nbytes = math.prod(shape) * torch.empty((), dtype=out).element_size()
+        entries.append((name, out, tuple(shape)))
+        tasks.append(st.Task(name, cost=nbytes if out != edtype else 0, nbytes=nbytes, run=None))
+        makers.append(functools.partial(_extra_run, files, name, get, located, dtype))
+    budget = st.memory_budget(tasks, max_memory, workers)
+    try:
+        with atomic_dir(hf_dir, overwrite=overwrite, what="--hf-dir") as tmp:
+            writer = SafetensorsWriter(tmp, entries, max_shard_bytes)
+            try:
+                for task, make in zip(tasks, makers):
+                    task.run = make(writer)
+                progress = st.Progress(sum(t.nbytes for t in tasks), "megatron_to_hf")
+                try:
+                    with st.Runner(workers, st.Budget(budget), progress) as runner:
+                        runner.run(tasks)
+                finally:
+                    progress.close()
+                writer.close()
+            finally:
+                writer.abort()
+            _write_configs(spec, tmp, dtype_name, tok_dir)
+    finally:
+        files.close()
+    log.debug("wrote HF LLaVA (%s) to %s", dtype_name, hf_dir)
+
+
+def _out_dtype(have: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    return dtype if have.is_floating_point else have
+
+
+def _copy_plan(source, rule, spec: VLMSpec, outs, out_dtypes):
+    """``(sources, [(hf name, runs)])`` when every HF tensor of ``rule`` is whole stored rows, else None."""
+    if any(o.numel() * o.element_size() < copyplan.MIN_COPY_BYTES for o in outs):
+        return None
+    located = source.located(rule)
+    if located is None:
+        return None
+    sources, assemble = located
+    rows = copyplan.RowPlan(sources, assemble)
+    plans = []
+    for k, (name, o, d) in enumerate(zip(rule.hf, outs, out_dtypes)):
+        runs = rows.runs(functools.partial(_hf_part, rule, spec, k), tuple(o.shape), d)
+        if runs is None:
+            return None
+        plans.append((name, runs))
+    return sources, plans
+
+
+def _hf_part(rule, spec: VLMSpec, k: int, full):
+    return mapping.to_hf(rule, full, spec)[k]
+
+
+def _copy_run(files, rule, runs, writer: SafetensorsWriter):
+    sources, plans = runs
+
+    def run():
+        for name, r in plans:
+            copyplan.fill(writer.target(name), None, sources, files, runs=r)
+
+    return run
+
+
+def _rule_run(source, rule, spec: VLMSpec, dtype: torch.dtype, writer: SafetensorsWriter):
+    def run():
+        full = source.read(rule)
+        for name, t in zip(rule.hf, mapping.to_hf(rule, full, spec)):
+            writer.write(name, _cast(t, dtype))
+
+    return run
+
+
+def _extra_run(files, name: str, get, located, dtype: torch.dtype, writer: SafetensorsWriter):
+    def run():
+        target = writer.target(name)
+        if located is not None:
+            copyplan.fill(target, lambda xs: _cast(xs[0], dtype), [located], files)
+        else:
+            write_all(target.fd, tensor_bytes(_cast(get(), dtype)), target.offset)
+
+    return run
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,23 +1,35 @@
 """HF LLaVA directory -> Megatron checkpoint (torch_dist or legacy ``torch``) at a chosen TP/PP.
 
-torch_dist: one process builds the TP=1/PP=1 megatron model (no random init, so its empty parameters are
-never touched), gives each parameter the tensor converted from the HF files and saves it with megatron's ``dist_checkpointing`` (which reshards on load to any
-TP/PP). legacy ``torch``: no model is built; each rank's file is assembled from the HF files and written
-one at a time, so memory stays near one rank's share.
+Each checkpoint is written in two passes. First its structure, by the libraries that own the format, with every
+tensor's bytes left out (``torch.serialization.skip_data``): torch_dist through megatron-core's
+``dist_checkpointing.save`` and torch.distributed.checkpoint (:func:`megatron_vlm.convert.mcore_io.save_dist`, the
+TP=1/PP=1 layout, whose keys and blocks come from megatron-core's own ``sharded_state_dict`` of a model built on
+the meta device; dist_checkpointing reshards it on load to any TP/PP), legacy rank files by ``torch.save``
+(:class:`megatron_vlm.convert.mcore_io.LegacyWriter`). Then one task per Megatron tensor
+(:class:`~megatron_vlm.convert.mapping.Rule`) writes its bytes in place: the rows that are unchanged HF rows (a
+copy, the fused QKV, the SwiGLU halves, the TP shards along rows) go file to file in the kernel
+(:mod:`megatron_vlm.convert.copyplan`); the rest is made by ``mapping.to_mcore`` from the memory-mapped HF tensors
+and written. Each HF byte is read once and each output byte written once.
+
+Tasks run on worker threads under a memory budget (:mod:`megatron_vlm.convert.streaming`): the converter holds a
+few tensors at a time, never a pipeline stage or the model, and refuses at the start when the largest tensor does
+not fit under ``max_memory``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from megatron_vlm import checkpoint as ckpt
 from megatron_vlm.atomic import atomic_dir
-from megatron_vlm.convert import mapping
-from megatron_vlm.convert.hf_io import HFReader
+from megatron_vlm.convert import copyplan, mapping
+from megatron_vlm.convert import streaming as st
+from megatron_vlm.convert.hf_io import HFReader, SafetensorsWriter, tensor_bytes, write_all
 from megatron_vlm.spec import VLMSpec
 
 log = logging.getLogger(__name__)
@@ -28,8 +40,74 @@ def _cast(t: torch.Tensor, dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
 
-def _full_tensor(rule, reader: HFReader, spec: VLMSpec, dtype) -> torch.Tensor:
-    return _cast(mapping.to_mcore(rule, [reader.get(h) for h in rule.hf], spec), dtype)
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class _Plan:
+    """What the conversion makes: each full Megatron tensor (shape and dtype from the HF headers alone) and how."""
+
+    def __init__(self, reader: HFReader, spec: VLMSpec, rules, dtype: torch.dtype):
+        self.reader, self.spec, self.dtype, self.rules = reader, spec, dtype, rules
+        self.shape = {}
+        for rule in rules:
+            metas = [torch.empty(reader.info(h).shape, dtype=reader.info(h).dtype, device="meta") for h in rule.hf]
+            self.shape[rule.mcore] = tuple(mapping.to_mcore(rule, metas, spec).shape)
+
+    def out_dtype(self, rule) -> torch.dtype:
+        src = self.reader.info(rule.hf[0]).dtype
+        return self.dtype if src.is_floating_point else src
+
+    def nbytes(self, rule) -> int:
+        return math.prod(self.shape[rule.mcore]) * _itemsize(self.out_dtype(rule))
+
+    def made_bytes(self, rule) -> int:
+        """Anonymous bytes the full tensor takes when computed (0 when it is the memory-mapped HF tensor)."""
+        numel = math.prod(self.shape[rule.mcore])
+        src = self.reader.info(rule.hf[0]).dtype
+        made = numel * _itemsize(src) if rule.kind in ("qkv", "gated", "vocab") else 0
+        cast = numel * _itemsize(self.out_dtype(rule)) if self.out_dtype(rule) != src else 0
+        return made + cast
+
+    def full(self, rule) -> torch.Tensor:
+        """The full Megatron tensor of ``rule`` in the checkpoint's dtype (a view of the mapped HF file when
+        nothing changes)."""
+        return _cast(mapping.to_mcore(rule, [self.reader.view(h) for h in rule.hf], self.spec), self.dtype)
+
+    def task(self, rule, outs: list, files: copyplan.Files) -> st.Task:
+        """The task writing ``rule``'s outputs: ``outs`` is ``[(part, shape, target)]``, ``part(full)`` the
+        output's block of the full tensor (a TP shard, a ShardedTensor's block) and ``target()`` where it goes.
+        All in the kernel when every output is whole HF rows, else from the computed full tensor."""
+        sources = [self.reader.located(h) for h in rule.hf]
+        dtype = self.out_dtype(rule)
+
+        def made(xs):
+            return _cast(mapping.to_mcore(rule, xs, self.spec), self.dtype)
+
+        rows = copyplan.RowPlan(sources, made)
+        runs = [rows.runs(part, shape, dtype) if math.prod(shape) * _itemsize(dtype) >= copyplan.MIN_COPY_BYTES
+                else None for part, shape, _ in outs]
+        nbytes = sum(math.prod(shape) for _, shape, _ in outs) * _itemsize(dtype)
+        if all(r is not None for r in runs):
+            def copy():
+                for (_, _, target), r in zip(outs, runs):
+                    copyplan.fill(target(), None, sources, files, runs=r)
+
+            return st.Task(rule.mcore, cost=0, nbytes=nbytes, run=copy, after=lambda: self.release(rule))
+
+        def compute():
+            full = self.full(rule)
+            for part, _, target in outs:
+                t = target()
+                write_all(t.fd, tensor_bytes(part(full)), t.offset)
+
+        largest = max(math.prod(shape) for _, shape, _ in outs) * _itemsize(dtype)  # a block made contiguous
+        return st.Task(rule.mcore, cost=self.made_bytes(rule) + largest, nbytes=nbytes, run=compute,
+                       after=lambda: self.release(rule))
+
+    def release(self, rule) -> None:
+        for h in rule.hf:
+            self.reader.release(h)
 
 
 def convert_hf_to_megatron(
@@ -42,13 +120,18 @@ def convert_hf_to_megatron(
     dtype: str = "auto",
     overwrite: bool = False,
     check=None,
+    max_memory: int | None = None,
+    workers: int | None = None,
+    before_write=None,
     ep: int = 1,
     etp: int | None = None,
 ) -> Path:
     """Write ``megatron_dir``. ``check(tmp_dir)``, if given, runs on the complete checkpoint under its temporary
     name before the rename (``--verify``): when it raises, the new checkpoint is deleted and ``megatron_dir`` is
-    left as it was (absent, or the previous checkpoint with ``overwrite``). ``ep``/``etp``: the expert-parallel
-    layout of a mixture-of-experts model (legacy rank files are written per EP rank; torch_dist reshards to any)."""
+    left as it was (absent, or the previous checkpoint with ``overwrite``). ``max_memory``: the cap in bytes on the
+    process's memory (None: from the memory available); ``before_write(spec)`` runs once the plan is checked,
+    before anything is written (``--verify``'s own memory check). ``ep``/``etp``: the expert-parallel layout of a
+    mixture-of-experts model (legacy rank files are written per EP rank; torch_dist reshards to any)."""
     if ckpt_format not in ckpt.FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {ckpt.FORMATS}")
     spec = VLMSpec.from_hf_dir(hf_dir)
@@ -57,94 +140,175 @@ def convert_hf_to_megatron(
         raise ValueError(f"--etp {etp} with --tp {tp}: legacy rank files hold experts whole (--etp 1) or split as the "
                          "attention (--etp equal to --tp); use --ckpt-format torch_dist, which reshards to any --etp")
     reader = HFReader(hf_dir)
-    torch_dtype = reader.dtype() if dtype == "auto" else DTYPES[dtype]
-    rules = mapping.rules(spec)
-    missing = [h for r in rules for h in r.hf if h not in reader]
-    if missing:
-        raise ValueError(f"{hf_dir} lacks {len(missing)} tensors the spec needs, e.g. {missing[0]}")
-    extra = {n: _cast(reader.get(n), torch_dtype) for n in mapping.extra_hf_names(spec, reader.names())}
-    meta = ckpt.CheckpointMeta(ckpt_format, tp, pp, layers, "release", str(torch_dtype).replace("torch.", ""),
-                               ep=ep, etp=etp)
+    files = copyplan.Files()
+    try:
+        torch_dtype = reader.dtype() if dtype == "auto" else DTYPES[dtype]
+        rules = mapping.rules(spec)
+        missing = [h for r in rules for h in r.hf if h not in reader]
+        if missing:
+            raise ValueError(f"{hf_dir} lacks {len(missing)} tensors the spec needs, e.g. {missing[0]}")
+        plan = _Plan(reader, spec, rules, torch_dtype)
+        workers = workers or st.default_workers()
+        meta = ckpt.CheckpointMeta(ckpt_format, tp, pp, layers, "release", str(torch_dtype).replace("torch.", ""),
+                                   ep=ep, etp=etp)
+        if ckpt_format == "torch":
+            _convert(plan, files, hf_dir, megatron_dir, overwrite, check, max_memory, workers, before_write, meta,
+                     _LegacyOutput(plan, files, tp, pp, layers, ep, etp))
+        else:
+            from megatron_vlm.runtime.session import single_process_world
+
+            with single_process_world():
+                _convert(plan, files, hf_dir, megatron_dir, overwrite, check, max_memory, workers, before_write,
+                         meta, _DistOutput(plan, files))
+    finally:
+        files.close()
+        reader.close()
+    log.debug("wrote %s checkpoint (tp=%d pp=%d) to %s", ckpt_format, tp, pp, megatron_dir)
+    return Path(megatron_dir)
+
+
+def _convert(plan: _Plan, files, hf_dir, megatron_dir, overwrite, check, max_memory, workers, before_write, meta,
+             output) -> None:
+    extra = _Extra(plan.reader, mapping.extra_hf_names(plan.spec, plan.reader.names()), plan.dtype, files)
+    tasks = output.tasks + extra.tasks
+    budget = st.memory_budget(tasks, max_memory, workers)
+    if before_write is not None:
+        before_write(plan.spec)
     with atomic_dir(megatron_dir, overwrite=overwrite, what="--megatron-dir") as tmp:
         iter_dir = tmp / "release"
         iter_dir.mkdir()
-        if ckpt_format == "torch":
-            _write_legacy(reader, spec, rules, iter_dir, tp, pp, layers, torch_dtype, ep, etp)
-        else:
-            _write_dist(reader, spec, rules, iter_dir, torch_dtype)
-        ckpt.write_side_files(iter_dir, spec, extra)
+        progress = st.Progress(sum(t.nbytes for t in tasks), "hf_to_megatron")
+        try:
+            with st.Runner(workers, st.Budget(budget), progress) as runner:
+                output.write(iter_dir, runner)
+                extra.write(iter_dir, runner)
+        finally:
+            progress.close()
+        plan.spec.save(iter_dir)
         meta.save(iter_dir)
-        spec.save(tmp)
+        plan.spec.save(tmp)
         ckpt.copy_tokenizer(hf_dir, tmp)
         ckpt.write_tracker(tmp, "release")
         if check is not None:
             check(tmp)
-    log.debug("wrote %s checkpoint (tp=%d pp=%d, %s) to %s", ckpt_format, tp, pp, meta.dtype, megatron_dir)
-    return Path(megatron_dir)
 
 
-def _write_legacy(reader, spec, rules, iter_dir, tp, pp, layers, dtype, ep: int = 1, etp: int | None = None) -> None:
-    """One rank file per (PP stage, EP rank, TP rank), as Megatron-LM writes them: an EP rank's file holds its own
-    experts (under their local indices) and the stage's other tensors; experts split over ``etp`` (1 or ``tp``)."""
-    ranks = [(p, e, t) for p in range(pp) for e in range(ep) for t in range(tp)]
-    per_rank = spec.num_moe_experts // ep if spec.is_moe else None
-    for p, e, t in tqdm(ranks, desc="writing rank files", unit="rank", disable=None):
-        state = {}
-        for rule in rules:
-            if p not in mapping.stages_of(rule, spec, layers) or mapping.ep_rank_of(rule, spec, ep) not in (None, e):
-                continue
-            full = _full_tensor(rule, reader, spec, dtype)
+class _DistOutput:
+    """torch_dist: megatron-core's blocks of the TP=1/PP=1 model (a one-process world must be up)."""
+
+    def __init__(self, plan: _Plan, files):
+        from megatron_vlm.convert import mcore_io
+
+        self.plan = plan
+        model = mcore_io.meta_model(plan.spec, plan.dtype)
+        self.sharded, self.pieces = mcore_io.dist_pieces(model, {r.mcore for r in plan.rules})
+        del model
+        self.where: dict = {}
+        self.tasks = []
+        for rule in plan.rules:
+            ps = self.pieces[rule.mcore]
+            want = plan.out_dtype(rule)
+            if any(pc.sh.dtype != want for pc in ps) or ps[0].full != plan.shape[rule.mcore]:
+                raise ValueError(f"{rule.mcore}: megatron-core's model holds {ps[0].sh.dtype} {ps[0].full}, the "
+                                 f"conversion makes {want} {plan.shape[rule.mcore]}")
+            outs = [(pc.of, pc.shape, self._target(pc)) for pc in ps]
+            self.tasks.append(plan.task(rule, outs, files))
+
+    def _target(self, pc):
+        def target():
+            fd, offset = self.where[pc.key]
+            return copyplan.Target(fd, offset, pc.sh.dtype, pc.shape)
+
+        return target
+
+    def write(self, iter_dir: Path, runner: st.Runner) -> None:
+        from megatron_vlm.convert import mcore_io
+
+        def fill(where: dict) -> None:
+            fds = {}
+            try:
+                for key, (path, offset) in where.items():
+                    if path not in fds:
+                        fds[path] = os.open(path, os.O_WRONLY)
+                    self.where[key] = (fds[path], offset)
+                runner.run(self.tasks)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+
+        mcore_io.save_dist(self.sharded, iter_dir, fill)
+
+
+class _LegacyOutput:
+    """Legacy rank files: every TP shard of every stage that holds the tensor, one file per (TP rank, PP stage, EP
+    rank) as Megatron-LM writes them. An EP rank's file holds its own experts (under their local indices) and the
+    stage's other tensors; an expert's linears are split over ``etp`` (1 or ``tp``)."""
+
+    def __init__(self, plan: _Plan, files, tp: int, pp: int, layers: list[int], ep: int = 1, etp: int | None = None):
+        self.plan, self.tp, self.pp, self.ep = plan, tp, pp, ep
+        spec = plan.spec
+        per_rank = spec.num_moe_experts // ep if spec.is_moe else None
+        self.layout: dict[tuple[int, int, int], list] = {(t, p, e): [] for p in range(pp) for e in range(ep)
+                                                         for t in range(tp)}
+        self.writer = None
+        self.tasks = []
+        for rule in plan.rules:
+            full = torch.empty(plan.shape[rule.mcore], dtype=plan.out_dtype(rule), device="meta")
+            owner = mapping.ep_rank_of(rule, spec, ep)
             split = mapping.split_size(rule, tp, etp)
-            state[mapping.local_name(rule, p, layers, per_rank)] = mapping.tp_shard(rule, full, split, t % split).clone()
-            del full
-        ckpt.save_legacy_rank(iter_dir, t, p, pp, state, "release", ep_rank=e, ep=ep)
-        del state
+            outs = []
+            for p in mapping.stages_of(rule, spec, layers):
+                name = mapping.local_name(rule, p, layers, per_rank)
+                for e in (range(ep) if owner is None else [owner]):
+                    for t in range(tp):
+                        shape = tuple(mapping.tp_shard(rule, full, split, t % split).shape)
+                        self.layout[(t, p, e)].append((name, full.dtype, shape))
+                        outs.append((self._part(rule, split, t % split), shape, self._target(t, p, name, e)))
+            self.tasks.append(plan.task(rule, outs, files))
+
+    @staticmethod
+    def _part(rule, split: int, t: int):
+        return lambda full: mapping.tp_shard(rule, full, split, t)
+
+    def _target(self, t: int, p: int, name: str, e: int):
+        return lambda: self.writer.target(t, p, name, e)
+
+    def write(self, iter_dir: Path, runner: st.Runner) -> None:
+        from megatron_vlm.convert import mcore_io
+
+        self.writer = mcore_io.LegacyWriter(iter_dir, self.pp, self.layout, "release", self.ep)
+        try:
+            runner.run(self.tasks)
+            self.writer.close()
+        finally:
+            self.writer.abort()
 
 
-def _write_dist(reader, spec, rules, iter_dir, dtype) -> None:
-    from megatron_vlm.model import ModelOptions, build_model
-    from megatron_vlm.runtime.session import single_process_world
+class _Extra:
+    """``hf_extra.safetensors``: the HF tensors the Megatron model does not hold, in the checkpoint's dtype."""
 
-    with single_process_world():
-        model = build_model(spec, ModelOptions(params_dtype=dtype, perform_initialization=False, seq_length=64))
-        params = dict(model.state_dict(keep_vars=True))
-        with torch.no_grad():
-            for rule in tqdm(rules, desc="filling megatron model", unit="tensor", disable=None):
-                target = params[rule.mcore]
-                src = _full_tensor(rule, reader, spec, dtype)
-                if tuple(src.shape) != tuple(target.shape):
-                    raise ValueError(f"{rule.hf} -> {rule.mcore}: shape {tuple(src.shape)} != {tuple(target.shape)}")
-                # A fresh tensor, adopted rather than copied, in the checkpoint's dtype: megatron creates
-                # local norms and the ViT's conv1 in fp32 whatever params_dtype says, and casting to the
-                # parameter's dtype would store them (and export them) in fp32.
-                target.data = src.contiguous()
-        sharded = ckpt.model_sharded_state_dict(model)  # Megatron-LM's key convention (no prefix)
-        del params
-        _detach_views(sharded, model)
-        ckpt.save_sharded(sharded, iter_dir)
-        del model, sharded
+    def __init__(self, reader: HFReader, names: list[str], dtype, files):
+        self.reader, self.names, self.dtype, self.files = reader, names, dtype, files
+        self.entries, self.tasks, self.writer = [], [], None
+        for n in names:
+            info = reader.info(n)
+            out = dtype if info.dtype.is_floating_point else info.dtype
+            self.entries.append((n, out, info.shape))
+            nbytes = math.prod(info.shape) * _itemsize(out)
+            self.tasks.append(st.Task(n, cost=nbytes if out != info.dtype else 0, nbytes=nbytes, run=self._run(n),
+                                      after=lambda n=n: reader.release(n)))
 
+    def _run(self, name: str):
+        def run():
+            target = self.writer.target(name)
+            copyplan.fill(target, lambda xs: _cast(xs[0], self.dtype), [self.reader.located(name)], self.files)
 
-def _detach_views(sharded: dict, model) -> None:
-    """Give every sharded tensor that is a view (e.g. the gate and up halves of a SwiGLU ``linear_fc1``) its
-    own storage, one parameter at a time, and drop the parameter it came from.
+        return run
 
-    dist_checkpointing's writer clones such views before it writes anything, so it would hold all of them
-    at once next to the model (~1/3 of an LLM's bytes). Cloning here, releasing each source parameter as
-    soon as its views are copied, keeps the peak near the model's size. The model is unusable afterwards;
-    the converter only saves it.
-    """
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    apply_factories(sharded)
-    owners = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
-    views: dict[int, list] = {}
-    for sh in nested_values(sharded):
-        if isinstance(sh, ShardedTensor) and sh.data.untyped_storage().nbytes() != sh.data.numel() * sh.data.itemsize:
-            views.setdefault(sh.data.untyped_storage().data_ptr(), []).append(sh)
-    for ptr, group in views.items():
-        for sh in group:
-            sh.data = sh.data.clone()
-        if ptr in owners:
-            owners[ptr].data = torch.empty(0, dtype=owners[ptr].dtype)
+    def write(self, iter_dir: Path, runner: st.Runner) -> None:
+        self.writer = SafetensorsWriter(iter_dir, self.entries, single_name=ckpt.EXTRA)
+        try:
+            runner.run(self.tasks)
+            self.writer.close()
+        finally:
+            self.writer.abort()

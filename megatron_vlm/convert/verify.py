@@ -422,6 +422,59 @@ def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
     return pp * math.lcm(tp, experts)
 
 
+def memory_needed(hf_dir, spec: VLMSpec, tp: int, pp: int, runtime: int, ep: int = 1,
+                  etp: int | None = None) -> tuple[int, str]:
+    """Bytes :func:`verify_checkpoint` adds at its peak to the converter's own process, and how they split.
+
+    One fp32 copy of the model (HF's, then Megatron's over the TP*PP ranks, never both), each rank's runtime
+    (``runtime``: what one process holds for torch and megatron-core; the converter's own process counts when
+    TP*PP > 1 only as the parent), one sample's activations (on CPU megatron-core's local attention holds
+    2 x heads x S^2 fp32 scores for the longest, S-position, reference sample), the fp32 ``lm_head`` and the logit
+    slices of :data:`CHUNK_BYTES`."""
+    from megatron_vlm.convert.hf_io import HFReader
+
+    reader = HFReader(hf_dir)
+    numel = sum(math.prod(reader.info(n).shape) for n in reader.names())
+    batch = reference_batch(spec)
+    longest = max(batch.valid_length(b) for b in range(batch.num_samples))
+    model = 4 * numel
+    world = world_size(tp, pp, ep, etp)
+    ranks = world if world > 1 else 0
+    scores = 0 if torch.cuda.is_available() else 2 * spec.num_attention_heads * longest**2 * 4 // tp
+    head = 4 * spec.padded_vocab_size * spec.hidden_size
+    total = model + ranks * runtime + scores + head + 8 * CHUNK_BYTES
+    parts = (f"the model in fp32: {_gb(model)}"
+             + (f", {ranks} processes of about {_gb(runtime)}" if ranks else "")
+             + f", attention scores and logits of the longest reference sample ({longest} positions): "
+               f"{_gb(scores + head + 8 * CHUNK_BYTES)}")
+    return total, parts
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def check_memory(hf_dir, spec: VLMSpec, tp: int, pp: int, max_memory: int | None, ep: int = 1,
+                 etp: int | None = None) -> None:
+    """Refuse ``--verify`` before anything is written when it would not fit under ``max_memory`` (or the memory
+    available): :class:`VerificationError` with the memory it needs."""
+    from megatron_vlm.convert.streaming import AUTO_SHARE, anon_bytes, available_bytes
+
+    held = anon_bytes() or 0
+    need, parts = memory_needed(hf_dir, spec, tp, pp, held, ep, etp)
+    if max_memory is not None:
+        cap, what = max_memory, f"--max-memory {_gb(max_memory)}"
+    else:
+        avail = available_bytes()
+        if avail is None:
+            return
+        cap, what = held + int(AUTO_SHARE * avail), f"{AUTO_SHARE:.0%} of the {_gb(avail)} available"
+    if held + need > cap:
+        raise VerificationError(
+            f"--verify needs about {_gb(held + need)} ({parts}, beside the converter's {_gb(held)}), more than "
+            f"{what}; nothing was written: convert without --verify, or verify on a machine with more memory")
+
+
 def verify_checkpoint(hf_dir, megatron_dir, tp: int = 1, pp: int = 1, iteration=None,
                       tolerance: float = DEFAULT_TOLERANCE, chunk_bytes: int | None = None, ep: int = 1,
                       etp: int | None = None) -> float:

@@ -1,0 +1,512 @@
+"""Reading and writing Megatron checkpoints one tensor at a time, for the converters.
+
+**torch_dist.** The keys, global shapes and offsets of every tensor come from megatron-core itself: the converters
+build the TP=1/PP=1 model on the meta device (no weight is allocated) and take its ``sharded_state_dict`` with the
+factories applied (:func:`dist_pieces`). Each ShardedTensor is then a block of one state-dict tensor (the "full"
+tensor of a :class:`~megatron_vlm.convert.mapping.Rule`): a whole tensor, or e.g. the gate or the up half of a
+SwiGLU ``linear_fc1``; :class:`Piece` records which block. New kinds of tensors (experts, routers) come with their
+rules and megatron-core's own keys, nothing here names them.
+
+- :func:`save_dist` writes through ``dist_checkpointing.save`` with :class:`StreamingSaveStrategy`: megatron-core
+  saves its common state and ``metadata.json`` and checks the sharding as in any save, torch.distributed.checkpoint
+  writes the ``.distcp`` file and ``.metadata``; the strategy's planner resolves each write item only when the
+  writer reaches it, from results a :class:`~megatron_vlm.convert.streaming.Runner` computes ahead in the
+  writer's order. At most a few tensors are in memory at any time.
+- :class:`DistReader` loads the blocks of one full tensor at a time with torch.distributed.checkpoint (the
+  checkpoint's index read once), straight into a tensor of the dtype stored.
+
+**Legacy ``torch``.** :class:`LegacyWriter` first writes each rank file ``mp_rank_XX[_YYY]/model_optim_rng.pt``
+with ``torch.save`` under ``torch.serialization.skip_data``, from placeholder (fake) tensors: a complete archive
+with every record in place and no data. Each shard's bytes then go to their record's offset as soon as they are
+made, and the records' CRC-32s into the zip headers when the file is closed, so every file ends as the archive
+``torch.save`` would have written. :class:`LegacyReader` reads rank files memory-mapped.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from megatron_vlm import checkpoint as ckpt
+from megatron_vlm.convert import mapping
+from megatron_vlm.convert.hf_io import tensor_bytes, write_all
+
+log = logging.getLogger(__name__)
+
+
+# ---- megatron-core's view of the model ------------------------------------------------------------------------
+def meta_model(spec, dtype: torch.dtype):
+    """The TP=1/PP=1 LLaVAModel on the meta device (a one-process world must be up): shapes and megatron-core's
+    checkpoint keys, no weights. Every parameter gets ``dtype`` (megatron-core makes local norms and the ViT's
+    conv1 fp32 whatever ``params_dtype`` says; a converted checkpoint keeps one dtype)."""
+    from megatron_vlm.model import ModelOptions, build_model
+
+    with torch.device("meta"):
+        model = build_model(spec, ModelOptions(params_dtype=dtype, perform_initialization=False, seq_length=64))
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = torch.empty(p.shape, dtype=dtype, device="meta")
+    return model
+
+
+@dataclass
+class Piece:
+    """A ShardedTensor of megatron-core's (``sh``) and the block of the full tensor ``name`` it holds."""
+
+    sh: object  # megatron.core.dist_checkpointing.ShardedTensor
+    name: str  # the state-dict name, a Rule's ``mcore``
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    full: tuple[int, ...]  # the full tensor's shape
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        return self.sh.key, tuple(self.sh.global_offset)
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """The block of the full tensor ``t`` (dimensions the block spans whole are left alone, so a row proxy of
+        :mod:`megatron_vlm.convert.copyplan` passes through)."""
+        for d, (s, n) in enumerate(zip(self.start, self.shape)):
+            if d == 0 and (s or n != t.shape[0]) or d > 0 and (s or n != self.full[d]):
+                t = t.narrow(d, s, n)
+        return t
+
+
+def dist_pieces(model, names, layout: ckpt.DistKeyLayout = ckpt.DistKeyLayout()):
+    """``(sharded_state_dict, pieces)``: megatron-core's sharded state dict of ``model`` (keys of ``layout``,
+    factories applied) and, for each state-dict name in ``names``, the :class:`Piece` s it is stored as. Raises
+    when megatron-core's model and the names disagree, or when the pieces do not tile a tensor exactly."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sharded = ckpt.model_sharded_state_dict(model, layout)
+    params = dict(model.state_dict(keep_vars=True))
+    apply_factories(sharded)
+    pieces: dict[str, list[Piece]] = {}
+    for key, value in sharded.items():
+        name = key[len(layout.prefix):]
+        shs = [v for v in (nested_values(value) if isinstance(value, (dict, list)) else [value])
+               if isinstance(v, ShardedTensor)]
+        if not shs:
+            continue  # _extra_state objects: megatron-core saves them, nothing converts them
+        if name not in names:
+            raise ValueError(f"megatron-core's model has {name}, which no conversion rule makes")
+        full = tuple(params[name].shape)
+        for sh in shs:
+            if getattr(sh, "flattened_range", None) is not None:
+                raise ValueError(f"{sh.key}: a flattened ShardedTensor in a model state dict")
+            p = sh.prepend_axis_num
+            start, shape = tuple(sh.global_offset[p:]), tuple(sh.local_shape)
+            if len(start) != len(full) or any(s + n > f for s, n, f in zip(start, shape, full)):
+                raise ValueError(f"{sh.key} at {tuple(sh.global_offset)} is not a block of {name} {full}")
+            pieces.setdefault(name, []).append(Piece(sh, name, start, shape, full))
+        if sum(math.prod(pc.shape) for pc in pieces[name]) != math.prod(full):
+            raise ValueError(f"megatron-core stores {name} {full} in blocks that do not tile it")
+    absent = sorted(set(names) - set(pieces))
+    if absent:
+        raise ValueError(f"megatron-core's model has no {absent[0]} ({len(absent)} rule tensors absent)")
+    return sharded, pieces
+
+
+def exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on a storage of exactly its bytes (torch.distributed.checkpoint's writer copies any tensor whose storage
+    is larger); a contiguous view is re-wrapped without a copy."""
+    if not t.is_contiguous():
+        return t.contiguous()
+    if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    if t.numel() == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    return torch.frombuffer(tensor_bytes(t), dtype=torch.uint8).view(t.dtype).view(t.shape)
+
+
+# ---- torch_dist: writing --------------------------------------------------------------------------------------
+class _Slice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open binary file, as a seekable file (one item of a ``.distcp``
+    file is one ``torch.save`` archive)."""
+
+    def __init__(self, f, offset: int, length: int):
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, offset, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, pos, whence=io.SEEK_SET):
+        self.pos = {io.SEEK_SET: pos, io.SEEK_CUR: self.pos + pos, io.SEEK_END: self.length + pos}[whence]
+        return self.pos
+
+    def readinto(self, b):
+        n = max(0, min(len(b), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        got = self.f.readinto(memoryview(b)[:n])
+        self.pos += got
+        return got
+
+
+def archive_tensor(f, offset: int, length: int) -> tuple[torch.Tensor, int]:
+    """The tensor that the ``torch.save`` archive at ``[offset, offset + length)`` of ``f`` holds, its data not
+    read (its shape, dtype and layout, from torch's own reader), and the file offset of its storage's bytes."""
+    view = _Slice(f, offset, length)
+    with torch.serialization.skip_data():
+        t = torch.load(view, map_location="cpu", weights_only=True)
+    records = [r for r in torch._C.PyTorchFileReader(_Slice(f, offset, length)).get_all_records()
+               if r.startswith("data/")]
+    if not isinstance(t, torch.Tensor) or len(records) != 1:
+        raise ValueError("not a one-tensor archive")
+    return t, offset + torch._C.PyTorchFileReader(_Slice(f, offset, length)).get_record_offset(records[0])
+
+
+def _make_strategy(fill):
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    class _Writer(dcp.FileSystemWriter):
+        """torch.distributed.checkpoint's file system writer, one file, in two passes: :meth:`write_data` writes
+        every item's archive with ``torch.save`` under ``skip_data`` (the records in place, no tensor data);
+        :meth:`commit` has ``fill`` write the data where those archives say, flushes, and writes ``.metadata``."""
+
+        @property
+        def checkpoint_id(self):  # a str, as megatron-core's own writer records it in .metadata
+            return str(self.path)
+
+        def write_data(self, plan, planner):
+            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+            path = Path(self.path) / name
+            results, self._tensors = [], []
+            with open(path, "wb") as f:
+                for item in plan.items:
+                    offset = f.tell()
+                    if item.type == WriteItemType.BYTE_IO:
+                        f.write(planner.resolve_data(item).getbuffer())
+                    else:
+                        sizes, dtype = tuple(item.tensor_data.chunk.sizes), item.tensor_data.properties.dtype
+                        with torch.serialization.skip_data(materialize_fake_tensors=True):
+                            torch.save(_placeholder(sizes, dtype), f)
+                        self._tensors.append((item.index, str(path), offset, f.tell() - offset))
+                    results.append(WriteResult(item.index, f.tell() - offset,
+                                               _StorageInfo(name, offset, f.tell() - offset)))
+            fut = Future()
+            fut.set_result(results)
+            return fut
+
+        def finish(self, metadata, results):
+            self.finished = (metadata, results)  # written by commit(), after the data
+
+        def commit(self) -> None:
+            """Fill the tensors' bytes where the archives say (outside torch's save, which would turn Ctrl-C
+            into a CheckpointException), flush them, then write ``.metadata``."""
+            where = {}
+            for index, path, offset, length in self._tensors:
+                with open(path, "rb") as f:
+                    where[(index.fqn, tuple(index.offset))] = (path, archive_tensor(f, offset, length)[1])
+            fill(where)
+            for path in {p for _, p, _, _ in self._tensors}:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            dcp.FileSystemWriter.finish(self, *self.finished)
+
+    class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
+        """megatron-core's torch_dist save whose tensor data ``fill`` writes in place (:class:`_Writer`)."""
+
+        def __init__(self):
+            super().__init__("torch_dist", 1)
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            flat = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)[0]
+            pyt = mcore_to_pyt_state_dict(flat, False)
+            writer = _Writer(str(checkpoint_dir), single_file_per_rank=True, sync_files=False, thread_count=1)
+            planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
+                                       flatten_sharded_tensors=False)
+            dcp.save(pyt, storage_writer=writer, planner=planner, no_dist=True)
+            writer.commit()
+
+    return StreamingSaveStrategy()
+
+
+def _placeholder(shape, dtype) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` with no memory behind it (for ``torch.save`` under ``skip_data``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(shape, dtype=dtype)
+
+
+def save_dist(sharded_state_dict: dict, iter_dir, fill) -> None:
+    """Save ``sharded_state_dict`` (from :func:`dist_pieces`, on the meta device) to ``iter_dir`` with
+    ``dist_checkpointing.save``; ``fill(where)`` then writes the data: ``where[(key, global offset)]`` is the
+    ``(file, byte offset)`` of each ShardedTensor's bytes."""
+    from megatron.core import dist_checkpointing
+
+    Path(iter_dir).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(sharded_state_dict, str(iter_dir), sharded_strategy=_make_strategy(fill))
+
+
+# ---- torch_dist: reading --------------------------------------------------------------------------------------
+class DistReader:
+    """Full tensors of a torch_dist checkpoint: read through torch.distributed.checkpoint one at a time
+    (:meth:`read`), or located in the ``.distcp`` files for a kernel copy (:meth:`located`). Thread-safe."""
+
+    def __init__(self, iter_dir, pieces: dict[str, list[Piece]]):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.dir, self.pieces = str(iter_dir), pieces
+        self.metadata = FileSystemReader(self.dir).read_metadata()
+        self._archives: dict = {}
+        self._lock = threading.Lock()
+
+    def dtype(self, name: str) -> torch.dtype:
+        sh = self.pieces[name][0].sh
+        md = self.metadata.state_dict_metadata.get(sh.key)
+        if md is None:
+            raise ckpt.CheckpointLayoutError(f"{self.dir} has no tensor {sh.key}; it is not a checkpoint of this "
+                                             "model")
+        return md.properties.dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        ps = self.pieces[name]
+        return tuple(max(pc.start[d] + pc.shape[d] for pc in ps) for d in range(len(ps[0].shape)))
+
+    def read(self, rule) -> torch.Tensor:
+        """The full tensor of ``rule`` (in the dtype stored), loaded with torch.distributed.checkpoint."""
+        from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner, mcore_to_pyt_state_dict
+        from torch.distributed import checkpoint as dcp
+
+        metadata, name = self.metadata, rule.mcore
+
+        class _Reader(dcp.FileSystemReader):
+            def read_metadata(self, *args, **kwargs):
+                return metadata
+
+        full = torch.empty(self.shape(name), dtype=self.dtype(name))
+        grouped: dict[str, list] = {}
+        copies = []
+        for pc in self.pieces[name]:
+            target = pc.of(full)
+            buf = target if target.is_contiguous() else torch.empty(pc.shape, dtype=full.dtype)
+            if buf is not target:
+                copies.append((target, buf))
+            # megatron-core's stacked-layer axes become ordinary axes of extent 1: a subset of a key's blocks then
+            # loads on its own (torch's ShardedTensor, which megatron-core uses for prepended axes, wants every
+            # block of the key a one-process world holds)
+            p = pc.sh.prepend_axis_num
+            grouped.setdefault(pc.sh.key, []).append(replace(
+                pc.sh, data=buf.view((1,) * p + pc.shape), local_shape=(1,) * p + pc.shape, prepend_axis_num=0))
+        shs = [sh for v in grouped.values() for sh in v]
+        pyt = mcore_to_pyt_state_dict(grouped, True)
+        dcp.load(pyt, storage_reader=_Reader(self.dir),
+                 planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=shs, flatten_state_dict=False,
+                                          flatten_sharded_tensors=False), no_dist=True)
+        for target, buf in copies:
+            target.copy_(buf)
+        return full
+
+    def located(self, rule):
+        """``(sources, assemble)`` for a kernel copy of ``rule``'s full tensor: the stored chunks that make it (each
+        a :class:`~megatron_vlm.convert.copyplan.Located`) and the function that places them (rows only), or None
+        when a chunk is not a block of whole rows stored plainly."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        from megatron_vlm.convert.copyplan import Located
+
+        name = rule.mcore
+        full_shape = self.shape(name)
+        sources, places = [], []
+        for pc in self.pieces[name]:
+            p = pc.sh.prepend_axis_num
+            lo = tuple(pc.sh.global_offset)
+            hi = tuple(o + n for o, n in zip(lo, (1,) * p + pc.shape))
+            md = self.metadata.state_dict_metadata[pc.sh.key]
+            for chunk in md.chunks:
+                c_lo, c_n = tuple(chunk.offsets), tuple(chunk.sizes)
+                if any(a + n <= b or a >= c for a, n, b, c in zip(c_lo, c_n, lo, hi)):
+                    continue  # not in this piece
+                inside = all(b <= a and a + n <= c for a, n, b, c in zip(c_lo, c_n, lo, hi))
+                if not inside or any(n != 1 for n in c_n[:p]) or c_n[p + 1:] != tuple(full_shape[1:]):
+                    return None  # a chunk across pieces, layers or a split of the rows: computed instead
+                info = self.metadata.storage_data.get(MetadataIndex(pc.sh.key, chunk.offsets))
+                if info is None:
+                    return None
+                path = str(Path(self.dir) / info.relative_path)
+                t, data = self._archive(path, info.offset, info.length)
+                if (not t.is_contiguous() or t.storage_offset() or tuple(t.shape) != c_n
+                        or t.untyped_storage().nbytes() != t.nbytes or t.dtype != self.dtype(name)):
+                    return None
+                row0 = c_lo[p] - lo[p] + pc.start[0]
+                sources.append(Located(path, data, t.dtype, c_n[p:], lambda: None))
+                places.append((row0, c_n[p]))
+
+        def assemble(xs: list[torch.Tensor]) -> torch.Tensor:
+            out = xs[0].new_zeros((full_shape[0],) + tuple(xs[0].shape[1:]))
+            for x, (row0, n) in zip(xs, places):
+                out[row0:row0 + n] = x
+            return out
+
+        return sources, assemble
+
+    def _archive(self, path: str, offset: int, length: int):
+        key = (path, offset)
+        with self._lock:
+            if key not in self._archives:
+                with open(path, "rb") as f:
+                    self._archives[key] = archive_tensor(f, offset, length)
+            return self._archives[key]
+
+
+# ---- legacy rank files ----------------------------------------------------------------------------------------
+class LegacyWriter:
+    """The rank files of a legacy checkpoint, written in place. ``layout[(tp_rank, pp_rank, ep_rank)]``: the
+    rank's ``(local name, dtype, shape)`` in file order (``ep`` expert-parallel ranks: Megatron-LM's
+    ``mp_rank_TT[_PPP]_EEE`` files when above 1). Each file is first written whole by ``torch.save`` under
+    ``skip_data`` (every record in place, no data); :meth:`target` gives where a tensor's bytes go."""
+
+    def __init__(self, iter_dir, pp: int, layout: dict, iteration, ep: int = 1):
+        self._files: dict[tuple[int, int, int], dict] = {}
+        for (t, p, e), entries in layout.items():
+            path = ckpt.legacy_rank_file(iter_dir, t, p, pp, e, ep)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            state = {name: _placeholder(shape, dtype) for name, dtype, shape in entries}
+            with torch.serialization.skip_data(materialize_fake_tensors=True):
+                torch.save({"model": state, "checkpoint_version": 3.0, "iteration": iteration}, path)
+            records = _records(path, [(name, math.prod(shape) * _itemsize(dtype)) for name, dtype, shape in entries])
+            self._files[(t, p, e)] = {"fd": os.open(path, os.O_RDWR), "records": records,
+                                   "entries": {name: (dtype, tuple(shape)) for name, dtype, shape in entries}}
+
+    def target(self, tp_rank: int, pp_rank: int, name: str, ep_rank: int = 0):
+        from megatron_vlm.convert.copyplan import Target
+
+        f = self._files[(tp_rank, pp_rank, ep_rank)]
+        dtype, shape = f["entries"][name]
+        return Target(f["fd"], f["records"][name], dtype, shape)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            os.fsync(f["fd"])
+        self.abort()
+
+    def abort(self) -> None:
+        for f in self._files.values():
+            if f["fd"] >= 0:
+                os.close(f["fd"])
+                f["fd"] = -1
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _records(path: Path, tensors: list[tuple[str, int]]) -> dict[str, int]:
+    """``name -> data offset`` of the storage records ``torch.save`` wrote for ``tensors`` (one storage each,
+    numbered in pickling order, which is the state dict's order), checked against the archive's sizes."""
+    import zipfile
+
+    reader = torch._C.PyTorchFileReader(str(path))
+    with zipfile.ZipFile(path) as zf:
+        sizes = {i.filename.split("/", 1)[-1]: i.file_size for i in zf.infolist()}
+    out = {}
+    for i, (name, nbytes) in enumerate(tensors):
+        record = f"data/{i}"
+        if sizes.get(record) != nbytes:
+            raise RuntimeError(f"{path}: record {record} holds {sizes.get(record)} bytes, {name} has {nbytes}")
+        out[name] = reader.get_record_offset(record)
+    return out
+
+
+class LegacyReader:
+    """Full tensors of a legacy checkpoint, merged over TP from memory-mapped rank files (thread-safe). With expert
+    parallelism (``meta.ep`` > 1) an expert's tensors come from its EP rank's files (``mp_rank_TT[_PPP]_EEE``), under
+    their local indices, merged over the expert TP size."""
+
+    def __init__(self, iter_dir, spec, meta: ckpt.CheckpointMeta):
+        self.dir, self.spec, self.meta = iter_dir, spec, meta
+        self.ep, self.etp = meta.ep, meta.etp or meta.tp
+        self.per_rank = spec.num_moe_experts // self.ep if spec.is_moe else None
+        self._files: dict[tuple[int, int, int], tuple[dict, str, int | None]] = {}
+        self._lock = threading.Lock()
+
+    def _rank(self, t: int, p: int, e: int = 0) -> tuple[dict, str, int | None]:
+        """(state under local names, file, base) of a rank file: a storage's bytes are at
+        ``data_ptr - base`` of the file (None when they cannot be placed)."""
+        with self._lock:
+            if (t, p, e) not in self._files:
+                f = ckpt.load_legacy_rank(self.dir, t, p, self.meta.pp, ep_rank=e, ep=self.ep)
+                state = ckpt.normalize_legacy_names(f["model"])  # TE names, _extra_state
+                path = str(ckpt.legacy_rank_file(self.dir, t, p, self.meta.pp, e, self.ep))
+                self._files[(t, p, e)] = (state, path, _storage_base(path, [v for v in state.values()
+                                                                           if isinstance(v, torch.Tensor)]))
+            return self._files[(t, p, e)]
+
+    def _where(self, rule) -> tuple[int, int, str]:
+        stage = mapping.stages_of(rule, self.spec, self.meta.pp_layers)[0]
+        e = mapping.ep_rank_of(rule, self.spec, self.ep) or 0
+        return stage, e, mapping.local_name(rule, stage, self.meta.pp_layers, self.per_rank)
+
+    def shards(self, rule) -> list[torch.Tensor]:
+        stage, e, name = self._where(rule)
+        out = []
+        for t in range(mapping.split_size(rule, self.meta.tp, self.etp)):
+            state = self._rank(t, stage, e)[0]
+            if name not in state:
+                raise ckpt.CheckpointLayoutError(f"{name} is missing from rank file tp={t} pp={stage}"
+                                                 f"{f' ep={e}' if self.ep > 1 else ''} of {self.dir}")
+            out.append(state[name])
+        return out
+
+    def read(self, rule) -> torch.Tensor:
+        return mapping.tp_merge(rule, self.shards(rule))
+
+    def located(self, rule):
+        """``(sources, merge)`` for a kernel copy: the TP shards in their files and ``tp_merge``; None when a
+        shard's bytes cannot be placed."""
+        from megatron_vlm.convert.copyplan import Located
+
+        stage, e, name = self._where(rule)
+        sources = []
+        for t, shard in enumerate(self.shards(rule)):
+            _, path, base = self._rank(t, stage, e)
+            if base is None or not shard.is_contiguous():
+                return None
+            offset = shard.untyped_storage().data_ptr() - base + shard.storage_offset() * shard.element_size()
+            sources.append(Located(path, offset, shard.dtype, tuple(shard.shape), lambda: None))
+        return sources, lambda xs: mapping.tp_merge(rule, xs)
+
+
+def _storage_base(path: str, tensors: list[torch.Tensor]) -> int | None:
+    """The address the memory-mapped file ``path`` starts at, from its tensors' storages and torch's record
+    offsets (each storage is one record); None when they do not line up."""
+    reader = torch._C.PyTorchFileReader(path)
+    offsets = {reader.get_record_offset(r) for r in reader.get_all_records() if r.startswith("data/")}
+    ptrs = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+    if not ptrs or not offsets:
+        return None
+    first = min(ptrs)
+    for o in sorted(offsets):  # the file may hold other records (an optimizer's state) before the model's
+        base = first - o
+        if all(p - base in offsets for p in ptrs):
+            return base
+    return None
