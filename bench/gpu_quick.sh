@@ -14,7 +14,7 @@
 # With --te (a kit made with tools/gpu_kit.py --te: Transformer Engine for sm_90 in <kit>/te) the steps are, in this
 # order, within a 560 s budget (a step with too little time left is skipped):
 #   env, install (+ TE), setup, logits (TE and local layers), train (local, TE, FP8 delayed and tensorwise: curves
-#   within --loss-tolerance of bf16, tokens/s, MFU; 300 s), packing (packed vs unpacked forward with TE, and a packed
+#   within 1% of bf16 over 30 iterations, tokens/s, MFU; 300 s), packing (packed vs unpacked forward with TE, and a packed
 #   training row against the padded one, 150 s), moe (TE grouped GEMM), hf, pytest (all gpu-marked tests)
 #
 # and prints the table (bench/gpu.py --report). Files in $OUT (at most 8 come back from the GPU machine):
@@ -155,7 +155,8 @@ fi
 step setup 240 $GPU --setup-only "${SIZE[@]}"
 if [ "$TE" = 1 ]; then
   step logits 150 $GPU --only logits --impls transformer_engine,local "${SIZE[@]}"
-  step train 300 $GPU --only train --impls local,transformer_engine --recipes delayed,tensorwise "${SIZE[@]}"
+  step train 300 $GPU --only train --impls local,transformer_engine --recipes delayed,tensorwise --loss-tolerance 0.01 \
+    "${SIZE[@]}"
   step packing 150 $GPU --only packing,train --impls transformer_engine --recipes "" "${SIZE[@]}"
   step moe 240 $GPU --only moe --impls transformer_engine "${SIZE[@]}"
   step hf 150 $GPU --only hf "${SIZE[@]}"
