@@ -208,11 +208,15 @@ def train_run(a, work: Path, hf: Path, data: Path, meg: Path, name: str, impl: s
         cmd += ["--fp8", "--fp8-recipe", recipe]
     cmd += list(extra)  # later flags override (argparse keeps the last)
     t0 = time.time()
-    log_path = (Path(a.out_dir) if a.out_dir else work) / f"{name}.log"  # in $OUT: a killed run's log comes back
-    with open(log_path, "w") as logf, _child_running():
+    # every run appends to one file in $OUT: a killed run's log comes back, and the GPU machine returns at most 8 files
+    log_path = (Path(a.out_dir) if a.out_dir else work) / TRAIN_LOG
+    with open(log_path, "ab") as logf, _child_running():
+        logf.write(f"==== {name}: {' '.join(cmd)}\n".encode())
+        logf.flush()
+        start = logf.tell()
         res = _run_command(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-    text = log_path.read_text(errors="replace")
+    text = log_path.read_bytes()[start:].decode(errors="replace")
     if res.returncode:
         lines = [ln for ln in text.splitlines() if "rror" in ln or "needs" in ln] or text.splitlines()[-3:]
         return {"name": name, "error": (lines[-1] if lines else f"exit {res.returncode}")[:300]}
@@ -230,6 +234,8 @@ def train_run(a, work: Path, hf: Path, data: Path, meg: Path, name: str, impl: s
 
 
 _CHILD = {"running": False, "terminated": False}
+#: the training runs' own output, one file for all runs (headed ``==== <run name>: <command>``)
+TRAIN_LOG = "train_runs.log"
 
 
 class _child_running:

@@ -14,12 +14,12 @@
 # With --te (a kit made with tools/gpu_kit.py --te: Transformer Engine for sm_90 in <kit>/te) the steps are, in this
 # order, within a 560 s budget (a step with too little time left is skipped):
 #   env, install (+ TE), setup, logits (TE and local layers), train (local, TE, FP8 delayed and tensorwise: curves
-#   within 1% of bf16 over 30 iterations, tokens/s, MFU; 300 s), packing (packed vs unpacked forward with TE, and a packed
-#   training row against the padded one, 150 s), moe (TE grouped GEMM), hf, pytest (all gpu-marked tests)
+#   within 1% of bf16 over 30 iterations, tokens/s, MFU; 300 s), packing (packed vs unpacked forward with TE, and a
+#   packed training row against the padded one, 150 s), moe (TE grouped GEMM), hf, pytest (all gpu-marked tests)
 #
 # and prints the table (bench/gpu.py --report). Files in $OUT (at most 8 come back from the GPU machine):
 #   gpu_quick.log  every step's output, appended as it runs     gpu_bench.json  the results, merged after each step
-#   steps.jsonl    one line per step: rc, seconds, limit       bf16_local.log  the training run's log
+#   steps.jsonl    one line per step: rc, seconds, limit       train_runs.log  the training runs' own logs
 # A step that hits its limit is killed (rc 124/137) and the next one runs; a timed-out command still returns these.
 #
 #   bash bench/gpu_quick.sh [--budget 470]      # on the GPU machine, from the repository root or from the kit

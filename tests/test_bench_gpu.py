@@ -45,7 +45,11 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     # same model, batches, optimizer and schedule in fp32: the two loops do the same work
     assert bench.curve_diff(hf["losses"], ours["losses"]) < 1e-3
     assert ours["vs_hf"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"])
-    assert "local (--transformer-impl local)" in ours["note"] and (out / "bf16_local.log").is_file()
+    assert "local (--transformer-impl local)" in ours["note"]
+    runs = (out / "train_runs.log").read_text()  # every run's log in one file (at most 8 files come back)
+    assert "==== bf16_local: " in runs
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_bench.json", "gpu_quick.log", "steps.jsonl",
+                                                     "train_runs.log"]
     # the MoE row: a Qwen3-MoE LLaVA at EP1, local layers on CPU (TE's grouped GEMM on the GPU)
     moe = rows[("moe", "local SequentialMLP, EP1", "fp32")]
     from megatron_vlm.testing import tiny
@@ -53,6 +57,7 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     if "qwen3_moe" in tiny.TEXT_FAMILIES:
         assert moe["ok"] and len(moe["losses"]) == bench.TINY["iters"] and moe["tokens_per_s"] > 0
         assert moe["tflops"] > 0 and "4 experts (top 2" in moe["note"] and "local" in moe["note"]
+        assert "==== moe_ep1_local: " in (out / "train_runs.log").read_text()
     else:  # a tree without MoE support reports the row as not measured, and the run still passes
         assert moe["ok"] is None and "no MoE support" in moe["note"]
     log = (out / "gpu_quick.log").read_text()

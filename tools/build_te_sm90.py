@@ -506,7 +506,8 @@ def torch_extension(torch_version: str, work: Path, out: Path, site: Path, const
                                   capture_output=True, text=True, check=True).stdout.strip())
     pins = read_pins(constraints)
     pin = lambda n: f"{n}=={pins[n]}" if n in pins else n  # noqa: E731
-    have = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version for d in md.distributions(path=[str(purelib)])}
+    have = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version
+            for d in md.distributions(path=[str(purelib)])}
     if have.get("torch", "").split("+")[0] != torch_version:
         run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", f"torch=={torch_version}"])
         run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", constraints, pin("numpy"),
