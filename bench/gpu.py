@@ -363,6 +363,7 @@ def build_moe_inputs(a, inputs: Path) -> tuple[Path, Path]:
     experts (top ``--topk``, each of ``--expert-ffn``) at ``--hidden``, the set-up's CLIP ViT (its saved parts)
     and tokenizer style; random weights. Built once in ``inputs/moe``."""
     from megatron_vlm.convert.build import build_llava
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
     from megatron_vlm.data.synthetic import COLOURS
     from megatron_vlm.testing.tiny import make_text_model
 
@@ -377,8 +378,7 @@ def build_moe_inputs(a, inputs: Path) -> tuple[Path, Path]:
                            num_experts_per_tok=a.topk, moe_intermediate_size=a.expert_ffn,
                            intermediate_size=2 * a.expert_ffn)
     build_llava(text, inputs / "parts" / "vision", hf, vocab_size_padding=128)
-    _run_command([sys.executable, "convert/hf_to_megatron.py", "--hf-dir", str(hf), "--megatron-dir", str(meg),
-                  "--tp", "1"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    convert_hf_to_megatron(hf, meg, tp=1)  # in this process: one interpreter start less than the CLI
     return hf, meg
 
 
