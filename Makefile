@@ -55,9 +55,10 @@ bench: venv
 
 # The GPU kit (bench/GPU.md): the cp312 wheels the lent GPU machine lacks, the project and bench/gpu_quick.sh in
 # .gpu_kit/ (ignored; <= 60 MiB, refused when over). Needs the Python 3.12 lane's venv (its pip and packaging).
+# TE=DIR adds the Transformer Engine wheels of DIR (tools/build_te_sm90.py, bench/GPU.md section 4).
 gpu-kit:
 	@test -x .venv-py312/bin/python || { echo "gpu-kit needs .venv-py312: run make venv PYTHON=python3.12 first" >&2; exit 1; }
-	.venv-py312/bin/python tools/gpu_kit.py
+	.venv-py312/bin/python tools/gpu_kit.py $(if $(TE),--te $(TE))
 
 clean:
 	rm -rf $(VENV) .pytest_cache

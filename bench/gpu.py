@@ -24,6 +24,10 @@ What it measures, in one run (each part can be picked with ``--only``):
             within 1%; with ``train`` also a packed training row (``--packing-buffer-size 64 --packed-seq-length``
             ``--pack-factor`` x ``--seq-length``): tokens/s, MFU and speed-up vs the unpacked TE run.
 
+``moe``     (bench/gpu_quick.sh) a Qwen3-MoE LLaVA (``--moe-layers`` x ``--experts`` experts, top ``--topk``) trained at
+            EP1 through train/run.py: tokens/s, TFLOP/s of the active parameters and MFU, with Transformer Engine's
+            grouped GEMM (``--moe-grouped-gemm``, TEGroupedMLP) when ``--impls`` has transformer_engine, else with
+            local layers (SequentialMLP). EP2 needs a second GPU.
 ``hf``      (bench/gpu_quick.sh) the reference loop: HF ``LlavaForConditionalGeneration`` with SDPA attention trained by
             a plain PyTorch loop (bf16 autocast over fp32 weights, as HF's Trainer runs bf16; AdamW, the trainer's
             schedule and clipping) on the same batches (energon loader + ``VLMTaskEncoder``, same seed) and the same
@@ -73,9 +77,11 @@ BF16_FLOOR = 1e-3
 RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 FULL = dict(hidden=2048, layers=22, vision_hidden=1024, vision_layers=24, image_size=336, samples=512,
-            mbs=4, gbs=16, seq_length=1024, iters=50, warmup=10, lr=1e-4)
+            mbs=4, gbs=16, seq_length=1024, iters=50, warmup=10, lr=1e-4,
+            moe_layers=8, experts=8, topk=2, expert_ffn=1408)
 TINY = dict(hidden=128, layers=2, vision_hidden=128, vision_layers=2, image_size=56, samples=8,
-            mbs=2, gbs=4, seq_length=128, iters=3, warmup=1, lr=1e-4)
+            mbs=2, gbs=4, seq_length=128, iters=3, warmup=1, lr=1e-4,
+            moe_layers=2, experts=4, topk=2, expert_ffn=64)
 
 
 def _train_bench():
@@ -202,11 +208,15 @@ def train_run(a, work: Path, hf: Path, data: Path, meg: Path, name: str, impl: s
         cmd += ["--fp8", "--fp8-recipe", recipe]
     cmd += list(extra)  # later flags override (argparse keeps the last)
     t0 = time.time()
-    log_path = (Path(a.out_dir) if a.out_dir else work) / f"{name}.log"  # in $OUT: a killed run's log comes back
-    with open(log_path, "w") as logf, _child_running():
+    # every run appends to one file in $OUT: a killed run's log comes back, and the GPU machine returns at most 8 files
+    log_path = (Path(a.out_dir) if a.out_dir else work) / TRAIN_LOG
+    with open(log_path, "ab") as logf, _child_running():
+        logf.write(f"==== {name}: {' '.join(cmd)}\n".encode())
+        logf.flush()
+        start = logf.tell()
         res = _run_command(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-    text = log_path.read_text(errors="replace")
+    text = log_path.read_bytes()[start:].decode(errors="replace")
     if res.returncode:
         lines = [ln for ln in text.splitlines() if "rror" in ln or "needs" in ln] or text.splitlines()[-3:]
         return {"name": name, "error": (lines[-1] if lines else f"exit {res.returncode}")[:300]}
@@ -224,6 +234,8 @@ def train_run(a, work: Path, hf: Path, data: Path, meg: Path, name: str, impl: s
 
 
 _CHILD = {"running": False, "terminated": False}
+#: the training runs' own output, one file for all runs (headed ``==== <run name>: <command>``)
+TRAIN_LOG = "train_runs.log"
 
 
 class _child_running:
@@ -340,6 +352,65 @@ def check_training(a, work, hf, data, meg, impls, recipes) -> list[dict]:
             row["note"] = "packed: " + " ".join(packing_flags(a)) + "; speed-up vs TE bf16 unpacked"
         rows.append(row)
     return rows
+
+
+# ---- mixture of experts: an MoE LLaVA at EP1 ----------------------------------------------------------------------
+MOE_FAMILY = "qwen3_moe"
+
+
+def build_moe_inputs(a, inputs: Path) -> tuple[Path, Path]:
+    """(HF dir, converted TP1/EP1 checkpoint) of a Qwen3-MoE LLaVA: ``--moe-layers`` MoE layers of ``--experts``
+    experts (top ``--topk``, each of ``--expert-ffn``) at ``--hidden``, the set-up's CLIP ViT (its saved parts)
+    and tokenizer style; random weights. Built once in ``inputs/moe``."""
+    from megatron_vlm.convert.build import build_llava
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+    from megatron_vlm.data.synthetic import COLOURS
+    from megatron_vlm.testing.tiny import make_text_model
+
+    work = inputs / "moe"
+    hf, meg = work / "hf", work / "megatron"
+    if (meg / "latest_checkpointed_iteration.txt").is_file():
+        return hf, meg
+    texts = ["what colour is the square ? " + " ".join(COLOURS)] * 4
+    text = make_text_model(work / "text", MOE_FAMILY, texts=texts, hidden_size=a.hidden,
+                           num_hidden_layers=a.moe_layers, num_attention_heads=a.hidden // 64,
+                           num_key_value_heads=max(1, a.hidden // 128), head_dim=64, num_experts=a.experts,
+                           num_experts_per_tok=a.topk, moe_intermediate_size=a.expert_ffn,
+                           intermediate_size=2 * a.expert_ffn)
+    build_llava(text, inputs / "parts" / "vision", hf, vocab_size_padding=128)
+    convert_hf_to_megatron(hf, meg, tp=1)  # in this process: one interpreter start less than the CLI
+    return hf, meg
+
+
+def check_moe(a, work: Path, inputs: Path, data: Path) -> list[dict]:
+    """The MoE row: tokens/s, model TFLOP/s (active parameters: the trainer's count) and MFU of the MoE LLaVA
+    trained through train/run.py at EP1 on this GPU, with Transformer Engine's grouped GEMM (TEGroupedMLP,
+    ``--moe-grouped-gemm``) when ``--impls`` has transformer_engine, else megatron-core's SequentialMLP (local
+    layers: the CPU rehearsal). EP2 needs two GPUs; this is the one-GPU number."""
+    from megatron_vlm.testing import tiny
+
+    te = "transformer_engine" in a.impls
+    impl = "transformer_engine" if te else "local"
+    label = "TE grouped GEMM, EP1" if te else "local SequentialMLP, EP1"
+    row = dict(part="moe", impl=label, dtype=a.precision)
+    if MOE_FAMILY not in tiny.TEXT_FAMILIES:  # a kit made from a tree before MoE support: nothing to measure
+        return [dict(row, ok=None, note=f"not measured: this tree has no MoE support (no {MOE_FAMILY} in "
+                                        "megatron_vlm.testing.tiny)")]
+    try:
+        hf, meg = build_moe_inputs(a, inputs)
+    except Exception as e:  # report and go on
+        return [dict(row, ok=False, note=f"set-up: {type(e).__name__}: {e}"[:300])]
+    extra = ("--ep", "1") + (("--moe-grouped-gemm",) if te else ())
+    r = train_run(a, work, hf, data, meg, f"moe_ep1_{impl}", impl, a.precision, extra=extra)
+    if "error" in r:
+        return [dict(row, ok=False, note=r["error"])]
+    import math
+
+    return [dict(row, loss_first=r["losses"][0], loss_last=r["losses"][-1], losses=r["losses"],
+                 tokens_per_s=r["tokens_per_s"], tflops=r["tflops"], s_per_iter=r["s_per_iter"], mfu=mfu(r),
+                 ok=all(math.isfinite(x) for x in r["losses"]),
+                 note=f"{a.moe_layers} MoE layers x {a.experts} experts (top {a.topk}, FFN {a.expert_ffn}), "
+                      f"hidden {a.hidden}; TFLOP/s of the active parameters; " + r.get("layers_line", ""))]
 
 
 # ---- the reference: HF + SDPA in a plain PyTorch loop ------------------------------------------------------------
@@ -500,7 +571,7 @@ def parse(argv=None):
     p.add_argument("--only", default="logits,packing,train,fusions", help="comma-separated parts: logits (HF vs "
                    "Megatron), packing (packed vs unpacked forward, and a packed training row), train (bf16 local/TE, "
                    "FP8 recipes), fusions (a TE training row with every fusion off), hf (the HF + SDPA reference "
-                   "loop on the same batches)")
+                   "loop on the same batches), moe (an MoE LLaVA at EP1: TE grouped GEMM, or local layers)")
     p.add_argument("--inputs", type=Path, default=None, help="set-up folder (HF model, data, converted checkpoint): "
                    "reused when it holds one, else built there and kept")
     p.add_argument("--setup-only", action="store_true", help="build the set-up into --inputs and stop")
@@ -541,9 +612,9 @@ def parse(argv=None):
         p.error(f"--gbs {a.gbs} must be a multiple of --mbs {a.mbs}")
     if a.setup_only and a.inputs is None:
         p.error("--setup-only needs --inputs DIR (where the set-up is kept for the later steps)")
-    unknown = a.only - {"logits", "packing", "train", "fusions", "hf"}
+    unknown = a.only - {"logits", "packing", "train", "fusions", "hf", "moe"}
     if unknown:
-        p.error(f"--only {','.join(sorted(unknown))}: unknown part(s); pick from logits,packing,train,fusions,hf")
+        p.error(f"--only {','.join(sorted(unknown))}: unknown part(s); pick from logits,packing,train,fusions,hf,moe")
     return a
 
 
@@ -585,6 +656,8 @@ def main(argv=None, run_command=subprocess.run) -> int:
             rows += check_training(a, work, hf, data, meg, a.impls, a.recipes)
         if "hf" in a.only and not a.setup_only:
             rows += check_hf_loop(a, hf, data)
+        if "moe" in a.only and not a.setup_only:
+            rows += check_moe(a, work, a.inputs or work, data)
     finally:
         if a.out:
             write_results(a.out, info, rows, {k: str(v) for k, v in vars(a).items()})

@@ -20,8 +20,8 @@ from tests.test_gpu_kit import fake_wheel
 @pytest.mark.slow
 def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     """Every step of the GPU command, in its own process: install from a kit (a hand-made wheel, with pip --no-index),
-    set-up, HF vs Megatron logits (fp32, bf16), our training, the HF + SDPA loop on the same batches, the gpu tests
-    (skipped here), the report; results merged into one JSON as they come."""
+    set-up, HF vs Megatron logits (fp32, bf16), our training, the HF + SDPA loop on the same batches, the MoE row,
+    the gpu tests (skipped here), the report; results merged into one JSON as they come."""
     kit = tmp_path / "kit"
     fake_wheel(kit / "wheels", "mvlm-kit-probe", "1.0")
     out = tmp_path / "out"
@@ -31,7 +31,7 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert [(s["step"], s["rc"]) for s in steps] == [(n, 0) for n in ("env", "install", "setup", "logits", "train",
-                                                                        "hf", "pytest")]
+                                                                        "hf", "moe", "pytest")]
     assert "all checks passed" in res.stdout and "step(s) failed" not in res.stdout
     rows = {(r["part"], r["impl"], r["dtype"]): r for r in json.loads((out / "gpu_bench.json").read_text())["rows"]}
     fp32, bf16 = rows[("logits", "local", "fp32")], rows[("logits", "local", "bf16")]
@@ -45,7 +45,21 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     # same model, batches, optimizer and schedule in fp32: the two loops do the same work
     assert bench.curve_diff(hf["losses"], ours["losses"]) < 1e-3
     assert ours["vs_hf"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"])
-    assert "local (--transformer-impl local)" in ours["note"] and (out / "bf16_local.log").is_file()
+    assert "local (--transformer-impl local)" in ours["note"]
+    runs = (out / "train_runs.log").read_text()  # every run's log in one file (at most 8 files come back)
+    assert "==== bf16_local: " in runs
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_bench.json", "gpu_quick.log", "steps.jsonl",
+                                                     "train_runs.log"]
+    # the MoE row: a Qwen3-MoE LLaVA at EP1, local layers on CPU (TE's grouped GEMM on the GPU)
+    moe = rows[("moe", "local SequentialMLP, EP1", "fp32")]
+    from megatron_vlm.testing import tiny
+
+    if "qwen3_moe" in tiny.TEXT_FAMILIES:
+        assert moe["ok"] and len(moe["losses"]) == bench.TINY["iters"] and moe["tokens_per_s"] > 0
+        assert moe["tflops"] > 0 and "4 experts (top 2" in moe["note"] and "local" in moe["note"]
+        assert "==== moe_ep1_local: " in (out / "train_runs.log").read_text()
+    else:  # a tree without MoE support reports the row as not measured, and the run still passes
+        assert moe["ok"] is None and "no MoE support" in moe["note"]
     log = (out / "gpu_quick.log").read_text()
     assert "== install: rc 0" in log and "skipped" in log  # pytest: the gpu tests skip without a GPU
     assert bench.curve_diff([1.0, 2.02], [1.0, 2.0]) == pytest.approx(0.01)

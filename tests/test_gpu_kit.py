@@ -63,11 +63,33 @@ def test_collect_walks_the_closure_at_the_pins_and_skips_what_the_gpu_image_has(
     monkeypatch.setattr(kit, "pip_download", download)
     pins = {n: f"{i}.0" for i, n in enumerate(index, 1)}
     got = kit.collect_wheels(pins, tmp_path / "w", print)
-    assert got == {n: pins[n] for n in sorted(index)}  # torch, numpy, pillow, urllib3, dateutil: the image's own
+    # torch, numpy, pillow, urllib3, dateutil: the image's own; s3fs and botocore (and so jmespath): LEFT_OUT
+    assert got == {n: pins[n] for n in sorted(index) if n not in ("s3fs", "botocore", "jmespath")}
     assert asked[0] == ["megatron-core==1.0", "megatron-energon==2.0", "webdataset==3.0"]
-    del pins["jmespath"]
-    with pytest.raises(SystemExit, match="jmespath is needed on the GPU machine but has no pin"):
+    assert not any("s3fs" in spec or "botocore" in spec for specs in asked for spec in specs)
+    del pins["braceexpand"]
+    with pytest.raises(SystemExit, match="braceexpand is needed on the GPU machine but has no pin"):
         kit.collect_wheels(pins, tmp_path / "w2", print)
+
+
+def test_a_wheel_needing_another_version_of_an_image_package_is_refused(kit, tmp_path, monkeypatch):
+    """The run uses the image's transformers/tokenizers/...: a kit wheel that the image's version does not satisfy
+    is named at build time (here, not as an ImportError on the GPU)."""
+    needs = {"megatron-core": ("tokenizers<0.24,>=0.23.1", "transformers>=5.0,<6"),
+             "megatron-energon": ("transformers>=5.20",), "webdataset": ()}
+
+    def download(specs, dest, log):
+        for spec in specs:
+            name, version = spec.split("==")
+            fake_wheel(dest, name, version, needs[name])
+
+    monkeypatch.setattr(kit, "pip_download", download)
+    pins = {"megatron-core": "1", "megatron-energon": "2", "webdataset": "3"}
+    with pytest.raises(SystemExit, match=r"megatron_energon needs transformers>=5.20 \(image: 5.17.0\)") as e:
+        kit.collect_wheels(pins, tmp_path / "w", print)
+    assert "megatron_core" not in str(e.value)  # 0.23.2 and 5.17.0 meet its ranges
+    needs["megatron-energon"] = ()
+    assert kit.collect_wheels(pins, tmp_path / "w2", print) == pins
 
 
 @pytest.mark.slow  # git archive / git ls-files run as processes
@@ -97,3 +119,33 @@ def test_kit_layout_size_refusal_and_atomic_replace(kit, tmp_path, capsys):
     constraints.write_text("megatron-core==0.19.2\n")
     with pytest.raises(SystemExit, match="pins no megatron-energon"):
         kit.build(out, constraints, 60, tree_bytes=0, collect=collect)
+
+
+@pytest.mark.slow  # git archive runs as a process
+def test_kit_with_transformer_engine_carries_its_wheels_and_their_dependencies(kit, tmp_path, monkeypatch):
+    constraints = tmp_path / "c.txt"
+    constraints.write_text("megatron-core==0.19.2\nmegatron-energon==7.4.1\nwebdataset==1.0.2\npydantic==2.1\n"
+                           "nvdlfw-inspect==0.2\n")
+    te = tmp_path / "te"
+    fake_wheel(te, "transformer_engine_cu13", "2.20.2", ("pydantic", "packaging"))
+    fake_wheel(te, "transformer_engine", "2.20.2")
+    with pytest.raises(SystemExit, match="transformer_engine_torch missing or doubled"):
+        kit.te_wheels(te)
+    fake_wheel(te, "transformer_engine_torch", "2.20.2", ("torch>=2.1", "pydantic", "nvdlfw-inspect",
+                                                           "nvidia-cudnn-frontend>=1.29", "transformer_engine_cu13"))
+
+    def download(specs, dest, log):
+        for spec in specs:
+            name, version = spec.split("==")
+            fake_wheel(dest, name, version)
+
+    monkeypatch.setattr(kit, "pip_download", download)
+    man = kit.build(tmp_path / "kit", constraints, 60, tree_bytes=0, te_dir=te)
+    te_files = sorted(f for f in man["files"] if f.startswith("te/"))
+    # the three TE wheels, and what they add that the image lacks (packaging and torch are the image's;
+    # nvidia-* never travel: the image's CUDA stack wins)
+    assert te_files == ["te/nvdlfw_inspect-0.2-py3-none-any.whl", "te/pydantic-2.1-py3-none-any.whl",
+                        "te/transformer_engine-2.20.2-py3-none-any.whl",
+                        "te/transformer_engine_cu13-2.20.2-py3-none-any.whl",
+                        "te/transformer_engine_torch-2.20.2-py3-none-any.whl"]
+    assert man["te"]["transformer-engine-torch"] == "2.20.2" and man["left_out"] == ["botocore", "s3fs"]

@@ -9,24 +9,34 @@ command there carries at most 64 MiB of files (the working tree plus carried pat
   pins (``constraints/py312.txt``) and of their run-time dependencies that the GPU image does not have
   (:data:`GPU_IMAGE`: the image's package list, as KINDS.md records it), each at its pin, fetched from PyPI with
   ``pip download --python-version 3.12 --only-binary=:all: --no-deps``; the dependency tree is walked here from
-  each wheel's own ``Requires-Dist`` (markers evaluated for CPython 3.12 on x86-64 Linux, no extras);
+  each wheel's own ``Requires-Dist`` (markers evaluated for CPython 3.12 on x86-64 Linux, no extras), less
+  :data:`LEFT_OUT` (required but never imported by the run: s3fs and botocore). A wheel that needs another version
+  of a package the image holds (:data:`IMAGE_VERSIONS`) is refused by name;
+- ``te/`` (with ``--te DIR``): Transformer Engine for the H100/H200 (tools/build_te_sm90.py: PyPI's core wheel with
+  only its sm_90 code, the torch extension built for the image's torch 2.11) and the dependencies it adds;
 - ``project.tar.gz``: the project's tracked files at ``HEAD`` (``git archive``), so the kit runs without the tree;
 - ``gpu_quick.sh``: the one script (a copy of bench/gpu_quick.sh), which installs the wheels with
   ``pip install --no-index --find-links`` and runs the measurements;
 - ``KIT.json``: the pins, each file's size and SHA-256, the commit, and the sizes.
 
-``--check`` then rehearses the GPU command on this CPU machine with nothing but what the GPU machine will have: a
+The run uses the image's own transformers, huggingface_hub, tokenizers and safetensors (5.17, 1.33, 0.23.2,
+0.8.0; the project supports transformers>=5.0,<6) rather than carrying the lanes' newer pins (transformers alone is
+13 MB, and the versions the carried copies would meet in the image, hf-xet, httpx, click ..., cannot be rehearsed
+here). ``--check`` rehearses the GPU command on this CPU machine with nothing but what the GPU machine will have: a
 fresh venv of the Python 3.12 lane's base interpreter that sees only the GPU image's packages (and their own
-dependencies) from ``.venv-py312``, through a folder of links; a copy of the kit outside the repository; and
+dependencies) from ``.venv-py312``, through a folder of links, with :data:`REHEARSED` at the image's exact versions
+installed in front of them (from PyPI, cached); a copy of the kit outside the repository; and
 ``gpu_quick.sh --tiny --kit <copy>`` run from that copy (so the project comes from ``project.tar.gz`` and the
-wheels from the kit). A missing wheel shows up as a failed ``install`` step or an ImportError, before a GPU lease
-is spent on it (the image's versions differ from this venv's: that part it cannot rehearse).
+wheels from the kit). A missing wheel shows up as a failed ``install`` step or an ImportError, and an API the
+image's transformers lacks as a failed step, before a GPU lease is spent on it. torch (2.13 here, 2.11 there) and
+torchvision are the two differences it cannot rehearse.
 
 It writes into a temporary folder next to ``--out`` and renames it into place at the end, so an interrupted run
 leaves the old kit (or none), never half of one. It refuses (one line, exit 1) when the kit is over ``--max-mib``
 (60) or when kit + travelling working tree is over the 64 MiB a device command carries.
 
   make gpu-kit                          # = .venv-py312/bin/python tools/gpu_kit.py
+  python tools/gpu_kit.py --te /tmp/te-sm90/wheels    # with Transformer Engine (bench/GPU.md)
   python tools/gpu_kit.py --out .gpu_kit --max-mib 60
   .venv-py312/bin/python tools/gpu_kit.py --check     # rehearse the kit's script (--tiny) in an image-like venv
 """
@@ -78,6 +88,22 @@ triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkz
 zipp""".split())
 #: never carried whatever the image holds: the GPU machine's own CUDA stack must win
 NEVER = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|transformer-engine.*)$")
+#: required by a kit wheel, but never imported by the GPU run: left out of the kit (``--check`` runs the kit's script
+#: without them). botocore alone is 16.6 MB, half of the kit.
+LEFT_OUT = {
+    "s3fs": "megatron-energon lists it but never imports it (its s3:// paths go through multi-storage-client)",
+    "botocore": "s3fs's; multi-storage-client imports it only in its S3 providers, tensorboard only if present",
+}
+#: the GPU image's versions of the packages the project's code calls most (KINDS.md's pip list, read 2026-11): the kit
+#: uses the image's copies (the project supports transformers>=5.0,<6), and ``--check`` rehearses with exactly these,
+#: installed from PyPI into its venv in front of the lane's. torch and torchvision stay the lane's there (2.13/0.28:
+#: the image's 2.11/0.26 are CUDA builds of 0.5 GB and up), so those two differences are not rehearsed.
+IMAGE_VERSIONS = {"transformers": "5.17.0", "huggingface-hub": "1.33.0", "tokenizers": "0.23.2",
+                  "safetensors": "0.8.0", "torch": "2.11.0", "torchvision": "0.26.0"}
+#: of those, what the rehearsal installs at the image's version (pure Python or small wheels)
+REHEARSED = ("transformers", "huggingface-hub", "tokenizers", "safetensors")
+#: the Transformer Engine wheels a kit may carry (``--te DIR``: tools/build_te_sm90.py's outputs)
+TE_WHEELS = ("transformer_engine_cu13", "transformer_engine", "transformer_engine_torch")
 
 
 class KitError(SystemExit):
@@ -151,14 +177,34 @@ def _dist_name(whl: Path) -> str:
     return norm(whl.name.split("-", 1)[0])
 
 
-def collect_wheels(pins: dict[str, str], dest: Path, log, image=GPU_IMAGE) -> dict[str, str]:
-    """Download ROOTS and the closure of their run-time dependencies that ``image`` lacks, each at its pin;
-    return {name: version}. A needed package without a pin is an error naming it."""
-    want, have = list(ROOTS), {}
+def image_conflicts(whl: Path, carried=()) -> list[str]:
+    """This wheel's run-time requirements on packages of :data:`IMAGE_VERSIONS` (not carried) that the image's
+    version does not meet, as 'wheel needs req (image: version)'."""
+    from packaging.requirements import Requirement
+
+    with zipfile.ZipFile(whl) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode("utf-8", "replace")
+    env, out = marker_env(), []
+    for line in text.splitlines():
+        if line.startswith("Requires-Dist:"):
+            req = Requirement(line.split(":", 1)[1].strip())
+            name = norm(req.name)
+            if name in IMAGE_VERSIONS and name not in carried and (req.marker is None or req.marker.evaluate(env)) \
+                    and not req.specifier.contains(IMAGE_VERSIONS[name], prereleases=True):
+                out.append(f"{whl.name.split('-')[0]} needs {req} (image: {IMAGE_VERSIONS[name]})")
+    return out
+
+
+def collect_wheels(pins: dict[str, str], dest: Path, log, image=GPU_IMAGE, roots=ROOTS) -> dict[str, str]:
+    """Download ``roots`` and the closure of their run-time dependencies that ``image`` lacks, each at its pin,
+    except :data:`LEFT_OUT`; return {name: version}. A needed package without a pin, or a wheel that needs another
+    version of a package the image holds (:data:`IMAGE_VERSIONS`), is an error naming it."""
+    want, have = list(roots), {}
     while want:
         batch = []
         for name in dict.fromkeys(want):
-            if name in have or name in image or NEVER.match(name):
+            if name in have or name in image or NEVER.match(name) or name in LEFT_OUT:
                 continue
             if name not in pins:
                 raise KitError(f"{name} is needed on the GPU machine but has no pin in the constraints file: add "
@@ -176,6 +222,10 @@ def collect_wheels(pins: dict[str, str], dest: Path, log, image=GPU_IMAGE) -> di
         missing = [n for n in batch if n not in have]
         if missing:
             raise KitError(f"pip download brought no wheel for {', '.join(missing)}")
+    bad = [c for whl in sorted(dest.glob("*.whl")) for c in image_conflicts(whl)]
+    if bad:
+        raise KitError(f"{'; '.join(bad)}: the GPU machine's copy would not do; pin a version of the wheel that "
+                       "accepts the image's, or carry the package (IMAGE_VERSIONS, GPU_IMAGE)")
     return dict(sorted(have.items()))
 
 
@@ -215,9 +265,23 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def te_wheels(te_dir: Path) -> list[Path]:
+    """The Transformer Engine wheels in ``te_dir``: one of each of :data:`TE_WHEELS`, or an error naming the gap."""
+    found = {}
+    for whl in sorted(te_dir.glob("*.whl")):
+        found.setdefault(whl.name.split("-", 1)[0].lower(), []).append(whl)
+    missing = [n for n in TE_WHEELS if len(found.get(n, [])) != 1]
+    if missing:
+        raise KitError(f"--te {te_dir} needs exactly one wheel of each of {', '.join(TE_WHEELS)}; "
+                       f"{', '.join(missing)} missing or doubled (tools/build_te_sm90.py prune / torch-ext make them)")
+    return [found[n][0] for n in TE_WHEELS]
+
+
 def build(out: Path, constraints: Path, max_mib: float, log=print, tree_bytes: int | None = None,
-          collect=collect_wheels) -> dict:
-    """Write the kit to ``out`` (atomically: a temporary sibling renamed at the end); return KIT.json's content."""
+          collect=collect_wheels, te_dir: Path | None = None) -> dict:
+    """Write the kit to ``out`` (atomically: a temporary sibling renamed at the end); return KIT.json's content.
+    With ``te_dir``, the kit also carries its Transformer Engine wheels in ``te/``, with their run-time dependencies
+    that the image and the kit's other wheels lack."""
     script = ROOT / "bench" / "gpu_quick.sh"
     if not script.is_file():
         raise KitError(f"{script} is missing: the kit's script is a copy of it")
@@ -233,6 +297,14 @@ def build(out: Path, constraints: Path, max_mib: float, log=print, tree_bytes: i
         t0 = time.perf_counter()
         (tmp / "wheels").mkdir()
         got = collect(pins, tmp / "wheels", log)
+        te = {}
+        if te_dir is not None:
+            (tmp / "te").mkdir()
+            for whl in te_wheels(te_dir):
+                shutil.copyfile(whl, tmp / "te" / whl.name)
+                te[norm(whl.name.split("-", 1)[0])] = whl.name.split("-")[1]
+            needs = sorted({r for whl in (tmp / "te").glob("*.whl") for r in wheel_requires(whl)} - set(got))
+            te.update(collect(pins, tmp / "te", log, image=GPU_IMAGE | set(got), roots=needs) if needs else {})
         commit = project_archive(tmp / "project.tar.gz")
         shutil.copyfile(script, tmp / "gpu_quick.sh")
         (tmp / "gpu_quick.sh").chmod(0o755)
@@ -240,6 +312,7 @@ def build(out: Path, constraints: Path, max_mib: float, log=print, tree_bytes: i
         manifest = {"python": PY_VERSION, "constraints": str(constraints.relative_to(ROOT) if
                                                                constraints.is_relative_to(ROOT) else constraints),
                     "commit": commit, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wheels": got,
+                    "te": te, "left_out": sorted(LEFT_OUT), "image_versions": IMAGE_VERSIONS,
                     "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256(p)}
                               for p in files}}
         kit_bytes = folder_bytes(tmp)
@@ -263,6 +336,9 @@ def build(out: Path, constraints: Path, max_mib: float, log=print, tree_bytes: i
         else:
             tmp.rename(out)
         log(f"{len(got)} wheels: " + ", ".join(f"{k}=={v}" for k, v in got.items()))
+        if te:
+            log(f"Transformer Engine ({folder_bytes(out / 'te') / 2**20:.1f} MiB): "
+                + ", ".join(f"{k}=={v}" for k, v in te.items()))
         log(f"wrote {out}: {kit_mib:.1f} MiB (limit {max_mib:g}); with the {tree / 2**20:.1f} MiB working tree "
             f"{kit_mib + tree / 2**20:.1f} of {TRAVEL_MIB:g} MiB a device command carries; "
             f"{time.perf_counter() - t0:.0f} s")
@@ -271,9 +347,26 @@ def build(out: Path, constraints: Path, max_mib: float, log=print, tree_bytes: i
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def image_like_venv(venv: Path, lane_site: Path) -> Path:
+def image_pinned_wheels(cache: Path, pins: dict[str, str]) -> list[Path]:
+    """The wheels of :data:`REHEARSED` at the image's versions (:data:`IMAGE_VERSIONS`), and torchvision at the
+    lane's pin in ``pins`` (the image has the torchvision of its torch; here the lane's torch runs, and transformers
+    5.17's image processors need torchvision), downloaded once into ``cache``."""
+    want = {n: IMAGE_VERSIONS[n] for n in REHEARSED}
+    if "torchvision" in pins:
+        want["torchvision"] = pins["torchvision"]
+    have = {_dist_name(w): w for w in cache.glob("*.whl")} if cache.is_dir() else {}
+    missing = [f"{n}=={v}" for n, v in want.items() if n not in have or f"-{v}-" not in have[n].name]
+    if missing:
+        cache.mkdir(parents=True, exist_ok=True)
+        pip_download(missing, cache, print)
+        have = {_dist_name(w): w for w in cache.glob("*.whl")}
+    return [have[n] for n in want]
+
+
+def image_like_venv(venv: Path, lane_site: Path, pinned: list[Path] = ()) -> Path:
     """A venv at ``venv`` that sees, of ``lane_site``'s distributions, only those of :data:`GPU_IMAGE` and their
-    run-time dependencies (linked into ``venv/image``); returns its python."""
+    run-time dependencies (linked into ``venv/image``), with ``pinned`` wheels (the image's own versions of some of
+    them) installed in front of those; returns its python."""
     import importlib.metadata as md
 
     from packaging.requirements import Requirement
@@ -293,7 +386,11 @@ def image_like_venv(venv: Path, lane_site: Path) -> Path:
     subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     image = venv / "image"
     image.mkdir()
-    for name in sorted(keep):
+    pinned_names = {_dist_name(w) for w in pinned}
+    if pinned:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index",
+                        "--no-deps", "--target", str(venv / "pinned"), *map(str, pinned)], check=True)
+    for name in sorted(keep - pinned_names):
         for f in dists[name].files or []:
             top = f.parts[0]
             if top not in ("..", "bin") and not (image / top).exists() and (lane_site / top).exists():
@@ -303,11 +400,11 @@ def image_like_venv(venv: Path, lane_site: Path) -> Path:
     py = venv / "bin" / "python"
     purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    (Path(purelib) / "gpu_image.pth").write_text(str(image) + "\n")
+    (Path(purelib) / "gpu_image.pth").write_text("".join(f"{d}\n" for d in (venv / "pinned", image) if d.is_dir()))
     return py
 
 
-def check(kit_dir: Path) -> int:
+def check(kit_dir: Path, constraints: Path) -> int:
     """Run the kit's own script with --tiny in an image-like venv from a copy of the kit; its exit status."""
     if not (kit_dir / "KIT.json").is_file():
         raise KitError(f"no kit in {kit_dir}: run make gpu-kit first")
@@ -317,14 +414,18 @@ def check(kit_dir: Path) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpu-kit-check-") as tmp:
         tmp = Path(tmp)
-        py = image_like_venv(tmp / "venv", Path(sysconfig.get_paths()["purelib"]))
+        pinned = image_pinned_wheels(Path(os.environ.get("MVLM_WHEEL_CACHE") or Path.home() / ".cache" /
+                                          "megatron-vlm" / "wheels") / "gpu-image", read_pins(constraints))
+        py = image_like_venv(tmp / "venv", Path(sysconfig.get_paths()["purelib"]), pinned)
+        print("rehearsing with the image's " + ", ".join(f"{n} {IMAGE_VERSIONS[n]}" for n in REHEARSED), flush=True)
         copy = tmp / "kit"
         shutil.copytree(kit_dir, copy)
         cmd = ["bash", str(copy / "gpu_quick.sh"), "--tiny", "--kit", str(copy), "--out", str(tmp / "out")]
         print("+", " ".join(cmd), flush=True)
         res = subprocess.run(cmd, cwd=tmp, env=dict(os.environ, PYTHON=str(py), TMPDIR=str(tmp), PYTHONPATH=""))
         print(f"gpu_kit --check: the kit's script {'passed' if res.returncode == 0 else 'FAILED'} with only the GPU "
-              "image's packages and the kit's wheels (versions: this venv's, not the image's)")
+              "image's packages and the kit's wheels (the image's " + ", ".join(REHEARSED) + "; this venv's torch "
+              "and the rest)")
         return res.returncode
 
 
@@ -335,6 +436,9 @@ def parse(argv=None):
     p.add_argument("--constraints", type=Path, default=ROOT / "constraints" / "py312.txt",
                    help="pins of the Python 3.12 lane (default: constraints/py312.txt)")
     p.add_argument("--max-mib", type=float, default=MAX_MIB, help=f"refuse a kit over this (default {MAX_MIB:g})")
+    p.add_argument("--te", type=Path, default=None, metavar="DIR", help="also carry the Transformer Engine wheels in "
+                   "DIR (transformer_engine_cu13 pruned to sm_90, transformer_engine, transformer_engine_torch built "
+                   "for the image's torch: tools/build_te_sm90.py) and their dependencies, in the kit's te/")
     p.add_argument("--check", action="store_true", help="build nothing: rehearse the kit at --out (its script, "
                    "--tiny) in a venv that has only the GPU image's packages; exit status of that run")
     return p.parse_args(argv)
@@ -348,8 +452,8 @@ def main(argv=None) -> int:
         raise KitError(f"{sys.executable} has no 'packaging': run with the project's venv "
                        "(make gpu-kit uses .venv-py312/bin/python)") from None
     if a.check:
-        return check(a.out.resolve())
-    build(a.out, a.constraints.resolve(), a.max_mib)
+        return check(a.out.resolve(), a.constraints.resolve())
+    build(a.out, a.constraints.resolve(), a.max_mib, te_dir=a.te.resolve() if a.te else None)
     return 0
 
 
