@@ -131,7 +131,9 @@ def _read_legacy(iter_dir, tp: int, pp: int, spec: VLMSpec, ep: int = 1,
     """Legacy rank files: as :func:`_read_dist`, plus the language layers of each pipeline stage. With expert
     parallelism (``ep`` rank files per TP rank and stage) each file's experts are renumbered to their global index,
     and an expert's TP shards are those of the first ``etp`` TP ranks."""
-    split = {r.mcore: r.split for r in mapping.rules(spec)}
+    # each tensor's split, under the layer-0 names shapes are kept by (layer 0 may be an MoE layer while a later one
+    # holds the dense MLP: mlp_only_layers)
+    split = {_LAYER.sub(lambda m: f"{m.group(1)}.decoder.layers.0.", r.mcore): r.split for r in mapping.rules(spec)}
     shapes, dtypes, args, per_stage, vit = {}, {}, {}, [], 0
     per_rank = spec.num_moe_experts // ep if spec.is_moe else 0
     for stage in range(pp):
@@ -369,9 +371,14 @@ def hf_only_tensors(spec: VLMSpec, hf_config, dtype: torch.dtype) -> dict[str, t
 
     from megatron_vlm.convert.hf_io import INDEX, SINGLE, HFReader
 
+    from transformers.core_model_loading import revert_weight_conversion
+
     with torch.device("meta"):
         model = LlavaForConditionalGeneration(spec.to_hf_config())
-    wanted = {mapping.canonical_hf_name(n): tuple(p.shape) for n, p in model.state_dict().items()}
+        # the names HF's save_pretrained writes: transformers 5 fuses an MoE layer's experts in memory only
+        # (experts.gate_up_proj), the files hold them one by one (experts.N.gate_proj.weight)
+        on_disk = revert_weight_conversion(model, model.state_dict())
+    wanted = {mapping.canonical_hf_name(n): tuple(p.shape) for n, p in on_disk.items()}
     names = mapping.extra_hf_names(spec, wanted)
     d = _config_path(hf_config).parent
     reader = HFReader(d) if (d / SINGLE).is_file() or (d / INDEX).is_file() else None
