@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -62,6 +63,8 @@ def run_command(cmd: str, args: list, capsys) -> tuple[int, str]:
 def assert_flags_exist(cmd: str, text: str) -> None:
     """The flags the error line names are the command's own (or the script's it names before them)."""
     line = next((ln for ln in reversed(text.strip().splitlines()) if "error" in ln), "")
+    # argparse starts its line with the program's name, sys.argv[0]: under pytest-xdist that is "-c"
+    line = re.sub(r"^\S+: error: ", "error: ", line)
     unknown = unknown_flags(line, ROOT / ("train/run.py" if cmd == "train" else CMD[cmd]))
     assert not unknown, f"the message names flags its command does not take: {unknown}\n{line}"
 
