@@ -2,8 +2,8 @@
 """Conversion memory and speed benchmark (not a test): marginal memory and time per extra model byte.
 
 Builds two random bf16 LLaVAs of one shape family (a Llama-like LM of hidden 2048 with --small-layers and
---large-layers layers, a CLIP-L/14-336-shaped ViT; ~1.1 GB and ~3.2 GB by default) as sharded safetensors, like
-hub models, then runs on each, in one go:
+--large-layers layers, even for PP=2, and a CLIP-L/14-336-shaped ViT; ~1.06 GB and ~3.17 GB by default) as sharded
+safetensors, like hub models, then runs on each, in one go:
 
   cp -r of the HF files (the reference) | HF->Megatron TP=2 PP=2 torch_dist | the same, legacy torch |
   Megatron->HF from the torch_dist checkpoint | Megatron->HF from the legacy one
@@ -127,7 +127,7 @@ def measured(cmd: list[str], interval: float) -> tuple[float, int]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default="/tmp/mvlm-bench-convert", help="scratch directory (replaced, then removed)")
-    p.add_argument("--small-layers", type=int, default=3, help="LM layers of the small model (~1.1 GB)")
+    p.add_argument("--small-layers", type=int, default=2, help="LM layers of the small model (~1.06 GB)")
     p.add_argument("--large-layers", type=int, default=26, help="LM layers of the large model (~3.2 GB)")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--vision-layers", type=int, default=24)
