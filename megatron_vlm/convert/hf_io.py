@@ -262,8 +262,9 @@ class SafetensorsWriter:
         self.total = 0
         self.index = len(shards) > 1 and single_name is None
         for k, (fname, items) in enumerate(zip(names, shards)):
-            # as safetensors orders them: the widest dtypes first, so every tensor stays aligned
-            items = sorted(items, key=lambda it: -torch.empty((), dtype=it[1]).element_size())
+            # as safetensors orders them: the widest dtypes first, so every tensor stays aligned, then by name (so a
+            # file HF wrote comes back byte for byte)
+            items = sorted(items, key=lambda it: (-torch.empty((), dtype=it[1]).element_size(), it[0]))
             table, offset = {"__metadata__": {"format": "pt"}}, 0
             for name, dtype, shape, n in items:
                 table[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
