@@ -208,13 +208,8 @@ def pytest_runtest_makereport(item, call):
     marker, ``pytest.skip`` or ``importorskip`` fails."""
     outcome = yield
     report = outcome.get_result()
-    if not ci() or not report.skipped or hasattr(report, "wasxfail"):
-        return
-    reason = _reason(report.longrepr)
-    if skip_allowed(reason):
-        return
-    report.outcome = "failed"
-    report.longrepr = f"skipped under CI=true, where every check must run: {reason}"
+    if not hasattr(report, "wasxfail"):
+        _fail_skip_under_ci(report, "skipped under CI=true")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -222,14 +217,18 @@ def pytest_make_collect_report(collector):
     """The same rule at collection: a module that skips as it is imported (``pytest.importorskip``, a module-level
     ``pytest.skip``) fails under ``CI=true`` instead of vanishing from the run (a collection error: the run stops)."""
     outcome = yield
-    report = outcome.get_result()
+    _fail_skip_under_ci(outcome.get_result(), f"{collector.nodeid}: skipped at collection under CI=true")
+
+
+def _fail_skip_under_ci(report, what: str) -> None:
+    """Turn ``report``'s skip into a failure under ``CI=true`` unless its reason is an allowed one."""
     if not ci() or not report.skipped:
         return
     reason = _reason(report.longrepr)
     if skip_allowed(reason):
         return
     report.outcome = "failed"
-    report.longrepr = f"{collector.nodeid}: skipped at collection under CI=true, where every check must run: {reason}"
+    report.longrepr = f"{what}, where every check must run: {reason}"
 
 
 def require_te() -> None:
