@@ -155,6 +155,15 @@ def _heavy_modules_first(items) -> None:
     items.sort(key=key)
 
 
+def pytest_configure(config):
+    """The suite's own plugins: each module's time (tests/suite_times.py) and the lane split (tests/lanes.py)."""
+    from tests import lanes, suite_times
+
+    for plugin in (suite_times, lanes):
+        if not config.pluginmanager.is_registered(plugin):
+            config.pluginmanager.register(plugin, f"mvlm-{plugin.__name__.rsplit('.', 1)[-1]}")
+
+
 def pytest_collection_finish(session):
     """The imported libraries and the collected tests live until the worker exits: later garbage collections
     skip them (megatron_vlm.runtime.gc_freeze)."""
