@@ -18,6 +18,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # megatron-core 0.19's package_info runs `git rev-parse` in its site-packages folder at import, unless this is set:
 # a process per import (and one the fast set's process guard refuses when a fast module imports megatron-core first)
 os.environ.setdefault("NO_VCS_VERSION", "1")
+# train/run.py launches in the tests fork their ranks from the launcher, which the tests fork from a server that
+# imported torch, megatron-core and transformers (megatron_vlm/launch/elastic.py): ~6.6 CPU-s less per rank than a
+# new interpreter. tests/test_launch_run.py holds the forked start to torchrun's own (exit codes, signals, the ranks'
+# environment); a test that needs the interpreter's start (the fault drill's sitecustomize) sets "exec".
+os.environ.setdefault("MVLM_RANK_START", "fork")
 warnings.filterwarnings("ignore")
 
 # (text family, vision family, build options): the coverage matrix of the conversion tests.

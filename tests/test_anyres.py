@@ -12,6 +12,11 @@ import torch
 
 from megatron_vlm.anyres import AnyresConfigError, AnyresGeometry, parse_vision_aspect_ratio
 
+pytestmark = pytest.mark.one_lane(
+    "3.11",
+    reason="anyres geometry against HF's own pack_image_features: torch and transformers, pinned alike in both "
+           "lanes")
+
 SIZES = [(384, 384), (300, 1200), (1200, 300), (500, 700), (20, 30), (2000, 2300), (4000, 1000), (77, 1999),
          (768, 1152), (1000, 1000), (3000, 3000), (2000, 3600)]
 

@@ -16,6 +16,12 @@ from tests.conftest import ROOT, script
 from tests.data_fixtures import tiny_llava
 from tests.test_gpu_kit import fake_wheel
 
+pytestmark = pytest.mark.one_lane(
+    "3.12",
+    reason="rehearses the GPU kit, which runs in the GPU image's Python 3.12; the steps it times are held in "
+           "both lanes by the modules named",
+    covered_by=("test_convert", "test_train_reference", "test_te", "test_packing_equivalence", "test_moe"))
+
 
 @pytest.mark.slow
 def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):

@@ -5,6 +5,11 @@ import torch
 
 from megatron_vlm.tokenizer import special_token_ids
 
+pytestmark = pytest.mark.one_lane(
+    "3.11",
+    reason="build_llava writes an HF directory that HF loads and generates with: transformers, tokenizers and "
+           "safetensors, pinned alike in both lanes")
+
 
 @pytest.mark.parametrize("name", ["llama_clip", "qwen2_siglip"])
 def test_loads_processes_and_generates(name, hf_models):

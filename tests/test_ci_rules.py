@@ -93,7 +93,7 @@ BOTH_LANES = frozenset({
     "test_convert_errors", "test_convert_streaming", "test_cpu_compat", "test_cross_version", "test_eval",
     "test_fault_drill", "test_fusions", "test_lean_imports", "test_lm_families", "test_megatron_lm_interop",
     "test_memory", "test_moe", "test_moe_spec", "test_objective", "test_packing_equivalence", "test_packing_resume",
-    "test_qwen3_train", "test_real_models", "test_remote_storage", "test_stage1_resume", "test_te",
+    "test_qwen3_train", "test_remote_storage", "test_schedule", "test_stage1_resume", "test_te",
     "test_te_install", "test_train", "test_train_parallel", "test_train_reference", "test_transformer_impl",
     "test_verify", "test_video_data", "test_video_models", "test_video_run",
 })

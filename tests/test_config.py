@@ -9,6 +9,10 @@ import yaml
 
 from megatron_vlm.training.config import ConfigError, TrainConfig, build_parser
 
+pytestmark = pytest.mark.one_lane(
+    "3.11",
+    reason="TrainConfig's flags, YAML, defaults and messages: PyYAML and the standard library")
+
 REQ = ["--data-path", "d", "--tokenizer-load-dir", "t", "--megatron-load-dir", "m", "--train-iters", "100"]
 
 

@@ -98,3 +98,58 @@ def test_incomplete_legacy_checkpoint(meg, tmp_path, capsys):
 def test_existing_output_needs_overwrite(hf_models, meg, capsys):
     rc, line = run(capsys, H2M, ["--hf-dir", hf_models["llama_clip"], "--megatron-dir", meg])
     assert rc == 2 and "already exists; remove it or pass --overwrite" in line
+
+
+# ---- moved from tests/test_bad_inputs.py (one lane): these run megatron-core's code, so both lanes run them ------
+def _full_text(capsys, rel, args):
+    from megatron_vlm.cli import run_cli
+
+    rc = run_cli(script(rel).main, [str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def _clean_failure(rc, text, expect, absent):
+    assert rc == 2 and "Traceback" not in text, text
+    for word in expect:
+        assert word in text, f"{word!r} not in:\n{text}"
+    assert not absent.exists() and not list(absent.parent.glob(f".{absent.name}.*")), absent
+
+
+def test_an_output_under_a_file_is_named(hf_models, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    rc, text = _full_text(capsys, H2M, ["--hf-dir", hf_models["llama_clip"], "--megatron-dir", a_file / "meg"])
+    _clean_failure(rc, text, ["a_file", "not a directory"], a_file.parent / "meg")
+
+
+# faults the environment causes (simulated where root cannot cause them: CI runs as root)
+@pytest.mark.parametrize("fault,expect", [
+    ("enospc", ["no space left on the device", "free space"]),
+    ("eacces", ["permission denied", "choose a directory you can write"]),
+])
+def test_filesystem_faults(fault, expect, meg, tmp_path, capsys, monkeypatch):
+    import errno
+    import os
+
+    import megatron_vlm.atomic
+    from megatron_vlm.convert import hf_io
+
+    def full_disk(fd, data, offset):  # the safetensors writer's write of a tensor's bytes
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def read_only(prefix=None, dir=None, **kw):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
+
+    if fault == "eacces":
+        monkeypatch.setattr(megatron_vlm.atomic.tempfile, "mkdtemp", read_only)
+    else:
+        monkeypatch.setattr(hf_io, "write_all", full_disk)
+    args = ["--megatron-dir", meg, "--hf-dir", tmp_path / "hf"]
+    rc, text = _full_text(capsys, M2H, args)
+    _clean_failure(rc, text, expect, tmp_path / "hf")
+    if fault == "eacces":
+        assert f"{tmp_path}: permission denied" in text
+    # -v shows the traceback (and still ends with the one line)
+    rc, text = _full_text(capsys, M2H, [*args, "-v"])
+    assert rc == 2 and "Traceback" in text and text.strip().splitlines()[-1].startswith("error: ")

@@ -25,6 +25,10 @@ from tests.data_fixtures import (  # noqa: F401
     vqa_inputs,
 )
 
+pytestmark = pytest.mark.one_lane(
+    "3.11",
+    reason="make_wds on images and text: PIL, webdataset and energon's prepare, pinned alike in both lanes")
+
 
 def read_samples(out: Path) -> list[tuple[str, dict]]:
     """All samples of all tars in file order, with every part's bytes."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from megatron_vlm.data.loader import build_train_loader
@@ -18,6 +19,10 @@ from tests.data_fixtures import (  # noqa: F401
     vqa_dataset,
     vqa_inputs,
 )
+
+pytestmark = pytest.mark.one_lane(
+    "3.11",
+    reason="stats.py counts tokens with the tokenizer and writes an energon blend: pinned alike in both lanes")
 
 
 def test_counts_match_task_encoder(llava_dataset, tmp_path_factory):

@@ -12,6 +12,11 @@ from tests.data_fixtures import tiny_llava
 
 from .conversation_helpers import CONVERSATIONS, asst, pil, user
 
+pytestmark = pytest.mark.one_lane(
+    "3.11",
+    reason="the task encoder against HF's processor: transformers, tokenizers and PIL, pinned alike in both "
+           "lanes")
+
 FAMILIES = [("llama", "clip"), ("qwen2", "siglip")]
 
 

@@ -28,6 +28,10 @@ import pytest
 from .conftest import CI, ROOT
 from .parser_helpers import command_flags, command_parser, scripts
 
+pytestmark = pytest.mark.one_lane(
+    "3.11",
+    reason="links and every command's flags against its argparse parser: no model code runs")
+
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: Pages the guides link to that other work in progress writes (issue 38: the model support table, the packing
 #: guide). While one is absent the link check skips naming it, and under CI (``CI=true``) fails: the lead removes an

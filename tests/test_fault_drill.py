@@ -79,8 +79,9 @@ def killed_in_save(setup, tmp_path_factory):
     """Iteration 6's save with rank 1 kill -9'd after writing its shards (iteration 3 committed before)."""
     hook = tmp_path_factory.mktemp("drill_hook")
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    # the hook runs as each rank's interpreter starts: ranks started as new interpreters (launch/elastic.py)
     env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), "MVLM_DRILL_RANK": "1",
-           "MVLM_DRILL_ITERATION": "6", "MVLM_DRILL_DIR": str(hook)}
+           "MVLM_DRILL_ITERATION": "6", "MVLM_DRILL_DIR": str(hook), "MVLM_RANK_START": "exec"}
     p = launch(args(setup, "drill", *DRILL, iters=6), env=env)
     marker, deadline = hook / "in_save", time.time() + 400
     while not marker.is_file():

@@ -12,6 +12,11 @@ import pytest
 
 from tests.conftest import script
 
+pytestmark = pytest.mark.one_lane(
+    "3.12",
+    reason="tools/gpu_kit.py on hand-made wheels (pip metadata, the standard library); the kit is made with the "
+           "3.12 lane's venv")
+
 
 def fake_wheel(folder: Path, name: str, version: str, requires: tuple = ()) -> Path:
     """A minimal valid pure-Python wheel of ``name`` (one module ``<name>_probe.py``) whose METADATA lists

@@ -16,6 +16,11 @@ from megatron_vlm.launch.container import find_runtime, mounts, parse_bind, wrap
 from megatron_vlm.launch.torchrun import Command, torchrun_command
 from megatron_vlm.training.config import ConfigError, TrainConfig
 
+pytestmark = pytest.mark.one_lane(
+    "3.11",
+    reason="the launcher's container command lines: it imports nothing heavier than PyYAML "
+           "(docs/architecture.md)")
+
 
 def dry_argv(args, capsys) -> tuple[list[str], str]:
     rc = cli.main([*args, "--dry-run"], repo_root=REPO)

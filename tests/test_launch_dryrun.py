@@ -16,6 +16,11 @@ from megatron_vlm.launch import cli
 from .conftest import script
 from megatron_vlm.training.config import TrainConfig
 
+pytestmark = pytest.mark.one_lane(
+    "3.11",
+    reason="the launcher's --dry-run and pre-launch checks: it imports nothing heavier than PyYAML "
+           "(docs/architecture.md)")
+
 
 def dry(args, capsys):
     rc = cli.main([*args, "--dry-run"], repo_root=REPO)

@@ -18,14 +18,29 @@ from megatron_vlm.launch.process import AGENT_SIGNALS, run_agent_here, run_forwa
 from megatron_vlm.launch.torchrun import free_port
 from megatron_vlm.training.config import TrainConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_lane(
+    "3.11",
+    reason="torchrun launches of a stand-in trainer: the launcher's processes, exit codes and signals, no model "
+           "code")]
 
 
 def _records(out_dir, n):
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-def test_one_node_two_processes(tmp_path):
+#: how torchrun's agent starts the ranks (launch/elastic.py): a new interpreter, as users' GPU runs do, or forked
+#: from the agent (the suite's CPU launches); both must give the ranks the same world, exit codes and signals
+RANK_STARTS = pytest.mark.parametrize("rank_start", ["exec", "fork"], indirect=True)
+
+
+@pytest.fixture
+def rank_start(request, monkeypatch):
+    monkeypatch.setenv("MVLM_RANK_START", request.param)
+    return request.param
+
+
+@RANK_STARTS
+def test_one_node_two_processes(tmp_path, rank_start):
     out = tmp_path / "seen"
     out.mkdir()
     p = launcher([*base_args(tmp_path), "-g", "2", "--gbs", "8", "--mbs", "2"], out)
@@ -62,7 +77,8 @@ def test_two_nodes_on_loopback(tmp_path):
     assert (run_dir / "config.yaml").is_file() and (run_dir / "config.node1.yaml").is_file()
 
 
-def test_trainer_failure_gives_nonzero_exit(tmp_path):
+@RANK_STARTS
+def test_trainer_failure_gives_nonzero_exit(tmp_path, rank_start):
     out = tmp_path / "seen"
     out.mkdir()
     p = launcher([*base_args(tmp_path), "-g", "1", "--gbs", "16"], out, mode="fail")
@@ -71,7 +87,8 @@ def test_trainer_failure_gives_nonzero_exit(tmp_path):
     assert "training exited with code 1" in log
 
 
-def test_sigterm_reaches_every_rank(tmp_path):
+@RANK_STARTS
+def test_sigterm_reaches_every_rank(tmp_path, rank_start):
     out = tmp_path / "seen"
     out.mkdir()
     p = launcher([*base_args(tmp_path), "-g", "2", "--gbs", "32"], out, mode="signal")

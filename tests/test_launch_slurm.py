@@ -14,6 +14,10 @@ from megatron_vlm.launch.nodelist import NodelistError, expand_nodelist
 from megatron_vlm.launch.slurm import defaults_from_slurm, detect_slurm
 from megatron_vlm.training.config import ConfigError
 
+pytestmark = pytest.mark.one_lane(
+    "3.11",
+    reason="SLURM node lists, environments and batch scripts: the launcher's standard-library code")
+
 
 @pytest.mark.parametrize("text,hosts", [
     ("gpu[01-04,07]", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07"]),

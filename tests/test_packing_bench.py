@@ -9,7 +9,11 @@ import pytest
 
 from .conftest import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_lane(
+    "3.11",
+    reason="bench/packing.py --tiny as a smoke test; packed training itself is held in both lanes by the modules"
+           " named",
+    covered_by=("test_packing_equivalence", "test_packing_resume"))]
 
 
 def test_bench_packing_tiny(tmp_path, capsys):

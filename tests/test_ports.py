@@ -4,7 +4,12 @@ torchrun's bind (EADDRINUSE seen with two pytest workers on one host)."""
 
 import socket
 
+import pytest
+
 from megatron_vlm import ports
+
+pytestmark = pytest.mark.one_lane("3.11", reason="rendezvous ports against the kernel's ephemeral range: the standard "
+                                                 "library")
 
 
 def test_ports_are_free_and_below_the_ephemeral_range():
