@@ -43,7 +43,8 @@ MARKER = "one_lane"
 
 
 def marked_modules(tests_dir) -> dict[str, tuple[str, str, tuple]]:
-    """module -> (lane, reason, covered_by) of its ``one_lane`` marker, read from the test files' source (not imported)."""
+    """module -> (lane, reason, covered_by) of its ``one_lane`` marker, read from the test files' source (not
+    imported)."""
     import ast
     from pathlib import Path
 
@@ -115,8 +116,8 @@ class LaneGuard(importlib.abc.MetaPathFinder):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", f"{MARKER}(lane, reason, covered_by=()): runs in that lane only, where the lanes cannot "
-                                       "differ (tests/lanes.py); the reason says why")
+    config.addinivalue_line("markers", f"{MARKER}(lane, reason, covered_by=()): runs in that lane only, where the "
+                                       "lanes cannot differ (tests/lanes.py); the reason says why")
 
 
 def pytest_collection_modifyitems(config, items):

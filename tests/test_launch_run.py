@@ -18,10 +18,7 @@ from megatron_vlm.launch.process import AGENT_SIGNALS, run_agent_here, run_forwa
 from megatron_vlm.launch.torchrun import free_port
 from megatron_vlm.training.config import TrainConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.one_lane(
-    "3.11",
-    reason="torchrun launches of a stand-in trainer: the launcher's processes, exit codes and signals, no model "
-           "code")]
+pytestmark = pytest.mark.slow
 
 
 def _records(out_dir, n):

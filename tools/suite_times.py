@@ -57,7 +57,8 @@ def table(records: dict[str, dict]) -> str:
     walls = "; ".join(f"{lane}: {records[lane]['wall'] / 60:.1f} min of wall on {records[lane].get('workers', 1)} "
                       f"worker(s), {records[lane].get('when', '?')}{'' if records[lane].get('passed') else ' (failed)'}"
                       for lane in LANES if lane in records)
-    return "\n".join(lines) + f"\n\nMeasured by `make test` per lane ({walls}); written by `python tools/suite_times.py`."
+    return ("\n".join(lines) + f"\n\nMeasured by `make test` per lane ({walls}); written by "
+            "`python tools/suite_times.py`.")
 
 
 def render(doc: str, body: str) -> str:
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--times-dir", type=Path, default=ROOT / ".suite-times",
                         help="where the lanes' runs wrote py311.json / py312.json (default: %(default)s)")
-    parser.add_argument("--check", action="store_true", help="only compare the table with the files; exit 1 if they differ")
+    parser.add_argument("--check", action="store_true",
+                        help="only compare the table with the files; exit 1 if they differ")
     args = parser.parse_args(argv)
     records = load(args.times_dir)
     if not records:
