@@ -81,10 +81,8 @@ def _reduce_losses(losses, device) -> torch.Tensor:
     return total
 
 
-def train_step(training, batches: list, cfg, device, before_optimizer_step=None) -> StepResult:
-    """Forward/backward over this rank's micro batches of one global batch, then the optimizer step.
-    ``before_optimizer_step(training)``, if given, runs in between, when the gradients are reduced over the global
-    batch (in megatron DDP's ``main_grad`` buffers; with the distributed optimizer each DP rank holds its shard)."""
+def train_step(training, batches: list, cfg, device) -> StepResult:
+    """Forward/backward over this rank's micro batches of one global batch, then the optimizer step."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -107,8 +105,6 @@ def train_step(training, batches: list, cfg, device, before_optimizer_step=None)
             forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
             num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
             forward_only=False)
-    if before_optimizer_step is not None:
-        before_optimizer_step(training)
     moe = routing.collect(len(batches), device) if routing is not None else None
     ok, grad_norm, _ = optimizer.step()
     training.scheduler.step(increment=1)
