@@ -43,9 +43,14 @@ def test_moe_settings_megatron_core_receives():
     kw = _moe_config(s, ModelOptions(tp=2, ep=2))
     assert kw["moe_layer_freq"] == [1, 0, 1] and kw["moe_router_pre_softmax"] is False
     assert (kw["expert_model_parallel_size"], kw["expert_tensor_parallel_size"]) == (2, 2)
-    assert kw["moe_aux_loss_coeff"] == 0.001 and kw["moe_expert_capacity_factor"] is None
+    # the default objective is HF's (megatron_vlm.training.moe): megatron-core's routers compute no loss of their own
+    assert (kw["moe_router_load_balancing_type"], kw["moe_aux_loss_coeff"]) == ("none", 0.0)
+    assert kw["moe_expert_capacity_factor"] is None
+    mcore = _moe_config(s, ModelOptions(moe=MoEOptions(load_balancing_type="aux_loss")))
+    assert (mcore["moe_router_load_balancing_type"], mcore["moe_aux_loss_coeff"]) == ("aux_loss", 0.001)
     assert kw["moe_grouped_gemm"] is False  # local layers: SequentialMLP
-    every = _moe_config(_spec("mixtral"), ModelOptions(moe=MoEOptions(aux_loss_coeff=0.0, token_dispatcher_type="alltoall")))
+    every = _moe_config(_spec("mixtral"), ModelOptions(moe=MoEOptions(aux_loss_coeff=0.0, load_balancing_type="aux_loss",
+                                                                       token_dispatcher_type="alltoall")))
     # all layers MoE: megatron's int form, whose checkpoints stack the layers as Megatron-LM's do
     assert every["moe_layer_freq"] == 1 and every["moe_aux_loss_coeff"] == 0.0
     assert every["moe_router_pre_softmax"] is False and every["moe_token_dispatcher_type"] == "alltoall"
@@ -162,3 +167,59 @@ def test_legacy_rank_files_are_named_as_megatron_lm_names_them(tmp_path):
             (d / "model_optim_rng.pt").write_bytes(b"x")
     assert ckpt.legacy_layout_ep(tmp_path, expert_parallel=True) == (2, 1, 2)
     assert ckpt.legacy_layout(tmp_path) == (2, 2)  # the names alone read as PP without the EP hint
+
+
+def test_tensor_parallel_moe_turns_sequence_parallelism_on():
+    """MoE at --tp > 1 trains on a sequence-parallel split (megatron-core's MoE layers need it): turned on and said
+    so, rather than refused; a packed length that the split cannot take is refused in one line."""
+    from megatron_vlm.training.config import ConfigError, TrainConfig
+    from megatron_vlm.training.config.resolve import settle_with_spec
+
+    req = ["--data-path", "d", "--tokenizer-load-dir", "t", "--megatron-load-dir", "m", "--train-iters", "1",
+           "--device", "cpu", "-g", "4", "--mbs", "1", "--gbs", "8"]
+    cfg = TrainConfig.from_args(["--tp", "2", "--ep", "2", *req])
+    assert not cfg.sequence_parallel
+    notes = settle_with_spec(cfg, _spec())
+    assert cfg.sequence_parallel and notes == ["sequence parallelism on: the mixture-of-experts language model trains "
+                                               "at --tp 2 on a sequence-parallel split (megatron-core's MoE layers "
+                                               "need it with tensor parallelism)"]
+    assert settle_with_spec(cfg, _spec()) == []  # already on
+    dense = TrainConfig.from_args(["--tp", "2", *req])
+    assert settle_with_spec(dense, _spec("llama")) == [] and not dense.sequence_parallel
+    packed = TrainConfig.from_args(["--tp", "4", "--packing-buffer-size", "8", "--packed-seq-length", "2050",
+                                    "--seq-length", "2048", *req])
+    with pytest.raises(ConfigError, match="--packed-seq-length 2050: with --sequence-parallel it must be a multiple "
+                                          "of 4; use --packed-seq-length 2052"):
+        settle_with_spec(packed, _spec())
+
+
+def test_the_expert_optimizer_rule_is_each_versions():
+    """megatron-core 0.16 keeps the experts' optimizer state apart iff EP > 1; 0.19 iff EP > 1 or ETP != TP. 0.16
+    cannot train EP1 with ETP != TP (the experts' gradients miss the other TP ranks' tokens): refused."""
+    from megatron_vlm import mcore_version as mv
+
+    for version, apart_at_etp in (("0.16.1", False), ("0.19.2", True)):
+        assert mv.experts_optimizer_apart(2, 1, 1, version) and mv.experts_optimizer_apart(2, 2, 2, version)
+        assert not mv.experts_optimizer_apart(1, 2, 2, version)
+        assert mv.experts_optimizer_apart(1, 1, 2, version) is apart_at_etp
+    assert mv.expert_optimizer_rule("0.16.1") == "megatron-core 0.16.1 keeps it apart when --ep > 1 (whatever --etp)"
+    assert mv.expert_optimizer_rule("0.19.2") == ("megatron-core 0.19.2 keeps it apart when --ep > 1 or --etp differs "
+                                                  "from --tp")
+    assert mv.expert_layout_problem(1, 1, 2, "0.16.1").startswith(
+        "--etp 1 with --tp 2 at --ep 1: megatron-core 0.16.1 sums the experts' gradients over the data-parallel "
+        "ranks only")
+    assert mv.expert_layout_problem(1, 1, 2, "0.19.2") is None and mv.expert_layout_problem(2, 1, 2, "0.16.1") is None
+
+
+def test_the_objective_is_named_with_its_coefficient():
+    from megatron_vlm.training.moe import OBJECTIVES, describe_objective
+    from megatron_vlm.training.config import TrainConfig
+
+    assert TrainConfig().moe_router_load_balancing_type == OBJECTIVES[0] == "hf"
+    assert describe_objective("hf", 0.001, "the HF config's router_aux_loss_coef", 48) == (
+        "HF's load_balancing_loss_func over all 48 MoE layers together, per micro batch, padding excluded, "
+        "coefficient 0.001 (the HF config's router_aux_loss_coef)")
+    assert describe_objective("aux_loss", 0.01, "--moe-aux-loss-coeff", 3) == (
+        "megatron-core's aux_loss per MoE layer, summed over 3 layers, coefficient 0.01 (--moe-aux-loss-coeff)")
+    assert describe_objective("hf", 0.0, "--moe-aux-loss-coeff", 3) == "no load-balancing loss (cross entropy only)"
+

@@ -80,7 +80,8 @@ def job_config(job: dict, n_steps: int, global_batch_size: int):
 
     fields = {k: v for k, v in job.items()
               if k not in ("name", "steps", "start", "save", "save_after", "resume", "reload_weights",
-                           "grads", "megatron_dir", "hf_dir", "batches")}
+                           "grads", "megatron_dir", "hf_dir", "batches", "refused",
+                           "unchecked_expert_layout")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
     # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
@@ -125,6 +126,24 @@ def _save(job, step: int, cfg, rt, spec, training, iter_dir, global_batch_size: 
                        spec=spec, meta=meta, side_src=iter_dir, with_optim=cfg.save_optim, total_limit=None)
 
 
+def _start(job: dict, cfg, spec, iter_dir, rt):
+    """The job's Training, fresh from ``iter_dir``'s weights or resumed as the trainer resumes."""
+    from megatron_vlm.training import checkpointing, resume
+    from megatron_vlm.training.build import build_training
+
+    if job.get("resume"):  # as the trainer: the plan (which fixes the loss objective) before the model
+        plan = resume.plan(cfg, job["resume"], rt.tp, rt.pp, rt.dp)
+        plan.load_data = False  # the job feeds its own batches
+    training = build_training(cfg, spec, init_from=None if job.get("resume") else iter_dir)
+    if job.get("resume"):
+        if job.get("reload_weights", True):
+            resume.restore(training, plan)
+        else:  # the defect: weights loaded, the optimizer's fp32 main params left as they were
+            checkpointing.load(plan.iter_dir, training.model, training.optimizer, training.scheduler, False,
+                               with_rng=False, with_data=False)
+    return training
+
+
 def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list]) -> list | None:
     """Run each job; returns per job {'loss': [...], 'grad_norm': [...] (None: a skipped fp16 step),
     'loss_scale': [...], 'readers': [global ranks that read data], 'weights':
@@ -138,7 +157,10 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     state unless save_optim=False) and
     ``resume`` (an iteration dir to restore before the first step, the way the trainer resumes; with
     ``reload_weights=False`` the optimizer's main params are deliberately not refreshed, the defect the resume
-    must avoid).
+    must avoid); with ``refused=True`` the job's set-up (build, resume) must fail: the job returns only
+    ``{'name', 'error'}``, the exception's type and message, or None if nothing refused it;
+    ``unchecked_expert_layout=True`` lifts the refusal of an expert layout the installed megatron-core trains wrong
+    (:func:`megatron_vlm.mcore_version.expert_layout_problem`), to write a fixture of what an older release did.
     ``grads``: also return, as 'grads', every rank's (coordinates, local gradients) of the first step, and as
     'layout' the keyword arguments of :func:`megatron_vlm.testing.grad_reference.assemble` (tp, pp, layers, ep,
     etp), which turns them into HF-named gradients; an MoE model's routing numbers of each step come as 'moe'.
@@ -147,8 +169,9 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     a value of that dict may be a recipe, ``(hf_dir, n, uniform, repeat)``, which every rank makes with
     :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks.
     """
-    from megatron_vlm.training import batch_feed, checkpointing, resume
-    from megatron_vlm.training.build import build_training, release
+    from megatron_vlm.training import batch_feed
+    from megatron_vlm.training.build import release
+    from megatron_vlm.training.config.resolve import settle_with_spec
     from megatron_vlm.training.step import train_step
 
     out = []
@@ -165,19 +188,29 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         spec = VLMSpec.load(iter_dir)
         steps = job.get("steps", len(global_batches) - job.get("start", 0))
         cfg = job_config(job, steps, len(global_batches[0]))
+        settle_with_spec(cfg, spec)  # as the trainer: e.g. sequence parallelism for an MoE LM at TP > 1
         # for batch() only; sequence parallelism splits the image-expanded length over TP, as the trainer pads it
         encoder = encoder_for(hf_dir, spec=spec, pad_to_multiple_of=cfg.tp if cfg.sequence_parallel else None)
         rt = _setup(cfg)
-        if job.get("resume"):  # as the trainer: the plan (which fixes the loss objective) before the model
-            plan = resume.plan(cfg, job["resume"], rt.tp, rt.pp, rt.dp)
-            plan.load_data = False  # the job feeds its own batches
-        training = build_training(cfg, spec, init_from=None if job.get("resume") else iter_dir)
-        if job.get("resume"):
-            if job.get("reload_weights", True):
-                resume.restore(training, plan)
-            else:  # the defect: weights loaded, the optimizer's fp32 main params left as they were
-                checkpointing.load(plan.iter_dir, training.model, training.optimizer, training.scheduler, False,
-                                   with_rng=False, with_data=False)
+        if job.get("refused"):  # the set-up must fail, on every rank alike, before a step
+            try:
+                training = _start(job, cfg, spec, iter_dir, rt)
+                error = None
+            except Exception as e:  # noqa: BLE001 - the refusal is the result
+                training, error = None, f"{type(e).__name__}: {e}"
+            out.append({"name": job.get("name"), "error": error})
+            if training is not None:
+                release(training)
+            del training
+            gc.collect()
+            continue
+        if job.get("unchecked_expert_layout"):  # a fixture of what an older release trained at a refused layout
+            from unittest import mock
+
+            with mock.patch("megatron_vlm.mcore_version.expert_layout_problem", return_value=None):
+                training = _start(job, cfg, spec, iter_dir, rt)
+        else:
+            training = _start(job, cfg, spec, iter_dir, rt)
         if job.get("grads"):
             from megatron_vlm.testing import grad_reference
 
