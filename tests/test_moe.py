@@ -2,8 +2,8 @@
 
 Models: tiny Qwen3-MoE LLaVA and OneVision (4 experts, top 2; one dense layer among three MoE layers,
 ``mlp_only_layers``), a tiny Qwen3-MoE LLaVA-NeXT without top-k renormalisation (``norm_topk_prob=false``) and a
-tiny Mixtral LLaVA; and, for the published routing and the user's commands, Qwen3-30B-A3B-Instruct-2507's config
-shrunk in size only around Qwen3's real tokenizer (151,936 rows) as a OneVision (SigLIP).
+tiny Mixtral LLaVA. The published routing of Qwen3-30B-A3B (and its config shrunk in size only) is
+tests/test_moe_spec.py's; no check here needs its 151,936-row vocabulary.
 
 One 4-process world (``world``) runs every multi-rank check, the logits jobs and the trainer's jobs in turn:
 
@@ -29,7 +29,7 @@ One 4-process world (``world``) runs every multi-rank check, the logits jobs and
   checkpoint 0.16 wrote there (``tests/fixtures/mcore-0.16-moe``), naming both versions' rules.
 - **Round trips**: HF -> Megatron -> HF byte for byte, dtypes kept, experts one by one as HF writes them (torch_dist,
   and legacy rank files per expert-parallel rank).
-- **The user's commands** on the real-vocabulary OneVision: build -> ``hf_to_megatron --tp 2 --ep 2 --verify`` ->
+- **The user's commands** on the tiny OneVision: ``hf_to_megatron --tp 2 --ep 2 --verify`` ->
   ``train/run.py`` at TP2 x EP2 (sequence parallelism turned on and said so; experts unsplit, the all-to-all
   dispatcher: gloo cannot all-gather the uneven expert inputs of ETP2 with it), bf16, packed -> ``megatron_to_hf``
   -> HF ``generate``.
@@ -78,18 +78,6 @@ def rel(a: float, b: float) -> float:
 
 def close(a: list, b: list, rtol: float = RTOL) -> bool:
     return all(rel(x, y) <= rtol for x, y in zip(a, b, strict=True))
-
-
-@pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    """Qwen3-30B-A3B's config shrunk in size only, around Qwen3's real tokenizer, as a OneVision (SigLIP)."""
-    from megatron_vlm.convert.build import build_llava
-    from megatron_vlm.testing import hub_models
-
-    root = tmp_path_factory.mktemp("moe_real")
-    vit = hub_models.siglip_vision_model(root / "vit", image_size=20, patch_size=6)
-    return build_llava(hub_models.qwen3_moe_text_model(root / "lm", mlp_only_layers=[1]), vit, root / "hf",
-                       arch="llava_onevision", max_grid=3, vision_aspect_ratio="anyres_max_2", vision_feature_layer=-1)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +151,7 @@ def _train_jobs(tiny, root) -> list[dict]:
         from megatron_vlm.testing import cross_version
 
         run = FIXTURE / cross_version.RUN
-        jobs.append(dict(cross_version.moe_job(run, refused=True), megatron_dir=str(run),
+        jobs.append(dict(cross_version.moe_job(run, refused=True, reset_data_position=True), megatron_dir=str(run),
                          hf_dir=str(run / ckpt.TOKENIZER_DIR), batches="llava"))
     return jobs
 
@@ -215,16 +203,7 @@ def _differences(world, name: str, ref: str, model: str = "llava") -> dict[str, 
     return grad_reference.compare(_gradients(world, name, model), world["hf"][ref]["grads"])
 
 
-# ---- the published routing and the logits ------------------------------------------------------------------------
-def test_specs_hold_the_published_routing(real, tiny):
-    s = VLMSpec.from_hf_dir(real)
-    assert s.moe_layers == [0, 2, 3] and s.moe_layer_pattern == [1, 0, 1, 1]
-    assert (s.num_moe_experts, s.moe_router_topk, s.moe_norm_topk_prob, s.moe_aux_loss_coeff) == (8, 2, True, 0.001)
-    assert s.vocab_size == 151936 and s.rotary_base == 1e7 and not s.tie_word_embeddings and s.qk_layernorm
-    assert VLMSpec.from_hf_dir(tiny["next"][0]).moe_norm_topk_prob is False
-    assert VLMSpec.from_hf_dir(tiny["mixtral"][0]).moe_layers == [0, 1]
-
-
+# ---- the logits ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["llava", "onevision", "next", "mixtral"])
 def test_logits_match_hf_at_every_layout(name, world):
     mine = {k: v for k, v in world["logits"].items() if k[0] == name}
@@ -404,13 +383,14 @@ def coloured_data(tmp_path_factory):
     return root / "data"
 
 
-def test_build_convert_train_export_generate(real, coloured_data, tmp_path):
+def test_build_convert_train_export_generate(tiny, coloured_data, tmp_path):
     from megatron_vlm.convert.verify import load_hf_model
     from megatron_vlm.testing import forked_cli
 
     from .conftest import ROOT, script
 
-    meg = tmp_path / "meg"
+    real = tiny["onevision"][0]
+    spec, meg = VLMSpec.from_hf_dir(real), tmp_path / "meg"
     script("convert/hf_to_megatron.py").main(["--hf-dir", str(real), "--megatron-dir", str(meg), "--tp", "2", "--ep",
                                               "2", "--verify"])
     argv = ["--device", "cpu", "-g", "4", "--tp", "2", "--ep", "2", "--etp", "1", "--precision", "bf16",
@@ -423,7 +403,9 @@ def test_build_convert_train_export_generate(real, coloured_data, tmp_path):
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
     out = p.stdout + p.stderr
     assert "sequence parallelism on: the mixture-of-experts language model trains at --tp 2" in out
-    assert "mixture of experts: 8 experts of 32, top 2 per token (renormalised)" in out and "ep=2 etp=1" in out
+    assert (f"mixture of experts: {spec.num_moe_experts} experts of {spec.moe_ffn_hidden_size}, top "
+            f"{spec.moe_router_topk} per token ({'' if spec.moe_norm_topk_prob else 'not '}renormalised)") in out
+    assert "ep=2 etp=1" in out
     assert ("load balancing: HF's load_balancing_loss_func over all 3 MoE layers together, per micro batch, padding "
             "excluded, coefficient 0.001 (the HF config's router_aux_loss_coef)") in out
     assert "sequence parallel over tp=2" in out and "alltoall dispatcher" in out

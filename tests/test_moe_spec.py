@@ -36,6 +36,27 @@ def test_mixtral_spec_routes_every_layer_with_renormalised_top_k():
     assert not s.qk_layernorm
 
 
+def test_the_published_qwen3_30b_a3b_routing():
+    """Qwen3-30B-A3B-Instruct-2507's config as published, and shrunk in size only with a dense layer among MoE
+    layers (the models of tests/test_moe.py's predecessors and of bench/): routing, norms, rope and vocabulary."""
+    from transformers import LlavaConfig, Qwen3MoeConfig
+
+    from megatron_vlm.testing.hub_models import QWEN3_30B_A3B, QWEN3_MOE_SMALL
+
+    def spec(**text) -> VLMSpec:
+        lm = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **text})
+        return VLMSpec.from_hf(LlavaConfig(text_config=lm.to_dict(), vision_config=vision_config("clip").to_dict(),
+                                           image_token_id=3))
+
+    full, small = spec(), spec(**QWEN3_MOE_SMALL, mlp_only_layers=[1])
+    assert full.moe_layers == list(range(48)) and (full.num_moe_experts, full.moe_router_topk) == (128, 8)
+    assert small.moe_layers == [0, 2, 3] and small.moe_layer_pattern == [1, 0, 1, 1]
+    for s in (full, small):
+        assert (s.moe_norm_topk_prob, s.moe_aux_loss_coeff, s.vocab_size, s.rotary_base) == (True, 0.001, 151936, 1e7)
+        assert not s.tie_word_embeddings and s.qk_layernorm
+    assert (small.num_moe_experts, small.moe_router_topk, small.moe_ffn_hidden_size) == (8, 2, 32)
+
+
 def test_moe_settings_megatron_core_receives():
     from megatron_vlm.model import ModelOptions, MoEOptions, _moe_config
 
