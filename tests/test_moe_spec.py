@@ -1,7 +1,9 @@
-"""Mixture-of-experts language models, the parts that need no process world: the spec read from HF configs
-(Qwen3-MoE's layer pattern and routing, Mixtral's), the mapping rows, expert-parallel placement and names, the
-refusals (each one line naming the fix), the launcher's checks, the active-parameter FLOPs and the legacy rank-file
-names. tests/test_moe.py runs the models."""
+"""Mixture-of-experts language models, the parts that need no multi-process world: the spec read from HF configs
+(Qwen3-MoE's layer pattern and routing, Mixtral's, Qwen3-30B-A3B's as published), the mapping rows, expert-parallel
+placement and names, the refusals (each one line naming the fix), the launcher's checks, sequence parallelism for MoE
+at TP > 1, each megatron-core version's expert rules, the load-balancing objective's words and, in a one-process world,
+one megatron-core router as the trainer wraps it against transformers' load_balancing_loss_func (padding and capacity
+included), the active-parameter FLOPs and the legacy rank-file names. tests/test_moe.py runs the models."""
 
 from __future__ import annotations
 
@@ -244,3 +246,62 @@ def test_the_objective_is_named_with_its_coefficient():
         "megatron-core's aux_loss per MoE layer, summed over 3 layers, coefficient 0.01 (--moe-aux-loss-coeff)")
     assert describe_objective("hf", 0.0, "--moe-aux-loss-coeff", 3) == "no load-balancing loss (cross entropy only)"
 
+
+
+def test_a_router_counts_and_balances_the_samples_positions_only():
+    """megatron-core's TopKRouter as the trainer wraps it (megatron_vlm.training.moe.MoETraining), in a one-process
+    world, on a micro batch of two rows of 8 positions whose second row holds a sample of 3 (the rest is padding,
+    whose logits favour expert 0 most): HF's term equals transformers' own load_balancing_loss_func with the
+    attention mask, value and gradient; the routing numbers count the 11 positions of samples; with capacity factor
+    1 the capacity is ceil(11 x 2 / 4) = 6 and padding takes none of it (it used to count all 16 positions and route
+    the padding)."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler, TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from megatron_vlm.runtime.session import single_process_world
+    from megatron_vlm.training.moe import MoETraining
+
+    spec = _spec(num_hidden_layers=1)
+    s, b, h, e, k = 8, 2, 8, spec.num_moe_experts, spec.moe_router_topk
+    valid = torch.arange(s)[:, None] < torch.tensor([8, 3])[None, :]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(s, b, h, generator=g)
+    hidden[~valid] = 0  # padded positions: every one routed alike, to expert 0 first (its weight row below)
+    with single_process_world("cpu"):
+        results = {}
+        for capacity in (None, 1.0):
+            config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=1, num_moe_experts=e,
+                                       moe_router_topk=k, moe_router_load_balancing_type="none",
+                                       moe_aux_loss_coeff=0.0, moe_expert_capacity_factor=capacity,
+                                       add_bias_linear=False, use_cpu_initialization=True)
+            router = TopKRouter(config=config, pg_collection=get_default_pg_collection())
+            router.set_layer_number(1)
+            with torch.no_grad():
+                router.weight.copy_(torch.randn(e, h, generator=torch.Generator().manual_seed(1)))
+            MoEAuxLossAutoScaler.main_loss_backward_scale = None  # the schedule's loss scale: none here
+            moe = MoETraining(router, spec, config, "hf", 1.0)
+            x = hidden.clone().requires_grad_(True)
+            with moe.step(loss_tokens=1.0, micro_batches=1):
+                micro = moe.begin(SimpleNamespace(row_tokens=torch.tensor([8, 3])))
+                probs, routing_map = router(x)
+                moe.forward_done(micro, probs)
+                (probs * 0).sum().backward()  # only the term's gradient
+            results[capacity] = (micro, routing_map, moe.collect(1, torch.device("cpu")), x.grad)
+    micro, routing_map, numbers, grad = results[None]
+    mask = valid.reshape(1, -1).float()  # HF's attention mask over the rows in the router's order
+    x = hidden.clone().requires_grad_(True)
+    logits = torch.nn.functional.linear(x, router.weight.detach()).reshape(-1, e)
+    reference = load_balancing_loss_func((logits,), e, k, attention_mask=mask)
+    reference.backward()
+    assert abs(micro.value - float(reference)) <= 1e-6 * float(reference), (micro.value, float(reference))
+    assert torch.allclose(grad, x.grad, rtol=1e-5, atol=1e-8), (grad - x.grad).abs().max()
+    assert sum(numbers["moe_tokens_per_expert"][0]) == k * 11 and numbers["moe_load_balancing_loss"] == micro.value
+    _, capped, numbers, _ = results[1.0]
+    flat = valid.reshape(-1)
+    assert not capped[~flat].any() and int(capped[flat].sum(0).max()) == 6, capped[flat].sum(0)
+    assert sum(numbers["moe_tokens_per_expert"][0]) == int(capped[flat].sum())
