@@ -57,6 +57,11 @@ The numbers go to the console line, ``metrics.jsonl`` and TensorBoard through
 Activation recomputation re-runs a router's forward inside the backward: the statistics are recorded in the first
 forward only, and the recomputed forward takes the micro batch whose backward is running (a hook on the stage's
 output marks it).
+
+One model chunk per rank: :meth:`MoETraining.begin` numbers the micro batches in the order of the forward step's
+calls, and the stage exchange expects one message per micro batch from each other stage. Virtual pipeline stages
+(several chunks per rank) call the forward step once per chunk and micro batch: they need the schedule's micro batch
+id as the key and one message per chunk.
 """
 
 from __future__ import annotations
