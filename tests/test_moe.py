@@ -17,8 +17,8 @@ One 4-process world (``world``) runs every multi-rank check, the logits jobs and
   entropy plus the coefficient times transformers' own ``load_balancing_loss_func`` on HF's routers' logits, per micro
   batch (``megatron_vlm.testing.hf_reference``), at EP2 x DP2 (distributed optimizer), TP2 x EP2 (sequence parallel,
   turned on by the trainer) and PP2 x EP2; losses, the logged load-balancing loss and gradient norms equal HF's over
-  three AdamW steps; every gradient also at PP4 (two middle stages); the routing numbers count the samples'
-  positions only. megatron-core's own ``aux_loss`` at the same coefficient fails the comparison (the control);
+  three AdamW steps; every gradient also at PP4 (two middle stages) and with full activation recomputation; the
+  routing numbers count the samples' positions only (once, recomputed or not). megatron-core's own ``aux_loss`` at the same coefficient fails the comparison (the control);
   coefficient 0 gives HF LLaVA's plain cross entropy; stage 1 (only the projector trains) gets the term's gradient
   through the routers' inputs, as HF does. bf16 at TP2 x EP2 starts at HF's loss within bf16's rounding and falls.
 - **Resume** with the distributed optimizer: a checkpoint saved at EP2 x DP2 continues bit-exactly at its layout and,
@@ -132,6 +132,8 @@ def _train_jobs(tiny, root) -> list[dict]:
         dict(name="control-aux_loss-tp2ep2", steps=1, grads=True, moe_router_load_balancing_type="aux_loss",
              **TRAIN_LAYOUTS["tp2ep2"], **S2, **llava),
         dict(name="llava-pp4", steps=1, grads=True, pp=4, micro_batch_size=2, **S2, **llava),
+        dict(name="recompute-pp2ep2", steps=1, grads=True, recompute_granularity="full", **TRAIN_LAYOUTS["pp2ep2"],
+             **S2, **llava),
         dict(name="stage1-pp2ep2", steps=1, grads=True, **TRAIN_LAYOUTS["pp2ep2"],
              **{**S2, "stage": 1, "freeze_lm": True}, **llava),
         dict(name="bf16-tp2ep2", steps=6, precision="bf16", **TRAIN_LAYOUTS["tp2ep2"], **S2,
@@ -259,6 +261,16 @@ def test_four_pipeline_stages_exchange_the_counts_exactly(world):
     worst = max(_differences(world, "llava-pp4", "llava").items(), key=lambda kv: kv[1])
     assert worst[1] <= RTOL, worst
     assert rel(r["moe"][0]["moe_load_balancing_loss"], ref["lb"][0]) <= RTOL
+
+
+def test_recomputed_routers_keep_the_term_and_count_once(world):
+    """Full activation recomputation re-runs every router's forward inside the backward: the term's gradient is
+    still HF's, and the routing numbers count each position once."""
+    spec, r = world["specs"]["llava"], world["runs"]["recompute-pp2ep2"]
+    worst = max(_differences(world, "recompute-pp2ep2", "llava").items(), key=lambda kv: kv[1])
+    assert worst[1] <= RTOL, worst
+    positions = sum(int(s.num_tokens) for s in world["batches-llava"][0])
+    assert [sum(layer) for layer in r["moe"][0]["moe_tokens_per_expert"]] == [spec.moe_router_topk * positions] * 3
 
 
 @pytest.mark.parametrize("layout", list(TRAIN_LAYOUTS))
