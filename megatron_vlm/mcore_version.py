@@ -28,6 +28,11 @@ COMMON_FILE = "common.pt"
 DIST_METADATA = "metadata.json"
 
 
+#: the lane's megatron-core from which the experts' optimizer state is kept apart when --etp differs from --tp at
+#: --ep 1 (megatron-core 0.16 keeps it apart only at --ep > 1): see :func:`experts_optimizer_apart`
+EXPERTS_APART_AT_ETP_SINCE = (0, 19)
+
+
 class CheckpointVersionError(RuntimeError):
     """A checkpoint written by a megatron-core this one cannot read; the message says what to install."""
 
@@ -57,6 +62,37 @@ def lane_requirement(python: tuple[int, int] | None = None) -> str:
         if python >= since:
             return req
     raise RuntimeError(f"Python {python[0]}.{python[1]} is not supported; use Python 3.11 or 3.12")
+
+
+def experts_optimizer_apart(ep: int, etp: int, tp: int, version: str | None = None) -> bool:
+    """Whether megatron-core ``version`` (default: this one) keeps the experts' optimizer state in an optimizer of
+    its own (saved under ``chained_1.`` keys) at this layout: 0.16 when EP > 1 (the experts' parameters are then
+    reduced over the expert-data-parallel group); 0.19 also when the expert tensor-parallel size differs from TP."""
+    return ep > 1 or (etp != tp and _parse(version or installed()) >= EXPERTS_APART_AT_ETP_SINCE)
+
+
+def expert_optimizer_rule(version: str | None = None) -> str:
+    """:func:`experts_optimizer_apart` in words, for messages."""
+    v = version or installed()
+    if _parse(v) >= EXPERTS_APART_AT_ETP_SINCE:
+        return f"megatron-core {v} keeps it apart when --ep > 1 or --etp differs from --tp"
+    return f"megatron-core {v} keeps it apart when --ep > 1 (whatever --etp)"
+
+
+def expert_layout_problem(ep: int, etp: int, tp: int, version: str | None = None) -> str | None:
+    """Why megatron-core ``version`` (default: this one) cannot train a mixture-of-experts model's experts at this
+    layout, or None. megatron-core 0.16 at --ep 1 with --etp differing from --tp keeps the experts' parameters with
+    the dense ones and sums their gradients over the data-parallel ranks only, while under sequence parallelism each
+    tensor-parallel rank's experts saw other positions: the experts' gradients miss the other TP ranks' share
+    (measured against HF: wrong by ~100%, tests/test_moe.py). 0.19 reduces them over the expert-data-parallel
+    ranks there."""
+    v = version or installed()
+    if ep == 1 and etp != tp and _parse(v) < EXPERTS_APART_AT_ETP_SINCE:
+        return (f"--etp {etp} with --tp {tp} at --ep 1: megatron-core {v} sums the experts' gradients over the "
+                "data-parallel ranks only at this layout, while each tensor-parallel rank's experts see other "
+                f"tokens, so the experts would train wrong; use --etp {tp} (or leave it out), --ep > 1, or the "
+                f"Python 3.12 lane ({LANES[0][1]})")
+    return None
 
 
 def writer_stamp() -> dict[str, str]:

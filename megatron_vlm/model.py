@@ -67,7 +67,9 @@ class MoEOptions:
     compute what HF's model computes: every token reaches its top-k experts (no capacity, no dropping)."""
 
     aux_loss_coeff: float | None = None  # None: the spec's (HF router_aux_loss_coef)
-    load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none
+    # hf (transformers' load_balancing_loss_func, megatron_vlm.training.moe) | aux_loss | seq_aux_loss |
+    # global_aux_loss (megatron-core's) | none
+    load_balancing_type: str = "hf"
     z_loss_coeff: float | None = None
     token_dispatcher_type: str = "allgather"  # allgather | alltoall
     expert_capacity_factor: float | None = None  # None: no token dropping
@@ -107,14 +109,22 @@ def _common(opts: ModelOptions, part: str) -> dict:
     )
 
 
+def aux_loss_coefficient(spec: VLMSpec, moe: MoEOptions) -> float:
+    """The load-balancing coefficient of a run: ``--moe-aux-loss-coeff``, else the HF config's
+    ``router_aux_loss_coef`` (the spec's)."""
+    return spec.moe_aux_loss_coeff if moe.aux_loss_coeff is None else moe.aux_loss_coeff
+
+
 def _moe_config(spec: VLMSpec, opts: ModelOptions) -> dict:
     """TransformerConfig MoE fields: HF's routing (softmax over all experts, top-k, renormalised when
     ``norm_topk_prob``: megatron's top-k of the logits then softmax over them is the same distribution; without
     renormalisation, megatron's pre-softmax), the per-layer MoE pattern (``moe_layer_freq``) and expert
-    parallelism."""
+    parallelism. The ``hf`` load-balancing objective is megatron-vlm's (:mod:`megatron_vlm.training.moe`): megatron-core's
+    routers then compute no loss of their own."""
     if not spec.is_moe:
         return {}
     moe = opts.moe or MoEOptions()
+    own = moe.load_balancing_type == "hf"
     grouped = opts.use_te if moe.grouped_gemm is None else moe.grouped_gemm
     if grouped and not opts.use_te:
         raise ValueError("--moe-grouped-gemm needs Transformer Engine layers (TEGroupedMLP); drop it with "
@@ -128,8 +138,8 @@ def _moe_config(spec: VLMSpec, opts: ModelOptions) -> dict:
         # every layer MoE: megatron's int form, whose checkpoints stack the layers as Megatron-LM's do (a list
         # pattern saves each layer under its own key)
         moe_layer_freq=1 if len(spec.moe_layers) == spec.num_layers else list(spec.moe_layer_pattern),
-        moe_aux_loss_coeff=spec.moe_aux_loss_coeff if moe.aux_loss_coeff is None else moe.aux_loss_coeff,
-        moe_router_load_balancing_type=moe.load_balancing_type,
+        moe_aux_loss_coeff=0.0 if own else aux_loss_coefficient(spec, moe),
+        moe_router_load_balancing_type="none" if own else moe.load_balancing_type,
         moe_z_loss_coeff=moe.z_loss_coeff,
         moe_token_dispatcher_type=moe.token_dispatcher_type,
         moe_expert_capacity_factor=moe.expert_capacity_factor,

@@ -1,7 +1,9 @@
-"""Mixture-of-experts language models, the parts that need no process world: the spec read from HF configs
-(Qwen3-MoE's layer pattern and routing, Mixtral's), the mapping rows, expert-parallel placement and names, the
-refusals (each one line naming the fix), the launcher's checks, the active-parameter FLOPs and the legacy rank-file
-names. tests/test_moe.py runs the models."""
+"""Mixture-of-experts language models, the parts that need no multi-process world: the spec read from HF configs
+(Qwen3-MoE's layer pattern and routing, Mixtral's, Qwen3-30B-A3B's as published), the mapping rows, expert-parallel
+placement and names, the refusals (each one line naming the fix), the launcher's checks, sequence parallelism for MoE
+at TP > 1, each megatron-core version's expert rules, the load-balancing objective's words and, in a one-process world,
+one megatron-core router as the trainer wraps it against transformers' load_balancing_loss_func (padding and capacity
+included), the active-parameter FLOPs and the legacy rank-file names. tests/test_moe.py runs the models."""
 
 from __future__ import annotations
 
@@ -36,6 +38,27 @@ def test_mixtral_spec_routes_every_layer_with_renormalised_top_k():
     assert not s.qk_layernorm
 
 
+def test_the_published_qwen3_30b_a3b_routing():
+    """Qwen3-30B-A3B-Instruct-2507's config as published, and shrunk in size only with a dense layer among MoE
+    layers (the models of tests/test_moe.py's predecessors and of bench/): routing, norms, rope and vocabulary."""
+    from transformers import LlavaConfig, Qwen3MoeConfig
+
+    from megatron_vlm.testing.hub_models import QWEN3_30B_A3B, QWEN3_MOE_SMALL
+
+    def spec(**text) -> VLMSpec:
+        lm = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **text})
+        return VLMSpec.from_hf(LlavaConfig(text_config=lm.to_dict(), vision_config=vision_config("clip").to_dict(),
+                                           image_token_id=3))
+
+    full, small = spec(), spec(**QWEN3_MOE_SMALL, mlp_only_layers=[1])
+    assert full.moe_layers == list(range(48)) and (full.num_moe_experts, full.moe_router_topk) == (128, 8)
+    assert small.moe_layers == [0, 2, 3] and small.moe_layer_pattern == [1, 0, 1, 1]
+    for s in (full, small):
+        assert (s.moe_norm_topk_prob, s.moe_aux_loss_coeff, s.vocab_size, s.rotary_base) == (True, 0.001, 151936, 1e7)
+        assert not s.tie_word_embeddings and s.qk_layernorm
+    assert (small.num_moe_experts, small.moe_router_topk, small.moe_ffn_hidden_size) == (8, 2, 32)
+
+
 def test_moe_settings_megatron_core_receives():
     from megatron_vlm.model import ModelOptions, MoEOptions, _moe_config
 
@@ -43,9 +66,14 @@ def test_moe_settings_megatron_core_receives():
     kw = _moe_config(s, ModelOptions(tp=2, ep=2))
     assert kw["moe_layer_freq"] == [1, 0, 1] and kw["moe_router_pre_softmax"] is False
     assert (kw["expert_model_parallel_size"], kw["expert_tensor_parallel_size"]) == (2, 2)
-    assert kw["moe_aux_loss_coeff"] == 0.001 and kw["moe_expert_capacity_factor"] is None
+    # the default objective is HF's (megatron_vlm.training.moe): megatron-core's routers compute no loss of their own
+    assert (kw["moe_router_load_balancing_type"], kw["moe_aux_loss_coeff"]) == ("none", 0.0)
+    assert kw["moe_expert_capacity_factor"] is None
+    mcore = _moe_config(s, ModelOptions(moe=MoEOptions(load_balancing_type="aux_loss")))
+    assert (mcore["moe_router_load_balancing_type"], mcore["moe_aux_loss_coeff"]) == ("aux_loss", 0.001)
     assert kw["moe_grouped_gemm"] is False  # local layers: SequentialMLP
-    every = _moe_config(_spec("mixtral"), ModelOptions(moe=MoEOptions(aux_loss_coeff=0.0, token_dispatcher_type="alltoall")))
+    every = _moe_config(_spec("mixtral"), ModelOptions(moe=MoEOptions(aux_loss_coeff=0.0, load_balancing_type="aux_loss",
+                                                                       token_dispatcher_type="alltoall")))
     # all layers MoE: megatron's int form, whose checkpoints stack the layers as Megatron-LM's do
     assert every["moe_layer_freq"] == 1 and every["moe_aux_loss_coeff"] == 0.0
     assert every["moe_router_pre_softmax"] is False and every["moe_token_dispatcher_type"] == "alltoall"
@@ -162,3 +190,118 @@ def test_legacy_rank_files_are_named_as_megatron_lm_names_them(tmp_path):
             (d / "model_optim_rng.pt").write_bytes(b"x")
     assert ckpt.legacy_layout_ep(tmp_path, expert_parallel=True) == (2, 1, 2)
     assert ckpt.legacy_layout(tmp_path) == (2, 2)  # the names alone read as PP without the EP hint
+
+
+def test_tensor_parallel_moe_turns_sequence_parallelism_on():
+    """MoE at --tp > 1 trains on a sequence-parallel split (megatron-core's MoE layers need it): turned on and said
+    so, rather than refused; a packed length that the split cannot take is refused in one line."""
+    from megatron_vlm.training.config import ConfigError, TrainConfig
+    from megatron_vlm.training.config.resolve import settle_with_spec
+
+    req = ["--data-path", "d", "--tokenizer-load-dir", "t", "--megatron-load-dir", "m", "--train-iters", "1",
+           "--device", "cpu", "-g", "4", "--mbs", "1", "--gbs", "8"]
+    cfg = TrainConfig.from_args(["--tp", "2", "--ep", "2", *req])
+    assert not cfg.sequence_parallel
+    notes = settle_with_spec(cfg, _spec())
+    assert cfg.sequence_parallel and notes == ["sequence parallelism on: the mixture-of-experts language model trains "
+                                               "at --tp 2 on a sequence-parallel split (megatron-core's MoE layers "
+                                               "need it with tensor parallelism)"]
+    assert settle_with_spec(cfg, _spec()) == []  # already on
+    dense = TrainConfig.from_args(["--tp", "2", *req])
+    assert settle_with_spec(dense, _spec("llama")) == [] and not dense.sequence_parallel
+    packed = TrainConfig.from_args(["--tp", "4", "--packing-buffer-size", "8", "--packed-seq-length", "2050",
+                                    "--seq-length", "2048", *req])
+    with pytest.raises(ConfigError, match="--packed-seq-length 2050: with --sequence-parallel it must be a multiple "
+                                          "of 4; use --packed-seq-length 2052"):
+        settle_with_spec(packed, _spec())
+
+
+def test_the_expert_optimizer_rule_is_each_versions():
+    """megatron-core 0.16 keeps the experts' optimizer state apart iff EP > 1; 0.19 iff EP > 1 or ETP != TP. 0.16
+    cannot train EP1 with ETP != TP (the experts' gradients miss the other TP ranks' tokens): refused."""
+    from megatron_vlm import mcore_version as mv
+
+    for version, apart_at_etp in (("0.16.1", False), ("0.19.2", True)):
+        assert mv.experts_optimizer_apart(2, 1, 1, version) and mv.experts_optimizer_apart(2, 2, 2, version)
+        assert not mv.experts_optimizer_apart(1, 2, 2, version)
+        assert mv.experts_optimizer_apart(1, 1, 2, version) is apart_at_etp
+    assert mv.expert_optimizer_rule("0.16.1") == "megatron-core 0.16.1 keeps it apart when --ep > 1 (whatever --etp)"
+    assert mv.expert_optimizer_rule("0.19.2") == ("megatron-core 0.19.2 keeps it apart when --ep > 1 or --etp differs "
+                                                  "from --tp")
+    assert mv.expert_layout_problem(1, 1, 2, "0.16.1").startswith(
+        "--etp 1 with --tp 2 at --ep 1: megatron-core 0.16.1 sums the experts' gradients over the data-parallel "
+        "ranks only")
+    assert mv.expert_layout_problem(1, 1, 2, "0.19.2") is None and mv.expert_layout_problem(2, 1, 2, "0.16.1") is None
+
+
+def test_the_objective_is_named_with_its_coefficient():
+    from megatron_vlm.training.moe import OBJECTIVES, describe_objective
+    from megatron_vlm.training.config import TrainConfig
+
+    assert TrainConfig().moe_router_load_balancing_type == OBJECTIVES[0] == "hf"
+    assert describe_objective("hf", 0.001, "the HF config's router_aux_loss_coef", 48) == (
+        "HF's load_balancing_loss_func over all 48 MoE layers together, per micro batch, padding excluded, "
+        "coefficient 0.001 (the HF config's router_aux_loss_coef)")
+    assert describe_objective("aux_loss", 0.01, "--moe-aux-loss-coeff", 3) == (
+        "megatron-core's aux_loss per MoE layer, summed over 3 layers, coefficient 0.01 (--moe-aux-loss-coeff)")
+    assert describe_objective("hf", 0.0, "--moe-aux-loss-coeff", 3) == "no load-balancing loss (cross entropy only)"
+
+
+
+def test_a_router_counts_and_balances_the_samples_positions_only():
+    """megatron-core's TopKRouter as the trainer wraps it (megatron_vlm.training.moe.MoETraining), in a one-process
+    world, on a micro batch of two rows of 8 positions whose second row holds a sample of 3 (the rest is padding,
+    whose logits favour expert 0 most): HF's term equals transformers' own load_balancing_loss_func with the
+    attention mask, value and gradient; the routing numbers count the 11 positions of samples; with capacity factor
+    1 the capacity is ceil(11 x 2 / 4) = 6 and padding takes none of it (it used to count all 16 positions and route
+    the padding)."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler, TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from megatron_vlm.runtime.session import single_process_world
+    from megatron_vlm.training.moe import MoETraining
+
+    spec = _spec(num_hidden_layers=1)
+    s, b, h, e, k = 8, 2, 8, spec.num_moe_experts, spec.moe_router_topk
+    valid = torch.arange(s)[:, None] < torch.tensor([8, 3])[None, :]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(s, b, h, generator=g)
+    hidden[~valid] = 0  # padded positions: every one routed alike, to expert 0 first (its weight row below)
+    with single_process_world("cpu"):
+        results = {}
+        for capacity in (None, 1.0):
+            config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=1, num_moe_experts=e,
+                                       moe_router_topk=k, moe_router_load_balancing_type="none",
+                                       moe_aux_loss_coeff=0.0, moe_expert_capacity_factor=capacity,
+                                       add_bias_linear=False, use_cpu_initialization=True)
+            router = TopKRouter(config=config, pg_collection=get_default_pg_collection())
+            router.set_layer_number(1)
+            with torch.no_grad():
+                router.weight.copy_(torch.randn(e, h, generator=torch.Generator().manual_seed(1)))
+            MoEAuxLossAutoScaler.main_loss_backward_scale = None  # the schedule's loss scale: none here
+            moe = MoETraining(router, spec, config, "hf", 1.0)
+            x = hidden.clone().requires_grad_(True)
+            with moe.step(loss_tokens=1.0, micro_batches=1):
+                micro = moe.begin(SimpleNamespace(row_tokens=torch.tensor([8, 3])))
+                probs, routing_map = router(x)
+                moe.forward_done(micro, probs)
+                (probs * 0).sum().backward()  # only the term's gradient
+            results[capacity] = (micro, routing_map, moe.collect(1, torch.device("cpu")), x.grad)
+    micro, routing_map, numbers, grad = results[None]
+    mask = valid.reshape(1, -1).float()  # HF's attention mask over the rows in the router's order
+    x = hidden.clone().requires_grad_(True)
+    logits = torch.nn.functional.linear(x, router.weight.detach()).reshape(-1, e)
+    reference = load_balancing_loss_func((logits,), e, k, attention_mask=mask)
+    reference.backward()
+    assert abs(micro.value - float(reference)) <= 1e-6 * float(reference), (micro.value, float(reference))
+    assert torch.allclose(grad, x.grad, rtol=1e-5, atol=1e-8), (grad - x.grad).abs().max()
+    assert sum(numbers["moe_tokens_per_expert"][0]) == k * 11 and numbers["moe_load_balancing_loss"] == micro.value
+    _, capped, numbers, _ = results[1.0]
+    flat = valid.reshape(-1)
+    assert not capped[~flat].any() and int(capped[flat].sum(0).max()) == 6, capped[flat].sum(0)
+    assert sum(numbers["moe_tokens_per_expert"][0]) == int(capped[flat].sum())

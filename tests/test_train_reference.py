@@ -27,7 +27,8 @@ import pytest
 
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.runtime.spawn import run_world
-from megatron_vlm.testing import hf_reference
+from megatron_vlm.spec import VLMSpec
+from megatron_vlm.testing import grad_reference, hf_reference
 from megatron_vlm.testing.train_jobs import job_config, train_jobs, variable_length_batches
 
 pytestmark = pytest.mark.slow
@@ -89,18 +90,18 @@ def runs(models):
     for m in ("llava", "onevision"):
         hf, meg, gbs = models[m]["hf"], models[m]["meg"], models[m]["batches"]
         grads = {}
-        for s in STAGES:  # HF first: its first step's gradients go to the trainer's jobs, tensor by tensor
+        for s in STAGES:  # HF's first step's gradients, compared with each job's tensor by tensor
             cfg = job_config(STAGES[s], 3, len(gbs[0]))
             ref = hf_reference.train(hf, gbs, cfg, grads=True)
             grads[s] = ref.pop("grads")
             out[f"{m}-s{s}-hf"] = ref
             if m == "llava" and s == 2:  # the control: weight decay on biases and norms too
                 out[f"{m}-s{s}-hf-decay-everything"] = hf_reference.train(hf, gbs, cfg, decay_everything=True)
-        one = [dict(name=f"{m}-s{s}-tp1", micro_batch_size=4, steps=3, reference_grads=grads[s], **STAGES[s])
+        one = [dict(name=f"{m}-s{s}-tp1", micro_batch_size=4, steps=3, grads=True, **STAGES[s])
                for s in STAGES]
         one.append(dict(name=f"{m}-s2-megatron-objective", micro_batch_size=8, steps=1, loss_over_padded_vocab=True,
                         **STAGES[2]))
-        four = [dict(name=f"{m}-s{s}-{lay}", steps=3, reference_grads=grads[s], **kw, **STAGES[s])
+        four = [dict(name=f"{m}-s{s}-{lay}", steps=3, grads=True, **kw, **STAGES[s])
                 for s in STAGES for lay, kw in LAYOUTS.items()]
         if m == "llava":  # bf16 over nine steps, and resume between layouts
             long = gbs * 3
@@ -121,7 +122,12 @@ def runs(models):
                        for lay, kw in LAYOUTS.items()]]
         else:
             long = gbs
+        spec = VLMSpec.from_hf_dir(hf)
         for r in run_world(train_jobs, 1, one, meg, hf, long)[0] + run_world(train_jobs, 4, four, meg, hf, long)[0]:
+            if "grads" in r:  # the first step's gradient of every trained tensor against HF's
+                stage = int(r["name"].split("-s")[1][0])
+                r["grad_rel"] = grad_reference.compare(grad_reference.assemble(r.pop("grads"), spec, **r["layout"]),
+                                                       grads[stage])
             out[r["name"]] = r
     for name, r in sorted(out.items()):  # the numbers of the closing note (pytest -s)
         worst = max(r["grad_rel"].items(), key=lambda kv: kv[1]) if r.get("grad_rel") else None
@@ -151,11 +157,12 @@ def test_loss_and_grad_norm_equal_hf_for_three_adamw_steps(runs, model, stage, l
 @pytest.mark.parametrize("stage", list(STAGES))
 @pytest.mark.parametrize("model", ["llava", "onevision"])
 def test_every_gradient_tensor_equals_hfs(runs, model, stage, layout):
-    """The first step's gradient of every trained tensor, on its own TP shard and PP stage (with the distributed
-    optimizer: gathered over its DP shards), against HF's in Megatron's layout, relative to the tensor's norm."""
+    """The first step's gradient of every trained tensor, assembled from every rank's shards (with the distributed
+    optimizer: gathered over its DP shards) into HF's tensors (megatron_vlm.testing.grad_reference), against HF's,
+    relative to the tensor's norm."""
     rel = runs[f"{model}-s{stage}-{layout}"]["grad_rel"]
     trained = {"projector"} if stage == 1 else {"projector", "language"}
-    parts = {("projector" if k.startswith(("vision_projection.", "image_newline")) else
+    parts = {("projector" if k.startswith(("multi_modal_projector.", "image_newline")) else
               "language" if k.startswith("language_model.") else "vision") for k in rel}
     assert parts == trained, sorted(rel)  # every trained part compared, and nothing frozen
     worst = max(rel, key=rel.get)

@@ -193,6 +193,7 @@ class _PackingHooks:
         loss_mask = torch.zeros((1, n + pad), dtype=torch.float32)
         tokens[0, :n], labels[0, :n], loss_mask[0, :n] = s.tokens, s.labels, s.loss_mask
         return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, num_tokens=int(s.num_tokens),
+                    row_tokens=torch.tensor([int(s.num_tokens)], dtype=torch.int64),
                     cu_seqlens=torch.tensor(cu, dtype=torch.int32),
                     max_seqlen=max(b - a for a, b in zip(cu, cu[1:])), num_samples=len(s.seq_lengths))
 

@@ -65,6 +65,9 @@ class VLMBatch(Batch):
     labels: torch.Tensor  # int64 [B, S]
     loss_mask: torch.Tensor  # float32 [B, S]
     num_tokens: int  # unpadded positions of the batch with images expanded
+    #: int64 [B]: each row's positions with images expanded that hold its samples (a row is padded after them);
+    #: a mixture-of-experts model's routing counts only these (megatron_vlm.training.moe)
+    row_tokens: torch.Tensor
 
 
 def _as_pil(image):
@@ -251,7 +254,8 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
     # -- per batch --------------------------------------------------------------------------------
     def padded_text(self, samples: list) -> dict:
         """``tokens``, ``labels`` (padded with the pad id) and ``loss_mask`` (0 on padding) of ``samples`` as
-        ``[batch, seq]`` rows, and their image-expanded ``num_tokens``; ``seq`` per :func:`padded_text_length`."""
+        ``[batch, seq]`` rows, their image-expanded ``num_tokens`` and each row's (``row_tokens``); ``seq`` per
+        :func:`padded_text_length`."""
         seq = padded_text_length([len(s.tokens) for s in samples], [s.num_tokens - len(s.tokens) for s in samples],
                                  self.pad_to_multiple_of)
         tokens = torch.full((len(samples), seq), self.pad_token_id, dtype=torch.int64)
@@ -263,7 +267,8 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
             labels[b, :n] = s.labels
             loss_mask[b, :n] = s.loss_mask
         return dict(tokens=tokens, labels=labels, loss_mask=loss_mask,
-                    num_tokens=int(sum(s.num_tokens for s in samples)))
+                    num_tokens=int(sum(s.num_tokens for s in samples)),
+                    row_tokens=torch.tensor([int(s.num_tokens) for s in samples], dtype=torch.int64))
 
     @stateless
     def batch(self, samples: list[VLMSample]) -> VLMBatch:

@@ -79,6 +79,7 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
         spec, source = None, ""
         problems.append(f"cannot read the model architecture: {e}")
     if spec is not None:
+        problems += _settle(cfg, spec, notes)
         problems += preflight.check_spec(cfg, spec, source)
     entry = entrypoint(repo_root)
     if not Path(entry).is_file():
@@ -114,6 +115,8 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
         if device == "cpu":
             notes.append("no CUDA GPU visible: running on CPU (gloo); pass --device cuda to insist")
         cfg = dataclasses.replace(request).resolved({**env_defaults, "device": device})
+        if spec is not None:
+            _fail_on(_settle(cfg, spec, []))
     if cfg.container and cfg.dry_run:
         notes.append(f"dry run: GPU/FP8 checks run inside the {cfg.container} container at launch")
 
@@ -145,6 +148,18 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
     cfg.memory_estimate, cfg.memory_warning = memory_notes(cfg, spec, facts)
     notes = list(cfg.resolution_notes) + notes
     return cfg, cmd, notes
+
+
+def _settle(cfg: TrainConfig, spec, notes: list[str]) -> list[str]:
+    """The settings that follow from the model (``resolve.settle_with_spec``, e.g. sequence parallelism for a
+    mixture-of-experts LM at --tp > 1): notes appended to ``notes``, problems returned."""
+    from megatron_vlm.training.config.resolve import settle_with_spec
+
+    try:
+        notes += settle_with_spec(cfg, spec)
+    except ConfigError as e:
+        return [str(e)]
+    return []
 
 
 def memory_notes(cfg: TrainConfig, spec, facts: dict) -> tuple[list[str], str | None]:

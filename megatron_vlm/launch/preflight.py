@@ -331,10 +331,10 @@ def check_spec(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
         spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers, cfg.ep, cfg.etp)
     except ParallelismError as e:
         problems.append(f"{e} (model: {source})")
-    if spec.is_moe and cfg.tp > 1 and not cfg.sequence_parallel:
-        problems.append(f"--tp {cfg.tp} with the mixture-of-experts language model of {source} needs "
-                        "--sequence-parallel: megatron-core's MoE layers train with tensor parallelism only on a "
-                        "sequence-parallel split (add --sequence-parallel, or use --tp 1 with --ep)")
+    if spec.is_moe and cfg.container is None:  # the megatron-core that will train is this environment's
+        problem = _expert_layout_problem(cfg)
+        if problem:
+            problems.append(f"{problem} (model: {source})")
     if cfg.seq_length <= spec.num_image_tokens:
         problems.append(f"--seq-length {cfg.seq_length} cannot hold the {spec.num_image_tokens} image tokens of one "
                         f"image plus text (model: {source}); use a larger --seq-length")
@@ -343,6 +343,19 @@ def check_spec(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
                         "token, and its weights include it (the architecture comes from the checkpoint's "
                         "vlm_spec.json); drop the flag, or convert a model whose encoder has none (SigLIP)")
     return problems
+
+
+def _expert_layout_problem(cfg: TrainConfig) -> str | None:
+    """megatron-core's version-dependent refusal of an expert layout (:mod:`megatron_vlm.mcore_version`); None where
+    this environment has no megatron-core (the ranks check again at start-up)."""
+    import importlib.metadata
+
+    from megatron_vlm import mcore_version
+
+    try:
+        return mcore_version.expert_layout_problem(cfg.ep, cfg.expert_tp, cfg.tp)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def check_token_ids(cfg: TrainConfig, spec: VLMSpec | None, source: str, origin: str) -> list[str]:

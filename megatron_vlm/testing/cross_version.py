@@ -20,6 +20,14 @@ the tests when the recorded grad norms can be asked for bit for bit.
 
 The tests (``tests/test_cross_version.py``) resume the other lane's fixture and compare with those numbers, or,
 where this megatron-core cannot read it, assert the error that says so.
+
+``--moe`` writes the mixture-of-experts fixture instead (``tests/fixtures/mcore-0.16-moe``, written by the 3.11
+lane as megatron-vlm's previous release trained): a tiny Qwen3-MoE LLaVA saved after one step at TP2 x EP1 with the
+experts unsplit (ETP1), with its optimizer state. megatron-core 0.16 keeps the experts' optimizer state with the other
+parameters' there, 0.19 apart (ETP differs from TP): 0.19 must refuse that optimizer state naming both rules
+(``tests/test_moe.py``). 0.16 no longer trains the layout (it sums the experts' gradients over the data-parallel
+ranks only there: :func:`megatron_vlm.mcore_version.expert_layout_problem`), so the fixture is written with that
+refusal lifted (the job's ``unchecked_expert_layout``), and records no numbers to continue with.
 """
 
 from __future__ import annotations
@@ -105,6 +113,17 @@ def exported_digests(run_dir, work_dir) -> dict[str, str]:
     return digests
 
 
+def _publish(run: Path, expected: dict, out_dir: Path) -> None:
+    """``run`` and ``expected`` as the fixture ``out_dir`` (staged next to it, then renamed over it)."""
+    staged = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    shutil.copytree(run, staged / RUN)
+    (staged / EXPECTED).write_text(json.dumps(expected, indent=1) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    staged.rename(out_dir)
+
+
 def write_fixture(out_dir) -> dict:
     """Write ``out_dir/run`` and ``out_dir/expected.json`` with this environment's megatron-core (see the
     module docstring); returns the expected numbers."""
@@ -132,13 +151,45 @@ def write_fixture(out_dir) -> dict:
             raise RuntimeError(f"resuming the fixture does not continue exactly: {resumed} vs {full}")
         expected = {**resumed, "hf_export_sha256": exported_digests(run, tmp),
                     "written_by": mcore_version.writer_stamp(), "cpu_capability": cpu_capability()}
-        staged = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(staged, ignore_errors=True)
-        staged.mkdir(parents=True)
-        shutil.copytree(run, staged / RUN)
-        (staged / EXPECTED).write_text(json.dumps(expected, indent=1) + "\n")
-        shutil.rmtree(out_dir, ignore_errors=True)
-        staged.rename(out_dir)
+        _publish(run, expected, out_dir)
+    return expected
+
+
+#: the MoE fixture's layout (--tp, --ep, --etp) and micro batch size
+MOE_LAYOUT, MOE_BATCH = dict(tp=2, ep=1, etp=1), 2
+
+
+def moe_job(run_dir, **extra) -> dict:
+    """The job that resumes the MoE fixture's checkpoint at its layout and trains the steps after it."""
+    return dict(name="moe-resume", micro_batch_size=MOE_BATCH, start=SAVED_AT, steps=N_BATCHES - SAVED_AT,
+                resume=str(Path(run_dir) / f"iter_{SAVED_AT:07d}"), moe_aux_loss_coeff=0.1, stage=2,
+                freeze_lm=False, freeze_vit=True, **MOE_LAYOUT, **extra)
+
+
+def write_moe_fixture(out_dir) -> dict:
+    """Write the MoE fixture (module docstring) into ``out_dir``; returns the expected numbers."""
+    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm import mcore_version
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+    from megatron_vlm.runtime.spawn import run_world
+    from megatron_vlm.testing.tiny import make_tiny_llava
+    from megatron_vlm.testing.train_jobs import train_jobs
+
+    out_dir = Path(out_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        hf = make_tiny_llava(tmp / "hf", "qwen3_moe", "clip", text_overrides=dict(num_hidden_layers=2))
+        meg = convert_hf_to_megatron(hf, tmp / "meg", tp=1)
+        gbs = batches(hf)
+        run = tmp / RUN
+        base = {k: v for k, v in moe_job(run).items() if k not in ("name", "start", "steps", "resume")}
+        run_world(train_jobs, 2, [dict(base, name="save", steps=SAVED_AT, save=str(run), unchecked_expert_layout=True)],
+                  meg, hf, gbs)
+        ckpt.copy_tokenizer(hf, run)
+        # no numbers to continue with: megatron-core 0.16 trains this layout wrong (its TP ranks' copies of the
+        # experts drift apart, mcore_version.expert_layout_problem), which is why megatron-vlm refuses it now
+        expected = {"written_by": mcore_version.writer_stamp(), "layout": MOE_LAYOUT}
+        _publish(run, expected, out_dir)
     return expected
 
 
@@ -146,9 +197,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Write the cross-lane checkpoint fixture with this megatron-core "
                                             "(tests/fixtures/mcore-<version>).")
     p.add_argument("out_dir", help="fixture directory to (re)write, e.g. tests/fixtures/mcore-0.16")
+    p.add_argument("--moe", action="store_true", help="write the mixture-of-experts fixture (TP2 x EP1, ETP1), "
+                   "e.g. into tests/fixtures/mcore-0.16-moe")
     args = p.parse_args(argv)
-    expected = write_fixture(args.out_dir)
-    print(json.dumps({k: expected[k] for k in ("loss", "grad_norm", "written_by")}))
+    expected = (write_moe_fixture if args.moe else write_fixture)(args.out_dir)
+    print(json.dumps({k: expected[k] for k in ("loss", "grad_norm", "written_by") if k in expected}))
     return 0
 
 

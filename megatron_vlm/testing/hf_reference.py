@@ -8,12 +8,23 @@ computes its own (shifted, mean) cross entropy over the true vocabulary; a globa
 each sample's HF loss times its label count, over the global batch's label count - the per-token objective the
 trainer normalises over the whole global batch (:mod:`megatron_vlm.training.step`).
 
+A mixture-of-experts language model's objective is its HF model's (``Qwen3MoeForCausalLM``,
+``MixtralForCausalLM``): the cross entropy plus ``router_aux_loss_coef`` times transformers' own
+``load_balancing_loss_func`` (of the text model's module), computed per micro batch as HF's forward computes it
+per batch: the router logits of every MoE layer, taken from HF's own routers by forward hooks, with
+``attention_mask`` leaving out every position the trainer does not feed to the model (each sample's last token:
+the trainer's rows stop before it, it is only a label there). The micro batches are the trainer's (consecutive
+``cfg.micro_batch_size`` samples of a global batch: each data-parallel rank's slice is contiguous), and the term
+is averaged over them, as gradient accumulation averages it. The samples still run through HF one at a time,
+so nothing is padded on HF's side.
+
 :func:`train` runs ``steps`` global batches through HF with ``torch.optim.AdamW`` and gradient-norm clipping set as
 the trainer's optimizer is (:func:`megatron_vlm.training.build.optimizer_config`: learning rate, betas, eps, weight
 decay; weight decay only on the tensors megatron-core decays, not on biases and norms), and returns the loss and the
 gradient norm (before clipping, over the trained parameters) of every step, to be compared with the trainer's
-logged numbers; with ``grads=True`` also the first step's gradient of every trained tensor in Megatron's layout
-(:func:`mcore_grads`), to be compared tensor by tensor.
+logged numbers; with ``grads=True`` also the first step's gradient of every trained tensor under HF's on-disk
+names (:func:`megatron_vlm.testing.grad_reference.saved_gradients`), to be compared tensor by tensor with the
+trainer's (:mod:`megatron_vlm.testing.grad_reference`).
 """
 
 from __future__ import annotations
@@ -77,15 +88,6 @@ def decays(name: str, param: torch.Tensor, spec: VLMSpec) -> bool:
     return param.dim() > 1 and not rule.mcore.endswith(".bias")
 
 
-def mcore_grads(hf_grads: dict[str, torch.Tensor], spec: VLMSpec) -> dict[str, torch.Tensor]:
-    """Gradients by HF name -> full Megatron tensors by their global name (every rule whose HF tensors all have
-    one; the TP/PP shards of a rank come from :func:`megatron_vlm.convert.mapping.tp_shard` and ``local_name``)."""
-    from megatron_vlm.convert import mapping
-
-    return {rule.mcore: mapping.to_mcore(rule, [hf_grads[h] for h in rule.hf], spec)
-            for rule in mapping.rules(spec) if all(h in hf_grads for h in rule.hf)}
-
-
 def trained(name: str, parts: dict) -> bool:
     """Whether HF parameter ``name`` trains, given the trainer's ``cfg.trained_parts``."""
     if "vision_tower" in name:
@@ -95,14 +97,43 @@ def trained(name: str, parts: dict) -> bool:
     return parts["language"]
 
 
+def load_balancing(model):
+    """HF's load-balancing term of ``model`` (a LLaVA around a mixture-of-experts text model), or None for a dense
+    one: ``(loss_func(per-layer router logits, attention_mask), routers' outputs list, coefficient, hooks)``.
+    ``loss_func`` is transformers' ``load_balancing_loss_func`` of the text model's own module (Qwen3-MoE, Mixtral),
+    with the text config's ``num_experts`` / ``num_local_experts`` and ``num_experts_per_tok``; the list fills with
+    each routed layer's router logits (forward hooks on HF's routers, in layer order)."""
+    import functools
+    import sys
+
+    text = model.config.text_config
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    if not experts:
+        return None
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    lm = next(m for m in model.modules() if type(m).__name__.endswith(("MoeModel", "MixtralModel")))
+    func = sys.modules[type(lm).__module__].load_balancing_loss_func
+    routed: list = []
+    hooks = [r.register_forward_hook(lambda mod, args, out: routed.append(out[0])) for r in routers]
+    return (functools.partial(func, num_experts=experts, top_k=text.num_experts_per_tok), routed,
+            text.router_aux_loss_coef, hooks)
+
+
 def train(hf_dir, global_batches: list[list], cfg, steps: int | None = None, grads: bool = False,
-          decay_everything: bool = False) -> dict:
+          decay_everything: bool = False, aux_coeff: float | None = None) -> dict:
     """HF losses and gradient norms of ``steps`` global batches (all of them by default), with AdamW updates
-    between them as ``cfg`` (a TrainConfig: trained parts and the optimizer settings) sets; fp32. ``grads``: also
-    the first step's gradients (before clipping) in Megatron's layout (``"grads"``: global name -> full tensor).
-    ``decay_everything``: weight decay on every tensor, as the reference did before (the negative control)."""
+    between them as ``cfg`` (a TrainConfig: trained parts, micro batch size and the optimizer settings) sets; fp32.
+
+    Returns ``{"loss": [cross entropy per step], "aux": [the load-balancing term per step: coefficient x the mean
+    over micro batches of load_balancing_loss_func; 0 for a dense model], "lb": [that mean without the
+    coefficient], "grad_norm": [of cross entropy + term, per step]}``; ``grads``: also the first step's gradients
+    (before clipping) as ``"grads"`` (HF on-disk name -> tensor). ``aux_coeff``: the load-balancing coefficient
+    (default: ``cfg.moe_aux_loss_coeff``, else the HF config's ``router_aux_loss_coef``; 0: HF LLaVA's plain cross
+    entropy). ``decay_everything``: weight decay on every tensor, as the reference did before (the negative
+    control)."""
     from megatron_vlm.convert import mapping
     from megatron_vlm.convert.verify import load_hf_model
+    from megatron_vlm.testing.grad_reference import saved_gradients
     from megatron_vlm.training.build import optimizer_config
 
     spec = VLMSpec.from_hf_dir(hf_dir)
@@ -112,37 +143,61 @@ def train(hf_dir, global_batches: list[list], cfg, steps: int | None = None, gra
                          f"(decoupled weight decay {oc.decoupled_weight_decay})")
     model = load_hf_model(hf_dir).train()
     groups: dict[bool, list] = {True: [], False: []}
-    names = {}
     for name, p in model.named_parameters():
         p.requires_grad_(trained(name, cfg.trained_parts))
         if p.requires_grad:
-            canonical = mapping.canonical_hf_name(name)
-            groups[decay_everything or decays(canonical, p, spec)].append(p)
-            names[p] = canonical
+            groups[decay_everything or decays(mapping.canonical_hf_name(name), p, spec)].append(p)
     params = groups[True] + groups[False]
     opt = torch.optim.AdamW([{"params": groups[True], "weight_decay": oc.weight_decay},
                              {"params": groups[False], "weight_decay": 0.0}],
                             lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps)
-    losses, norms, first_grads = [], [], None
+    balance = load_balancing(model)
+    if balance is not None:
+        coeff = aux_coeff if aux_coeff is not None else (
+            cfg.moe_aux_loss_coeff if cfg.moe_aux_loss_coeff is not None else balance[2])
+        if not coeff:
+            for h in balance[3]:
+                h.remove()
+            balance = None
+    mbs = cfg.micro_batch_size or 1
+    out: dict = {"loss": [], "aux": [], "lb": [], "grad_norm": []}
     for gb in global_batches[:steps]:
         opt.zero_grad(set_to_none=True)
         inputs = [hf_inputs(s, spec) for s in gb]
         n_total = sum(int((i["labels"] != IGNORE).sum()) for i in inputs)
-        total = 0.0
-        for i in inputs:
-            n = int((i["labels"] != IGNORE).sum())
-            loss = model(**i).loss * (n / n_total)
-            loss.backward()
-            total += loss.item()
+        micro = [inputs[k:k + mbs] for k in range(0, len(inputs), mbs)]
+        total = lb_total = 0.0
+        for group in micro:
+            ce = 0.0
+            if balance is not None:
+                balance[1].clear()
+            masks = []
+            for i in group:
+                loss = model(**i).loss * (int((i["labels"] != IGNORE).sum()) / n_total)
+                total += loss.item()
+                ce = ce + loss
+                positions = i["input_ids"].shape[1]  # the trainer feeds every position but the last
+                masks.append(torch.cat([torch.ones(positions - 1), torch.zeros(1)]))
+            if balance is not None:
+                routed = balance[1]
+                per_sample = len(routed) // len(group)  # each sample's forward routed every MoE layer in order
+                layers = tuple(torch.cat([routed[k * per_sample + layer] for k in range(len(group))])
+                               for layer in range(per_sample))
+                lb = balance[0](layers, attention_mask=torch.cat(masks)[None])
+                lb_total += float(lb.detach()) / len(micro)
+                ce = ce + coeff * lb / len(micro)
+            ce.backward()
         norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None))
-        if grads and first_grads is None:
-            first_grads = mcore_grads({names[p]: p.grad.detach().clone() for p in params if p.grad is not None}, spec)
+        if grads and "grads" not in out:
+            out["grads"] = saved_gradients(model)
         if oc.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(params, oc.clip_grad)
         opt.step()
-        losses.append(total)
-        norms.append(norm)
-    out = {"loss": losses, "grad_norm": norms}
-    if grads:
-        out["grads"] = first_grads
+        out["loss"].append(total)
+        out["lb"].append(lb_total)
+        out["aux"].append(coeff * lb_total if balance is not None else 0.0)
+        out["grad_norm"].append(norm)
+    if balance is not None:
+        for h in balance[3]:
+            h.remove()
     return out

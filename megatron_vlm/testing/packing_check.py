@@ -178,7 +178,7 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
             if job.get("broken") and packing:
                 cpu_compat.segments = lambda cu, total: [(0, total)]
             try:
-                fed = batch_feed.distribute(batches if reads else [None] * len(batches), rt.device, packing)
+                fed = batch_feed.distribute(batches if reads else [None] * len(batches), rt.device)
                 r = train_step(training, fed, c, rt.device)
             finally:
                 cpu_compat.segments = segments

@@ -349,7 +349,7 @@ def _packing_report(cfg, spec, hf_dir, n: int, training, rt) -> dict:
         samples = _samples(enc, n)
         (group,) = enc.select_samples_to_pack(samples)
         batch = enc.batch([enc.pack_selected_samples(group)])
-    (got,) = batch_feed.distribute([batch], rt.device, packing=True)
+    (got,) = batch_feed.distribute([batch], rt.device)
     params = packed_seq_params(got.cu_seqlens, got.max_seqlen)  # what step.forward_step passes the model
     attn = next(m for n, m in training.model.named_modules() if n.endswith("self_attention.core_attention"))
     kept = sorted(getattr(attn, "kept_packed_seq_params", ()))

@@ -80,7 +80,8 @@ def job_config(job: dict, n_steps: int, global_batch_size: int):
 
     fields = {k: v for k, v in job.items()
               if k not in ("name", "steps", "start", "save", "save_after", "resume", "reload_weights",
-                           "reference_grads", "grads", "megatron_dir", "hf_dir", "batches")}
+                           "grads", "megatron_dir", "hf_dir", "batches", "refused",
+                           "unchecked_expert_layout")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
     # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
@@ -115,45 +116,6 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
-def reduced_main_grads(training, rt) -> dict:
-    """This rank's gradients of the global batch, reduced over data-parallel ranks (megatron DDP's fp32 ``main_grad``
-    buffers; with the distributed optimizer each DP rank reduced only its shard of each bucket, so the shards are
-    gathered first). Call between the backward passes and the optimizer step."""
-    from megatron.core import parallel_state as ps
-
-    ddp = training.ddp
-    if ddp.ddp_config.use_distributed_optimizer and rt.dp > 1:
-        group = ps.get_data_parallel_group(with_context_parallel=True)
-        for buffer in ddp.buffers:
-            for bucket in buffer.buckets:
-                shards = list(bucket.grad_data.chunk(rt.dp))
-                mine = shards[rt.dp_rank].clone()
-                torch.distributed.all_gather(shards, mine, group=group)  # the chunks are views: gathered in place
-    return {n: p.main_grad for n, p in training.model.named_parameters() if p.requires_grad}
-
-
-def grad_differences(training, rt, spec: VLMSpec, cfg, reference: dict) -> dict[str, float]:
-    """``|g - g_ref| / |g_ref|`` of every trained tensor of this rank against ``reference`` (global Megatron name ->
-    full tensor, e.g. :func:`megatron_vlm.testing.hf_reference.mcore_grads`), each compared on its own TP shard of
-    its own PP stage; keys are the global names (``@last`` for the last stage's copy of tied embeddings)."""
-    from megatron_vlm.convert import mapping
-
-    grads = reduced_main_grads(training, rt)
-    layers = spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers)
-    out = {}
-    for rule in mapping.rules(spec):
-        if rule.mcore not in reference:
-            continue
-        for stage in mapping.stages_of(rule, spec, layers):
-            g = grads.get(mapping.local_name(rule, stage, layers)) if stage == rt.pp_rank else None
-            if g is None:
-                continue
-            ref = mapping.tp_shard(rule, reference[rule.mcore], rt.tp, rt.tp_rank).to(g)
-            key = rule.mcore + ("@last" if stage and rule.placement == "first" else "")
-            out[key] = float((g - ref).norm() / ref.norm().clamp(min=1e-30))
-    return out
-
-
 def _save(job, step: int, cfg, rt, spec, training, iter_dir, global_batch_size: int) -> None:
     from megatron_vlm.training import checkpointing, resume
 
@@ -162,6 +124,24 @@ def _save(job, step: int, cfg, rt, spec, training, iter_dir, global_batch_size: 
     meta.extra.update(resume.layout_extra(cfg, rt.dp, step * global_batch_size))
     checkpointing.save(Path(job["save"]), step, training.model, training.optimizer, training.scheduler, None,
                        spec=spec, meta=meta, side_src=iter_dir, with_optim=cfg.save_optim, total_limit=None)
+
+
+def _start(job: dict, cfg, spec, iter_dir, rt):
+    """The job's Training, fresh from ``iter_dir``'s weights or resumed as the trainer resumes."""
+    from megatron_vlm.training import checkpointing, resume
+    from megatron_vlm.training.build import build_training
+
+    if job.get("resume"):  # as the trainer: the plan (which fixes the loss objective) before the model
+        plan = resume.plan(cfg, job["resume"], rt.tp, rt.pp, rt.dp)
+        plan.load_data = False  # the job feeds its own batches
+    training = build_training(cfg, spec, init_from=None if job.get("resume") else iter_dir)
+    if job.get("resume"):
+        if job.get("reload_weights", True):
+            resume.restore(training, plan)
+        else:  # the defect: weights loaded, the optimizer's fp32 main params left as they were
+            checkpointing.load(plan.iter_dir, training.model, training.optimizer, training.scheduler, False,
+                               with_rng=False, with_data=False)
+    return training
 
 
 def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list]) -> list | None:
@@ -177,18 +157,21 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     state unless save_optim=False) and
     ``resume`` (an iteration dir to restore before the first step, the way the trainer resumes; with
     ``reload_weights=False`` the optimizer's main params are deliberately not refreshed, the defect the resume
-    must avoid); ``reference_grads`` (global Megatron name -> full tensor: the first step's gradients are compared
-    with them tensor by tensor, :func:`grad_differences`; the result's ``grad_rel`` holds each tensor's relative
-    difference, over all ranks).
-    ``grads``: also return, as 'grads', every rank's (coordinates, local gradients) of the first step
-    (:mod:`megatron_vlm.testing.grad_reference`); an MoE model's routing numbers of each step come as 'moe'.
+    must avoid); with ``refused=True`` the job's set-up (build, resume) must fail: the job returns only
+    ``{'name', 'error'}``, the exception's type and message, or None if nothing refused it;
+    ``unchecked_expert_layout=True`` lifts the refusal of an expert layout the installed megatron-core trains wrong
+    (:func:`megatron_vlm.mcore_version.expert_layout_problem`), to write a fixture of what an older release did.
+    ``grads``: also return, as 'grads', every rank's (coordinates, local gradients) of the first step, and as
+    'layout' the keyword arguments of :func:`megatron_vlm.testing.grad_reference.assemble` (tp, pp, layers, ep,
+    etp), which turns them into HF-named gradients; an MoE model's routing numbers of each step come as 'moe'.
     ``megatron_dir``, ``hf_dir`` and ``batches`` give a job its own model and global batches (default: the
     arguments), so one world trains several models: ``global_batches`` is then a dict and ``batches`` names one;
     a value of that dict may be a recipe, ``(hf_dir, n, uniform, repeat)``, which every rank makes with
     :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks.
     """
-    from megatron_vlm.training import batch_feed, checkpointing, resume
-    from megatron_vlm.training.build import build_training, release
+    from megatron_vlm.training import batch_feed
+    from megatron_vlm.training.build import release
+    from megatron_vlm.training.config.resolve import settle_with_spec
     from megatron_vlm.training.step import train_step
 
     out = []
@@ -205,19 +188,29 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         spec = VLMSpec.load(iter_dir)
         steps = job.get("steps", len(global_batches) - job.get("start", 0))
         cfg = job_config(job, steps, len(global_batches[0]))
+        settle_with_spec(cfg, spec)  # as the trainer: e.g. sequence parallelism for an MoE LM at TP > 1
         # for batch() only; sequence parallelism splits the image-expanded length over TP, as the trainer pads it
         encoder = encoder_for(hf_dir, spec=spec, pad_to_multiple_of=cfg.tp if cfg.sequence_parallel else None)
         rt = _setup(cfg)
-        if job.get("resume"):  # as the trainer: the plan (which fixes the loss objective) before the model
-            plan = resume.plan(cfg, job["resume"], rt.tp, rt.pp, rt.dp)
-            plan.load_data = False  # the job feeds its own batches
-        training = build_training(cfg, spec, init_from=None if job.get("resume") else iter_dir)
-        if job.get("resume"):
-            if job.get("reload_weights", True):
-                resume.restore(training, plan)
-            else:  # the defect: weights loaded, the optimizer's fp32 main params left as they were
-                checkpointing.load(plan.iter_dir, training.model, training.optimizer, training.scheduler, False,
-                                   with_rng=False, with_data=False)
+        if job.get("refused"):  # the set-up must fail, on every rank alike, before a step
+            try:
+                training = _start(job, cfg, spec, iter_dir, rt)
+                error = None
+            except Exception as e:  # noqa: BLE001 - the refusal is the result
+                training, error = None, f"{type(e).__name__}: {e}"
+            out.append({"name": job.get("name"), "error": error})
+            if training is not None:
+                release(training)
+            del training
+            gc.collect()
+            continue
+        if job.get("unchecked_expert_layout"):  # a fixture of what an older release trained at a refused layout
+            from unittest import mock
+
+            with mock.patch("megatron_vlm.mcore_version.expert_layout_problem", return_value=None):
+                training = _start(job, cfg, spec, iter_dir, rt)
+        else:
+            training = _start(job, cfg, spec, iter_dir, rt)
         if job.get("grads"):
             from megatron_vlm.testing import grad_reference
 
@@ -228,14 +221,10 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         # it to the other TP ranks of the first/last stage
         reads = batch_feed.reads_data(rt.tp_rank, rt.pp_rank, rt.pp)
         save_after = job.get("save_after", steps) if job.get("save") else None
-        rel: dict = {}
-        reference = job.get("reference_grads")
         for k, gb in enumerate(global_batches[first:first + steps], 1):
             mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
                 [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
-            inspect = (lambda t: rel.update(grad_differences(t, rt, spec, cfg, reference))) if reference and k == 1 \
-                else None
-            r = train_step(training, batch_feed.distribute(mine, rt.device), cfg, rt.device, inspect)
+            r = train_step(training, batch_feed.distribute(mine, rt.device), cfg, rt.device)
             losses.append(r.loss)
             norms.append(r.grad_norm)
             scales.append(r.loss_scale)
@@ -247,15 +236,13 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         torch.distributed.all_gather_object(readers, reads)
         digests: list = [None] * world
         torch.distributed.all_gather_object(digests, weights_digest(training.model))
-        rels: list = [None] * world
-        torch.distributed.all_gather_object(rels, rel)
         result = {"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
-                  "readers": [r for r, x in enumerate(readers) if x], "weights": digests, "moe": moe,
-                  "grad_rel": {k: max(d[k] for d in rels if k in d) for d in rels for k in d}}
+                  "readers": [r for r, x in enumerate(readers) if x], "weights": digests, "moe": moe}
         if job.get("grads"):
             ranks: list = [None] * world
             torch.distributed.all_gather_object(ranks, (grad_reference.coordinates(), captured[0]))
-            result.update(grads=ranks, layers=spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers))
+            result.update(grads=ranks, layout=dict(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp,
+                                                   layers=spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers)))
         out.append(result)
         release(training)
         del training

@@ -228,3 +228,12 @@ def megatron_lm_moe_checkpoints(megatron_dir, out_root, seq_length: int = 64) ->
         if torch.distributed.get_rank() == 0:
             ckpt.write_tracker(out / name, 5)
     torch.distributed.barrier()
+
+
+def in_turn(calls: list[tuple]) -> list | None:
+    """Several per-rank job functions in one world, one after the other: ``calls`` is ``[(function, args), ...]``
+    of module-level functions of this package (e.g. :func:`megatron_vlm.testing.family_jobs.logit_diffs` and
+    :func:`megatron_vlm.testing.train_jobs.train_jobs`); returns each one's result (on rank 0), so that a test
+    module pays for one world's start-up."""
+    out = [function(*args) for function, args in calls]
+    return out if torch.distributed.get_rank() == 0 else None

@@ -4,13 +4,13 @@
 - :func:`reads_data`: only TP rank 0 of the FIRST and of the LAST pipeline stage build an energon loader and
   decode samples. The first stage needs images and tokens; the last needs tokens, labels and loss mask (megatron's
   LLaVAModel expands labels and loss mask with the image positions found in the tokens, so it needs the tokens
-  and the image count per image, not the pixels); middle stages need nothing (with packing: only each micro
-  batch's ``cu_seqlens``, for their attention). energon shards by data-parallel rank, so each DP rank's slice is
+  and the image count per image, not the pixels); middle stages need only each micro batch's rows' positions of
+  samples (a mixture-of-experts model's routing) and, packed, its ``cu_seqlens`` (their attention). energon shards by data-parallel rank, so each DP rank's slice is
   read once per stage that needs it instead of once per GPU. The loader state saved in checkpoints is that of
   TP rank 0 of the first stage (the other reader of the same DP rank reads the same samples).
 - :func:`distribute`: the collective that turns what the readers hold into what every rank's forward step
-  takes: a reader's own batch, a :class:`MicroBatch` received over the tensor-parallel group, or ``None``
-  (middle stages without packing).
+  takes: a reader's own batch, a :class:`MicroBatch` received over the tensor-parallel group, or, on middle
+  stages, a :class:`MicroBatch` holding only each row's positions of samples (and a packed batch's boundaries).
 
 Anyres batches (LLaVA-NeXT / OneVision) also carry each image's original size and image-token count, which every
 stage's model needs. The tensors go as one int64 and one float32 buffer after a small header (shapes and counts), so a micro batch
@@ -53,6 +53,7 @@ class MicroBatch:
     max_seqlen: int | None = None
     image_sizes: torch.Tensor | None = None  # anyres: [images, 2] original (height, width)
     num_image_tokens: torch.Tensor | None = None  # anyres: image tokens per image (every stage needs them)
+    row_tokens: torch.Tensor | None = None  # each row's positions of samples (every stage's MoE routing needs them)
 
     def model_kwargs(self, device) -> dict:
         """The anyres model's extra inputs, as :class:`~megatron_vlm.data.anyres_encoder.AnyresBatch` gives them."""
@@ -84,11 +85,12 @@ def broadcast_micro_batch(batch, device, with_pixels: bool):
     torch.distributed.broadcast(header, src=src, group=group)
     b, s, n, c, h, w, num_tokens, n_cu, max_seqlen, pixels, n_tiles, n_anyres = header.tolist()
     n_sizes = max(n_anyres, 0)
-    n_int = 2 * b * s + n_tiles + n_cu + 3 * n_sizes
+    n_int = 2 * b * s + b + n_tiles + n_cu + 3 * n_sizes
     n_float = b * s + (n * c * h * w if pixels else 0)
     if sender:
         anyres = [batch.image_sizes.reshape(-1), batch.num_image_tokens.reshape(-1)] if n_anyres >= 0 else []
-        ints = torch.cat([batch.tokens.reshape(-1), batch.labels.reshape(-1), batch.num_image_tiles.reshape(-1)]
+        ints = torch.cat([batch.tokens.reshape(-1), batch.labels.reshape(-1), batch.row_tokens.reshape(-1),
+                          batch.num_image_tiles.reshape(-1)]
                          + ([batch.cu_seqlens.reshape(-1)] if n_cu else []) + anyres).to(device=device,
                                                                                          dtype=torch.int64)
         floats = torch.cat([batch.loss_mask.reshape(-1)] + ([batch.images.reshape(-1)] if pixels else [])).to(
@@ -100,48 +102,60 @@ def broadcast_micro_batch(batch, device, with_pixels: bool):
     torch.distributed.broadcast(floats, src=src, group=group)
     if sender:
         return batch
-    tokens, labels, tiles, cu, sizes, counts = torch.split(ints, [b * s, b * s, n_tiles, n_cu, 2 * n_sizes, n_sizes])
+    tokens, labels, rows, tiles, cu, sizes, counts = torch.split(ints, [b * s, b * s, b, n_tiles, n_cu, 2 * n_sizes,
+                                                                         n_sizes])
     loss_mask, images = torch.split(floats, [b * s, n_float - b * s])
     anyres = n_anyres >= 0
     return MicroBatch(images=images.view(n, c, h, w) if pixels else None, num_image_tiles=tiles.to(torch.int32),
                       tokens=tokens.view(b, s), labels=labels.view(b, s), loss_mask=loss_mask.view(b, s),
-                      num_tokens=num_tokens, cu_seqlens=cu.to(torch.int32) if n_cu else None,
+                      num_tokens=num_tokens, row_tokens=rows, cu_seqlens=cu.to(torch.int32) if n_cu else None,
                       max_seqlen=max_seqlen if n_cu else None,
                       image_sizes=sizes.view(n_sizes, 2).cpu() if anyres else None,
                       num_image_tokens=counts.to(torch.int32) if anyres else None)
 
 
-def _share_boundaries(batches: list, device) -> list:
-    """Packing with middle stages: the first stage sends each micro batch's ``cu_seqlens`` down the pipeline
-    group (collective over it); middle stages get :class:`MicroBatch` objects holding only those."""
+def _share_with_middle_stages(batches: list, device) -> list:
+    """With middle pipeline stages: the first stage sends each micro batch's ``row_tokens`` (a mixture-of-experts
+    model's routing counts only the positions of samples) and, packed, its ``cu_seqlens`` (their attention) down the
+    pipeline group (collective over it); middle stages get :class:`MicroBatch` objects holding only those."""
     from megatron.core import parallel_state as ps
 
     group, src = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_first_rank()
     first = ps.is_pipeline_first_stage(ignore_virtual=True)
-    lengths = torch.tensor([b.cu_seqlens.numel() for b in batches] if first else [0] * len(batches),
-                           dtype=torch.int64, device=device)
+
+    def lengths_of(b):
+        cu = getattr(b, "cu_seqlens", None)
+        return [b.row_tokens.numel(), 0 if cu is None else cu.numel()]
+
+    lengths = torch.tensor([lengths_of(b) for b in batches] if first else [[0, 0]] * len(batches),
+                           dtype=torch.int64, device=device).reshape(-1, 2)
     torch.distributed.broadcast(lengths, src=src, group=group)
-    flat = torch.cat([b.cu_seqlens.reshape(-1).to(device=device, dtype=torch.int64) for b in batches]) if first else \
-        torch.empty(int(lengths.sum()), dtype=torch.int64, device=device)
+    if first:
+        parts = [t.reshape(-1).to(device=device, dtype=torch.int64) for b in batches
+                 for t in (b.row_tokens, *([b.cu_seqlens] if getattr(b, "cu_seqlens", None) is not None else []))]
+        flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
+    else:
+        flat = torch.empty(int(lengths.sum()), dtype=torch.int64, device=device)
     torch.distributed.broadcast(flat, src=src, group=group)
     if not needs_data(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()):
         out = []
-        for cu in torch.split(flat, lengths.tolist()):
-            cu = cu.to(torch.int32)
-            out.append(MicroBatch(None, None, None, None, None, cu_seqlens=cu,
-                                  max_seqlen=int((cu[1:] - cu[:-1]).max())))
+        for piece, (n_rows, n_cu) in zip(torch.split(flat, lengths.sum(1).tolist()), lengths.tolist()):
+            rows, cu = piece[:n_rows], piece[n_rows:].to(torch.int32)
+            out.append(MicroBatch(None, None, None, None, None, row_tokens=rows,
+                                  cu_seqlens=cu if n_cu else None,
+                                  max_seqlen=int((cu[1:] - cu[:-1]).max()) if n_cu else None))
         return out
     return batches
 
 
-def distribute(batches: list, device, packing: bool = False) -> list:
+def distribute(batches: list, device) -> list:
     """What every rank's forward step takes, from what the readers hold (collective over the TP group of the
-    first/last stage, and with ``packing`` over the pipeline group when it has middle stages).
+    first/last stage, and over the pipeline group when it has middle stages).
 
     ``batches``: on a reader (:func:`reads_data`) its micro batches of one global batch, elsewhere a list of as
     many ``None``. Returns the readers' batches unchanged, :class:`MicroBatch` objects on the other TP ranks of
-    the first/last stage (pixels on the first stage only), and ``None`` (or boundaries only, with packing) on
-    middle stages."""
+    the first/last stage (pixels on the first stage only), and on middle stages :class:`MicroBatch` objects with
+    each micro batch's ``row_tokens`` (and ``cu_seqlens`` when packed) only."""
     from megatron.core import parallel_state as ps
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
@@ -149,6 +163,6 @@ def distribute(batches: list, device, packing: bool = False) -> list:
     out = list(batches)
     if tp > 1 and needs_data(pp_rank, pp):
         out = [broadcast_micro_batch(b, device, with_pixels=pp_rank == 0) for b in out]
-    if packing and pp > 2:
-        out = _share_boundaries(out, device)
+    if pp > 2:
+        out = _share_with_middle_stages(out, device)
     return out

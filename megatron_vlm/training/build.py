@@ -42,8 +42,7 @@ class Training:
     impl: str = "local"  # layer implementation: "transformer_engine" or "local"
     impl_reason: str = ""
     fusions: object = None  # megatron_vlm.fusions.Fusions in effect
-    routing: object = None  # megatron_vlm.training.moe.RoutingStats of a mixture-of-experts model
-    aux_weight: object = None  # megatron_vlm.training.moe.AuxLossWeight of a mixture-of-experts model
+    moe: object = None  # megatron_vlm.training.moe.MoETraining of a mixture-of-experts model
 
     @property
     def config(self):
@@ -124,6 +123,12 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     from megatron_vlm.data.packing import check_packing_supported
     from megatron_vlm.training import objective, schedule
 
+    if spec.is_moe:
+        from megatron_vlm.mcore_version import expert_layout_problem
+
+        problem = expert_layout_problem(cfg.ep, cfg.expert_tp, cfg.tp)
+        if problem:
+            raise ValueError(problem)
     dtype = compute_dtype(cfg)
     device = "cuda" if cfg.device == "cuda" else "cpu"
     impl, why = layer_impl.choose(cfg.transformer_impl, device, cfg.fp8)
@@ -155,12 +160,14 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync
-    routing = aux_weight = None
+    moe = None
     if spec.is_moe:
-        from megatron_vlm.training.moe import AuxLossWeight, RoutingStats
+        from megatron_vlm.model import aux_loss_coefficient
+        from megatron_vlm.training.moe import MoETraining
 
-        routing, aux_weight = RoutingStats(model, spec, config), AuxLossWeight(model, config)
-    return Training(spec, model, ddp, optimizer, scheduler, trained, dtype, impl, why, fusions, routing, aux_weight)
+        opts = cfg.moe_options()
+        moe = MoETraining(model, spec, config, opts.load_balancing_type, aux_loss_coefficient(spec, opts))
+    return Training(spec, model, ddp, optimizer, scheduler, trained, dtype, impl, why, fusions, moe)
 
 
 def release(training: Training) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from megatron_vlm import checkpoint as ckpt
-from megatron_vlm import layer_impl, manifest, storage
+from megatron_vlm import layer_impl, manifest, mcore_version, storage
 from megatron_vlm.spec import VLMSpec
 
 log = logging.getLogger(__name__)
@@ -306,7 +306,8 @@ def missing_optimizer_state(optimizer_sd: dict, iter_dir) -> list[str]:
 
 def _expert_optimizer_split_differs(missing: list[str], iter_dir) -> bool:
     """Whether the missing keys are only named apart: megatron-core keeps expert and dense parameters in two
-    optimizers (keys ``chained_<i>.optimizer...``) whenever EP x ETP differs from TP, in one (no prefix) otherwise."""
+    optimizers (keys ``chained_<i>.optimizer...``) at some layouts and in one (no prefix) at others, by a rule that
+    changed between versions (:func:`megatron_vlm.mcore_version.experts_optimizer_apart`)."""
     import re
 
     from megatron.core import dist_checkpointing
@@ -319,16 +320,24 @@ def _expert_optimizer_split_differs(missing: list[str], iter_dir) -> bool:
 def _check_optimizer_state(optimizer_sd: dict, iter_dir) -> None:
     missing = missing_optimizer_state(optimizer_sd, iter_dir)
     if missing and _expert_optimizer_split_differs(missing, iter_dir):
+        from megatron.core import parallel_state as ps
+
         meta = ckpt.CheckpointMeta.load(iter_dir)
+        writer = (meta.versions or {}).get("megatron_core")
         saved_apart = not any(k.startswith("chained_") for k in missing)  # this run asks for unprefixed keys
+        ep, etp, tp = (ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+                       ps.get_tensor_model_parallel_world_size())
+        fix = f"--ep {meta.ep} --etp {meta.etp or meta.tp}" if saved_apart else "--ep 1 with --etp equal to --tp"
         raise OptimizerStateMismatch(
-            f"{iter_dir} was saved at --ep {meta.ep} --etp {meta.etp or meta.tp} --tp {meta.tp}, where megatron-core "
-            f"keeps the optimizer state of the experts {'apart from' if saved_apart else 'together with'} the other "
-            "parameters, "
-            "and this run keeps it the other way (megatron-core separates them whenever EP x ETP differs from TP): the "
-            "optimizer state cannot move between the two. Resume at a layout that keeps them as the checkpoint does "
-            f"(e.g. --ep {meta.ep} --etp {meta.etp or meta.tp}), or pass --no-load-optim to continue from its weights "
-            "with a fresh optimizer")
+            f"{iter_dir} was saved at --ep {meta.ep} --etp {meta.etp or meta.tp} --tp {meta.tp}"
+            + (f" by megatron-core {writer}" if writer else "")
+            + (f" ({mcore_version.expert_optimizer_rule(writer)})" if writer and writer != mcore_version.installed()
+               else "")
+            + f", where the optimizer state of the experts is kept {'apart from' if saved_apart else 'together with'}"
+            f" the other parameters; this run at --ep {ep} --etp {etp} --tp {tp} keeps it "
+            f"{'together' if saved_apart else 'apart'} ({mcore_version.expert_optimizer_rule()}): the optimizer "
+            f"state cannot move between the two. Resume at a layout that keeps them as the checkpoint does ({fix}), "
+            "or pass --no-load-optim to continue from its weights with a fresh optimizer")
     if missing:
         params = sorted({k.split(".", 3)[-1] for k in missing if k.startswith("optimizer.state.")} or set(missing))
         raise OptimizerStateMismatch(

@@ -1,32 +1,67 @@
-"""Training a mixture-of-experts language model: the weight of the routers' auxiliary losses in the objective, and
+"""Training a mixture-of-experts language model: the load-balancing objective, the positions the routers count, and
 the routing numbers a user watches for routing collapse.
 
-**The auxiliary losses' weight** (:class:`AuxLossWeight`). The trainer's objective is megatron-core's per-token
-loss (summed token losses over the global batch's loss tokens, so that every layout equals HF). megatron-core's
-routers then multiply each micro batch's load-balancing (and z-) loss by the tokens they routed, and every gradient
-is divided by the global batch's loss tokens: in instruction tuning, where only answers carry loss, that weights the
-auxiliary losses by positions / loss tokens (10-100x), and megatron-core 0.16 further divides them by the TP size
-under sequence parallelism (0.19 does not). The trainer makes the weight what megatron-core's routers intend,
-whatever the loss mask, TP or version: ``--moe-aux-loss-coeff`` (``--moe-z-loss-coeff``) times the mean over
-micro batches and data-parallel ranks of each MoE layer's loss, summed over layers. It does so by routing the
-losses unscaled (the routers' ``calculate_per_token_loss`` off) and, for each step, multiplying the coefficients
-by the global batch's loss tokens over its micro batches (the division by loss tokens then leaves exactly the
-coefficient); the logged losses are without the coefficient, as Megatron-LM logs them.
+**The objective** (``--moe-router-load-balancing-type``, coefficient ``--moe-aux-loss-coeff``: default the HF
+config's ``router_aux_loss_coef``, 0 leaves HF LLaVA's plain cross entropy). The trainer's loss is megatron-core's
+per-token cross entropy (summed over the global batch's loss tokens, so that every layout equals HF) plus:
+
+- ``hf`` (the default; :class:`HFLoadBalancing`): the term the model's own HF code adds. transformers' Qwen3-MoE and
+  Mixtral forward adds ``router_aux_loss_coef x load_balancing_loss_func(router logits, attention_mask)``: ONE loss
+  over all MoE layers together, ``E x sum_i f_i P_i``, with ``f_i`` the fraction of the top-k choices that went to
+  expert i and ``P_i`` the mean router probability (softmax over all experts) of expert i, both over every (MoE
+  layer, position) pair of the batch, padding left out. Balanced routing gives top-k. It is computed as HF's forward
+  computes it per batch, per micro batch: the counts, probability sums and positions of the micro batch are summed
+  over this rank's MoE layers, over the ranks that hold parts of its sequence (:func:`sequence_group`: the
+  tensor-parallel ranks under sequence parallelism; megatron-core's TP x CP group, so context parallelism joins by
+  its group) and over the pipeline stages (:class:`_StageExchange`), and the term is averaged over micro batches and
+  data-parallel ranks, as gradient accumulation averages it. Its gradient reaches each router through its
+  probabilities only (the counts are not differentiable: ``d/dP_i = E f_i``), so each router's share is exact once
+  the micro batch's counts of every layer are known: each stage sends its counts to the other stages when its
+  forward of the micro batch ends, and the gradient is formed in the backward, which on every stage starts after
+  the micro batch's forward has passed every stage.
+- ``aux_loss``, ``seq_aux_loss``, ``global_aux_loss`` (:class:`AuxLossWeight`): megatron-core's own per-layer losses,
+  summed over MoE layers (balanced routing gives 1 per layer, so L in all). ``aux_loss``: per micro batch, the
+  switch loss ``E / (k T^2) x sum_i (sum of expert i's probabilities) x (tokens routed to i)`` over its T positions;
+  ``seq_aux_loss``: the same per sequence, averaged over the micro batch's sequences; ``global_aux_loss``: the
+  counts accumulated over the global batch's micro batches and data-parallel ranks. megatron-core's routers would
+  multiply each by the micro batch's positions under the per-token loss (10-100x in instruction tuning, where only
+  answers carry loss) and megatron-core 0.16 divides it by TP under sequence parallelism: the trainer holds each at
+  ``--moe-aux-loss-coeff`` x its mean over micro batches and data-parallel ranks, summed over layers, by routing
+  the losses unscaled (the routers' ``calculate_per_token_loss`` off) and multiplying the coefficients, per step,
+  by the global batch's loss tokens over its micro batches.
+- ``none``: no load-balancing term.
+
+**Padding** (:class:`MicroBatchRouting`): every micro batch carries each row's positions that belong to its samples
+(``row_tokens``: the image-expanded length; the rest of the row is padding to the batch's longest sample,
+``--seq-length`` under pipeline parallelism, or the FP8 / sequence-parallel multiple). Those positions alone enter
+the load-balancing statistics (HF's objective, and megatron-core's types through its routers' ``padding_mask``),
+the z-loss, the routing numbers and the capacity count: with ``--moe-expert-capacity-factor`` the capacity is
+figured on the positions of samples and only they are routed (megatron-core's token dropping applied to them).
+Without a capacity, padded positions still run through their top-k experts (their outputs are never read): expert
+compute in proportion to the padding (``padding_fraction`` in the log); packing removes it.
 
 **Routing numbers** (:class:`RoutingStats`). Per iteration (a global batch), on every rank, collectively:
 
-- the load-balancing loss (and z-loss) that megatron-core's routers record in its MoE metrics tracker, reduced as
-  Megatron-LM reduces them (over pipeline stages, the tensor-parallel group, averaged over data-parallel ranks) and
-  averaged over micro batches: per MoE layer, and their mean over MoE layers (Megatron-LM's logged
-  ``load_balancing_loss``); values are without the coefficient;
-- each MoE layer's expert load: tokens routed to each expert over the whole global batch (every data-parallel rank
-  and micro batch, counted once per tensor-parallel group), from the routing map every megatron-core ``TopKRouter``
-  returns (a forward hook), and the imbalance ``max / mean`` of those counts (1 is perfectly even, ``num_experts /
-  topk``-ish when a few experts take everything).
+- the load-balancing loss without its coefficient: HF's term, averaged over micro batches and data-parallel ranks;
+  or megatron-core's, which its routers record in its metrics tracker, reduced as Megatron-LM reduces them (over
+  pipeline stages, the tensor-parallel group, averaged over data-parallel ranks) and averaged over micro batches:
+  per MoE layer, and their mean (Megatron-LM's logged ``load_balancing_loss``);
+- each MoE layer's expert load: the positions of samples routed to each expert over the whole global batch (every
+  data-parallel rank and micro batch, counted once per tensor-parallel group), and the imbalance ``max / mean`` of
+  those counts (1 is perfectly even, ``num_experts / topk``-ish when a few experts take everything).
 
 The numbers go to the console line, ``metrics.jsonl`` and TensorBoard through
 :class:`~megatron_vlm.training.metrics.MetricsLogger` (``--moe-per-layer-logging`` adds each layer). megatron-core
 0.16 keeps the tracker in a module dict, 0.19 in a ``MoEMetricsTracker``: :func:`_tracker_ops` hides which.
+
+Activation recomputation re-runs a router's forward inside the backward: the statistics are recorded in the first
+forward only, and the recomputed forward takes the micro batch whose backward is running (a hook on the stage's
+output marks it).
+
+One model chunk per rank: :meth:`MoETraining.begin` numbers the micro batches in the order of the forward step's
+calls, and the stage exchange expects one message per micro batch from each other stage. Virtual pipeline stages
+(several chunks per rank) call the forward step once per chunk and micro batch: they need the schedule's micro batch
+id as the key and one message per chunk.
 """
 
 from __future__ import annotations
@@ -35,9 +70,21 @@ import contextlib
 
 import torch
 
-#: --moe-router-load-balancing-type -> the name megatron-core's router records its loss under
+#: megatron-core's load-balancing types -> the name its router records the loss under
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
               "global_aux_loss": "global_load_balancing_loss"}
+#: --moe-router-load-balancing-type's choices, the default first
+OBJECTIVES = ("hf", *LOSS_NAMES, "none")
+
+
+def describe_objective(kind: str, coeff: float, source: str, moe_layers: int) -> str:
+    """The start-up line's words for the load-balancing term."""
+    if kind == "none" or not coeff:
+        return "no load-balancing loss (cross entropy only)"
+    if kind == "hf":
+        return (f"HF's load_balancing_loss_func over all {moe_layers} MoE layers together, per micro batch, padding "
+                f"excluded, coefficient {coeff:g} ({source})")
+    return f"megatron-core's {kind} per MoE layer, summed over {moe_layers} layers, coefficient {coeff:g} ({source})"
 
 
 def tracked_names(config) -> list[str]:
@@ -75,34 +122,196 @@ def _tracker_ops():
     return values, (lambda names: tracker._sync_metrics(names, None)), tracker.clear
 
 
+def sequence_group(config):
+    """The ranks that hold parts of one micro batch's sequence, whose routers see one batch between them: the
+    tensor-parallel ranks under sequence parallelism (without it every TP rank routes every position) and the
+    context-parallel ranks (megatron-core's groups; of size 1 where unused)."""
+    from megatron.core import parallel_state as ps
+
+    if config.sequence_parallel:
+        return ps.get_tensor_and_context_parallel_group()
+    return ps.get_context_parallel_group()
+
+
+def _held_positions(s_local: int, config, device) -> torch.Tensor:
+    """The positions of the micro batch's rows that this rank's routers see, of ``s_local`` per row: all of them, or
+    under sequence parallelism this TP rank's contiguous slice (megatron-core scatters the sequence in TP chunks)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() > 1:
+        raise NotImplementedError("the routed positions under context parallelism: add the CP ranks' layout here")
+    start = ps.get_tensor_model_parallel_rank() * s_local if config.sequence_parallel else 0
+    return torch.arange(start, start + s_local, device=device)
+
+
+class MicroBatchRouting:
+    """One micro batch on this rank: its rows' positions of samples, and (HF objective) its statistics."""
+
+    def __init__(self, index: int, row_tokens, config, experts: int, device):
+        self.index, self.config = index, config
+        self.row_tokens = None if row_tokens is None else row_tokens.to(device=device, dtype=torch.int64)
+        #: this rank's MoE layers: counts of top-k choices per expert, probability sums per expert, positions
+        self.stats = torch.zeros(2 * experts + 1, dtype=torch.float64, device=device)
+        self.total = None  # the same over the sequence group and every pipeline stage
+        self.exchange = None  # (sends, receives) with the other stages
+        self.value = None  # load_balancing_loss_func of the micro batch
+
+    def valid(self, s_local: int, rows: int):
+        """[s_local, rows] bool, True where the position holds a sample (None: no information, every position)."""
+        if self.row_tokens is None or self.row_tokens.numel() != rows:
+            return None
+        positions = _held_positions(s_local, self.config, self.row_tokens.device)
+        return positions[:, None] < self.row_tokens[None, :]
+
+
+class _StageExchange:
+    """Each micro batch's statistics of this pipeline stage to the other stages of its pipeline, and theirs to it:
+    point to point on a gloo group of its own (CPU tensors, tagged by the micro batch), so the schedule's own
+    pipeline traffic is untouched. Sent when a stage's forward of the micro batch ends; received when its backward
+    needs them, which every stage reaches only after the micro batch's forward passed every stage."""
+
+    def __init__(self):
+        from megatron.core import parallel_state as ps
+
+        ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+        me = torch.distributed.get_rank()
+        self.peers = [r for r in ranks if r != me]
+        self.group = torch.distributed.new_group(backend="gloo")  # collective: every rank builds it
+
+    def post(self, index: int, stats: torch.Tensor):
+        cpu = stats.detach().to("cpu", copy=True)
+        sends = [(cpu, torch.distributed.isend(cpu, dst=p, group=self.group, tag=index)) for p in self.peers]
+        recvs = []
+        for p in self.peers:
+            buf = torch.empty_like(cpu)
+            recvs.append((buf, torch.distributed.irecv(buf, src=p, group=self.group, tag=index)))
+        return sends, recvs
+
+
+class _LoadBalancingGradient(torch.autograd.Function):
+    """Identity on a router's probabilities (which the experts' outputs are weighted by, so its backward runs with
+    the micro batch's); the backward adds the HF term's gradient to the router's softmax scores: the same vector
+    for every position (the scores are masked to the positions of samples), formed only then, when every stage's
+    counts are in (:meth:`HFLoadBalancing.gradient`)."""
+
+    @staticmethod
+    def forward(ctx, probs, scores, micro, objective):
+        ctx.micro, ctx.objective, ctx.rows = micro, objective, scores.shape[0]
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad_probs):
+        w = ctx.objective.gradient(ctx.micro).to(grad_probs.device)
+        return grad_probs, w[None, :].expand(ctx.rows, -1).contiguous(), None, None
+
+
+class HFLoadBalancing:
+    """The ``hf`` objective's term on this rank (see the module docstring)."""
+
+    def __init__(self, config, coeff: float, pipeline: int):
+        self.config, self.coeff = config, float(coeff)
+        self.experts, self.topk = config.num_moe_experts, config.moe_router_topk
+        self.exchange = _StageExchange() if pipeline > 1 else None
+        self.factor = 1.0
+
+    def routed(self, logits, probs, valid, micro: MicroBatchRouting, record: bool):
+        """A router's output with the term attached: record its counts and probability sums (``record``: the first
+        forward, not a recomputation)."""
+        from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+
+        flat = logits.reshape(-1, self.experts)
+        routing_map, scores = compute_routing_scores_for_aux_loss(
+            flat, self.topk, "softmax", padding_mask=None if valid is None else ~valid)
+        if record:
+            n = flat.new_tensor(flat.shape[0]) if valid is None else valid.sum()
+            micro.stats += torch.cat([routing_map.sum(0).double(), scores.detach().sum(0).double(),
+                                      n.double().reshape(1)])
+        if torch.is_grad_enabled() and scores.requires_grad:
+            probs = _LoadBalancingGradient.apply(probs, scores, micro, self)
+        return probs
+
+    def forward_done(self, micro: MicroBatchRouting) -> None:
+        """This stage's forward of ``micro`` is over: sum its statistics over the sequence group and send them to
+        the other stages (collective over the sequence group)."""
+        group = sequence_group(self.config)
+        if torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(micro.stats, group=group)
+        if self.exchange is not None:
+            micro.exchange = self.exchange.post(micro.index, micro.stats)
+
+    def resolve(self, micro: MicroBatchRouting) -> torch.Tensor:
+        """The micro batch's statistics over every stage (waits for the other stages' if they are still out)."""
+        if micro.total is None:
+            total = micro.stats.clone()
+            if micro.exchange is not None:
+                for buf, work in micro.exchange[1]:
+                    work.wait()
+                    total += buf.to(total.device)
+            e = self.experts
+            f, p, n = total[:e], total[e:2 * e], total[2 * e].clamp(min=1.0)
+            micro.value = float(e * ((f / n) * (p / n)).sum())
+            micro.total = total
+        return micro.total
+
+    def gradient(self, micro: MicroBatchRouting) -> torch.Tensor:
+        """d(objective)/d(score of expert i at a position of a sample), for every i: coefficient x the step's weight
+        x E f_i / N, times the loss scale megatron-core's schedule set for the auxiliary losses (fp16)."""
+        from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+
+        total = self.resolve(micro)
+        e = self.experts
+        n = total[2 * e].clamp(min=1.0)
+        w = self.coeff * self.factor * e * total[:e] / (n * n)
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        if scale is not None:
+            w = w * scale.double().to(w.device)
+        return w.float()
+
+    def finish(self, micros: list) -> list[float]:
+        """After the step's schedule: every micro batch's value (waits for what no backward needed), and the sends
+        completed."""
+        values = []
+        for m in micros:
+            self.resolve(m)
+            if m.exchange is not None:
+                for _, work in m.exchange[0]:
+                    work.wait()
+                m.exchange = None
+            values.append(m.value)
+        return values
+
+
 class RoutingStats:
-    """Collects one iteration's routing numbers of this rank's model chunk (see the module docstring)."""
+    """One iteration's routing numbers of this rank's model chunk (see the module docstring): each MoE layer's
+    positions of samples routed to each expert, counted by :class:`MoETraining`'s router wrapper."""
 
-    def __init__(self, model, spec, config):
-        from megatron.core.transformer.moe.router import TopKRouter
-
+    def __init__(self, spec, config):
         self.spec, self.config = spec, config
         self.names = tracked_names(config)
         self.moe_layers = spec.moe_layers
         self.counts = None
-        self._hooks = [m.register_forward_hook(self._count) for m in model.modules() if isinstance(m, TopKRouter)]
 
-    def _count(self, router, inputs, output) -> None:
-        routing_map = output[1]
+    def count(self, layer_number: int, routing_map, valid) -> None:
         if self.counts is None:
             self.counts = torch.zeros(self.spec.num_layers, self.spec.num_moe_experts, dtype=torch.float64,
                                       device=routing_map.device)
-        self.counts[router.layer_number - 1] += routing_map.detach().sum(dim=0).double()
+        routed = routing_map.detach() if valid is None else routing_map.detach() & valid[:, None]
+        self.counts[layer_number - 1] += routed.sum(dim=0).double()
 
     def reset(self) -> None:
         if self.counts is not None:
             self.counts.zero_()
 
-    def collect(self, num_microbatches: int, device) -> dict:
-        """This iteration's numbers (collective over all ranks; call once per training step, after the schedule)."""
+    def collect(self, num_microbatches: int, device, hf_values: list | None = None) -> dict:
+        """This iteration's numbers (collective over all ranks; call once per training step, after the schedule).
+        ``hf_values``: this rank's micro batches' values of HF's term (the ``hf`` objective)."""
         from megatron.core import parallel_state as ps
 
         out: dict = {}
+        if hf_values is not None:
+            mean = torch.tensor([sum(hf_values), len(hf_values)], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(mean, group=ps.get_data_parallel_group())
+            out["moe_load_balancing_loss"] = float(mean[0] / mean[1].clamp(min=1))
         values, sync, clear = _tracker_ops()
         if self.names:
             per_layer = {n: values(n, self.spec.num_layers, device) for n in self.names}
@@ -129,7 +338,8 @@ class RoutingStats:
 
 
 class AuxLossWeight:
-    """Holds the routers' auxiliary losses at the weight the module docstring defines (this rank's model chunk)."""
+    """Holds megatron-core's auxiliary losses (its load-balancing types, the z-loss) at the weight the module
+    docstring defines (this rank's model chunk)."""
 
     def __init__(self, model, config):
         from megatron.core.transformer.moe.router import Router
@@ -153,6 +363,133 @@ class AuxLossWeight:
             yield
         finally:
             self.config.moe_aux_loss_coeff, self.config.moe_z_loss_coeff = self.aux, self.z
+
+
+#: the positions of samples among the rows a router is routing right now (set around its routing, for the
+#: capacity count of :func:`_install_token_dropping`)
+_ROUTING = {"valid": None}
+
+
+def _install_token_dropping() -> None:
+    """megatron-core's token dropping (``--moe-expert-capacity-factor``) applied to the positions of samples only:
+    the capacity is figured on them, and padded positions are routed nowhere. With
+    ``--moe-pad-expert-input-to-capacity`` megatron-core's dispatcher figures the capacity over every position
+    itself, so dropping stays as megatron-core does it there. Installed once per process on megatron-core's router
+    module (the name its routing calls)."""
+    from megatron.core.transformer.moe import router as module
+
+    original = module.apply_router_token_dropping
+    if getattr(original, "positions_of_samples", False):
+        return
+
+    def dropping(probs, routing_map, *args, **kwargs):
+        valid = _ROUTING["valid"]
+        if valid is None or kwargs.get("pad_to_capacity") or bool(valid.all()):
+            return original(probs, routing_map, *args, **kwargs)
+        kept_probs, kept_map = original(probs[valid], routing_map[valid], *args, **kwargs)
+        out_probs, out_map = torch.zeros_like(probs), torch.zeros_like(routing_map)
+        out_probs[valid], out_map[valid] = kept_probs, kept_map
+        return out_probs, out_map
+
+    dropping.positions_of_samples = True
+    module.apply_router_token_dropping = dropping
+
+
+class MoETraining:
+    """This rank's mixture-of-experts parts in training (:func:`megatron_vlm.training.build.build_training` makes
+    it for an MoE model): every megatron-core ``TopKRouter``'s routing wrapped to know the positions of samples
+    (:class:`MicroBatchRouting`), to attach the ``hf`` objective's term (:class:`HFLoadBalancing`) and to count the
+    routing numbers (:class:`RoutingStats`); megatron-core's own types and its z-loss weighted by
+    :class:`AuxLossWeight`.
+
+    Per step: :meth:`step` around the schedule; the forward step calls :meth:`begin` with each micro batch before
+    the model and :meth:`forward_done` with the model's output after it; :meth:`collect` gives the numbers."""
+
+    def __init__(self, model, spec, config, objective: str, coeff: float):
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.spec, self.config, self.objective, self.coeff = spec, config, objective, coeff
+        self.stats = RoutingStats(spec, config)
+        self.hf = HFLoadBalancing(config, coeff, ps.get_pipeline_model_parallel_world_size()) \
+            if objective == "hf" and coeff else None
+        self.aux_weight = AuxLossWeight(model, config)  # megatron-core's types and its z-loss
+        self.micros: list = []
+        self._forward = self._backward = None
+        for m in model.modules():
+            if isinstance(m, TopKRouter):
+                self._wrap(m)
+        _install_token_dropping()
+
+    def _current(self):
+        """The micro batch being routed: the one in its forward, or, inside a backward (activation recomputation
+        re-running a layer's forward), the one whose backward runs."""
+        return self._backward if torch._C._current_graph_task_id() != -1 else self._forward
+
+    def _wrap(self, router) -> None:
+        original = router.routing
+
+        def routing(logits, padding_mask=None):
+            micro = self._current()
+            valid = micro.valid(logits.shape[0], logits.shape[1]) if micro is not None else None
+            flat = None if valid is None else valid.reshape(-1)
+            if valid is not None and padding_mask is None:
+                padding_mask = ~valid
+            _ROUTING["valid"] = flat
+            try:
+                probs, routing_map = original(logits, padding_mask=padding_mask)
+            finally:
+                _ROUTING["valid"] = None
+            if micro is not None and router.training:
+                record = torch._C._current_graph_task_id() == -1  # not a recomputation
+                if record:
+                    self.stats.count(router.layer_number, routing_map, flat)
+                if self.hf is not None:
+                    probs = self.hf.routed(logits, probs, flat, micro, record)
+            return probs, routing_map
+
+        router.routing = routing
+
+    @contextlib.contextmanager
+    def step(self, loss_tokens: float, micro_batches: int):
+        """One step of ``micro_batches`` micro batches (over all data-parallel ranks) whose gradients are divided by
+        ``loss_tokens`` (megatron-core's per-token loss): the terms' weight for that step."""
+        self.micros, self._forward, self._backward = [], None, None
+        self.stats.reset()
+        if self.hf is not None:
+            self.hf.factor = float(loss_tokens) / micro_batches
+        with self.aux_weight.step(loss_tokens, micro_batches):
+            yield
+
+    def begin(self, batch) -> MicroBatchRouting:
+        """A micro batch's forward starts on this rank (``batch``: what the forward step got, or None)."""
+        micro = MicroBatchRouting(len(self.micros), getattr(batch, "row_tokens", None), self.config,
+                                  self.spec.num_moe_experts, _device())
+        self.micros.append(micro)
+        self._forward = micro
+        return micro
+
+    def forward_done(self, micro: MicroBatchRouting, output) -> None:
+        """This stage's forward of ``micro`` ended with ``output``: the statistics go out, and the output's
+        gradient marks the start of the micro batch's backward (collective over the sequence group)."""
+        self._forward = None
+        if self.hf is not None:
+            self.hf.forward_done(micro)
+        if torch.is_tensor(output) and output.requires_grad:
+            output.register_hook(lambda grad: self._enter_backward(micro))
+
+    def _enter_backward(self, micro) -> None:
+        self._backward = micro
+
+    def collect(self, num_microbatches: int, device) -> dict:
+        """The step's routing numbers (collective over all ranks; after the schedule)."""
+        values = self.hf.finish(self.micros) if self.hf is not None else None
+        self.micros, self._backward = [], None
+        return self.stats.collect(num_microbatches, device, values)
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def global_loss_tokens(batches: list, device) -> float:

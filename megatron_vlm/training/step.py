@@ -50,10 +50,13 @@ def _on(device, t):
     return None if t is None else t.to(device)
 
 
-def forward_step(device, data_iterator, model):
+def forward_step(device, data_iterator, model, moe=None):
     """``None`` micro batches (middle pipeline stages) pass no inputs; a packed one (``cu_seqlens``) passes
-    megatron's PackedSeqParams (see :mod:`megatron_vlm.data.packing` and :mod:`.batch_feed`)."""
+    megatron's PackedSeqParams (see :mod:`megatron_vlm.data.packing` and :mod:`.batch_feed`). ``moe``: a
+    mixture-of-experts model's :class:`~megatron_vlm.training.moe.MoETraining` in training, told where each micro
+    batch's forward starts and ends on this rank."""
     b = next(data_iterator)
+    micro = moe.begin(b) if moe is not None else None
     kwargs = {}
     if b is None:
         b = _NO_INPUTS
@@ -66,6 +69,8 @@ def forward_step(device, data_iterator, model):
             kwargs.update(b.model_kwargs(device))
     out, loss_mask = model(_on(device, b.images), _on(device, b.tokens), None, None, _on(device, b.labels),
                            _on(device, b.loss_mask), None, _on(device, b.num_image_tiles), **kwargs)
+    if micro is not None:
+        moe.forward_done(micro, out)
     return out, partial(loss_func, loss_mask)
 
 
@@ -81,10 +86,8 @@ def _reduce_losses(losses, device) -> torch.Tensor:
     return total
 
 
-def train_step(training, batches: list, cfg, device, before_optimizer_step=None) -> StepResult:
-    """Forward/backward over this rank's micro batches of one global batch, then the optimizer step.
-    ``before_optimizer_step(training)``, if given, runs in between, when the gradients are reduced over the global
-    batch (in megatron DDP's ``main_grad`` buffers; with the distributed optimizer each DP rank holds its shard)."""
+def train_step(training, batches: list, cfg, device) -> StepResult:
+    """Forward/backward over this rank's micro batches of one global batch, then the optimizer step."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -94,22 +97,18 @@ def train_step(training, batches: list, cfg, device, before_optimizer_step=None)
     # fp16's dynamic loss scale (read before the step changes it); other precisions have none, and reading the
     # scale tensor would be one more host-device sync per step
     scale = float(optimizer.get_loss_scale()) if cfg.precision == "fp16" else 1.0
-    routing, aux_weight = getattr(training, "routing", None), getattr(training, "aux_weight", None)
-    if routing is not None:
-        routing.reset()
+    moe = getattr(training, "moe", None)
     with contextlib.ExitStack() as stack:
-        if aux_weight is not None:  # the MoE auxiliary losses' weight in this step (megatron_vlm.training.moe)
+        if moe is not None:  # the MoE load-balancing term's weight in this step (megatron_vlm.training.moe)
             from megatron_vlm.training.moe import global_loss_tokens
 
             micro_batches = len(batches) * ps.get_data_parallel_world_size()
-            stack.enter_context(aux_weight.step(global_loss_tokens(batches, device), micro_batches))
+            stack.enter_context(moe.step(global_loss_tokens(batches, device), micro_batches))
         losses = get_forward_backward_func()(
-            forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
+            forward_step_func=partial(forward_step, device, moe=moe), data_iterator=iter(batches), model=[ddp],
             num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
             forward_only=False)
-    if before_optimizer_step is not None:
-        before_optimizer_step(training)
-    moe = routing.collect(len(batches), device) if routing is not None else None
+    routing = moe.collect(len(batches), device) if moe is not None else None
     ok, grad_norm, _ = optimizer.step()
     training.scheduler.step(increment=1)
     total = _reduce_losses(losses, device)
@@ -123,13 +122,14 @@ def train_step(training, batches: list, cfg, device, before_optimizer_step=None)
     torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
     samples, tokens, images = (int(c) for c in counts.tolist())
     return StepResult(total[0].item(), total[1].item(), float(grad_norm) if ok else None, samples, tokens, images,
-                      scale, moe)
+                      scale, routing)
 
 
 def pad_micro_batch(batch, micro_batch_size: int, image_token_id):
     """A partial last batch filled up to ``micro_batch_size`` rows with copies of its last row whose loss mask
-    is zero: pipeline stages exchange activations of a fixed [seq, micro batch, hidden] shape, so every
-    micro batch must have the same number of rows (a short one would leave the next stage waiting).
+    is zero (and with no position of a sample, for an MoE model's routing counts): pipeline stages exchange
+    activations of a fixed [seq, micro batch, hidden] shape, so every micro batch must have the same number of rows
+    (a short one would leave the next stage waiting).
     ``image_token_id``: the image token's id, or the ids of every image/video token (``spec.media_token_ids``)."""
     if batch is None or batch.tokens is None:  # a middle pipeline stage
         return batch
@@ -152,7 +152,8 @@ def pad_micro_batch(batch, micro_batch_size: int, image_token_id):
         batch, images=torch.cat([batch.images] + [last_images] * extra),
         num_image_tiles=torch.cat([batch.num_image_tiles] + [last_tiles] * extra), tokens=rows(batch.tokens),
         labels=rows(batch.labels), loss_mask=torch.cat([batch.loss_mask, batch.loss_mask.new_zeros(
-            extra, batch.loss_mask.shape[1])]), num_tokens=batch.num_tokens, **per_image)
+            extra, batch.loss_mask.shape[1])]), num_tokens=batch.num_tokens,
+        row_tokens=torch.cat([batch.row_tokens, batch.row_tokens.new_zeros(extra)]), **per_image)
 
 
 def evaluate(training, batches: list, cfg, device) -> float | None:

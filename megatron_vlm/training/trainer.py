@@ -67,19 +67,25 @@ def _source(cfg):
     return VLMSpec.load(it_dir), it_dir, it_dir, False
 
 
-def describe_moe(spec: VLMSpec, config, cfg) -> str:
-    """The start-up line of an MoE run: the routing the model was built with, its parallel layout and losses."""
-    coeff = config.moe_aux_loss_coeff
+def describe_moe(spec: VLMSpec, config, cfg, moe=None) -> str:
+    """The start-up line of an MoE run: the routing the model was built with, its parallel layout, the
+    load-balancing objective and its coefficient (``moe``: the run's
+    :class:`~megatron_vlm.training.moe.MoETraining`)."""
+    from megatron_vlm.training.moe import describe_objective
+
     source = "the HF config's router_aux_loss_coef" if cfg.moe_aux_loss_coeff is None else "--moe-aux-loss-coeff"
-    balance = "no load-balancing loss" if config.moe_router_load_balancing_type == "none" or not coeff else \
-        f"{config.moe_router_load_balancing_type} coefficient {coeff:g} ({source})"
+    kind = moe.objective if moe is not None else config.moe_router_load_balancing_type
+    coeff = moe.coeff if moe is not None else config.moe_aux_loss_coeff
     capacity = "no capacity (no token dropped)" if config.moe_expert_capacity_factor is None else \
-        f"capacity factor {config.moe_expert_capacity_factor:g} (tokens over it are dropped)"
+        f"capacity factor {config.moe_expert_capacity_factor:g} over the positions of samples (tokens over it are " \
+        "dropped)"
     experts = "TEGroupedMLP (grouped GEMM)" if config.moe_grouped_gemm else "SequentialMLP"
     return (f"{spec.num_moe_experts} experts of {spec.moe_ffn_hidden_size}, top {spec.moe_router_topk} per token "
             f"({'renormalised' if spec.moe_norm_topk_prob else 'not renormalised'}), {len(spec.moe_layers)} of "
             f"{spec.num_layers} layers; ep={config.expert_model_parallel_size} "
-            f"etp={config.expert_tensor_parallel_size}; {balance}"
+            f"etp={config.expert_tensor_parallel_size}"
+            + (f", sequence parallel over tp={config.tensor_model_parallel_size}" if config.sequence_parallel else "")
+            + f"; load balancing: {describe_objective(kind, coeff, source, len(spec.moe_layers))}"
             + (f"; z-loss {config.moe_z_loss_coeff:g}" if config.moe_z_loss_coeff else "")
             + f"; {config.moe_token_dispatcher_type} dispatcher; {capacity}; experts: {experts}")
 
@@ -121,6 +127,7 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
     from megatron_vlm.data.anyres_encoder import task_encoder_for
     from megatron_vlm.training import objective, resume
     from megatron_vlm.training.build import build_training
+    from megatron_vlm.training.config.resolve import settle_with_spec
 
     _progress(rt, t_launch, f"{rt.world_size} rank(s) joined; reading the checkpoint's metadata")
     spec, load_dir, side_src, resuming = _source(cfg)
@@ -130,6 +137,9 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
         resume.check_integrity(cfg, load_dir, resuming)
     if rt.rank == 0:
         resume.report_run_dir(cfg, load_dir if resuming else None)
+    for note in settle_with_spec(cfg, spec):  # e.g. sequence parallelism for an MoE LM at --tp > 1
+        if rt.rank == 0:
+            log.info("%s", note)
     plan = resume.plan(cfg, load_dir, rt.tp, rt.pp, rt.dp) if resuming else None
     # the encoder first: it checks the image processor against the spec before the model is built
     kw = dict(image_token_id=spec.image_token_id, pad_token_id=cfg.pad_token_id,
@@ -155,7 +165,7 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
         log.info("fusions: %s; overlap_grad_reduce=%s overlap_param_gather=%s", training.fusions.summary(),
                  cfg.overlap_grad_reduce, cfg.overlap_param_gather)
         if spec.is_moe:
-            log.info("mixture of experts: %s", describe_moe(spec, training.config, cfg))
+            log.info("mixture of experts: %s", describe_moe(spec, training.config, cfg, training.moe))
         log.info("data: read on TP rank 0 of the first and last pipeline stage, broadcast to the other TP ranks%s",
                  f"; sequence packing into {cfg.packed_seq_length} positions from buffers of "
                  f"{cfg.packing_buffer_size} samples" if cfg.packing else "")
@@ -202,7 +212,7 @@ def evaluate(cfg, run: Run) -> float | None:
         batches = [step.pad_micro_batch(b, cfg.micro_batch_size, run.spec.media_token_ids) for b in batches[:n]]
     else:
         batches = [None] * n
-    return step.evaluate(run.training, batch_feed.distribute(batches, rt.device, cfg.packing), cfg, rt.device)
+    return step.evaluate(run.training, batch_feed.distribute(batches, rt.device), cfg, rt.device)
 
 
 def save(cfg, run: Run, iteration: int) -> None:
@@ -248,7 +258,7 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
     last_saved = iteration if run.resumed else None
     while iteration < cfg.train_iters:
         batches = batch_feed.distribute([next(data) if data is not None else None for _ in range(cfg.grad_accum)],
-                                        rt.device, cfg.packing)
+                                        rt.device)
         iteration += 1
         if any(a <= iteration <= b for a, b in cfg.skip_train_iteration_range):
             training.scheduler.step(increment=1)

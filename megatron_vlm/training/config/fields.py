@@ -153,12 +153,17 @@ class ConfigFields:
     # ---- mixture of experts ---------------------------------------------------------------------------
     moe_aux_loss_coeff: float | None = _f(
         ("--moe-aux-loss-coeff",), "Load-balancing loss coefficient. Default: the HF config's "
-        "router_aux_loss_coef (what the language model was trained with; logged at start-up). 0 turns it off.",
-        "float", None, "moe")
+        "router_aux_loss_coef (what the language model was trained with; logged at start-up). 0 turns the term off: "
+        "HF LLaVA's plain cross entropy.", "float", None, "moe")
     moe_router_load_balancing_type: str = _f(
-        ("--moe-router-load-balancing-type",), "Load-balancing loss: aux_loss (GShard/Switch, per micro batch), "
-        "seq_aux_loss (per sequence), global_aux_loss (over the global batch) or none.", "choice", "aux_loss", "moe",
-        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
+        ("--moe-router-load-balancing-type",), "Load-balancing loss. hf: the model's HF objective, transformers' "
+        "load_balancing_loss_func over all MoE layers together (E x sum_i f_i P_i over every layer and position of "
+        "a micro batch, padding excluded; balanced routing gives top-k), per micro batch, averaged over micro "
+        "batches and data-parallel ranks. megatron-core's, per MoE layer and summed over layers (balanced routing "
+        "gives 1 per layer): aux_loss (the switch loss of each micro batch), seq_aux_loss (per sequence, averaged "
+        "over the micro batch's), global_aux_loss (expert counts over the global batch); each averaged over micro "
+        "batches and data-parallel ranks. none: no term.", "choice", "hf", "moe",
+        choices=("hf", "aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
     moe_z_loss_coeff: float | None = _f(
         ("--moe-z-loss-coeff",), "Router z-loss coefficient (ST-MoE; 1e-3 is a usual start). Default: off.",
         "float", None, "moe")
