@@ -537,8 +537,8 @@ def check_resume_layout(cfg: TrainConfig) -> list[str]:
     except ValueError as e:
         problems.append(str(e))
     world = cfg.world_size
-    if world % (cfg.tp * cfg.pp) == 0:
-        problems.append(check_data_position(cfg, meta, world // (cfg.tp * cfg.pp), it_dir))
+    if world % cfg.model_parallel == 0:
+        problems.append(check_data_position(cfg, meta, cfg.dp, it_dir))
     if cfg.load_optim and meta.extra.get("optimizer") and finished_iteration(cfg) is None and problems[0] is None:
         problems.append(schedule.problem(meta.extra.get("schedule"), cfg, where, int(meta.iteration)))
     return [q for q in problems if q]

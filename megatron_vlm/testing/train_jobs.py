@@ -99,7 +99,7 @@ def micro_batches(collate, samples: list, dp: int, dp_rank: int, micro_batch_siz
 def _setup(cfg):
     from megatron_vlm.runtime import distributed
 
-    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp)
+    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp)
 
 
 def weights_digest(model) -> str:
@@ -122,12 +122,12 @@ def reduced_main_grads(training, rt) -> dict:
     from megatron.core import parallel_state as ps
 
     ddp = training.ddp
-    if ddp.ddp_config.use_distributed_optimizer and rt.dp > 1:
-        group = ps.get_data_parallel_group(with_context_parallel=True)
+    group = ps.get_data_parallel_group(with_context_parallel=True)  # the distributed optimizer shards over DP x CP
+    if ddp.ddp_config.use_distributed_optimizer and group.size() > 1:
         for buffer in ddp.buffers:
             for bucket in buffer.buckets:
-                shards = list(bucket.grad_data.chunk(rt.dp))
-                mine = shards[rt.dp_rank].clone()
+                shards = list(bucket.grad_data.chunk(group.size()))
+                mine = shards[group.rank()].clone()
                 torch.distributed.all_gather(shards, mine, group=group)  # the chunks are views: gathered in place
     return {n: p.main_grad for n, p in training.model.named_parameters() if p.requires_grad}
 
@@ -190,6 +190,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     from megatron_vlm.training import batch_feed, checkpointing, resume
     from megatron_vlm.training.build import build_training, release
     from megatron_vlm.training.step import train_step
+    from megatron_vlm.training.trainer import pad_multiple
 
     out = []
     default, made = (megatron_dir, hf_dir, global_batches), {}
@@ -205,8 +206,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         spec = VLMSpec.load(iter_dir)
         steps = job.get("steps", len(global_batches) - job.get("start", 0))
         cfg = job_config(job, steps, len(global_batches[0]))
-        # for batch() only; sequence parallelism splits the image-expanded length over TP, as the trainer pads it
-        encoder = encoder_for(hf_dir, spec=spec, pad_to_multiple_of=cfg.tp if cfg.sequence_parallel else None)
+        # for batch() only; sequence and context parallelism split the image-expanded length, as the trainer pads it
+        encoder = encoder_for(hf_dir, spec=spec, pad_to_multiple_of=pad_multiple(cfg))
         rt = _setup(cfg)
         if job.get("resume"):  # as the trainer: the plan (which fixes the loss objective) before the model
             plan = resume.plan(cfg, job["resume"], rt.tp, rt.pp, rt.dp)

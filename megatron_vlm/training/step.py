@@ -70,14 +70,15 @@ def forward_step(device, data_iterator, model):
 
 
 def _reduce_losses(losses, device) -> torch.Tensor:
-    """[loss sum, token count] of the global batch on the last pipeline stage (zeros elsewhere)."""
+    """[loss sum, token count] of the global batch on the last pipeline stage (zeros elsewhere); a context-parallel
+    rank holds the loss of its part of each sequence, so the sum runs over data- and context-parallel ranks."""
     from megatron.core import parallel_state as ps
 
     total = torch.zeros(2, device=device, dtype=torch.float64)
     for d in losses:
         total += d["lm loss"].to(device).double()
     if ps.is_pipeline_last_stage(ignore_virtual=True):
-        torch.distributed.all_reduce(total, group=ps.get_data_parallel_group())
+        torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
     return total
 
 

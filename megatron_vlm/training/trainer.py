@@ -84,12 +84,14 @@ def describe_moe(spec: VLMSpec, config, cfg) -> str:
             + f"; {config.moe_token_dispatcher_type} dispatcher; {capacity}; experts: {experts}")
 
 
-def _pad_multiple(cfg) -> int | None:
+def pad_multiple(cfg) -> int | None:
     """Batches are padded so the image-expanded length is a multiple of this: FP8 GEMMs need 16 (32 for
-    mxfp8) tokens, sequence parallelism a multiple of the TP size."""
+    mxfp8) tokens, sequence parallelism a multiple of the TP size, context parallelism of 2 x CP (x TP with
+    sequence parallelism; :func:`megatron_vlm.context_parallel.length_multiple`)."""
+    from megatron_vlm.context_parallel import length_multiple
+
     m = fp8.align_size(cfg.fp8_recipe) if cfg.fp8 else 1
-    if cfg.sequence_parallel:
-        m = math.lcm(m, cfg.tp)
+    m = math.lcm(m, length_multiple(cfg.cp, cfg.tp, bool(cfg.sequence_parallel)))
     return m if m > 1 else None
 
 
@@ -133,7 +135,7 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
     plan = resume.plan(cfg, load_dir, rt.tp, rt.pp, rt.dp) if resuming else None
     # the encoder first: it checks the image processor against the spec before the model is built
     kw = dict(image_token_id=spec.image_token_id, pad_token_id=cfg.pad_token_id,
-              max_consecutive_skips=cfg.max_consecutive_skipped_samples, pad_to_multiple_of=_pad_multiple(cfg))
+              max_consecutive_skips=cfg.max_consecutive_skipped_samples, pad_to_multiple_of=pad_multiple(cfg))
     if cfg.packing:
         from megatron_vlm.data.packing import packing_task_encoder_for
 
@@ -293,7 +295,7 @@ def train(cfg) -> dict:
     t_launch = time.time()
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    rt = distributed.setup(cfg.tp, cfg.pp, device=cfg.device, seed=cfg.seed, ep=cfg.ep, etp=cfg.etp)
+    rt = distributed.setup(cfg.tp, cfg.pp, device=cfg.device, seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp)
     stop = _StopFlag()
     run = start(cfg, rt, t_launch)
     freeze_long_lived()  # the model, optimizer, loader and imports live until exit: no collection walks them again
