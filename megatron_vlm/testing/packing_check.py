@@ -141,6 +141,8 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
     from megatron_vlm.training import batch_feed
     from megatron_vlm.training.build import build_training, release
     from megatron_vlm.training.step import train_step
+    from megatron_vlm.training.trainer import pad_multiple
+    from megatron_vlm.context_parallel import length_multiple
 
     out = []
     encoders, fp32 = {}, {}
@@ -155,10 +157,13 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
                       packed_seq_length=psl, micro_batch_size=1)
         cfg = job_config(fields, 1, len(samples_fields))
         rt = _setup(cfg)
-        key = (job["model"], psl, cfg.seq_length)
+        # context parallelism: each sample of a pack, and the unpacked rows, padded as the trainer pads them
+        multiple, sample_multiple = pad_multiple(cfg), length_multiple(cfg.cp)
+        key = (job["model"], psl, cfg.seq_length, multiple, sample_multiple)
         if key not in encoders:
             encoders[key] = packing_task_encoder_for(spec, hf_dir, cfg.seq_length, psl,
-                                                     image_token_id=spec.image_token_id)
+                                                     image_token_id=spec.image_token_id, pad_to_multiple_of=multiple,
+                                                     sample_multiple=sample_multiple)
         enc = encoders[key]
         samples = _as_samples(enc, samples_fields)
         per_rank = len(samples) // rt.dp

@@ -59,9 +59,12 @@ def forward_step(device, data_iterator, model):
         b = _NO_INPUTS
     else:
         if getattr(b, "cu_seqlens", None) is not None:
+            from megatron.core import parallel_state as ps
+
             from megatron_vlm.data.packing import packed_seq_params
 
-            kwargs["packed_seq_params"] = packed_seq_params(b.cu_seqlens.to(device), b.max_seqlen)
+            kwargs["packed_seq_params"] = packed_seq_params(b.cu_seqlens.to(device), b.max_seqlen,
+                                                            ps.get_context_parallel_world_size() > 1)
         if getattr(b, "model_kwargs", None) is not None:  # anyres: image sizes, image tokens per image
             kwargs.update(b.model_kwargs(device))
     out, loss_mask = model(_on(device, b.images), _on(device, b.tokens), None, None, _on(device, b.labels),

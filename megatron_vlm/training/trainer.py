@@ -21,6 +21,7 @@ import torch
 
 from megatron_vlm import checkpoint as ckpt
 from megatron_vlm import fp8, storage
+from megatron_vlm.context_parallel import length_multiple
 from megatron_vlm.spec import VLMSpec
 from megatron_vlm.training import batch_feed, checkpointing, step
 from megatron_vlm.training.flops import StepFlops, peak_flops
@@ -88,8 +89,6 @@ def pad_multiple(cfg) -> int | None:
     """Batches are padded so the image-expanded length is a multiple of this: FP8 GEMMs need 16 (32 for
     mxfp8) tokens, sequence parallelism a multiple of the TP size, context parallelism of 2 x CP (x TP with
     sequence parallelism; :func:`megatron_vlm.context_parallel.length_multiple`)."""
-    from megatron_vlm.context_parallel import length_multiple
-
     m = fp8.align_size(cfg.fp8_recipe) if cfg.fp8 else 1
     m = math.lcm(m, length_multiple(cfg.cp, cfg.tp, bool(cfg.sequence_parallel)))
     return m if m > 1 else None
@@ -140,7 +139,8 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
         from megatron_vlm.data.packing import packing_task_encoder_for
 
         encoder = packing_task_encoder_for(spec, cfg.tokenizer_load_dir, cfg.seq_length, cfg.packed_seq_length,
-                                           video_fps=cfg.video_fps, video_frames=cfg.video_frames, **kw)
+                                           video_fps=cfg.video_fps, video_frames=cfg.video_frames,
+                                           sample_multiple=length_multiple(cfg.cp), **kw)
     else:
         encoder = task_encoder_for(spec, cfg.tokenizer_load_dir, cfg.seq_length, video_fps=cfg.video_fps,
                                    video_frames=cfg.video_frames, **kw)
