@@ -566,7 +566,8 @@ def report(results: Path, steps: Path | None = None) -> int:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU, local layers only (plumbing check)")
     p.add_argument("--only", default="logits,packing,train,fusions", help="comma-separated parts: logits (HF vs "
                    "Megatron), packing (packed vs unpacked forward, and a packed training row), train (bf16 local/TE, "

@@ -143,7 +143,8 @@ def write_fixture(out_dir) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Write the cross-lane checkpoint fixture with this megatron-core "
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description="Write the cross-lane checkpoint fixture with this megatron-core "
                                             "(tests/fixtures/mcore-<version>).")
     p.add_argument("out_dir", help="fixture directory to (re)write, e.g. tests/fixtures/mcore-0.16")
     args = p.parse_args(argv)
