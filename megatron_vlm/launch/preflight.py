@@ -335,6 +335,12 @@ def check_spec(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
         problems.append(f"--tp {cfg.tp} with the mixture-of-experts language model of {source} needs "
                         "--sequence-parallel: megatron-core's MoE layers train with tensor parallelism only on a "
                         "sequence-parallel split (add --sequence-parallel, or use --tp 1 with --ep)")
+    if cfg.cp > 1 and cfg.cp_comm_type == "a2a":
+        heads, groups = spec.num_attention_heads // cfg.tp, spec.num_query_groups // max(cfg.tp, 1)
+        if heads % cfg.cp or groups % cfg.cp:
+            problems.append(f"--cp-comm-type a2a spreads attention heads over the CP ranks: the {heads} heads and "
+                            f"{groups} KV heads per TP rank of {source} do not divide by --cp {cfg.cp}; use "
+                            "--cp-comm-type p2p or allgather")
     if cfg.seq_length <= spec.num_image_tokens:
         problems.append(f"--seq-length {cfg.seq_length} cannot hold the {spec.num_image_tokens} image tokens of one "
                         f"image plus text (model: {source}); use a larger --seq-length")

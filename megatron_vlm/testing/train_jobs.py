@@ -185,7 +185,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     ``megatron_dir``, ``hf_dir`` and ``batches`` give a job its own model and global batches (default: the
     arguments), so one world trains several models: ``global_batches`` is then a dict and ``batches`` names one;
     a value of that dict may be a recipe, ``(hf_dir, n, uniform, repeat)``, which every rank makes with
-    :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks.
+    :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks. ``batches``
+    may also be such a recipe itself, or the job's own list of global batches.
     """
     from megatron_vlm.training import batch_feed, checkpointing, resume
     from megatron_vlm.training.build import build_training, release
@@ -196,7 +197,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     default, made = (megatron_dir, hf_dir, global_batches), {}
     for job in jobs:
         megatron_dir, hf_dir = job.get("megatron_dir", default[0]), job.get("hf_dir", default[1])
-        global_batches = default[2][job["batches"]] if "batches" in job else default[2]
+        own = job.get("batches")  # a key of the global_batches dict, a recipe, or the job's own global batches
+        global_batches = default[2] if own is None else own if isinstance(own, (tuple, list)) else default[2][own]
         if isinstance(global_batches, tuple):
             recipe, global_batches = global_batches, made.get(global_batches)
             if global_batches is None:

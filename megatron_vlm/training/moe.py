@@ -118,7 +118,8 @@ class RoutingStats:
             counts = torch.zeros_like(counts)  # every TP rank routed the same tokens: count them once
         counts = counts.clone()
         torch.distributed.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
-        torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
+        # context-parallel ranks route their own parts of each sequence: summed with the data-parallel ranks'
+        torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group(with_context_parallel=True))
         torch.distributed.all_reduce(counts, group=ps.get_pipeline_model_parallel_group())
         imbalance = [float(counts[i].max() / counts[i].mean().clamp(min=1e-12)) for i in self.moe_layers]
         out["moe_load_imbalance"] = max(imbalance)
@@ -161,8 +162,9 @@ def global_loss_tokens(batches: list, device) -> float:
     world."""
     from megatron.core import parallel_state as ps
 
-    mine = 0.0
-    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+    mine = 0.0  # context-parallel ranks hold the same micro batches: counted on CP rank 0
+    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 and \
+            ps.get_context_parallel_rank() == 0:
         mine = float(sum(float(b.loss_mask.sum()) for b in batches if b is not None and b.loss_mask is not None))
     total = torch.tensor([mine], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(total)

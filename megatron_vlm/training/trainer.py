@@ -158,6 +158,12 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
                  cfg.overlap_grad_reduce, cfg.overlap_param_gather)
         if spec.is_moe:
             log.info("mixture of experts: %s", describe_moe(spec, training.config, cfg))
+        if cfg.cp > 1:
+            from megatron_vlm.context_parallel import describe
+
+            log.info("context parallelism: each sequence split over %d ranks (2 x %d load-balanced chunks, lengths "
+                     "padded to a multiple of %d); attention: %s", cfg.cp, cfg.cp, pad_multiple(cfg),
+                     describe(training.impl == "transformer_engine", cfg.cp_comm_type))
         log.info("data: read on TP rank 0 of the first and last pipeline stage, broadcast to the other TP ranks%s",
                  f"; sequence packing into {cfg.packed_seq_length} positions from buffers of "
                  f"{cfg.packing_buffer_size} samples" if cfg.packing else "")
@@ -241,9 +247,10 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
     if rt.rank == 0:
         trainable = sum(p.numel() for p in training.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in training.model.parameters())
-        log.info("model: %.2fM parameters on this rank, %.2fM trainable (stage %d); tp=%d pp=%d dp=%d, "
+        log.info("model: %.2fM parameters on this rank, %.2fM trainable (stage %d); tp=%d pp=%d%s dp=%d, "
                  "micro batch %d x %d accumulation -> global batch %d", total / 1e6, trainable / 1e6, cfg.stage,
-                 cfg.tp, cfg.pp, rt.dp, cfg.micro_batch_size, cfg.grad_accum, cfg.global_batch_size)
+                 cfg.tp, cfg.pp, f" cp={cfg.cp}" if cfg.cp > 1 else "", rt.dp, cfg.micro_batch_size, cfg.grad_accum,
+                 cfg.global_batch_size)
     _progress(rt, t_launch, "first iteration (the data loader's workers start)")
     data = iter(run.loader) if run.loader is not None else None
     first_iter_time = None
