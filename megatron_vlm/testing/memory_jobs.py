@@ -57,7 +57,7 @@ def memory_jobs(spec_json: str, jobs: list[dict]) -> list[dict]:
     out = []
     for job in jobs:
         cfg = TrainConfig(**{**BASE, "train_iters": 1, "micro_batch_size": 1, **job})
-        distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp)
+        distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp)
         cfg.gpus = torch.distributed.get_world_size()
         cfg.global_batch_size = cfg.dp
         out.append(measured_and_estimated(spec, cfg))
