@@ -240,7 +240,7 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
     if rt.rank == 0 and not (storage.path(cfg.checkpoint_dir) / ckpt.TOKENIZER_DIR).is_dir():
         ckpt.copy_tokenizer(cfg.tokenizer_load_dir, cfg.checkpoint_dir)  # so every checkpoint exports on its own
     is_logger = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
-        and ps.get_data_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
     metrics = MetricsLogger(cfg, cfg.train_iters, enabled=is_logger, start_iter=iteration,
                             flops=StepFlops(run.spec, *training.trained_parts), world_size=rt.world_size,
                             peak_flops=peak_flops(rt.device, cfg.fp8))
