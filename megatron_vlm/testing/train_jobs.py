@@ -75,11 +75,11 @@ def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BAS
     return out
 
 
-def long_video_batch(hf_dir, frames: int = 32, seq_length: int = 256, side: int = 24) -> list:
+def long_video_batch(hf_dir, frames: int = 32, seq_length: int = 256, side: int = 24, others: bool = True) -> list:
     """One global batch of a OneVision (or any model with a video token): a video of ``frames`` frames (one a
-    second of a ``frames``-second clip, ``side`` pixels square), a video with an image, an image, a text-only
-    sample, encoded by the trainer's task encoder at ``seq_length`` (at the tiny test model's 20-px tiles a frame
-    is 4 positions; at 384 px and patch 14, 196)."""
+    second of a ``frames``-second clip, ``side`` pixels square) and, with ``others``, a video with an image, an
+    image and a text-only sample, encoded by the trainer's task encoder at ``seq_length`` (at the tiny test model's
+    20-px tiles a frame is 4 positions; at 384 px and patch 14, 196)."""
     from PIL import Image
 
     from megatron_vlm.data.anyres_encoder import AnyresSample
@@ -92,8 +92,8 @@ def long_video_batch(hf_dir, frames: int = 32, seq_length: int = 256, side: int 
     clip, short = make_video(2 * frames, side, side, fps=2), make_video(5, 48, 32, fps=7)
     answer = [{"type": "text", "text": ANSWERS[1]}]
     video_image = [{"type": "video"}, {"type": "text", "text": QUESTIONS[0]}, {"type": "image"}]
-    fields = [
-        enc.encode_conversation(vqa_messages(QUESTIONS[1], ANSWERS[1], "video"), [], "video", [clip]),
+    fields = [enc.encode_conversation(vqa_messages(QUESTIONS[1], ANSWERS[1], "video"), [], "video", [clip])]
+    fields += [] if not others else [
         enc.encode_conversation([{"role": "user", "content": video_image}, {"role": "assistant", "content": answer}],
                                 [Image.fromarray(image_array(IMAGE_SIZES[0], 1))], "video-image", [short]),
         enc.encode_conversation(vqa_messages(QUESTIONS[3], ANSWERS[3]), [Image.fromarray(image_array(
