@@ -10,6 +10,13 @@ sample, ``thd_get_partitioned_indices``), RoPE takes the same chunks of its posi
 (``get_pos_emb_on_this_cp_rank``), and on a GPU Transformer Engine's attention exchanges keys and values over the
 CP group (``--cp-comm-type`` p2p, a2a or allgather). Without Transformer Engine (CPU, or ``--transformer-impl
 local``) the attention is :class:`megatron_vlm.cp_attention.ContextParallelAttention`, a reference path.
+
+The lengths: megatron-core 0.16's ``LLaVAModel`` asserts that the combined sequence divides into 2 x CP (x TP under
+sequence parallelism) chunks; 0.19's pads it with zeros when it does not, but only on the first pipeline stage (the
+last stage's labels and loss mask stay unpadded, which breaks PP). So the batches come padded already: the task
+encoder pads each micro batch's image-expanded length to :func:`length_multiple` (pad tokens, loss mask 0), with PP
+every micro batch is ``--seq-length`` long, which must then be such a multiple (the launcher checks), and packing
+pads each sample of a pack and the pack. Both lanes then split exactly the same positions.
 """
 
 from __future__ import annotations

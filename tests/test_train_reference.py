@@ -22,7 +22,7 @@ backs off, and a resume continues bit-exactly (loss, grad norm and loss scale).
 
 Context parallelism (issue 49), in the same 4-rank worlds: the LLaVA's first stage-2 step at CP4, TP2 x CP2 (sequence
 parallel), PP2 x CP2 and CP2 x DP2 (distributed optimizer) has HF's loss, grad norm and every gradient tensor (fp32,
-1e-5); bf16 at TP2 x CP2 follows the bf16 TP1 run; the CP2 x DP2 checkpoint resumes at CP4 and at CP1 (DP4) as HF
+1e-5), and so do stage 1 at CP4 for both models and the OneVision's stage 2 (anyres tiles) at CP4; bf16 at TP2 x CP2 follows the bf16 TP1 run; the CP2 x DP2 checkpoint resumes at CP4 and at CP1 (DP4) as HF
 continues. A OneVision global batch with a video of 32 frames (a 209-position sample), a video with an image, an
 image and a text-only sample has HF's loss and gradients at CP1 (DP4), CP2 x DP2, CP4 and TP2 x CP2, and the CP
 layouts equal CP1. A Qwen3-MoE LLaVA (load-balancing loss off: HF LLaVA's plain cross entropy) at CP2 x EP2 has HF's
@@ -151,6 +151,9 @@ def runs(models):
         else:
             long = gbs
             four += long_video_jobs(models, out)
+        # stage 1 (and stage 2 of the OneVision: anyres tiles) at CP4
+        four += [dict(name=f"{m}-s{s}-cp4", steps=1, reference_grads=grads[s], **CP_LAYOUTS["cp4"], **STAGES[s])
+                 for s in STAGES if m == "onevision" or s == 1]
         for r in run_world(train_jobs, 1, one, meg, hf, long)[0] + run_world(train_jobs, 4, four, meg, hf, long)[0]:
             out[r["name"]] = r
     cfg = job_config(dict(STAGES[2], moe_aux_loss_coeff=0.0), 1, 8)  # HF LLaVA's plain cross entropy
@@ -282,12 +285,12 @@ def test_fp16_skips_the_overflowing_step_backs_off_and_resumes_exactly(runs):
 
 
 # ---- context parallelism (issue 49) ----------------------------------------------------------------------------
-def _first_step_equals_hf(r: dict, ref: dict) -> None:
+def _first_step_equals_hf(r: dict, ref: dict, stage: int = 2) -> None:
     assert rel(r["loss"][0], ref["loss"][0]) <= RTOL, (r["loss"], ref["loss"])
     assert rel(r["grad_norm"][0], ref["grad_norm"][0]) <= RTOL, (r["grad_norm"], ref["grad_norm"])
     parts = {("projector" if k.startswith(("vision_projection.", "image_newline")) else
               "language" if k.startswith("language_model.") else "vision") for k in r["grad_rel"]}
-    assert parts == {"projector", "language"}, sorted(r["grad_rel"])
+    assert parts == ({"projector"} if stage == 1 else {"projector", "language"}), sorted(r["grad_rel"])
     worst = max(r["grad_rel"], key=r["grad_rel"].get)
     assert r["grad_rel"][worst] <= GRAD_TENSOR_RTOL, (worst, r["grad_rel"][worst])
 
@@ -296,6 +299,14 @@ def _first_step_equals_hf(r: dict, ref: dict) -> None:
 def test_context_parallel_step_equals_hf(runs, layout):
     """The loss, grad norm and every trained tensor's gradient of the first stage-2 step at each CP layout."""
     _first_step_equals_hf(runs[f"llava-s2-{layout}"], runs["llava-s2-hf"])
+
+
+@pytest.mark.parametrize("name", ["llava-s1-cp4", "onevision-s1-cp4", "onevision-s2-cp4"])
+def test_context_parallel_stages_and_anyres_equal_hf(runs, name):
+    """Stage 1 (the projector's gradient through the frozen LM at CP4) for both models, and the OneVision's anyres
+    tiles of four image sizes in stage 2."""
+    model, stage = name.split("-")[0], int(name.split("-")[1][1])
+    _first_step_equals_hf(runs[name], runs[f"{model}-s{stage}-hf"], stage)
 
 
 @pytest.mark.parametrize("layout", list(VIDEO_LAYOUTS))
