@@ -92,7 +92,7 @@ _KEEP: list = []
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=200, help="images in the generated dataset (default 200)")
     p.add_argument("--loader-samples", type=int, default=100, help="samples timed through the loader")
     p.add_argument("--work-dir", type=Path, default=None, help="scratch directory (default: a temporary one)")

@@ -125,7 +125,8 @@ def measured(cmd: list[str], interval: float) -> tuple[float, int]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default="/tmp/mvlm-bench-convert", help="scratch directory (replaced, then removed)")
     p.add_argument("--small-layers", type=int, default=2, help="LM layers of the small model (~1.06 GB)")
     p.add_argument("--large-layers", type=int, default=26, help="LM layers of the large model (~3.2 GB)")

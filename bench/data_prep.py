@@ -134,7 +134,7 @@ _KEEP: list = []
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=2000, help="number of generated 336x336 JPEGs (default 2000)")
     p.add_argument("--size", type=int, default=336)
     p.add_argument("--loader-samples", type=int, default=400, help="samples timed per loader setting")

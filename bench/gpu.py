@@ -28,6 +28,13 @@ What it measures, in one run (each part can be picked with ``--only``):
             EP1 through train/run.py: tokens/s, TFLOP/s of the active parameters and MFU, with Transformer Engine's
             grouped GEMM (``--moe-grouped-gemm``, TEGroupedMLP) when ``--impls`` has transformer_engine, else with
             local layers (SequentialMLP). EP2 needs a second GPU.
+``cp``      (bench/gpu_quick.sh) context parallelism: one step of ONE long sample (``--cp-images`` images of the set-up's
+            LLaVA and a question: ~4k positions at the default size) at CP1 and at CP2 with Transformer Engine's p2p
+            attention (``--impls transformer_engine``; local layers' reference attention otherwise, the CPU
+            rehearsal), from the same weights, each in its own local world: equal losses (``--loss-tolerance``) and
+            the peak memory per rank of the step (``max_memory_allocated``; on CPU the peak resident set). CP2 needs
+            two GPUs: NCCL runs one rank per GPU (it refuses two ranks on one device, "Duplicate GPU detected"), so
+            on a one-GPU machine the CP2 row says so and only CP1 is measured.
 ``hf``      (bench/gpu_quick.sh) the reference loop: HF ``LlavaForConditionalGeneration`` with SDPA attention trained by
             a plain PyTorch loop (bf16 autocast over fp32 weights, as HF's Trainer runs bf16; AdamW, the trainer's
             schedule and clipping) on the same batches (energon loader + ``VLMTaskEncoder``, same seed) and the same
@@ -413,6 +420,73 @@ def check_moe(a, work: Path, inputs: Path, data: Path) -> list[dict]:
                       f"hidden {a.hidden}; TFLOP/s of the active parameters; " + r.get("layers_line", ""))]
 
 
+# ---- context parallelism: CP2 (TE p2p) against CP1 on one long sample -------------------------------------------------
+def cp_sample(a, hf: Path):
+    """One long sample of the set-up's LLaVA: ``--cp-images`` images (576 positions each at the default 336 px), a
+    question between them and a one-word answer; its positions, rounded up to a multiple of 64, are the run's
+    ``--seq-length``."""
+    from PIL import Image
+
+    from megatron_vlm.data.synthetic import image_array
+    from megatron_vlm.data.task_encoder import VLMSample
+    from megatron_vlm.testing.train_jobs import encoder_for
+
+    enc = encoder_for(hf, 1 << 20)
+    images = [Image.fromarray(image_array(a.image_size, i)) for i in range(a.cp_images)]
+    content = [p for _ in images for p in ({"type": "image"}, {"type": "text", "text": "what colour is the square ?"})]
+    fields = enc.encode_conversation([{"role": "user", "content": content},
+                                      {"role": "assistant", "content": [{"type": "text", "text": "red"}]}], images,
+                                     "cp")
+    sample = VLMSample(__key__="cp", __restore_key__=(), __subflavors__=None, __sources__=None, **fields)
+    return sample, -(-int(sample.num_tokens) // 64) * 64
+
+
+def check_cp(a, hf: Path, meg: Path) -> list[dict]:
+    """The context-parallel rows: CP1 and CP2 (``cp_comm_type`` p2p with Transformer Engine) on one long sample."""
+    import torch
+
+    from megatron_vlm.runtime.spawn import run_world
+    from megatron_vlm.testing.memory_jobs import step_peak_jobs
+
+    te = "transformer_engine" in a.impls
+    impl = "transformer_engine" if te else "local"
+    try:
+        sample, seq = cp_sample(a, hf)
+    except Exception as e:  # report and go on
+        return [dict(part="cp", impl=f"{impl}, CP1", dtype=a.precision, ok=False, note=f"{type(e).__name__}: {e}"[:300])]
+    gpus = torch.cuda.device_count() if a.device == "cuda" else 2
+    base = dict(seq_length=seq, micro_batch_size=1, stage=2, device=a.device, precision=a.precision,
+                transformer_impl=impl, seed=a.seed)
+    runs = {}
+    for cp in (1, 2):
+        label = f"{'TE p2p' if te and cp > 1 else impl}, CP{cp}"
+        if cp > gpus:
+            runs[cp] = dict(part="cp", impl=label, dtype=a.precision, ok=None,
+                            note=f"not measured: CP{cp} needs {cp} GPUs, this machine has {gpus} (NCCL runs one rank per "
+                                 "GPU and refuses two ranks on one device: 'Duplicate GPU detected')")
+            continue
+        job = dict(base, name=f"cp{cp}", cp=cp, **(dict(cp_comm_type="p2p") if te and cp > 1 else {}))
+        try:
+            r = run_world(step_peak_jobs, cp, str(meg), str(hf), [sample], [job])[0][0]
+        except Exception as e:  # report and go on
+            runs[cp] = dict(part="cp", impl=label, dtype=a.precision, ok=False, note=f"{type(e).__name__}: {e}"[:300])
+            continue
+        peak = max(m["peak"] for m in r["ranks"])
+        runs[cp] = dict(part="cp", impl=label, dtype=a.precision, loss_first=r["loss"], loss_last=r["loss"],
+                        peak_gib=peak / 2 ** 30, peak_extra_gib=max(m["peak"] - m["before"] for m in r["ranks"]) / 2 ** 30,
+                        s_per_iter=max(m["seconds"] for m in r["ranks"]), positions=int(sample.num_tokens), ok=None,
+                        note=f"one sample of {int(sample.num_tokens)} positions ({a.cp_images} images); peak per rank "
+                             f"{peak / 2 ** 30:.2f} GiB" + (" (allocated)" if a.device == "cuda" else " (resident)"))
+    one, two = runs[1], runs[2]
+    if "loss_first" in one and "loss_first" in two:
+        diff = abs(two["loss_first"] - one["loss_first"]) / abs(one["loss_first"])
+        two.update(diff=diff, tolerance=a.loss_tolerance, ok=diff <= a.loss_tolerance,
+                   memory_ratio=two["peak_extra_gib"] / one["peak_extra_gib"])
+        two["note"] += f"; the step's peak above its start x{two['memory_ratio']:.2f} of CP1's"
+        one["ok"] = True
+    return [one, two]
+
+
 # ---- the reference: HF + SDPA in a plain PyTorch loop ------------------------------------------------------------
 HF_ROW = "HF + SDPA loop"
 
@@ -566,12 +640,14 @@ def report(results: Path, steps: Path | None = None) -> int:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU, local layers only (plumbing check)")
     p.add_argument("--only", default="logits,packing,train,fusions", help="comma-separated parts: logits (HF vs "
                    "Megatron), packing (packed vs unpacked forward, and a packed training row), train (bf16 local/TE, "
                    "FP8 recipes), fusions (a TE training row with every fusion off), hf (the HF + SDPA reference "
-                   "loop on the same batches), moe (an MoE LLaVA at EP1: TE grouped GEMM, or local layers)")
+                   "loop on the same batches), moe (an MoE LLaVA at EP1: TE grouped GEMM, or local layers), cp (one long "
+                   "sample at CP1 and at CP2 with TE's p2p attention: losses and peak memory per rank)")
     p.add_argument("--inputs", type=Path, default=None, help="set-up folder (HF model, data, converted checkpoint): "
                    "reused when it holds one, else built there and kept")
     p.add_argument("--setup-only", action="store_true", help="build the set-up into --inputs and stop")
@@ -579,6 +655,8 @@ def parse(argv=None):
                    "and exit (1 if a check or a step failed)")
     p.add_argument("--steps", type=Path, default=None, help="with --report: bench/gpu_quick.sh's steps.jsonl")
     p.add_argument("--pack-factor", type=int, default=4, help="packed sequence length = this x --seq-length")
+    p.add_argument("--cp-images", type=int, default=None, help="images of the context-parallel row's one long sample "
+                   "(default 7: ~4k positions; 3 with --tiny)")
     p.add_argument("--impls", default=None, help="layer implementations (default: transformer_engine,local on "
                    "CUDA; local with --tiny)")
     p.add_argument("--recipes", default=None, help=f"FP8 recipes to train with (default on CUDA: {','.join(RECIPES)};"
@@ -599,6 +677,8 @@ def parse(argv=None):
             setattr(a, k, v)
     if a.num_workers is None:
         a.num_workers = 0 if a.tiny else 2
+    if a.cp_images is None:
+        a.cp_images = 3 if a.tiny else 7
     a.device = "cpu" if a.tiny else "cuda"
     a.precision = "fp32" if a.tiny else "bf16"
     a.impls = (a.impls or ("local" if a.tiny else "transformer_engine,local")).split(",")
@@ -612,9 +692,9 @@ def parse(argv=None):
         p.error(f"--gbs {a.gbs} must be a multiple of --mbs {a.mbs}")
     if a.setup_only and a.inputs is None:
         p.error("--setup-only needs --inputs DIR (where the set-up is kept for the later steps)")
-    unknown = a.only - {"logits", "packing", "train", "fusions", "hf", "moe"}
+    unknown = a.only - {"logits", "packing", "train", "fusions", "hf", "moe", "cp"}
     if unknown:
-        p.error(f"--only {','.join(sorted(unknown))}: unknown part(s); pick from logits,packing,train,fusions,hf,moe")
+        p.error(f"--only {','.join(sorted(unknown))}: unknown part(s); pick from logits,packing,train,fusions,hf,moe,cp")
     return a
 
 
@@ -658,6 +738,8 @@ def main(argv=None, run_command=subprocess.run) -> int:
             rows += check_hf_loop(a, hf, data)
         if "moe" in a.only and not a.setup_only:
             rows += check_moe(a, work, a.inputs or work, data)
+        if "cp" in a.only and not a.setup_only:
+            rows += check_cp(a, hf, meg)
     finally:
         if a.out:
             write_results(a.out, info, rows, {k: str(v) for k, v in vars(a).items()})

@@ -266,16 +266,18 @@ def cmd_gpu(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="See bench/GPU.md for the sequence "
+    ap = argparse.ArgumentParser(allow_abbrev=False,
+                                 description=__doc__.splitlines()[0], epilog="See bench/GPU.md for the sequence "
                                  "of device runs.", formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("cpu", help="download the stack for Python 3.12 and split it into parts (CPU machine)")
+    c = sub.add_parser("cpu", allow_abbrev=False,
+                       help="download the stack for Python 3.12 and split it into parts (CPU machine)")
     c.add_argument("--out", default=".whl", help="output folder, ignored by git (default: .whl)")
     c.add_argument("--part-bytes", type=int, default=PART_BYTES, help="largest part (default: 55 MB)")
-    s = sub.add_parser("stash", help="copy the carried part(s) into the stash folder (GPU machine)")
+    s = sub.add_parser("stash", allow_abbrev=False, help="copy the carried part(s) into the stash folder (GPU machine)")
     s.add_argument("--parts", default=".whl/parts", help="carried parts folder (default: .whl/parts)")
     s.add_argument("--stash", default=STASH, help=f"where parts collect between runs (default: {STASH})")
-    g = sub.add_parser("gpu", help="reassemble, install and build Transformer Engine (GPU machine)")
+    g = sub.add_parser("gpu", allow_abbrev=False, help="reassemble, install and build Transformer Engine (GPU machine)")
     g.add_argument("--stash", default=STASH, help=f"folder holding every part and MANIFEST.json (default: {STASH})")
     g.add_argument("--target", default=TARGET, help=f"install folder for PYTHONPATH (default: {TARGET})")
     g.add_argument("--work", default="/tmp/mvlm_stack", help="scratch folder (default: /tmp/mvlm_stack)")

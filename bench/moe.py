@@ -84,7 +84,8 @@ def build(a, work: Path) -> tuple[Path, Path, list]:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--hidden", type=int, default=256, help="language model hidden size (256)")
     p.add_argument("--layers", type=int, default=4, help="MoE layers (4)")

@@ -173,7 +173,8 @@ def build_model(a, work: Path) -> tuple[Path, Path]:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--seq-length", type=int, default=4096, help="per-sample limit (default 4096)")
     p.add_argument("--samples", type=int, default=48, help="samples per side (default 48)")

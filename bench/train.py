@@ -247,7 +247,8 @@ def report(a, precision: str, results: dict) -> None:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=12, help="optimizer steps per side")
     p.add_argument("--warmup", type=int, default=4, help="first iterations left out of the tokens/s")
     p.add_argument("--stage", type=int, default=2, choices=(1, 2), help="1: projector trains; 2: LM + projector")

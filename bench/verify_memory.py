@@ -98,7 +98,7 @@ def sample_tree(cmd: list[str], cap_bytes: float) -> tuple[int, float, dict, boo
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--hub", type=Path, default=ROOT.parent / "shared" / "hub", help="the real hub files")
     p.add_argument("--work", type=Path, default=None, help="where the model and checkpoint go (default: a temp dir)")
     p.add_argument("--tp", type=int, default=1)

@@ -120,7 +120,7 @@ _KEEP: list = []
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=60.0, help="length of the clip (default 60)")
     p.add_argument("--videos", type=int, default=8, help="videos timed through the loader (default 8)")
     p.add_argument("--work-dir", type=Path, default=None, help="scratch directory (default: a temporary one)")

@@ -18,7 +18,7 @@ from megatron_vlm.spec import SUPPORTED_TEXT, SUPPORTED_VISION  # noqa: E402
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--text-model", required=True,
                    help=f"HF causal LM directory ({', '.join(SUPPORTED_TEXT)})")
     p.add_argument("--vision-model", required=True,

@@ -14,7 +14,7 @@ from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--hf-dir", required=True, help="HF LlavaForConditionalGeneration directory")
     p.add_argument("--megatron-dir", required=True,
                    help="output checkpoint directory (must not exist unless --overwrite)")

@@ -15,7 +15,7 @@ from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--megatron-dir", required=True,
                    help="checkpoint directory (with latest_checkpointed_iteration.txt: a converted checkpoint or a "
                         "training run) or one of its iteration directories (iter_XXXXXXX, release); written by "

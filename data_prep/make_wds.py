@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
 
 def _run(argv) -> int:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False, 
         description=__doc__.splitlines()[0],
         epilog=FORMAT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,

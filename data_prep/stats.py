@@ -35,7 +35,8 @@ def main(argv=None) -> int:
 def _run(argv) -> int:
     from megatron_vlm.data.limits import DEFAULT_MAX_TEXT_BYTES  # not megatron_vlm.data.stats: energon is heavy
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("datasets", nargs="+", type=Path, help="prepared energon dataset directories")
     p.add_argument("--tokenizer", required=True, type=Path,

@@ -43,7 +43,8 @@ def run(cmd: list[str]) -> None:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "demo_out"), help="output directory (replaced)")
     p.add_argument("--train-samples", type=int, default=3000, help="training images")
     p.add_argument("--eval-samples", type=int, default=400, help="held-out images (never trained on)")

@@ -37,6 +37,8 @@ class ModelOptions:
 
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism of the language model (megatron_vlm.context_parallel)
+    cp_comm_type: str | None = None  # Transformer Engine's CP attention: p2p (None), a2a or allgather
     pp_layers: list[int] | None = None  # explicit (uneven) language layers per PP stage
     seq_length: int = 2048  # combined text + image tokens
     params_dtype: torch.dtype = torch.float32
@@ -180,10 +182,18 @@ def language_config(spec: VLMSpec, opts: ModelOptions):
         pipeline_model_parallel_size=opts.pp,
         sequence_parallel=opts.sequence_parallel,
         calculate_per_token_loss=opts.per_token_loss,
+        **_context_parallel(opts),
         **_recompute(opts),
         **_moe_config(spec, opts),
         **kw,
     )
+
+
+def _context_parallel(opts: ModelOptions) -> dict:
+    """TransformerConfig context-parallel fields of the language model (none at CP1: its defaults)."""
+    if opts.cp == 1:
+        return {}
+    return dict(context_parallel_size=opts.cp, cp_comm_type=opts.cp_comm_type or "p2p")
 
 
 def _recompute(opts: ModelOptions) -> dict:
@@ -259,11 +269,13 @@ class LocalNorm:
 
 
 @contextlib.contextmanager
-def _llava_accepts_local_sequence_parallel(active: bool):
-    """megatron-core's ``LLaVAModel`` asserts, when it is built with sequence parallelism, that the language layer
-    spec's attention is Transformer Engine's. megatron's local ``DotProductAttention`` runs under sequence
-    parallelism as it does in megatron's GPT models (the column-parallel QKV gathers the sequence, the row-parallel
-    projection scatters it), so while ``active`` the check accepts it; the check is the only thing that changes."""
+def _llava_accepts_local_sequence_parallel(active: bool, core_attention=None):
+    """megatron-core's ``LLaVAModel`` asserts, when it is built with sequence or context parallelism, that the
+    language layer spec's attention is Transformer Engine's. megatron's local ``DotProductAttention`` runs under
+    sequence parallelism as it does in megatron's GPT models (the column-parallel QKV gathers the sequence, the
+    row-parallel projection scatters it), and :class:`~megatron_vlm.cp_attention.ContextParallelAttention`
+    (``core_attention``) under context parallelism, so while ``active`` the check accepts the spec's local core
+    attention; the check is the only thing that changes."""
     if not active:
         yield
         return
@@ -272,7 +284,7 @@ def _llava_accepts_local_sequence_parallel(active: bool):
 
     missing = object()
     saved = {k: llava_model.__dict__.get(k, missing) for k in ("TEDotProductAttention", "HAVE_TE")}
-    llava_model.TEDotProductAttention, llava_model.HAVE_TE = DotProductAttention, True
+    llava_model.TEDotProductAttention, llava_model.HAVE_TE = core_attention or DotProductAttention, True
     try:
         yield
     finally:
@@ -283,13 +295,15 @@ def _llava_accepts_local_sequence_parallel(active: bool):
                 setattr(llava_model, k, v)
 
 
-def layer_specs(use_te: bool, qk_layernorm: bool = False):
+def layer_specs(use_te: bool, qk_layernorm: bool = False, cp: int = 1):
     """(language, vision, projector) layer specs; the ViT attention is bidirectional like CLIP/SigLIP.
 
     The local language layers use megatron-core's WrappedTorchNorm (torch RMSNorm): its local spec picks apex's
     FusedLayerNorm whenever apex imports, and that refuses RMSNorm. ``qk_layernorm`` (Qwen3): megatron-core's
     per-head RMSNorm of queries and keys (``q_layernorm``/``k_layernorm``, over ``kv_channels``), as HF's
     ``q_norm``/``k_norm``. The language spec is a dense layer's; :func:`moe_layer_spec` makes an MoE layer's.
+    ``cp`` > 1 with local layers: the language attention is
+    :class:`~megatron_vlm.cp_attention.ContextParallelAttention` (TE's attention does CP itself).
     """
     from megatron.core.models.multimodal import llava_spec
     from megatron.core.models.vision import vit_layer_specs
@@ -317,6 +331,10 @@ def layer_specs(use_te: bool, qk_layernorm: bool = False):
         if qk_layernorm:
             language.submodules.self_attention.submodules.q_layernorm = LocalNorm
             language.submodules.self_attention.submodules.k_layernorm = LocalNorm
+        if cp > 1:
+            from megatron_vlm.cp_attention import ContextParallelAttention
+
+            language.submodules.self_attention.submodules.core_attention = ContextParallelAttention
         # Save local layer norms under the Transformer Engine names, as megatron's GPT local spec does, so
         # a torch_dist checkpoint loads into either spec (convert on CPU, train with TE on GPU).
         for layer_spec in (language, vision):
@@ -426,17 +444,22 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=True)
-    lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te, spec.qk_layernorm)
+    if opts.cp > 1:
+        from megatron_vlm import cp_attention
+
+        cp_attention.enable()
+    lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te, spec.qk_layernorm, opts.cp)
     lang_cfg = language_config(spec, opts)
     if not opts.use_te or spec.is_moe:
         lang_spec = _language_block(spec, lang_cfg, lang_spec, opts.use_te)
-    local_sp = opts.sequence_parallel and not opts.use_te
+    local_sp = (opts.sequence_parallel or opts.cp > 1) and not opts.use_te
+    core_attention = lang_spec.submodules.self_attention.submodules.core_attention
     cls, extra = LLaVAModel, {}
     if spec.is_anyres:
         from megatron_vlm.anyres_model import AnyresLLaVAModel
 
         cls, extra = AnyresLLaVAModel, dict(anyres=spec.anyres, video_token_index=spec.video_token_id)
-    with _llava_accepts_local_sequence_parallel(local_sp):
+    with _llava_accepts_local_sequence_parallel(local_sp, core_attention):
         model = _build_llava(cls, spec, opts, lang_cfg, lang_spec, vit_spec, proj_spec, pre_process, post_process,
                              extra)
     if model.vision_model is not None and spec.vision_family == "siglip":

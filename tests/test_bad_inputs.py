@@ -27,7 +27,7 @@ from megatron_vlm.testing import forked_cli
 from tests.data_fixtures import vqa_dataset, vqa_inputs  # noqa: F401
 
 from .conftest import script
-from .parser_helpers import ROOT, unknown_flags
+from .parser_helpers import ROOT, command_parser, scripts, unknown_flags
 from .launch_helpers import REPO, base_args, launcher, no_slurm_env, signal_when_ready  # noqa: F401 (autouse fixture)
 
 pytestmark = pytest.mark.one_lane(
@@ -621,6 +621,49 @@ def test_launcher_refuses_before_starting(how, expect, env, vqa_dataset, tmp_pat
     assert_flags_exist("train", text)
     rc, text = run_command("train", args, capsys)  # a real launch stops there too: nothing written, nothing started
     assert rc == 2 and not list(tmp_path.glob("**/llava-stage*/config.yaml"))
+
+
+def _parsers(parser):
+    import argparse
+
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_no_command_takes_an_abbreviated_flag(capsys):
+    """argparse's prefix matching is off on every command (and sub-command), as Megatron-LM turns it off: a flag
+    that is only the start of one (``--cp`` of ``--cpus-per-task`` before --cp existed, ``--seq`` of
+    ``--seq-length``) is named as unknown instead of silently standing for it. Also every parser in the source,
+    commands run as modules included."""
+    checked = []
+    for path in sorted(set(scripts().values())):
+        if "__main__" not in path.read_text():
+            continue  # a module of another script (demo/shapes.py)
+        try:
+            parser = command_parser(path)[0]
+        except AssertionError as e:
+            if "parsed nothing" in str(e):  # a command without flags (tools/sizing_table.py)
+                continue
+            raise
+        for p in _parsers(parser):
+            assert p.allow_abbrev is False, f"{path.relative_to(ROOT)}: {p.prog} allows abbreviations"
+        checked.append(path)
+    assert len(checked) > 20, checked
+    unset = [f"{f.relative_to(ROOT)}:{n}" for d in ("convert", "data_prep", "train", "eval", "demo", "bench",
+                                                    "tools", "megatron_vlm")
+             for f in sorted((ROOT / d).rglob("*.py"))
+             for n, line in enumerate(f.read_text().splitlines(), 1)
+             if re.search(r"(ArgumentParser|add_parser)\(", line) and "allow_abbrev=False" not in line]
+    assert not unset, unset
+    rc, text = run_command("train", ["--seq", "64"], capsys)
+    assert rc == 2 and "unrecognized arguments: --seq" in text, text
+    from megatron_vlm.training.config import build_parser
+
+    ns = build_parser().parse_args(["--cp", "2"])
+    assert ns.cp == 2 and not hasattr(ns, "cpus_per_task")
 
 
 # ---- the torchrun path (subprocesses): a rank's reason printed last; Ctrl-C saves and exits 130 --------------------

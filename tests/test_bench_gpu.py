@@ -27,7 +27,7 @@ pytestmark = pytest.mark.one_lane(
 def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     """Every step of the GPU command, in its own process: install from a kit (a hand-made wheel, with pip --no-index),
     set-up, HF vs Megatron logits (fp32, bf16), our training, the HF + SDPA loop on the same batches, the MoE row,
-    the gpu tests (skipped here), the report; results merged into one JSON as they come."""
+    the context-parallel rows, the gpu tests (skipped here), the report; results merged into one JSON as they come."""
     kit = tmp_path / "kit"
     fake_wheel(kit / "wheels", "mvlm-kit-probe", "1.0")
     out = tmp_path / "out"
@@ -37,7 +37,7 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert [(s["step"], s["rc"]) for s in steps] == [(n, 0) for n in ("env", "install", "setup", "logits", "train",
-                                                                        "hf", "moe", "pytest")]
+                                                                        "hf", "moe", "cp", "pytest")]
     assert "all checks passed" in res.stdout and "step(s) failed" not in res.stdout
     rows = {(r["part"], r["impl"], r["dtype"]): r for r in json.loads((out / "gpu_bench.json").read_text())["rows"]}
     fp32, bf16 = rows[("logits", "local", "fp32")], rows[("logits", "local", "bf16")]
@@ -66,6 +66,10 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
         assert "==== moe_ep1_local: " in (out / "train_runs.log").read_text()
     else:  # a tree without MoE support reports the row as not measured, and the run still passes
         assert moe["ok"] is None and "no MoE support" in moe["note"]
+    # the context-parallel row: one long sample at CP1 and CP2 (2 gloo ranks here; TE's p2p attention on 2 GPUs)
+    cp1, cp2 = rows[("cp", "local, CP1", "fp32")], rows[("cp", "local, CP2", "fp32")]
+    assert cp1["ok"] and cp2["ok"] and cp2["diff"] <= 1e-5 and cp2["tolerance"] == 0.02, (cp1, cp2)
+    assert cp1["positions"] == cp2["positions"] > 3 * 16 and cp2["peak_gib"] > 0 and cp2["memory_ratio"] > 0
     log = (out / "gpu_quick.log").read_text()
     assert "== install: rc 0" in log and "skipped" in log  # pytest: the gpu tests skip without a GPU
     assert bench.curve_diff([1.0, 2.02], [1.0, 2.0]) == pytest.approx(0.01)

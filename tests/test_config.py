@@ -222,3 +222,36 @@ def test_every_command_has_the_same_verbosity_flag_and_debug_means_nothing_else(
     with pytest.raises(SystemExit):
         script("convert/hf_to_megatron.py").main(["--debug", "--help"])
     assert "--debug is deprecated, use -v/--verbose" in capsys.readouterr().err
+
+
+def test_context_parallel_flags():
+    """--cp and Megatron-LM's --context-parallel-size set one field (never --cpus-per-task, which argparse's prefix
+    matching once took --cp for); data-parallel replicas are the world over TP x PP x CP; the YAML carries it."""
+    c = cfg_of("-g", "8", "--cp", "2", "--tp", "2", "--sequence-parallel", "--seq-length", "2048", "--gbs", "8",
+               "--mbs", "4")
+    assert (c.cp, c.cpus_per_task, c.dp, c.grad_accum, c.model_parallel) == (2, None, 2, 1, 4)
+    assert cfg_of("-g", "4", "--context-parallel-size", "4", "--gbs", "4", "--mbs", "4").cp == 4
+    data = yaml.safe_load(c.to_yaml())
+    assert data["cp"] == 2 and data["derived"]["data_parallel"] == 2
+    assert TrainConfig.from_dict({k: v for k, v in data.items() if k != "derived"}).cp == 2
+
+
+def test_impossible_context_parallel_requests_name_the_fix():
+    assert "-g 3 --tp 1 --cp 2: 3 GPUs is not a multiple of tp*pp*cp=2; use a GPU count that is a multiple of 2 or " \
+        "lower --tp/--pp/--cp" in error_of("-g", "3", "--cp", "2")
+    assert "--seq-length 97 does not split over the context-parallel ranks: it must be a multiple of 4 (2 x --cp 2); " \
+        "use --seq-length 100" in error_of("-g", "2", "--cp", "2", "--seq-length", "97", "--gbs", "4", "--mbs", "4")
+    assert "it must be a multiple of 8 (2 x --cp 2 x --tp 2, with --sequence-parallel); use --seq-length 104" in \
+        error_of("-g", "4", "--cp", "2", "--tp", "2", "--sequence-parallel", "--seq-length", "100", "--gbs", "4",
+                 "--mbs", "4")
+    assert "--packed-seq-length 130: with --cp it must be a multiple of 4; use --packed-seq-length 132" in error_of(
+        "-g", "2", "--cp", "2", "--seq-length", "128", "--packing-buffer-size", "8", "--packed-seq-length", "130",
+        "--gbs", "4")
+    assert "--cp-comm-type a2a applies to Transformer Engine's attention with --cp > 1 on a GPU; local layers " \
+        "all-gather keys and values: drop --cp-comm-type" in error_of("--device", "cpu", "-g", "2", "--cp", "2",
+                                                                      "--cp-comm-type", "a2a", "--gbs", "4",
+                                                                      "--mbs", "4")
+    assert "--cp 0: must be at least 1" in error_of("--cp", "0")
+    assert "tp x cp x data-parallel size is a multiple of 4" in error_of("-g", "2", "--cp", "2", "--ep", "4",
+                                                                         "--gbs", "4", "--mbs", "4")
+    assert cfg_of("-g", "2", "--cp", "2", "--seq-length", "128", "--gbs", "4", "--mbs", "4").cp == 2  # fine

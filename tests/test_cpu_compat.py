@@ -16,6 +16,8 @@ def compat():
 
 def test_cuda_devices_become_cpu():
     assert torch.zeros(3, device="cuda").device.type == "cpu"
+    # pinned staging memory for a host-to-CUDA copy (megatron-core's RoPE under context parallelism): plain memory
+    assert torch.tensor([1, 2], device="cpu", pin_memory=True).cuda(non_blocking=True).tolist() == [1, 2]
     assert torch.ones(2, device=torch.device("cuda", 0)).device.type == "cpu"
     assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
     t = torch.arange(4)

@@ -1,5 +1,6 @@
-"""Fault drills through train/run.py on CPU (2 gloo processes): a rank killed in the middle of a torch_dist save,
-and a checkpoint whose bytes changed after it was committed (issue 42).
+"""Fault drills through train/run.py on CPU (2 gloo processes, context parallel: --cp 2, each sequence split over
+the two ranks), a rank killed in the middle of a torch_dist save, and a checkpoint whose bytes changed after it was
+committed (issue 42; at CP2 for issue 49: the killed run resumes bit for bit).
 
 1. kill -9 one rank while it saves iteration 6: both ranks' shards are written, the commit is not. The tracker
    still names iteration 3; no process of the killed run is left (the killed rank's write-results queue server,
@@ -32,7 +33,7 @@ from .train_helpers import args, launch, run, setup  # noqa: F401 (setup: fixtur
 pytestmark = pytest.mark.slow
 
 DRILL = ("--stage", "2", "--global-batch-size", "8", "--save-interval", "3", "--log-interval", "1",
-         "--deterministic")
+         "--deterministic", "--cp", "2")
 #: runs on the ranks' interpreter start (PYTHONPATH): holds the chosen rank inside the chosen save
 SITECUSTOMIZE = textwrap.dedent('''
     import os

@@ -98,11 +98,37 @@ def test_yaml_request_with_overrides(tmp_path, capsys):
     (["-g", "2", "--pp", "2", "--pp-layers", "2,1", "--gbs", "16", "--mbs", "16"], "--pp-layers 2,1 must give 2"),
     (["--seq-length", "16"], "--seq-length 16 cannot hold the 16 image tokens"),
     (["--no-add-class-token"], "--no-add-class-token: the clip vision encoder of"),
+    (["-g", "3", "--cp", "2"], "-g 3 --tp 1 --cp 2: 3 GPUs is not a multiple of tp*pp*cp=2"),
+    (["-g", "2", "--cp", "2", "--seq-length", "66", "--gbs", "16", "--mbs", "16"],
+     "--seq-length 66 does not split over the context-parallel ranks: it must be a multiple of 4 (2 x --cp 2); "
+     "use --seq-length 68"),
 ])
 def test_impossible_requests(tmp_path, capsys, extra, expect):
     rc, out, err = dry([*base_args(tmp_path), *extra], capsys)
     assert rc == 2 and out == ""
     assert expect in err
+
+
+def test_context_parallel_request(tmp_path, capsys, monkeypatch):
+    """--cp 2 (never --cpus-per-task): the config and the command carry it, the estimate splits the language
+    model's positions over the CP ranks; on a GPU, --cp-comm-type a2a needs heads that divide over the CP ranks."""
+    args = [*base_args(tmp_path), "--gbs", "16", "--mbs", "16"]
+    rc, out, err = dry([*args, "-g", "2", "--cp", "2"], capsys)
+    assert rc == 0, err
+    cfg = config_of(out)
+    assert (cfg.cp, cfg.dp, cfg.cpus_per_task) == (2, 1, None)
+    assert "--cp" in command_of(out) or "--context-parallel-size" in command_of(out)
+    assert "CP=2 DP=1" in out and "micro batch 16 x 64 positions (32 on this rank, CP=2)" in out
+    monkeypatch.setattr("megatron_vlm.launch.probe.run_probe", lambda *a, **k: {"device_count": 4})
+    rc, _, err = dry([*args, "--device", "cuda", "-g", "4", "--cp", "4", "--cp-comm-type", "a2a",
+                      "--transformer-impl", "local"], capsys)
+    assert rc == 2 and "--cp-comm-type a2a applies to Transformer Engine's attention" in err
+    rc, _, err = dry([*args, "--device", "cuda", "-g", "4", "--cp", "4", "--cp-comm-type", "a2a"], capsys)
+    assert rc == 2 and "--cp-comm-type a2a spreads attention heads over the CP ranks: the 4 heads and 2 KV heads " \
+        "per TP rank of" in err and "do not divide by --cp 4; use --cp-comm-type p2p or allgather" in err
+    rc, out, err = dry([*args, "--device", "cuda", "-g", "4", "--cp", "2", "--tp", "2", "--cp-comm-type", "a2a"],
+                       capsys)
+    assert rc == 2 and "the 2 heads and 1 KV heads" in err
 
 
 def test_data_checks(tmp_path, capsys):

@@ -56,14 +56,15 @@ def test_estimate_equals_allocation_one_process(specs, job):
 
 @pytest.mark.slow
 def test_estimate_matches_allocation_in_parallel_worlds(specs):
-    """TP2 x DP2 and PP2 x DP2 with the distributed optimizer (bf16), TP2 x PP2 in fp32, and for the MoE model
+    """TP2 x DP2, PP2 x DP2 and CP2 x DP2 (sharded over DP x CP) with the distributed optimizer (bf16), TP2 x PP2
+    in fp32, and for the MoE model
     EP2 x DP2 and TP2 x EP2 (the experts' optimizer state sharded over their own data-parallel group) and PP2 x EP2:
     every rank's weights exactly, its gradient buffer and optimizer shard within megatron's padding."""
     from megatron_vlm.runtime.spawn import run_world
     from megatron_vlm.testing.memory_jobs import memory_jobs
 
     jobs = [dict(tp=2, precision="bf16", dist_optim=True), dict(pp=2, precision="bf16", dist_optim=True),
-            dict(tp=2, pp=2, precision="fp32", stage=1)]
+            dict(tp=2, pp=2, precision="fp32", stage=1), dict(cp=2, precision="bf16", dist_optim=True)]
     moe_jobs = [dict(ep=2, precision="bf16", dist_optim=True),
                 dict(tp=2, ep=2, sequence_parallel=True, precision="bf16", dist_optim=True),
                 dict(pp=2, ep=2, precision="fp32")]
@@ -101,6 +102,18 @@ def test_estimate_scales_with_the_layout():
     assert first.activations > last.activations - logits  # the first stage holds 2 micro batches, the last 1
     stage1 = memory.estimate(spec, memory.Layout(**{**base.__dict__, "trained": (False, True, False)}))[0]
     assert stage1.trainable == stage1.params.projector and stage1.gradients == 4 * stage1.params.projector
+    # context parallelism: each rank keeps 1/CP of the language model's positions (Transformer Engine's attention;
+    # the projector still runs on every image), megatron's local attention also the gathered keys and values and its
+    # S/CP x S scores; the distributed optimizer shards over DP x CP
+    for fused in (True, False):
+        at = {cp: memory.estimate(spec, memory.Layout(**{**base.__dict__, "cp": cp, "fused_attention": fused}))[0]
+              for cp in (1, 2, 4)}
+        slack = 0.01 if fused else 0.03  # local attention: the whole sequence's keys and values on every rank
+        assert 0.5 < at[2].activations / at[1].activations < 0.5 + slack and \
+            0.25 < at[4].activations / at[1].activations < 0.25 + slack, (fused, {c: e.activations for c, e in at.items()})
+        assert at[2].weights == at[1].weights and at[2].optimizer == at[1].optimizer
+    cp2 = memory.estimate(spec, memory.Layout(**{**base.__dict__, "cp": 2, "dist_optim": True}))[0]
+    assert cp2.optimizer == -(-one.optimizer // 8)
 
 
 def test_dry_run_prints_the_estimate_and_warns(tmp_path, capsys, no_slurm_env):  # noqa: F811

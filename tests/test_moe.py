@@ -132,6 +132,7 @@ def _train_jobs(tiny, root) -> list[dict]:
         dict(name="control-aux_loss-tp2ep2", steps=1, grads=True, moe_router_load_balancing_type="aux_loss",
              **TRAIN_LAYOUTS["tp2ep2"], **S2, **llava),
         dict(name="llava-pp4", steps=1, grads=True, pp=4, micro_batch_size=2, **S2, **llava),
+        dict(name="llava-cp2ep2", steps=1, grads=True, cp=2, ep=2, micro_batch_size=2, **S2, **llava),
         dict(name="recompute-pp2ep2", steps=1, grads=True, recompute_granularity="full", **TRAIN_LAYOUTS["pp2ep2"],
              **S2, **llava),
         dict(name="stage1-pp2ep2", steps=1, grads=True, **TRAIN_LAYOUTS["pp2ep2"],
@@ -260,6 +261,17 @@ def test_four_pipeline_stages_exchange_the_counts_exactly(world):
     r, ref = world["runs"]["llava-pp4"], world["hf"]["llava"]
     worst = max(_differences(world, "llava-pp4", "llava").items(), key=lambda kv: kv[1])
     assert worst[1] <= RTOL, worst
+    assert rel(r["moe"][0]["moe_load_balancing_loss"], ref["lb"][0]) <= RTOL
+
+
+def test_context_parallel_ranks_route_their_chunks_under_hfs_objective(world):
+    """CP2 x EP2 (expert groups over DP x CP): each CP rank routes its two load-balanced chunks of every row, the
+    statistics are gathered over the sequence's ranks and the padding to --seq-length stays out: the loss, the logged
+    load-balancing loss and every gradient equal HF's objective."""
+    r, ref = world["runs"]["llava-cp2ep2"], world["hf"]["llava"]
+    worst = max(_differences(world, "llava-cp2ep2", "llava").items(), key=lambda kv: kv[1])
+    assert worst[1] <= RTOL, worst
+    assert rel(r["loss"][0], ref["loss"][0]) <= RTOL, (r["loss"], ref["loss"])
     assert rel(r["moe"][0]["moe_load_balancing_loss"], ref["lb"][0]) <= RTOL
 
 

@@ -128,6 +128,32 @@ def test_pack_and_batch(packer):
         packer.batch([packer.pack_selected_samples(packs[0])] * 2)
 
 
+def test_context_parallel_pads_each_sample_inside_its_segment(tmp_path_factory, packer):
+    """With context parallelism (sample_multiple 2 x CP) each sample of a pack is followed by pad tokens up to a
+    multiple of it, inside its own cu_seqlens segment (loss mask 0), so megatron-core and Transformer Engine can
+    split every sample over the CP ranks; the real tokens, labels and counts are the unpadded pack's."""
+    cp4 = PackingTaskEncoder(tiny_llava(tmp_path_factory), seq_length=64, packed_seq_length=96, sample_multiple=8)
+    samples = _encoded(packer, 5)
+    k = packer.tokens_per_image
+    for pack in cp4.select_samples_to_pack(samples):
+        b = cp4.batch([cp4.pack_selected_samples(pack)])
+        padded = [-(-s.num_tokens // 8) * 8 for s in pack]
+        assert b.cu_seqlens.tolist() == boundaries(padded, 96) and all(c % 8 == 0 for c in b.cu_seqlens.tolist())
+        assert b.num_tokens == sum(s.num_tokens for s in pack) and b.num_samples == len(pack)
+        n_img = int((b.tokens == cp4.image_token_id).sum())
+        assert b.tokens.shape[1] + (k - 1) * n_img == 96
+        at = 0
+        for s, width in zip(pack, padded):
+            n, pad = len(s.tokens), width - s.num_tokens
+            assert torch.equal(b.tokens[0, at:at + n], s.tokens) and torch.equal(b.labels[0, at:at + n], s.labels)
+            assert torch.equal(b.loss_mask[0, at:at + n], s.loss_mask)
+            assert (b.tokens[0, at + n:at + n + pad] == cp4.pad_token_id).all()
+            assert b.loss_mask[0, at + n:at + n + pad].sum() == 0
+            at += n + pad
+    with pytest.raises(ValueError, match="must be a multiple of 8"):
+        PackingTaskEncoder(tiny_llava(tmp_path_factory), seq_length=64, packed_seq_length=100, sample_multiple=8)
+
+
 def test_anyres_packs_keep_each_items_tiles_and_counts(tmp_path_factory):
     """OneVision (anyres tiles, videos): a pack concatenates each item's tiles, size, tile and token counts in token
     order, and its cu_seqlens are the image-expanded sample lengths; a sample starting with its video opens a pack."""

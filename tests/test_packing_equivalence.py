@@ -16,7 +16,12 @@ behind the CPU compatibility layer, megatron's per-segment RoPE), with the train
   than bf16 itself is from fp32 on the same step (the unpacked bf16 step against the unpacked fp32 one, measured
   in the same world): a packing defect shows as an error larger than the precision's own;
 - the negative control: the same packs with attention across the samples of a pack (the local 'thd' attention
-  given one segment for the whole row) fail these checks, at PP2 and for the OneVision at DP2.
+  given one segment for the whole row) fail these checks, at PP2 and for the OneVision at DP2;
+- context parallelism (issue 49) at CP2: packs split per sample over the two ranks (each sample padded to 2 x CP in
+  its own segment) give the unpacked step's loss and every gradient, for the LLaVA and the OneVision (videos
+  included), and the unpacked CP2 step is the unpacked CP1 (DP2) one; the control: the CP attention's mask at
+  contiguous positions (rank r holding the r-th half of the row, not megatron-core's chunks r and 2 x CP - 1 - r)
+  fails.
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ def results(hf_models, tmp_path_factory):
         dict(name="ov-dp2", samples="ov-mixed", **OV),
         dict(name="ov-dp2-bf16", samples="ov-mixed", precision="bf16", **OV),
         dict(name="ov-dp2-broken", samples="ov-mixed", broken=True, **OV),
+        dict(name="llava-cp2", cp=2, samples="llava-mixed", **LLAVA),
+        dict(name="ov-cp2", cp=2, samples="ov-mixed", **OV),
+        dict(name="llava-cp2-broken", cp=2, samples="llava-mixed", broken=True, **LLAVA),
     ]
     out = run_world(equivalence_jobs, 2, jobs, models, sets)[0]
     return {r["name"]: r for r in out}
@@ -99,4 +107,20 @@ def test_packed_bf16_within_bf16s_own_error(results, name):
 @pytest.mark.parametrize("name", ["llava-pp2-broken", "ov-dp2-broken"])
 def test_attention_across_samples_fails_the_check(results, name):
     r = results[name]
+    assert fp32_failures(r) and r["grad_rel"] > 1e-2 and r["loss_rel"] > 1e-5, r
+
+
+@pytest.mark.parametrize("model", ["llava", "ov"])
+def test_context_parallel_packs_equal_unpacked_and_cp1(results, model):
+    r, cp1 = results[f"{model}-cp2"], results[f"{model}-dp2"]
+    assert not fp32_failures(r), (fp32_failures(r), r)
+    assert all(sizes and min(sizes) >= 2 for sizes in r["pack_sizes"]), r["pack_sizes"]
+    # unpacked: CP2 on one row split over two ranks is CP1's step of the same samples
+    assert r["loss_tokens"][0] == cp1["loss_tokens"][0]
+    assert abs(r["loss_sum"][0] - cp1["loss_sum"][0]) <= 1e-6 * cp1["loss_sum"][0], (r["loss_sum"], cp1["loss_sum"])
+    assert abs(r["grad_norm"][0] - cp1["grad_norm"][0]) <= 1e-6 * cp1["grad_norm"][0]
+
+
+def test_context_parallel_mask_out_of_megatrons_order_fails_the_check(results):
+    r = results["llava-cp2-broken"]
     assert fp32_failures(r) and r["grad_rel"] > 1e-2 and r["loss_rel"] > 1e-5, r

@@ -19,6 +19,16 @@ of a run without the distributed optimizer) and continues as HF does; at its own
 
 fp16 with megatron-core's dynamic loss scaling trains on CPU too: an overflowing first step is skipped, the scale
 backs off, and a resume continues bit-exactly (loss, grad norm and loss scale).
+
+Context parallelism (issue 49), in the same 4-rank worlds: the LLaVA's first stage-2 step at CP4, TP2 x CP2 (sequence
+parallel), PP2 x CP2 and CP2 x DP2 (distributed optimizer) has HF's loss, grad norm and every gradient tensor (fp32,
+1e-5), and so do stage 1 at CP4 for both models and the OneVision's stage 2 (anyres tiles) at CP4; bf16 at
+TP2 x CP2 follows the bf16 TP1 run; the CP2 x DP2 checkpoint resumes at CP4 and at CP1 (DP4) as HF
+continues. A OneVision global batch with a video of 32 frames (a 209-position sample), a video with an image, an
+image and a text-only sample has HF's loss and gradients at CP1 (DP4), CP2 x DP2, CP4 and TP2 x CP2, and the CP
+layouts equal CP1. A Qwen3-MoE LLaVA (load-balancing loss off: HF LLaVA's plain cross entropy) at CP2 x EP2 has HF's
+every gradient, experts included (:mod:`megatron_vlm.testing.grad_reference`).
+
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.runtime.spawn import run_world
 from megatron_vlm.spec import VLMSpec
 from megatron_vlm.testing import grad_reference, hf_reference
-from megatron_vlm.testing.train_jobs import job_config, train_jobs, variable_length_batches
+from megatron_vlm.testing.train_jobs import job_config, long_video_batch, train_jobs, variable_length_batches
 
 pytestmark = pytest.mark.slow
 
@@ -69,15 +79,37 @@ LAYOUTS = {
 }
 
 
+#: context parallelism: stage 2, the first step against HF (``cp2dp2`` saves the checkpoint the resumes start from)
+CP_LAYOUTS = {
+    "cp4": dict(cp=4, micro_batch_size=4),
+    "tp2cp2-sp": dict(tp=2, cp=2, sequence_parallel=True, micro_batch_size=4),
+    "pp2cp2": dict(pp=2, cp=2, micro_batch_size=2),
+    "cp2dp2": dict(cp=2, micro_batch_size=2, dist_optim=True),
+}
+#: the OneVision's long-video global batch of four samples, at CP1 and the CP layouts that hold it
+VIDEO_LAYOUTS = {
+    "cp1": dict(micro_batch_size=1),
+    "cp2dp2": dict(cp=2, micro_batch_size=1),
+    "cp4": dict(cp=4, micro_batch_size=2),
+    "tp2cp2-sp": dict(tp=2, cp=2, sequence_parallel=True, micro_batch_size=2),
+}
+VIDEO_SEQ = 256
+MOE_CP = dict(cp=2, ep=2, micro_batch_size=2)
+
+
 @pytest.fixture(scope="module")
 def models(hf_models, tmp_path_factory):
-    from megatron_vlm.testing.tiny import make_tiny_onevision
+    from megatron_vlm.testing.tiny import make_tiny_llava, make_tiny_onevision
 
     root = tmp_path_factory.mktemp("reference")
     out = {}
     for name, hf in (("llava", hf_models["llama_clip"]), ("onevision", make_tiny_onevision(root / "ov"))):
         out[name] = dict(hf=hf, meg=convert_hf_to_megatron(hf, root / name / "meg", tp=1),
                          batches=variable_length_batches(hf, 3))
+    out["onevision"]["video"] = [long_video_batch(out["onevision"]["hf"], seq_length=VIDEO_SEQ)]
+    moe = make_tiny_llava(root / "moe", "qwen3_moe", "clip", text_overrides=dict(num_hidden_layers=4,
+                                                                                   mlp_only_layers=[1]))
+    out["moe"] = dict(hf=moe, meg=convert_hf_to_megatron(moe, root / "moe" / "meg", tp=1))
     out["root"] = root
     return out
 
@@ -86,7 +118,7 @@ def models(hf_models, tmp_path_factory):
 def runs(models):
     """name -> {loss, grad_norm} of the trainer's jobs (1-rank and 4-rank worlds) and of HF."""
     root = models["root"]
-    out = {}
+    out, reference = {}, {}  # reference: job name -> HF's first-step gradients (HF names) it is compared with
     for m in ("llava", "onevision"):
         hf, meg, gbs = models[m]["hf"], models[m]["meg"], models[m]["batches"]
         grads = {}
@@ -120,19 +152,60 @@ def runs(models):
                      *[dict(name=f"resume-{lay}", start=1, steps=2, resume=str(saved / "iter_0000001"),
                             reset_data_position=True, **{**kw, "dist_optim": False}, **STAGES[2])
                        for lay, kw in LAYOUTS.items()]]
+            four += context_parallel_jobs(models, root)
         else:
             long = gbs
+            four += long_video_jobs(models, out, reference)
+        # stage 1 (and stage 2 of the OneVision: anyres tiles) at CP4
+        four += [dict(name=f"{m}-s{s}-cp4", steps=1, grads=True, **CP_LAYOUTS["cp4"], **STAGES[s])
+                 for s in STAGES if m == "onevision" or s == 1]
         spec = VLMSpec.from_hf_dir(hf)
+        for job in one + four:  # HF's first-step gradients each job's are compared with, unless it names its own
+            if job.get("grads") and "hf_dir" not in job:
+                reference.setdefault(job["name"], grads[job["stage"]])
         for r in run_world(train_jobs, 1, one, meg, hf, long)[0] + run_world(train_jobs, 4, four, meg, hf, long)[0]:
-            if "grads" in r:  # the first step's gradient of every trained tensor against HF's
-                stage = int(r["name"].split("-s")[1][0])
+            if "grads" in r and r["name"] in reference:  # the first step's gradient of every trained tensor vs HF's
                 r["grad_rel"] = grad_reference.compare(grad_reference.assemble(r.pop("grads"), spec, **r["layout"]),
-                                                       grads[stage])
+                                                       reference[r["name"]])
             out[r["name"]] = r
+    moe_hf = models["moe"]["hf"]  # the MoE job's reference: HF LLaVA's plain cross entropy (load balancing off)
+    cfg = job_config(dict(STAGES[2], moe_aux_loss_coeff=0.0), 1, 8)
+    out["moe-cp2ep2-hf"] = hf_reference.train(moe_hf, variable_length_batches(moe_hf, 1), cfg, grads=True)
     for name, r in sorted(out.items()):  # the numbers of the closing note (pytest -s)
+        if "loss" not in r or not isinstance(r["loss"], list):
+            continue
         worst = max(r["grad_rel"].items(), key=lambda kv: kv[1]) if r.get("grad_rel") else None
         print(f"{name}: loss {r['loss']} grad norm {r['grad_norm']}" + (f" worst tensor {worst}" if worst else ""))
     return out
+
+
+def context_parallel_jobs(models, root) -> list[dict]:
+    """The LLaVA's CP jobs: each CP layout's first stage-2 step against HF's gradients (CP2 x DP2 saves), bf16 at
+    TP2 x CP2, the CP2 x DP2 checkpoint resumed at CP4 and at CP1 (DP4), and the Qwen3-MoE LLaVA at CP2 x EP2."""
+    saved = root / "cp2dp2-run"
+    jobs = [dict(name=f"llava-s2-{lay}", steps=1, grads=True, **kw, **STAGES[2],
+                 **(dict(save=str(saved)) if lay == "cp2dp2" else {})) for lay, kw in CP_LAYOUTS.items()]
+    jobs.append(dict(name="bf16-tp2cp2-sp", precision="bf16", steps=3, **CP_LAYOUTS["tp2cp2-sp"], **STAGES[2]))
+    jobs += [dict(name=f"resume-cp2dp2-at-{lay}", start=1, steps=2, resume=str(saved / "iter_0000001"),
+                  reset_data_position=True, dist_optim=True, **kw, **STAGES[2])
+             for lay, kw in (("cp4", dict(cp=4, micro_batch_size=4)), ("cp1", dict(micro_batch_size=2)))]
+    moe = models["moe"]
+    jobs.append(dict(name="moe-cp2ep2", steps=1, grads=True, moe_aux_loss_coeff=0.0, megatron_dir=str(moe["meg"]),
+                     hf_dir=str(moe["hf"]), batches=(str(moe["hf"]), 1, False, 1), **MOE_CP, **STAGES[2]))
+    return jobs
+
+
+def long_video_jobs(models, out: dict, reference: dict) -> list[dict]:
+    """The OneVision's long-video batch at CP1 and the CP layouts, against HF's loss and gradients (HF's numbers go
+    to ``out["video-hf"]``, its gradients to ``reference``)."""
+    ov = models["onevision"]
+    cfg = job_config(dict(STAGES[2], seq_length=VIDEO_SEQ), 1, len(ov["video"][0]))
+    ref = hf_reference.train(ov["hf"], ov["video"], cfg, grads=True)
+    grads = ref.pop("grads")
+    out["video-hf"] = ref
+    reference.update({f"video-{lay}": grads for lay in VIDEO_LAYOUTS})
+    return [dict(name=f"video-{lay}", steps=1, batches=ov["video"], seq_length=VIDEO_SEQ, grads=True,
+                 **kw, **STAGES[2]) for lay, kw in VIDEO_LAYOUTS.items()]
 
 
 def rel(a: float, b: float) -> float:
@@ -223,3 +296,68 @@ def test_fp16_skips_the_overflowing_step_backs_off_and_resumes_exactly(runs):
     resumed = runs["fp16-resume"]
     assert (resumed["loss"], resumed["grad_norm"], resumed["loss_scale"]) == \
         (r["loss"][2:], r["grad_norm"][2:], r["loss_scale"][2:])
+
+
+# ---- context parallelism (issue 49) ----------------------------------------------------------------------------
+def _first_step_equals_hf(r: dict, ref: dict, stage: int = 2) -> None:
+    assert rel(r["loss"][0], ref["loss"][0]) <= RTOL, (r["loss"], ref["loss"])
+    assert rel(r["grad_norm"][0], ref["grad_norm"][0]) <= RTOL, (r["grad_norm"], ref["grad_norm"])
+    parts = {("projector" if k.startswith(("multi_modal_projector.", "image_newline")) else
+              "language" if k.startswith("language_model.") else "vision") for k in r["grad_rel"]}
+    assert parts == ({"projector"} if stage == 1 else {"projector", "language"}), sorted(r["grad_rel"])
+    worst = max(r["grad_rel"], key=r["grad_rel"].get)
+    assert r["grad_rel"][worst] <= GRAD_TENSOR_RTOL, (worst, r["grad_rel"][worst])
+
+
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS))
+def test_context_parallel_step_equals_hf(runs, layout):
+    """The loss, grad norm and every trained tensor's gradient of the first stage-2 step at each CP layout."""
+    _first_step_equals_hf(runs[f"llava-s2-{layout}"], runs["llava-s2-hf"])
+
+
+@pytest.mark.parametrize("name", ["llava-s1-cp4", "onevision-s1-cp4", "onevision-s2-cp4"])
+def test_context_parallel_stages_and_anyres_equal_hf(runs, name):
+    """Stage 1 (the projector's gradient through the frozen LM at CP4) for both models, and the OneVision's anyres
+    tiles of four image sizes in stage 2."""
+    model, stage = name.split("-")[0], int(name.split("-")[1][1])
+    _first_step_equals_hf(runs[name], runs[f"{model}-s{stage}-hf"], stage)
+
+
+@pytest.mark.parametrize("layout", list(VIDEO_LAYOUTS))
+def test_long_video_at_context_parallel_layouts_equals_cp1_and_hf(runs, layout):
+    """A 32-frame video (209 positions: 2 x CP chunks of it on each rank), a video with an image, an image and a text
+    sample: HF's loss and gradients at every layout, and CP2 / CP4 / TP2 x CP2 on CP1's loss and grad norm."""
+    r, cp1 = runs[f"video-{layout}"], runs["video-cp1"]
+    _first_step_equals_hf(r, runs["video-hf"])
+    assert rel(r["loss"][0], cp1["loss"][0]) <= 1e-6 and rel(r["grad_norm"][0], cp1["grad_norm"][0]) <= 1e-6, \
+        (r["loss"], cp1["loss"], r["grad_norm"], cp1["grad_norm"])
+
+
+def test_bf16_context_parallel_follows_the_bf16_tp1_run(runs):
+    r, ref = runs["bf16-tp2cp2-sp"], runs["bf16-tp1"]
+    assert close(r["loss"], ref["loss"][:3], BF16_LOSS_RTOL), (r["loss"], ref["loss"])
+    assert close(r["grad_norm"], ref["grad_norm"][:3], BF16_GRAD_RTOL), (r["grad_norm"], ref["grad_norm"])
+    assert r["loss"][2] < r["loss"][0]
+
+
+@pytest.mark.parametrize("layout", ["cp4", "cp1"])
+def test_a_cp2_checkpoint_resumes_at_another_cp_as_hf_continues(runs, layout):
+    """Context parallelism changes no weight: the CP2 x DP2 checkpoint (distributed optimizer) after step 1
+    continues at CP4 and at CP1 (DP4) with HF's steps 2 and 3."""
+    r, ref = runs[f"resume-cp2dp2-at-{layout}"], runs["llava-s2-hf"]
+    assert close(r["loss"], ref["loss"][1:3], RTOL), (r["loss"], ref["loss"])
+    assert close(r["grad_norm"], ref["grad_norm"][1:3], RTOL), (r["grad_norm"], ref["grad_norm"])
+
+
+def test_moe_context_parallel_with_expert_parallel_equals_hf(runs, models):
+    """A Qwen3-MoE LLaVA at CP2 x EP2 (expert groups over DP x CP, as megatron-core builds them), load-balancing loss
+    off: HF's loss and every gradient, each expert's included."""
+    r, ref = runs["moe-cp2ep2"], runs["moe-cp2ep2-hf"]
+    spec = VLMSpec.from_hf_dir(models["moe"]["hf"])
+    mine = grad_reference.assemble(r["grads"], spec, **r["layout"])
+    diffs = grad_reference.compare(mine, ref["grads"])
+    assert rel(r["loss"][0], ref["loss"][0]) <= RTOL, (r["loss"], ref["loss"])
+    assert sum(".mlp.experts." in n for n in diffs) == 3 * spec.num_moe_experts * 3, sorted(diffs)
+    worst = max(diffs.items(), key=lambda kv: kv[1])
+    print(f"\nCP2 x EP2 MoE: loss {r['loss'][0]!r} (HF {ref['loss'][0]!r}), {len(diffs)} tensors, worst {worst}")
+    assert worst[1] <= GRAD_TENSOR_RTOL, worst

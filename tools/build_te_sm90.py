@@ -547,9 +547,11 @@ def torch_extension(torch_version: str, work: Path, out: Path, site: Path, const
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    pr = sub.add_parser("prune", help="PyPI's transformer_engine_cu13 wheel with the other GPUs' device code removed "
+    pr = sub.add_parser("prune", allow_abbrev=False,
+                        help="PyPI's transformer_engine_cu13 wheel with the other GPUs' device code removed "
                         "(minutes; no compiler)")
     pr.add_argument("--core-wheel", type=Path, required=True, help="PyPI's transformer_engine_cu13 wheel "
                     "(pip download --no-deps transformer-engine-cu13==2.20.2)")
@@ -558,7 +560,7 @@ def parse(argv=None):
                     "sm_90a code is kept with 90)")
     pr.add_argument("--cuobjdump", default=shutil.which("cuobjdump"), help="cuobjdump (the nvidia-cuda-cuobjdump "
                     "wheel has one) to check the result with (default: the one on PATH, if any)")
-    b = sub.add_parser("build", help="compile TE's core from source for --archs (CPU-hours)")
+    b = sub.add_parser("build", allow_abbrev=False, help="compile TE's core from source for --archs (CPU-hours)")
     b.add_argument("--src", type=Path, help="TransformerEngine checkout with 3rdparty/cutlass (git clone --recursive)")
     b.add_argument("--te-git", type=Path, help="instead of --src: a TransformerEngine git directory to export --ref "
                    "from")
@@ -578,7 +580,8 @@ def parse(argv=None):
                    help="pins of the toolchain wheels (default constraints/py312.txt)")
     b.add_argument("--core-wheel", type=Path, help="PyPI's transformer_engine_cu13 wheel of the same version: write "
                    "a copy with the library built here in it")
-    t = sub.add_parser("torch-ext", help="compile TE's torch extension against another torch (the GPU image's, "
+    t = sub.add_parser("torch-ext", allow_abbrev=False,
+                       help="compile TE's torch extension against another torch (the GPU image's, "
                        "2.11.0+cu130), for --archs (tens of CPU-minutes)")
     t.add_argument("--torch", default="2.11.0", help="PyPI torch version to build against (default 2.11.0: "
                    "2.11.0+cu130, the GPU image's)")

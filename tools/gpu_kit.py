@@ -430,7 +430,8 @@ def check(kit_dir: Path, constraints: Path) -> int:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / ".gpu_kit", help="kit folder, ignored by git (default: "
                    ".gpu_kit)")
     p.add_argument("--constraints", type=Path, default=ROOT / "constraints" / "py312.txt",

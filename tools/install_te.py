@@ -255,7 +255,7 @@ def install(constraints: Path | None, jobs: int) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                 epilog="Environment: MVLM_WHEEL_CACHE (wheel cache root), MVLM_WHEEL_SEED (seed "
                                        "folder), MAX_JOBS (parallel compile jobs for a build).")
     p.add_argument("--constraints", type=Path, help="pip constraints file (the lane's constraints/pyXY.txt)")

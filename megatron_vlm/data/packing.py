@@ -11,7 +11,10 @@ Owns the packing arithmetic and energon's packing hooks (``--packing-buffer-size
   loss of the position just before an image (a text token does not predict image embeddings), which behind
   another sample would drop that sample's last label.
 - :meth:`PackingTaskEncoder.pack_selected_samples` concatenates the samples' tokens, labels, loss masks and images
-  (images stay in token order) and records each sample's image-expanded length;
+  (images stay in token order) and records each sample's image-expanded length; with ``sample_multiple`` (context
+  parallelism: 2 x CP, which Transformer Engine's and megatron-core's per-sample 'thd' split needs) each sample is
+  followed by pad tokens (loss mask 0) up to a multiple of it, inside its own segment: they come after its last
+  token, so causal attention keeps them out of its positions;
 - :meth:`PackingTaskEncoder.batch` pads the pack with pad tokens (loss mask 0) to exactly ``packed_seq_length``
   image-expanded positions (a fixed shape: pipeline stages exchange [packed_seq_length, 1, hidden]) and builds
   ``cu_seqlens``: the boundaries in IMAGE-EXPANDED positions, i.e. where LLaVAModel's ``_preprocess_data`` puts
@@ -32,6 +35,7 @@ OneVision: tiles, videos) pack with :class:`AnyresPackingTaskEncoder`; :func:`pa
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from megatron.energon.edataclass import edataclass
@@ -129,13 +133,16 @@ class AnyresPackedBatch(AnyresBatch):
     num_samples: int
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int):
-    """megatron-core ``PackedSeqParams`` ('thd') for one packed sequence with boundaries ``cu_seqlens``."""
+def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, context_parallel: bool = False):
+    """megatron-core ``PackedSeqParams`` ('thd') for one packed sequence with boundaries ``cu_seqlens``. Under
+    ``context_parallel`` the padded boundaries (``cu_seqlens_q_padded``, by which megatron-core's LLaVAModel and
+    Transformer Engine split each sample over the CP ranks) are the same: each sample's padding is its own."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = cu_seqlens.to(torch.int32)
+    padded = dict(cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu) if context_parallel else {}
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(max_seqlen),
-                           max_seqlen_kv=int(max_seqlen))
+                           max_seqlen_kv=int(max_seqlen), **padded)
 
 
 class _PackingHooks:
@@ -144,15 +151,21 @@ class _PackingHooks:
     #: per-sample tensors concatenated into a pack besides tokens, labels and loss mask
     item_fields: tuple = ("images",)
 
-    def _init_packing(self, packed_seq_length: int) -> None:
+    def _init_packing(self, packed_seq_length: int, sample_multiple: int | None = None) -> None:
         self.packed_seq_length = int(packed_seq_length)
+        self.sample_multiple = int(sample_multiple or 1)
         if self.packed_seq_length < self.seq_length:
             raise ValueError(f"--packed-seq-length {self.packed_seq_length} is below --seq-length {self.seq_length}: "
                              "every sample must fit in a pack")
-        multiple = self.pad_to_multiple_of or 1
+        multiple = math.lcm(self.pad_to_multiple_of or 1, self.sample_multiple)
         if self.packed_seq_length % multiple:
             raise ValueError(f"--packed-seq-length {self.packed_seq_length} must be a multiple of {multiple} "
-                             "(FP8 / sequence-parallel alignment)")
+                             "(FP8 / sequence- and context-parallel alignment)")
+
+    def padded_length(self, sample) -> int:
+        """The positions ``sample`` takes in a pack: its image-expanded length, up to a multiple of
+        ``sample_multiple``."""
+        return -(-int(sample.num_tokens) // self.sample_multiple) * self.sample_multiple
 
     def media_ids(self) -> set:
         """Token ids that megatron expands into image embeddings (images; videos for OneVision)."""
@@ -160,25 +173,30 @@ class _PackingHooks:
                                         else set())
 
     def select_samples_to_pack(self, samples: list) -> list[list]:
-        too_long = [s for s in samples if int(s.num_tokens) > self.packed_seq_length]
+        too_long = [s for s in samples if self.padded_length(s) > self.packed_seq_length]
         if too_long:  # cannot come from this encoder (it truncates to --seq-length): counted and left out
             for s in too_long:
                 self.skips.total["longer than --packed-seq-length"] += 1
                 log.warning("sample %s skipped: %d image-expanded positions, more than --packed-seq-length %d",
-                            s.__key__, int(s.num_tokens), self.packed_seq_length)
-            samples = [s for s in samples if int(s.num_tokens) <= self.packed_seq_length]
-        lengths = [int(s.num_tokens) for s in samples]
+                            s.__key__, self.padded_length(s), self.packed_seq_length)
+            samples = [s for s in samples if self.padded_length(s) <= self.packed_seq_length]
+        lengths = [self.padded_length(s) for s in samples]
         media = self.media_ids()
         opens = [len(s.tokens) > 0 and int(s.tokens[0]) in media for s in samples]
         return [[samples[i] for i in group] for group in select_packs(lengths, opens, self.packed_seq_length)]
 
     def _packed_fields(self, samples: list) -> dict:
         fields = {k: torch.cat([getattr(s, k) for s in samples], dim=0) for k in self.item_fields}
-        return dict(__key__=",".join(s.__key__ for s in samples), tokens=torch.cat([s.tokens for s in samples]),
-                    labels=torch.cat([s.labels for s in samples]),
-                    loss_mask=torch.cat([s.loss_mask for s in samples]),
+        pads = [self.padded_length(s) - int(s.num_tokens) for s in samples]  # text positions after each sample
+
+        def joined(name, fill):
+            return torch.cat([t for s, n in zip(samples, pads) for t in
+                              (getattr(s, name), torch.full((n,), fill, dtype=getattr(s, name).dtype))])
+
+        return dict(__key__=",".join(s.__key__ for s in samples), tokens=joined("tokens", self.pad_token_id),
+                    labels=joined("labels", self.pad_token_id), loss_mask=joined("loss_mask", 0),
                     num_tokens=int(sum(s.num_tokens for s in samples)),
-                    seq_lengths=[int(s.num_tokens) for s in samples], **fields)
+                    seq_lengths=[self.padded_length(s) for s in samples], **fields)
 
     def _packed_row(self, samples: list) -> dict:
         if len(samples) != 1:
@@ -186,7 +204,7 @@ class _PackingHooks:
                              "--micro-batch-size 1 with --packing-buffer-size")
         (s,) = samples
         cu = boundaries(s.seq_lengths, self.packed_seq_length)
-        pad = self.packed_seq_length - int(s.num_tokens)  # text positions added (one each)
+        pad = self.packed_seq_length - sum(s.seq_lengths)  # text positions added (one each)
         n = len(s.tokens)
         tokens = torch.full((1, n + pad), self.pad_token_id, dtype=torch.int64)
         labels = torch.full((1, n + pad), self.pad_token_id, dtype=torch.int64)
@@ -201,9 +219,9 @@ class _PackingHooks:
 class PackingTaskEncoder(_PackingHooks, VLMTaskEncoder):
     """:class:`VLMTaskEncoder` with energon's packing hooks; use with ``packing_buffer_size`` in the loader."""
 
-    def __init__(self, *args, packed_seq_length: int, **kwargs):
+    def __init__(self, *args, packed_seq_length: int, sample_multiple: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._init_packing(packed_seq_length)
+        self._init_packing(packed_seq_length, sample_multiple)
 
     @stateless
     def pack_selected_samples(self, samples: list[VLMSample]) -> VLMPackedSample:
@@ -223,9 +241,9 @@ class AnyresPackingTaskEncoder(_PackingHooks, AnyresTaskEncoder):
 
     item_fields = ("images", "image_sizes", "num_image_tiles", "num_image_tokens")
 
-    def __init__(self, *args, packed_seq_length: int, **kwargs):
+    def __init__(self, *args, packed_seq_length: int, sample_multiple: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._init_packing(packed_seq_length)
+        self._init_packing(packed_seq_length, sample_multiple)
 
     @stateless
     def pack_selected_samples(self, samples: list[AnyresSample]) -> AnyresPackedSample:

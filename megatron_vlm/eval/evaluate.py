@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     from megatron_vlm.eval import model as model_mod
     from megatron_vlm.eval.generate import add_sampling_flags, sampling_of
 
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False, 
         prog="eval/evaluate.py",
         description="Score a trained model on a split of an energon dataset made by data_prep/: it answers every "
                     "sample's last question (batched HF generate, greedy unless sampling flags are given), prints "

@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     from megatron_vlm.cli import add_debug_flag, setup_logging
     from megatron_vlm.eval import model as model_mod
 
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False, 
         prog="eval/generate.py",
         description="Answer a prompt about images or a video with a trained model (an HF export, or a Megatron "
                     "checkpoint read in memory). The prompt is rendered with the model's chat template and "

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     """``eval/plot.py RUN_DIR... [--output loss.png]``."""
     from megatron_vlm.cli import InputError, add_debug_flag, setup_logging
 
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False, 
         prog="eval/plot.py",
         description="Draw loss (and validation loss), learning rate, grad norm and real tokens/s against iteration "
                     "from the metrics.jsonl of one or more training runs, on one figure (one colour per run).",

@@ -335,6 +335,16 @@ def check_spec(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
         problem = _expert_layout_problem(cfg)
         if problem:
             problems.append(f"{problem} (model: {source})")
+    if spec.is_moe and cfg.cp > 1 and cfg.packing:
+        problems.append(f"sequence packing with --cp {cfg.cp} is not supported for the mixture-of-experts language "
+                        f"model of {source} (each packed sample is padded to 2 x CP inside its segment, and that "
+                        "padding would be routed and counted): drop --packed-seq-length, or use --cp 1")
+    if cfg.cp > 1 and cfg.cp_comm_type == "a2a":
+        heads, groups = spec.num_attention_heads // cfg.tp, spec.num_query_groups // max(cfg.tp, 1)
+        if heads % cfg.cp or groups % cfg.cp:
+            problems.append(f"--cp-comm-type a2a spreads attention heads over the CP ranks: the {heads} heads and "
+                            f"{groups} KV heads per TP rank of {source} do not divide by --cp {cfg.cp}; use "
+                            "--cp-comm-type p2p or allgather")
     if cfg.seq_length <= spec.num_image_tokens:
         problems.append(f"--seq-length {cfg.seq_length} cannot hold the {spec.num_image_tokens} image tokens of one "
                         f"image plus text (model: {source}); use a larger --seq-length")
@@ -550,8 +560,8 @@ def check_resume_layout(cfg: TrainConfig) -> list[str]:
     except ValueError as e:
         problems.append(str(e))
     world = cfg.world_size
-    if world % (cfg.tp * cfg.pp) == 0:
-        problems.append(check_data_position(cfg, meta, world // (cfg.tp * cfg.pp), it_dir))
+    if world % cfg.model_parallel == 0:
+        problems.append(check_data_position(cfg, meta, cfg.dp, it_dir))
     if cfg.load_optim and meta.extra.get("optimizer") and finished_iteration(cfg) is None and problems[0] is None:
         problems.append(schedule.problem(meta.extra.get("schedule"), cfg, where, int(meta.iteration)))
     return [q for q in problems if q]

@@ -70,7 +70,7 @@ def run_probe(prefix: list[str], env: Mapping[str, str], cwd: str, cuda: bool, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--cuda", action="store_true", help="count CUDA devices")
     ap.add_argument("--fp8", action="store_true", help="also report capabilities and Transformer Engine")
     ap.add_argument("--tokenizer", help="report image/pad token ids of this tokenizer directory")

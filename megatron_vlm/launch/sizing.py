@@ -33,6 +33,7 @@ def estimate_lines(cfg, spec, facts: dict) -> tuple[list[str], str | None]:
     if memory.over_limit(stages, limit):
         worst = max(stages, key=lambda s: s.total)
         warning = (f"the memory estimate per GPU, {worst.total / GIB:.1f} GiB (pipeline stage {worst.stage}), exceeds "
-                   f"{limit:g} GiB ({source}); raise --tp/--pp, pass --dist-optim, lower --micro-batch-size or "
+                   f"{limit:g} GiB ({source}); raise --tp/--pp (or --cp for long sequences), pass --dist-optim, lower "
+                   "--micro-batch-size or "
                    "--seq-length, or use --recompute-granularity (train/run.py --dry-run prints the parts)")
     return lines, warning

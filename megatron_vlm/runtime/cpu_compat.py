@@ -5,8 +5,9 @@ factory calls, ``.cuda()`` calls, and the torch.cuda RNG functions its RNG track
 makes the same code run on CPU:
 
 - a ``TorchFunctionMode`` that rewrites CUDA devices (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``,
-  integer device indices) to ``"cpu"`` in factory functions / ``Tensor.to``, and makes ``Tensor.cuda()``
-  a no-op;
+  integer device indices) to ``"cpu"`` in factory functions / ``Tensor.to``, makes ``Tensor.cuda()``
+  a no-op, and factory functions' ``pin_memory=True`` (a host staging buffer for a CUDA copy, which needs an
+  accelerator) plain host memory;
 - the same mode around the backward of megatron-core's autograd Functions (the autograd engine runs them where
   the thread-local mode is not active): activation recomputation re-runs the forward there, sequence parallelism
   reduce-scatters into buffers made on ``torch.cuda.current_device()``;
@@ -99,6 +100,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # staging for a host-to-CUDA copy (context parallelism's RoPE indices)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

@@ -29,6 +29,8 @@ class Runtime:
     dp_rank: int
     ep: int = 1  # expert-model-parallel size (mixture-of-experts models)
     ep_rank: int = 0
+    cp: int = 1  # context-parallel size (dp counts data-parallel replicas without it)
+    cp_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -49,9 +51,10 @@ def choose_device(device: str | None = None) -> str:
 
 
 def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234, timeout_min: int = 30, ep: int = 1,
-          etp: int | None = None) -> Runtime:
+          etp: int | None = None, cp: int = 1) -> Runtime:
     """Initialise torch.distributed and megatron's model-parallel groups for this process (``ep``/``etp``: the
-    expert-parallel groups of a mixture-of-experts model; ``etp`` defaults to ``tp``)."""
+    expert-parallel groups of a mixture-of-experts model; ``etp`` defaults to ``tp``; ``cp``: context parallelism,
+    megatron-core's rank order tp-cp-ep-dp-pp)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -78,15 +81,16 @@ def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234,
             timeout=datetime.timedelta(minutes=timeout_min),
         )
     world = torch.distributed.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not a multiple of tp*pp={tp * pp}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not a multiple of tp*pp*cp={tp * pp * cp}")
     etp = tp if etp is None else etp
     if (world // pp) % (ep * etp):
         raise ValueError(f"world size {world} / pp={pp} is not a multiple of ep*etp={ep * etp}: each pipeline stage's "
                          f"{world // pp} ranks must hold whole expert-parallel groups")
     destroy_parallel_groups()  # a world that runs several jobs: the previous job's groups and their threads
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                 context_parallel_size=cp)
     seed_everything(seed)
     model_parallel_cuda_manual_seed(seed)
     return current()
@@ -109,6 +113,8 @@ def current() -> Runtime:
         dp_rank=ps.get_data_parallel_rank(),
         ep=ps.get_expert_model_parallel_world_size(),
         ep_rank=ps.get_expert_model_parallel_rank(),
+        cp=ps.get_context_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
     )
 
 

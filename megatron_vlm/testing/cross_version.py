@@ -194,7 +194,8 @@ def write_moe_fixture(out_dir) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Write the cross-lane checkpoint fixture with this megatron-core "
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description="Write the cross-lane checkpoint fixture with this megatron-core "
                                             "(tests/fixtures/mcore-<version>).")
     p.add_argument("out_dir", help="fixture directory to (re)write, e.g. tests/fixtures/mcore-0.16")
     p.add_argument("--moe", action="store_true", help="write the mixture-of-experts fixture (TP2 x EP1, ETP1), "

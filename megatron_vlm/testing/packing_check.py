@@ -129,18 +129,22 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
 
     ``models``: name -> (converted Megatron dir, HF dir). Job keys: ``name``, ``model`` (a key of ``models``),
     ``samples`` (a key of ``sample_sets``: lists of encoded-sample fields), ``packed_seq_length``,
-    TrainConfig fields (tp, pp, precision, ...), ``broken`` (attention across the samples of a pack: the local
-    'thd' attention given one segment for the whole row, the defect the comparison must catch)."""
+    TrainConfig fields (tp, pp, cp, precision, ...), ``broken`` (attention across the samples of a pack: the local
+    'thd' attention given one segment for the whole row, the defect the comparison must catch; with ``cp`` > 1 the
+    context-parallel attention's mask at contiguous positions instead, :func:`contiguous_cp_mask`)."""
     import copy
 
     from megatron_vlm import checkpoint as ckpt
     from megatron_vlm.data.packing import packing_task_encoder_for
+    from megatron_vlm.cp_attention import ContextParallelAttention
     from megatron_vlm.runtime import cpu_compat
     from megatron_vlm.spec import VLMSpec
     from megatron_vlm.testing.train_jobs import _setup, job_config
     from megatron_vlm.training import batch_feed
     from megatron_vlm.training.build import build_training, release
     from megatron_vlm.training.step import train_step
+    from megatron_vlm.training.trainer import pad_multiple
+    from megatron_vlm.context_parallel import length_multiple
 
     out = []
     encoders, fp32 = {}, {}
@@ -155,10 +159,13 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
                       packed_seq_length=psl, micro_batch_size=1)
         cfg = job_config(fields, 1, len(samples_fields))
         rt = _setup(cfg)
-        key = (job["model"], psl, cfg.seq_length)
+        # context parallelism: each sample of a pack, and the unpacked rows, padded as the trainer pads them
+        multiple, sample_multiple = pad_multiple(cfg), length_multiple(cfg.cp)
+        key = (job["model"], psl, cfg.seq_length, multiple, sample_multiple)
         if key not in encoders:
             encoders[key] = packing_task_encoder_for(spec, hf_dir, cfg.seq_length, psl,
-                                                     image_token_id=spec.image_token_id)
+                                                     image_token_id=spec.image_token_id, pad_to_multiple_of=multiple,
+                                                     sample_multiple=sample_multiple)
         enc = encoders[key]
         samples = _as_samples(enc, samples_fields)
         per_rank = len(samples) // rt.dp
@@ -173,15 +180,18 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
         ucfg.micro_batch_size = len(mine)
         training = build_training(cfg, spec, init_from=iter_dir)
         results, grads = {}, {}
-        segments = cpu_compat.segments
+        segments, mask = cpu_compat.segments, ContextParallelAttention.mask
         for name, batches, c, packing in (("unpacked", unpacked, ucfg, False), ("packed", packs, cfg, True)):
             if job.get("broken") and packing:
-                cpu_compat.segments = lambda cu, total: [(0, total)]
+                if cfg.cp > 1:
+                    ContextParallelAttention.mask = contiguous_cp_mask
+                else:
+                    cpu_compat.segments = lambda cu, total: [(0, total)]
             try:
                 fed = batch_feed.distribute(batches if reads else [None] * len(batches), rt.device)
                 r = train_step(training, fed, c, rt.device)
             finally:
-                cpu_compat.segments = segments
+                cpu_compat.segments, ContextParallelAttention.mask = segments, mask
             results[name] = r
             grads[name] = _grads(training)
         layout = (job["model"], job["samples"], cfg.tp, cfg.pp)
@@ -203,6 +213,16 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
         release(training)
         del training
     return out if torch.distributed.get_rank() == 0 else None
+
+
+def contiguous_cp_mask(self, cu_seqlens, cp: int, rank: int, device) -> torch.Tensor:
+    """The negative control of the context-parallel attention's mask: per sample causal, but with positions as if
+    rank r held the r-th 1/cp of the row (megatron-core gives it chunks r and 2 x cp - 1 - r of 2 x cp)."""
+    cu = torch.as_tensor([int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)])
+    n = int(cu[-1]) // cp
+    q, k = torch.arange(rank * n, (rank + 1) * n), torch.arange(int(cu[-1]))
+    seg_q, seg_k = (torch.bucketize(x, cu[1:], right=True) for x in (q, k))
+    return ((seg_q[:, None] != seg_k[None, :]) | (k[None, :] > q[:, None]))[None, None].to(device)
 
 
 def _worst(grads: dict, ref: dict) -> float:

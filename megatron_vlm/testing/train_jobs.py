@@ -75,6 +75,37 @@ def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BAS
     return out
 
 
+def long_video_batch(hf_dir, frames: int = 32, seq_length: int = 256, side: int = 24, others: bool = True) -> list:
+    """One global batch of a OneVision (or any model with a video token): a video of ``frames`` frames (one a
+    second of a ``frames``-second clip, ``side`` pixels square) and, with ``others``, a video with an image, an
+    image and a text-only sample, encoded by the trainer's task encoder at ``seq_length`` (at the tiny test model's
+    20-px tiles a frame is 4 positions; at 384 px and patch 14, 196)."""
+    from PIL import Image
+
+    from megatron_vlm.data.anyres_encoder import AnyresSample
+    from megatron_vlm.data.conversation import vqa_messages
+    from megatron_vlm.data.synthetic import image_array
+    from megatron_vlm.testing.videos import make_video
+
+    enc = encoder_for(hf_dir, seq_length)
+    enc.video_frames = frames
+    clip, short = make_video(2 * frames, side, side, fps=2), make_video(5, 48, 32, fps=7)
+    answer = [{"type": "text", "text": ANSWERS[1]}]
+    video_image = [{"type": "video"}, {"type": "text", "text": QUESTIONS[0]}, {"type": "image"}]
+    fields = [enc.encode_conversation(vqa_messages(QUESTIONS[1], ANSWERS[1], "video"), [], "video", [clip])]
+    fields += [] if not others else [
+        enc.encode_conversation([{"role": "user", "content": video_image}, {"role": "assistant", "content": answer}],
+                                [Image.fromarray(image_array(IMAGE_SIZES[0], 1))], "video-image", [short]),
+        enc.encode_conversation(vqa_messages(QUESTIONS[3], ANSWERS[3]), [Image.fromarray(image_array(
+            IMAGE_SIZES[1], 2))], "image"),
+        enc.encode_conversation([{"role": "user", "content": [{"type": "text", "text": QUESTIONS[2]}]},
+                                 {"role": "assistant", "content": [{"type": "text", "text": ANSWERS[2]}]}], [],
+                                "text"),
+    ]
+    meta = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
+    return [AnyresSample(__key__=f"{i}", **meta, **f) for i, f in enumerate(fields)]
+
+
 def job_config(job: dict, n_steps: int, global_batch_size: int):
     from megatron_vlm.training.config import TrainConfig
 
@@ -100,7 +131,7 @@ def micro_batches(collate, samples: list, dp: int, dp_rank: int, micro_batch_siz
 def _setup(cfg):
     from megatron_vlm.runtime import distributed
 
-    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp)
+    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp)
 
 
 def weights_digest(model) -> str:
@@ -167,18 +198,21 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     ``megatron_dir``, ``hf_dir`` and ``batches`` give a job its own model and global batches (default: the
     arguments), so one world trains several models: ``global_batches`` is then a dict and ``batches`` names one;
     a value of that dict may be a recipe, ``(hf_dir, n, uniform, repeat)``, which every rank makes with
-    :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks.
+    :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks. ``batches``
+    may also be such a recipe itself, or the job's own list of global batches.
     """
     from megatron_vlm.training import batch_feed
     from megatron_vlm.training.build import release
     from megatron_vlm.training.config.resolve import settle_with_spec
     from megatron_vlm.training.step import train_step
+    from megatron_vlm.training.trainer import pad_multiple
 
     out = []
     default, made = (megatron_dir, hf_dir, global_batches), {}
     for job in jobs:
         megatron_dir, hf_dir = job.get("megatron_dir", default[0]), job.get("hf_dir", default[1])
-        global_batches = default[2][job["batches"]] if "batches" in job else default[2]
+        own = job.get("batches")  # a key of the global_batches dict, a recipe, or the job's own global batches
+        global_batches = default[2] if own is None else own if isinstance(own, (tuple, list)) else default[2][own]
         if isinstance(global_batches, tuple):
             recipe, global_batches = global_batches, made.get(global_batches)
             if global_batches is None:
@@ -189,8 +223,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         steps = job.get("steps", len(global_batches) - job.get("start", 0))
         cfg = job_config(job, steps, len(global_batches[0]))
         settle_with_spec(cfg, spec)  # as the trainer: e.g. sequence parallelism for an MoE LM at TP > 1
-        # for batch() only; sequence parallelism splits the image-expanded length over TP, as the trainer pads it
-        encoder = encoder_for(hf_dir, spec=spec, pad_to_multiple_of=cfg.tp if cfg.sequence_parallel else None)
+        # for batch() only; sequence and context parallelism split the image-expanded length, as the trainer pads it
+        encoder = encoder_for(hf_dir, spec=spec, pad_to_multiple_of=pad_multiple(cfg))
         rt = _setup(cfg)
         if job.get("refused"):  # the set-up must fail, on every rank alike, before a step
             try:

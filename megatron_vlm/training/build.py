@@ -61,7 +61,7 @@ def model_options(cfg, spec: VLMSpec, impl: str, fusions=None):
 
     dtype = compute_dtype(cfg)
     return ModelOptions(
-        tp=cfg.tp, pp=cfg.pp, pp_layers=cfg.pp_layers, seq_length=cfg.lm_seq_length, params_dtype=dtype,
+        tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, cp_comm_type=cfg.cp_comm_type, pp_layers=cfg.pp_layers, seq_length=cfg.lm_seq_length, params_dtype=dtype,
         bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16", use_te=impl == "transformer_engine",
         fp8=cfg.fp8, fp8_recipe=cfg.fp8_recipe, fp8_format=cfg.fp8_format,
         deterministic=cfg.deterministic, recompute_granularity=cfg.recompute_granularity,

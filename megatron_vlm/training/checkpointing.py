@@ -45,7 +45,9 @@ OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 def _rank_objects(loader_state, rng_state, with_rng: bool = True, with_data: bool = True):
     """Per-rank objects as megatron ShardedObjects (RNG: one per rank; loader: one per data-parallel rank).
 
-    Both are laid out by this run's TP/PP/DP ranks, so a resume at another layout leaves them out."""
+    Both are laid out by this run's TP/PP/DP ranks (and CP ranks, with context parallelism), so a resume at another
+    layout leaves them out. The context-parallel ranks of a DP rank read the same samples: its loader state is
+    saved once."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -53,12 +55,14 @@ def _rank_objects(loader_state, rng_state, with_rng: bool = True, with_data: boo
                   ps.get_data_parallel_world_size())
     tpr, ppr, dpr = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                      ps.get_data_parallel_rank())
+    cp, cpr = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     out = {}
-    if with_rng:
-        out["rng_state"] = ShardedObject("rng_state", rng_state, (pp, tp, dp), (ppr, tpr, dpr), replica_id=0)
+    if with_rng:  # CP1 keeps the (pp, tp, dp) layout of checkpoints saved before context parallelism
+        shape, at = ((pp, tp, cp, dp), (ppr, tpr, cpr, dpr)) if cp > 1 else ((pp, tp, dp), (ppr, tpr, dpr))
+        out["rng_state"] = ShardedObject("rng_state", rng_state, shape, at, replica_id=0)
     if with_data:
         out["loader_state"] = ShardedObject("loader_state", loader_state, (dp,), (dpr,),
-                                            replica_id=0 if (tpr == 0 and ppr == 0) else 1)
+                                            replica_id=0 if (tpr == 0 and ppr == 0 and cpr == 0) else 1)
     return out
 
 

@@ -16,7 +16,8 @@ parallelism extend them there).
 2 B, fp32 4 B); for trainable parameters, fp32 gradient buffers (4 B, DDP's ``grad_reduce_in_fp32``) and the
 optimizer's fp32 main parameters (4 B; none in fp32 training, where the parameters are the main ones) and Adam's
 two moments (8 B). ``--dist-optim`` shards the optimizer state (main parameters and moments) over the DP ranks;
-the gradient buffer stays whole. Frozen parameters cost their weights only.
+the gradient buffer stays whole (with context parallelism over DP x CP ranks). Frozen parameters cost their
+weights only.
 
 **Activations** are what autograd keeps for the backward pass of the micro batches in flight (1F1B: the first
 pipeline stage holds ``min(PP, micro batches per step)`` of them), per language-model layer in the compute dtype:
@@ -28,6 +29,10 @@ attention keeps none. ``--recompute-granularity selective`` drops those matrices
 recomputed layer's input (plus one layer's activations while it is recomputed). The last stage adds the fp32
 logits and their softmax (``2 x 4 B x S x padded vocab / TP``); a trained vision encoder adds its layers' share
 for up to one image feature per position. With packing, a micro batch is one ``--packed-seq-length`` row.
+Context parallelism (``--cp``) splits the language model's positions: each rank keeps ``S / CP`` of them (layers,
+logits), and megatron's local attention also the whole sequence's keys and values and ``S / CP x S`` scores per
+head; the vision encoder and projector run on every image on every CP rank. The distributed optimizer shards over
+DP x CP ranks (megatron-core's group).
 
 Not counted: the CUDA context, NCCL and cuBLAS workspaces and the allocator's fragmentation (typically 1-3 GB on
 a GPU): leave that margin. The estimate of weights, gradients and optimizer state is checked against what the
@@ -49,6 +54,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1  # context parallelism: the language model's positions of a sequence split over CP ranks
     ep: int = 1  # expert parallelism of a mixture-of-experts LM
     etp: int | None = None  # expert tensor parallelism (None: tp)
     pp_layers: tuple[int, ...] | None = None
@@ -69,7 +75,8 @@ class Layout:
         parts = cfg.trained_parts
         if fused_attention is None:
             fused_attention = cfg.device != "cpu" and cfg.transformer_impl != "local"
-        return cls(tp=cfg.tp, pp=cfg.pp, dp=max(cfg.dp, 1), ep=cfg.ep, etp=cfg.etp, pp_layers=tuple(cfg.pp_layers) if cfg.pp_layers else None,
+        return cls(tp=cfg.tp, pp=cfg.pp, dp=max(cfg.dp, 1), cp=cfg.cp, ep=cfg.ep, etp=cfg.etp,
+                   pp_layers=tuple(cfg.pp_layers) if cfg.pp_layers else None,
                    micro_batch_size=cfg.micro_batch_size or 1, grad_accum=max(cfg.grad_accum, 1),
                    seq_length=cfg.lm_seq_length, precision=cfg.precision or "bf16", dist_optim=bool(cfg.dist_optim),
                    sequence_parallel=bool(cfg.sequence_parallel), recompute_granularity=cfg.recompute_granularity,
@@ -87,9 +94,14 @@ class Layout:
 
     @property
     def expert_dp(self) -> int:
-        """The data-parallel size of the experts: a stage's TP x DP ranks over EP x ETP (what the distributed
+        """The data-parallel size of the experts: a stage's TP x CP x DP ranks over EP x ETP (what the distributed
         optimizer shards expert state over)."""
-        return max(1, self.tp * self.dp // (self.ep * self.expert_tp))
+        return max(1, self.tp * self.cp * self.dp // (self.ep * self.expert_tp))
+
+    @property
+    def optimizer_shards(self) -> int:
+        """The ranks the distributed optimizer shards dense state over: megatron-core's DP x CP group."""
+        return self.dp * self.cp
 
 
 # ---- parameters ------------------------------------------------------------------------------------------
@@ -226,17 +238,23 @@ class StageEstimate:
 
 
 def _layer_activation_bytes(spec, layout: Layout, s: int, b: int, moe: bool = False) -> int:
-    """What one language layer keeps for its backward pass, for ``b`` rows of ``s`` positions, on one TP rank."""
-    t, e = layout.tp, layout.dtype_bytes
+    """What one language layer keeps for its backward pass, for ``b`` rows of ``s`` positions, on one TP rank
+    (with context parallelism: its ``s / cp`` positions; megatron's local attention also keeps the whole
+    sequence's keys and values, all-gathered, and ``s / cp x s`` scores per head)."""
+    t, e, cp = layout.tp, layout.dtype_bytes, layout.cp
     h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.kv_channels
     qkv = (spec.num_attention_heads + 2 * spec.num_query_groups) * d
     replicated = 4 * h  # inputs of the two norms, of QKV and of FC1
     split = qkv + spec.num_attention_heads * d  # Q/K/V, attention output
     per_pos = (replicated / t if layout.sequence_parallel else replicated) + split / t
     per_pos += language_mlp_activations(spec, layout, moe)
-    out = s * b * per_pos * e
-    if not layout.fused_attention and layout.recompute_granularity != "selective":
-        out += 2 * spec.num_attention_heads / t * s * s * b * e  # scores and probabilities
+    mine = s // cp
+    out = mine * b * per_pos * e
+    if not layout.fused_attention:
+        if layout.recompute_granularity != "selective":
+            out += 2 * spec.num_attention_heads / t * mine * s * b * e  # scores and probabilities
+        if cp > 1:
+            out += 2 * spec.num_query_groups * d / t * s * b * e  # the gathered keys and values
     return int(out)
 
 
@@ -247,7 +265,8 @@ def _activation_bytes(spec, layout: Layout, stage: int) -> tuple[int, str]:
     moe = set(spec.moe_layers)
     kinds = [i in moe for i in stage_layers(spec, layout, stage)] or [False]
     layer = sum(_layer_activation_bytes(spec, layout, s, b, k) for k in kinds) // len(kinds)  # a mean layer
-    layer_input = s * b * spec.hidden_size * e // (t if layout.sequence_parallel else 1)
+    mine = s // layout.cp  # the language model's positions on this rank
+    layer_input = mine * b * spec.hidden_size * e // (t if layout.sequence_parallel else 1)
     vision_trains = layout.trained[0]  # a frozen language model still keeps its activations: stage 1's gradient
     # reaches the projector through it
     if layout.recompute_granularity == "full":
@@ -260,16 +279,17 @@ def _activation_bytes(spec, layout: Layout, stage: int) -> tuple[int, str]:
     else:
         per_mb = n_layers * layer
         what = "selective recompute" if layout.recompute_granularity == "selective" else "no recompute"
-    per_mb += s * b * spec.hidden_size * e  # the embedding output / the stage's input
+    per_mb += mine * b * spec.hidden_size * e  # the embedding output / the stage's input
     if stage == layout.pp - 1:
-        per_mb += 2 * 4 * s * b * spec.padded_vocab_size // t  # fp32 logits and their softmax
-    if stage == 0:
+        per_mb += 2 * 4 * mine * b * spec.padded_vocab_size // t  # fp32 logits and their softmax
+    if stage == 0:  # the projector and the vision encoder run on every image before the CP split
         per_mb += s * b * (spec.vision_hidden_size + 2 * spec.hidden_size) * e  # projector input, FC1, GELU
         if vision_trains:
             vlayer = s * b * (4 * spec.vision_hidden_size + 3 * spec.vision_hidden_size + 2 * spec.vision_ffn_hidden_size
                               // t) * e
             per_mb += spec.vit_num_layers * vlayer
-    return int(per_mb * in_flight), f"micro batch {b} x {s} positions, {in_flight} in flight, {what}"
+    split = f" ({mine} on this rank, CP={layout.cp})" if layout.cp > 1 else ""
+    return int(per_mb * in_flight), f"micro batch {b} x {s} positions{split}, {in_flight} in flight, {what}"
 
 
 def estimate(spec, layout: Layout) -> list[StageEstimate]:
@@ -284,14 +304,18 @@ def estimate(spec, layout: Layout) -> list[StageEstimate]:
         dense, opt_experts = (trainable - experts) * (main + 8), experts * (main + 8)
         notes = []
         if layout.dist_optim:
-            dense, opt_experts = -(-dense // layout.dp), -(-opt_experts // layout.expert_dp)
-            notes.append(f"optimizer state sharded over DP={layout.dp}"
+            dense, opt_experts = -(-dense // layout.optimizer_shards), -(-opt_experts // layout.expert_dp)
+            notes.append(f"optimizer state sharded over {_shards(layout)}"
                          + (f" (experts' over their DP={layout.expert_dp})" if experts else ""))
         opt = dense + opt_experts
         act, what = _activation_bytes(spec, layout, stage)
         notes.append(what)
         out.append(StageEstimate(stage, p, trainable, p.total * e, trainable * 4, opt, act, notes))
     return out
+
+
+def _shards(layout: Layout) -> str:
+    return f"DP={layout.dp}" if layout.cp == 1 else f"DP x CP={layout.optimizer_shards}"
 
 
 def format_estimate(stages: list[StageEstimate], layout: Layout, limit_gib: float | None, limit_source: str) -> list[str]:
@@ -307,13 +331,14 @@ def format_estimate(stages: list[StageEstimate], layout: Layout, limit_gib: floa
     dtype = layout.precision
     lines = [
         f"memory per GPU (estimate; pipeline stage {worst.stage} of {layout.pp} needs the most; TP={layout.tp} "
-        f"PP={layout.pp} DP={layout.dp}" + (f" EP={layout.ep} ETP={layout.expert_tp}" if worst.params.experts else "")
+        f"PP={layout.pp}" + (f" CP={layout.cp}" if layout.cp > 1 else "") + f" DP={layout.dp}"
+        + (f" EP={layout.ep} ETP={layout.expert_tp}" if worst.params.experts else "")
         + ")",
         f"  weights          {gib(worst.weights)}  ({count(worst.params.total)} parameters on this rank, {dtype})",
         f"  gradients        {gib(worst.gradients)}  (fp32 buffers of the {count(worst.trainable)} trainable)",
         f"  optimizer state  {gib(worst.optimizer)}  ("
         + ("Adam moments" if layout.precision == "fp32" else "fp32 main parameters + Adam moments")
-        + (f", sharded over DP={layout.dp}" + (f" (experts: {layout.expert_dp})" if worst.params.experts else "")
+        + (f", sharded over {_shards(layout)}" + (f" (experts: {layout.expert_dp})" if worst.params.experts else "")
            + " by --dist-optim" if layout.dist_optim else ", whole on every DP rank") + ")",
         f"  activations      {gib(worst.activations)}  ({worst.notes[-1]})",
         f"  total            {gib(worst.total)}"

@@ -134,14 +134,22 @@ def sequence_group(config):
 
 
 def _held_positions(s_local: int, config, device) -> torch.Tensor:
-    """The positions of the micro batch's rows that this rank's routers see, of ``s_local`` per row: all of them, or
-    under sequence parallelism this TP rank's contiguous slice (megatron-core scatters the sequence in TP chunks)."""
+    """The positions of the micro batch's rows that this rank's routers see, of ``s_local`` per row: all of them;
+    under context parallelism this CP rank's two chunks of the row's ``2 x CP`` (megatron-core's load-balanced order,
+    :func:`megatron_vlm.cp_attention.partition_index`); under sequence parallelism this TP rank's contiguous slice
+    of those (megatron-core scatters the CP rank's sequence in TP chunks)."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_context_parallel_world_size() > 1:
-        raise NotImplementedError("the routed positions under context parallelism: add the CP ranks' layout here")
-    start = ps.get_tensor_model_parallel_rank() * s_local if config.sequence_parallel else 0
-    return torch.arange(start, start + s_local, device=device)
+    tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:
+        from megatron_vlm.cp_attention import partition_index
+
+        held = partition_index([0, s_local * tp * cp], cp, ps.get_context_parallel_rank())
+    else:
+        held = torch.arange(s_local * tp)
+    start = ps.get_tensor_model_parallel_rank() * s_local if tp > 1 else 0
+    return held[start:start + s_local].to(device)
 
 
 class MicroBatchRouting:
@@ -327,7 +335,8 @@ class RoutingStats:
             counts = torch.zeros_like(counts)  # every TP rank routed the same tokens: count them once
         counts = counts.clone()
         torch.distributed.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
-        torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
+        # context-parallel ranks route their own parts of each sequence: summed with the data-parallel ranks'
+        torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group(with_context_parallel=True))
         torch.distributed.all_reduce(counts, group=ps.get_pipeline_model_parallel_group())
         imbalance = [float(counts[i].max() / counts[i].mean().clamp(min=1e-12)) for i in self.moe_layers]
         out["moe_load_imbalance"] = max(imbalance)
@@ -463,6 +472,11 @@ class MoETraining:
 
     def begin(self, batch) -> MicroBatchRouting:
         """A micro batch's forward starts on this rank (``batch``: what the forward step got, or None)."""
+        if getattr(batch, "cu_seqlens", None) is not None and self.config.context_parallel_size > 1:
+            # a pack's samples are each padded to 2 x CP inside their segments: its samples' positions are no longer
+            # the row's first row_tokens (refused before launch too, launch/preflight.py)
+            raise NotImplementedError("sequence packing with context parallelism for a mixture-of-experts model: the "
+                                      "routed padding cannot be told apart; train it unpacked, or at --cp 1")
         micro = MicroBatchRouting(len(self.micros), getattr(batch, "row_tokens", None), self.config,
                                   self.spec.num_moe_experts, _device())
         self.micros.append(micro)
@@ -498,8 +512,9 @@ def global_loss_tokens(batches: list, device) -> float:
     world."""
     from megatron.core import parallel_state as ps
 
-    mine = 0.0
-    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+    mine = 0.0  # context-parallel ranks hold the same micro batches: counted on CP rank 0
+    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 and \
+            ps.get_context_parallel_rank() == 0:
         mine = float(sum(float(b.loss_mask.sum()) for b in batches if b is not None and b.loss_mask is not None))
     total = torch.tensor([mine], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(total)

@@ -122,6 +122,8 @@ def layout_extra(cfg, dp: int, consumed_samples: int, scheduler=None) -> dict:
            "consumed_samples": int(consumed_samples), "global_batch_size": cfg.global_batch_size,
            "stage": cfg.stage, "trained": [k for k, v in cfg.trained_parts.items() if v],
            objective.META_KEY: bool(cfg.loss_over_padded_vocab)}
+    if cfg.cp > 1:  # context parallelism changes no weight, only which ranks hold the RNG states
+        out["cp"] = cfg.cp
     if scheduler is not None:
         out["schedule"] = schedule.saved(scheduler.state_dict())
     return out
@@ -177,8 +179,8 @@ def plan(cfg, iter_dir, tp: int, pp: int, dp: int) -> ResumePlan:
                     schedule.problem(meta.extra.get("schedule"), cfg, iter_dir, iteration) if cfg.load_optim else None):
         if refusal:
             raise ResumeError(refusal)
-    saved_dp = meta.extra.get("dp", dp)
-    same_layout = (meta.tp, meta.pp, saved_dp) == (tp, pp, dp)
+    saved_dp, saved_cp = meta.extra.get("dp", dp), meta.extra.get("cp", 1)
+    same_layout = (meta.tp, meta.pp, saved_dp, saved_cp) == (tp, pp, dp, cfg.cp)
     load_optim = bool(cfg.load_optim and meta.extra.get("optimizer", False))
     if load_optim:
         for key, mine in (("dist_optim", bool(cfg.dist_optim)), ("precision", cfg.precision)):
@@ -197,8 +199,9 @@ def plan(cfg, iter_dir, tp: int, pp: int, dp: int) -> ResumePlan:
         notes.append("--no-load-optim: fresh optimizer from the checkpoint's weights")
     load_rng = cfg.load_rng and same_layout
     if cfg.load_rng and not same_layout:
-        notes.append(f"RNG state not restored: saved at tp={meta.tp} pp={meta.pp} dp={saved_dp}, "
-                     f"now tp={tp} pp={pp} dp={dp}")
+        cps = (f" cp={saved_cp}", f" cp={cfg.cp}") if (saved_cp, cfg.cp) != (1, 1) else ("", "")
+        notes.append(f"RNG state not restored: saved at tp={meta.tp} pp={meta.pp} dp={saved_dp}{cps[0]}, "
+                     f"now tp={tp} pp={pp} dp={dp}{cps[1]}")
     load_data = saved_dp == dp
     seed = cfg.seed
     if not load_data:

@@ -62,9 +62,12 @@ def forward_step(device, data_iterator, model, moe=None):
         b = _NO_INPUTS
     else:
         if getattr(b, "cu_seqlens", None) is not None:
+            from megatron.core import parallel_state as ps
+
             from megatron_vlm.data.packing import packed_seq_params
 
-            kwargs["packed_seq_params"] = packed_seq_params(b.cu_seqlens.to(device), b.max_seqlen)
+            kwargs["packed_seq_params"] = packed_seq_params(b.cu_seqlens.to(device), b.max_seqlen,
+                                                            ps.get_context_parallel_world_size() > 1)
         if getattr(b, "model_kwargs", None) is not None:  # anyres: image sizes, image tokens per image
             kwargs.update(b.model_kwargs(device))
     out, loss_mask = model(_on(device, b.images), _on(device, b.tokens), None, None, _on(device, b.labels),
@@ -75,14 +78,15 @@ def forward_step(device, data_iterator, model, moe=None):
 
 
 def _reduce_losses(losses, device) -> torch.Tensor:
-    """[loss sum, token count] of the global batch on the last pipeline stage (zeros elsewhere)."""
+    """[loss sum, token count] of the global batch on the last pipeline stage (zeros elsewhere); a context-parallel
+    rank holds the loss of its part of each sequence, so the sum runs over data- and context-parallel ranks."""
     from megatron.core import parallel_state as ps
 
     total = torch.zeros(2, device=device, dtype=torch.float64)
     for d in losses:
         total += d["lm loss"].to(device).double()
     if ps.is_pipeline_last_stage(ignore_virtual=True):
-        torch.distributed.all_reduce(total, group=ps.get_data_parallel_group())
+        torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
     return total
 
 

@@ -21,6 +21,7 @@ import torch
 
 from megatron_vlm import checkpoint as ckpt
 from megatron_vlm import fp8, storage
+from megatron_vlm.context_parallel import length_multiple
 from megatron_vlm.spec import VLMSpec
 from megatron_vlm.training import batch_feed, checkpointing, step
 from megatron_vlm.training.flops import StepFlops, peak_flops
@@ -90,12 +91,12 @@ def describe_moe(spec: VLMSpec, config, cfg, moe=None) -> str:
             + f"; {config.moe_token_dispatcher_type} dispatcher; {capacity}; experts: {experts}")
 
 
-def _pad_multiple(cfg) -> int | None:
+def pad_multiple(cfg) -> int | None:
     """Batches are padded so the image-expanded length is a multiple of this: FP8 GEMMs need 16 (32 for
-    mxfp8) tokens, sequence parallelism a multiple of the TP size."""
+    mxfp8) tokens, sequence parallelism a multiple of the TP size, context parallelism of 2 x CP (x TP with
+    sequence parallelism; :func:`megatron_vlm.context_parallel.length_multiple`)."""
     m = fp8.align_size(cfg.fp8_recipe) if cfg.fp8 else 1
-    if cfg.sequence_parallel:
-        m = math.lcm(m, cfg.tp)
+    m = math.lcm(m, length_multiple(cfg.cp, cfg.tp, bool(cfg.sequence_parallel)))
     return m if m > 1 else None
 
 
@@ -143,12 +144,13 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
     plan = resume.plan(cfg, load_dir, rt.tp, rt.pp, rt.dp) if resuming else None
     # the encoder first: it checks the image processor against the spec before the model is built
     kw = dict(image_token_id=spec.image_token_id, pad_token_id=cfg.pad_token_id,
-              max_consecutive_skips=cfg.max_consecutive_skipped_samples, pad_to_multiple_of=_pad_multiple(cfg))
+              max_consecutive_skips=cfg.max_consecutive_skipped_samples, pad_to_multiple_of=pad_multiple(cfg))
     if cfg.packing:
         from megatron_vlm.data.packing import packing_task_encoder_for
 
         encoder = packing_task_encoder_for(spec, cfg.tokenizer_load_dir, cfg.seq_length, cfg.packed_seq_length,
-                                           video_fps=cfg.video_fps, video_frames=cfg.video_frames, **kw)
+                                           video_fps=cfg.video_fps, video_frames=cfg.video_frames,
+                                           sample_multiple=length_multiple(cfg.cp), **kw)
     else:
         encoder = task_encoder_for(spec, cfg.tokenizer_load_dir, cfg.seq_length, video_fps=cfg.video_fps,
                                    video_frames=cfg.video_frames, **kw)
@@ -166,6 +168,12 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
                  cfg.overlap_grad_reduce, cfg.overlap_param_gather)
         if spec.is_moe:
             log.info("mixture of experts: %s", describe_moe(spec, training.config, cfg, training.moe))
+        if cfg.cp > 1:
+            from megatron_vlm.context_parallel import describe
+
+            log.info("context parallelism: each sequence split over %d ranks (2 x %d load-balanced chunks, lengths "
+                     "padded to a multiple of %d); attention: %s", cfg.cp, cfg.cp, pad_multiple(cfg),
+                     describe(training.impl == "transformer_engine", cfg.cp_comm_type))
         log.info("data: read on TP rank 0 of the first and last pipeline stage, broadcast to the other TP ranks%s",
                  f"; sequence packing into {cfg.packed_seq_length} positions from buffers of "
                  f"{cfg.packing_buffer_size} samples" if cfg.packing else "")
@@ -242,16 +250,17 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
     if rt.rank == 0 and not (storage.path(cfg.checkpoint_dir) / ckpt.TOKENIZER_DIR).is_dir():
         ckpt.copy_tokenizer(cfg.tokenizer_load_dir, cfg.checkpoint_dir)  # so every checkpoint exports on its own
     is_logger = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
-        and ps.get_data_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
     metrics = MetricsLogger(cfg, cfg.train_iters, enabled=is_logger, start_iter=iteration,
                             flops=StepFlops(run.spec, *training.trained_parts), world_size=rt.world_size,
                             peak_flops=peak_flops(rt.device, cfg.fp8))
     if rt.rank == 0:
         trainable = sum(p.numel() for p in training.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in training.model.parameters())
-        log.info("model: %.2fM parameters on this rank, %.2fM trainable (stage %d); tp=%d pp=%d dp=%d, "
+        log.info("model: %.2fM parameters on this rank, %.2fM trainable (stage %d); tp=%d pp=%d%s dp=%d, "
                  "micro batch %d x %d accumulation -> global batch %d", total / 1e6, trainable / 1e6, cfg.stage,
-                 cfg.tp, cfg.pp, rt.dp, cfg.micro_batch_size, cfg.grad_accum, cfg.global_batch_size)
+                 cfg.tp, cfg.pp, f" cp={cfg.cp}" if cfg.cp > 1 else "", rt.dp, cfg.micro_batch_size, cfg.grad_accum,
+                 cfg.global_batch_size)
     _progress(rt, t_launch, "first iteration (the data loader's workers start)")
     data = iter(run.loader) if run.loader is not None else None
     first_iter_time = None
@@ -303,7 +312,7 @@ def train(cfg) -> dict:
     t_launch = time.time()
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    rt = distributed.setup(cfg.tp, cfg.pp, device=cfg.device, seed=cfg.seed, ep=cfg.ep, etp=cfg.etp)
+    rt = distributed.setup(cfg.tp, cfg.pp, device=cfg.device, seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp)
     stop = _StopFlag()
     run = start(cfg, rt, t_launch)
     freeze_long_lived()  # the model, optimizer, loader and imports live until exit: no collection walks them again

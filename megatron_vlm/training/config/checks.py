@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from megatron_vlm.context_parallel import length_multiple, round_up
 from megatron_vlm.fp8 import align_size as fp8_align_size
 from megatron_vlm.fusions import BY_NAME as FUSIONS
 from megatron_vlm.fusions import problems as fusion_problems
@@ -24,7 +25,7 @@ def check_types_and_ranges(cfg: ConfigFields) -> list[str]:
         v = getattr(cfg, f.name)
         if f.metadata["kind"] == "float" and isinstance(v, float) and v - v != 0:
             p.append(f"{f.metadata['flags'][0]} {v}: must be a finite number")
-    positive = ["gpus", "nodes", "tp", "pp", "ep", "etp", "micro_batch_size", "global_batch_size", "train_iters",
+    positive = ["gpus", "nodes", "tp", "pp", "cp", "ep", "etp", "micro_batch_size", "global_batch_size", "train_iters",
                 "seq_length", "save_interval", "save_total_limit", "log_interval", "eval_interval",
                 "gpus_per_node", "cpus_per_task", "ddp_bucket_size", "recompute_num_layers",
                 "max_consecutive_skipped_samples", "packing_buffer_size", "packed_seq_length", "video_frames"]
@@ -83,13 +84,14 @@ def check_consistency(cfg: ConfigFields) -> list[str]:
         p.append(f"--rank {cfg.node_rank} with --node {cfg.nodes}: node ranks run from 0 to {cfg.nodes - 1}")
     if cfg.nodes > 1 and not cfg.master_addr and not cfg.sbatch:
         p.append(f"--node {cfg.nodes}: give --master-addr (the address of node 0, reachable from every node)")
-    mp = cfg.tp * cfg.pp
+    mp = cfg.model_parallel
     if cfg.world_size % mp:
         per = f"-g {cfg.gpus}" + (f" --node {cfg.nodes}" if cfg.nodes > 1 else "") + f" --tp {cfg.tp}" + \
-            (f" --pp {cfg.pp}" if cfg.pp > 1 else "")
+            (f" --pp {cfg.pp}" if cfg.pp > 1 else "") + (f" --cp {cfg.cp}" if cfg.cp > 1 else "")
         total = f"{cfg.world_size} GPUs" + (f" ({cfg.gpus} per node x {cfg.nodes} nodes)" if cfg.nodes > 1 else "")
-        p.append(f"{per}: {total} is not a multiple of tp*pp={mp}; "
-                 f"use a GPU count that is a multiple of {mp} or lower --tp/--pp")
+        product, flags = ("tp*pp*cp", "--tp/--pp/--cp") if cfg.cp > 1 else ("tp*pp", "--tp/--pp")
+        p.append(f"{per}: {total} is not a multiple of {product}={mp}; "
+                 f"use a GPU count that is a multiple of {mp} or lower {flags}")
     elif cfg.world_size < mp:  # pragma: no cover - implied by the modulo check
         p.append(f"tp*pp={mp} exceeds {cfg.world_size} GPUs")
     else:
@@ -102,6 +104,7 @@ def check_consistency(cfg: ConfigFields) -> list[str]:
                      f"{cfg.micro_batch_size} x data-parallel {cfg.dp} = {unit}; pass --global-batch-size "
                      f"{lo or hi}" + (f" or {hi}" if lo else "") + " (or change --micro-batch-size)")
     p += _check_experts(cfg)
+    p += _check_context_parallel(cfg)
     if cfg.pp_layers is not None and (len(cfg.pp_layers) != cfg.pp or min(cfg.pp_layers) < 1):
         p.append(f"--pp-layers {','.join(map(str, cfg.pp_layers))}: give {cfg.pp} positive layer counts, "
                  f"one per pipeline stage of --pp {cfg.pp}")
@@ -177,13 +180,15 @@ def _check_experts(cfg: ConfigFields) -> list[str]:
     """Expert parallelism against the world (the experts themselves are checked against the model's spec before
     launch): megatron-core forms EP x expert-TP groups out of each pipeline stage's TP x DP ranks."""
     p: list[str] = []
-    if cfg.ep < 1 or cfg.expert_tp < 1 or cfg.world_size % (cfg.tp * cfg.pp):
+    if cfg.ep < 1 or cfg.expert_tp < 1 or cfg.cp < 1 or cfg.world_size % cfg.model_parallel:
         return p
-    stage_ranks, experts = cfg.tp * cfg.dp, cfg.ep * cfg.expert_tp
+    stage_ranks, experts = cfg.tp * cfg.cp * cfg.dp, cfg.ep * cfg.expert_tp
     if stage_ranks % experts:
+        cp = f" x cp {cfg.cp}" if cfg.cp > 1 else ""
         p.append(f"--ep {cfg.ep} x --etp {cfg.expert_tp} = {experts} ranks per expert group do not fit the "
-                 f"{stage_ranks} ranks of a pipeline stage (tp {cfg.tp} x data-parallel {cfg.dp}): use a GPU count "
-                 f"whose tp x data-parallel size is a multiple of {experts}, or lower --ep/--etp")
+                 f"{stage_ranks} ranks of a pipeline stage (tp {cfg.tp}{cp} x data-parallel {cfg.dp}): use a GPU count "
+                 f"whose tp x{' cp x' if cp else ''} data-parallel size is a multiple of {experts}, or lower "
+                 "--ep/--etp")
     if cfg.moe_token_dispatcher_type == "alltoall" and cfg.expert_tp > 1 and cfg.device == "cpu":
         p.append(f"--moe-token-dispatcher-type alltoall with --etp {cfg.expert_tp} on --device cpu: the dispatcher "
                  "all-gathers expert inputs of different sizes over the expert tensor-parallel ranks, which gloo "
@@ -193,6 +198,28 @@ def _check_experts(cfg: ConfigFields) -> list[str]:
     if cfg.moe_grouped_gemm and (cfg.transformer_impl == "local" or cfg.device == "cpu"):
         p.append("--moe-grouped-gemm needs Transformer Engine layers on a GPU (TEGroupedMLP); drop it for "
                  "--transformer-impl local or --device cpu")
+    return p
+
+
+def _check_context_parallel(cfg: ConfigFields) -> list[str]:
+    """Context parallelism: the lengths it splits (a multiple of 2 x CP, x TP with sequence parallelism, as
+    megatron-core's LLaVAModel shards them; packed sequences: :func:`_check_packing`) and the attention that
+    exchanges keys and values."""
+    p: list[str] = []
+    if cfg.cp_comm_type is not None and (cfg.cp == 1 or cfg.transformer_impl == "local" or cfg.device == "cpu"):
+        p.append(f"--cp-comm-type {cfg.cp_comm_type} applies to Transformer Engine's attention with --cp > 1 on a "
+                 "GPU" + ("" if cfg.cp > 1 else " (this run has --cp 1)") + "; local layers all-gather keys and "
+                 "values: drop --cp-comm-type")
+    if cfg.cp <= 1 or cfg.tp < 1 or cfg.packing:
+        return p
+    m = length_multiple(cfg.cp, cfg.tp, bool(cfg.sequence_parallel))
+    why = f"2 x --cp {cfg.cp}" + (f" x --tp {cfg.tp}, with --sequence-parallel" if cfg.sequence_parallel else "")
+    if cfg.fp8 and math.lcm(m, fp8_align_size(cfg.fp8_recipe)) != m:
+        m = math.lcm(m, fp8_align_size(cfg.fp8_recipe))
+        why += ", and the FP8 token alignment"
+    if cfg.seq_length % m:
+        p.append(f"--seq-length {cfg.seq_length} does not split over the context-parallel ranks: it must be a "
+                 f"multiple of {m} ({why}); use --seq-length {round_up(cfg.seq_length, m)}")
     return p
 
 
@@ -211,10 +238,11 @@ def _check_packing(cfg: ConfigFields) -> list[str]:
         p.append(f"--packed-seq-length {cfg.packed_seq_length} is below --seq-length {cfg.seq_length}: every "
                  f"sample (up to --seq-length) must fit in a pack; use --packed-seq-length {cfg.seq_length} or more")
     align = fp8_align_size(cfg.fp8_recipe) if cfg.fp8 else 1
-    if cfg.sequence_parallel:
-        align = math.lcm(align, cfg.tp)
+    if cfg.sequence_parallel or cfg.cp > 1:
+        align = math.lcm(align, length_multiple(cfg.cp, cfg.tp, bool(cfg.sequence_parallel)))
     if align > 1 and cfg.packed_seq_length % align:
         up = -(-cfg.packed_seq_length // align) * align
-        p.append(f"--packed-seq-length {cfg.packed_seq_length}: with " + ("--fp8" if cfg.fp8 else "--sequence-parallel")
-                 + f" it must be a multiple of {align}; use --packed-seq-length {up}")
+        why = "--cp" if cfg.cp > 1 else "--fp8" if cfg.fp8 else "--sequence-parallel"
+        p.append(f"--packed-seq-length {cfg.packed_seq_length}: with {why} it must be a multiple of {align}; use "
+                 f"--packed-seq-length {up}")
     return p

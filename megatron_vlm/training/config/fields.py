@@ -106,9 +106,20 @@ class ConfigFields:
                  "vocab sizes).", "int", 1, "parallel")
     pp: int = _f(("--pp", "--pipeline-model-parallel-size"), "Pipeline-parallel size (language model layers split "
                  "across stages).", "int", 1, "parallel")
+    cp: int = _f(("--cp", "--context-parallel-size"), "Context-parallel size: each sequence the language model sees "
+                 "(images expanded) is split over CP ranks, 2 x CP load-balanced chunks, each rank's activations "
+                 "about 1/CP (long videos, many images). Lengths are padded to a multiple of 2 x CP (x TP with "
+                 "--sequence-parallel). On a GPU Transformer Engine's attention exchanges keys and values "
+                 "(--cp-comm-type); local layers (CPU) all-gather them, a reference path, not a fast one.", "int", 1,
+                 "parallel")
+    cp_comm_type: str | None = _f(
+        ("--cp-comm-type",), "How Transformer Engine's attention exchanges keys and values over the CP ranks: p2p "
+        "(a ring, overlapped with compute), a2a (all-to-all over attention heads; heads per TP rank must divide by "
+        "CP) or allgather. Default: p2p. Transformer Engine layers only.", "choice", None, "parallel",
+        choices=("p2p", "a2a", "allgather"))
     ep: int = _f(("--ep", "--expert-model-parallel-size"), "Expert-parallel size of a mixture-of-experts language "
                  "model: its experts are dealt out over EP ranks of each pipeline stage (must divide the number of "
-                 "experts; EP x --etp must divide TP x data-parallel size).", "int", 1, "parallel")
+                 "experts; EP x --etp must divide TP x CP x data-parallel size).", "int", 1, "parallel")
     etp: int | None = _f(("--etp", "--expert-tensor-parallel-size"), "Tensor-parallel size inside each expert. "
                          "Default: --tp (megatron-core's).", "int", None, "parallel")
     pp_layers: list[int] | None = _f(
@@ -423,7 +434,13 @@ class ConfigFields:
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel replicas (each reads its own samples): the world over TP x PP x CP."""
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one replica of the model and share its micro batches: TP x PP x CP."""
+        return self.tp * self.pp * self.cp
 
     @property
     def expert_tp(self) -> int:

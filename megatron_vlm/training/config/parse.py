@@ -56,7 +56,7 @@ class _DeprecatedFlag(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argument parser. Only flags the user gave appear in the parsed namespace."""
-    parser = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(allow_abbrev=False, 
         prog="train/run.py",
         description="Launch LLaVA-style VLM training on megatron-core: validates the request, writes the "
         "resolved config to <save-dir>/<name>/config.yaml and starts train/pretrain_vlm.py on every rank "

@@ -60,7 +60,7 @@ class TrainConfig(ConfigFields):
         derived = dict(world_size=self.world_size, run_dir=str(self.run_dir))
         if self.checkpoint_dir != str(self.run_dir):
             derived["checkpoint_dir"] = self.checkpoint_dir
-        if self.micro_batch_size and self.global_batch_size and self.world_size % (self.tp * self.pp) == 0:
+        if self.micro_batch_size and self.global_batch_size and self.world_size % self.model_parallel == 0:
             derived.update(data_parallel=self.dp, grad_accum=self.grad_accum)
         header = "# megatron-vlm training config (read with TrainConfig.from_yaml; 'derived' is informative)\n"
         return header + body + yaml.safe_dump({"derived": derived}, sort_keys=False)
