@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from megatron_vlm import layer_impl, mcore_version, storage
+from megatron_vlm.legacy_ranks import (  # noqa: F401 (the legacy layout, exported here)
+    CheckpointLayoutError, legacy_layout, legacy_layout_ep, legacy_rank_dir, legacy_rank_file)
 from megatron_vlm.spec import SPEC_FILE, VLMSpec
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -41,10 +43,6 @@ META = "ckpt_meta.json"
 EXTRA = "hf_extra.safetensors"
 TOKENIZER_DIR = "tokenizer"
 FORMATS = ("torch_dist", "torch")
-
-
-class CheckpointLayoutError(ValueError):
-    pass
 
 
 @dataclass
@@ -196,50 +194,12 @@ def copy_tokenizer(hf_dir, ckpt_dir) -> None:
 
 
 # ---- legacy `torch` format -----------------------------------------------------------------------
-def legacy_rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
-    """Megatron-LM's rank directory: ``mp_rank_TT``, ``_PPP`` with pipeline parallelism, ``_EEE`` with expert
-    parallelism."""
-    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-    return name + (f"_{ep_rank:03d}" if ep > 1 else "")
-
-
-def legacy_rank_file(iter_dir, tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> Path:
-    return Path(iter_dir) / legacy_rank_dir(tp_rank, pp_rank, pp, ep_rank, ep) / "model_optim_rng.pt"
-
-
 def save_legacy_rank(iter_dir, tp_rank, pp_rank, pp, state: dict, iteration, ep_rank: int = 0, ep: int = 1) -> None:
     path = legacy_rank_file(iter_dir, tp_rank, pp_rank, pp, ep_rank, ep)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".pt.tmp")
     torch.save({"model": state, "checkpoint_version": 3.0, "iteration": iteration}, tmp)
     os.replace(tmp, path)
-
-
-def legacy_layout(iter_dir, expert_parallel: bool = False) -> tuple[int, int]:
-    """(tp, pp) of a legacy checkpoint, from its ``mp_rank_XX[_YYY]`` directories. Megatron-LM's names do not say
-    whether a second number is a PP or an EP rank: ``expert_parallel`` reads ``mp_rank_XX[_YYY]_EEE`` (see
-    :func:`legacy_layout_ep`)."""
-    tp, pp, _ = legacy_layout_ep(iter_dir, expert_parallel)
-    return tp, pp
-
-
-def legacy_layout_ep(iter_dir, expert_parallel: bool = False) -> tuple[int, int, int]:
-    """(tp, pp, ep) of a legacy checkpoint; ``expert_parallel``: its names end in an expert-parallel rank."""
-    ranks = set()
-    for p in Path(iter_dir).iterdir():
-        m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?", p.name)
-        if m and (p / "model_optim_rng.pt").is_file():
-            nums = [int(g) for g in m.groups()[1:] if g is not None]
-            e = nums.pop() if expert_parallel and nums else 0
-            ranks.add((int(m.group(1)), nums[0] if nums else 0, e))
-    if not ranks:
-        raise CheckpointLayoutError(f"{iter_dir} has no mp_rank_XX[_YYY]/model_optim_rng.pt files")
-    tp, pp, ep = (max(r[i] for r in ranks) + 1 for i in range(3))
-    missing = [legacy_rank_dir(t, p, pp, e, ep) for p in range(pp) for e in range(ep) for t in range(tp)
-               if (t, p, e) not in ranks]
-    if missing:
-        raise CheckpointLayoutError(f"{iter_dir} lacks rank files {', '.join(missing)}; the checkpoint is incomplete")
-    return tp, pp, ep
 
 
 def normalize_legacy_names(state: dict) -> dict:

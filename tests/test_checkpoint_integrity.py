@@ -79,12 +79,38 @@ def test_legacy_rank_files_are_checked_like_shards(tmp_path):
         with pytest.raises(InputError, match=r"mp_rank_01/model_optim_rng.pt: truncated"):
             check_iteration_files(d)
     f.unlink()
-    with pytest.raises(InputError, match=r"mp_rank_01/model_optim_rng.pt: missing rank file \(the checkpoint spans "
+    with pytest.raises(InputError, match=r"mp_rank_01/model_optim_rng.pt: missing rank file \(.*the checkpoint spans "
                                          r"tp=2 pp=1\)"):
         check_legacy_ranks(d)
     old = tmp_path / "old.pt"  # torch's pre-zip format (Megatron-LM's oldest files): not checked, not refused
     torch.save({"w": torch.ones(3)}, old, _use_new_zipfile_serialization=False)
     check_torch_file(old, "fix")
+
+
+def test_legacy_rank_files_megatron_lm_writes_at_expert_tp_1(tmp_path):
+    """Megatron-LM writes a legacy checkpoint only on the ranks of expert data-parallel rank 0 (and since its #4678
+    data-parallel rank 0): at TP2 x EP2 with ETP1 the files mp_rank_00_000 and mp_rank_01_001, which hold every
+    shard between them. Before that fix, at TP2 x EP1 with ETP1 (TP > EP x ETP) it wrote mp_rank_00 alone, and no
+    file holds TP rank 1's dense shards: refused, naming it and why."""
+    from megatron_vlm import legacy_ranks
+
+    d = _iteration(tmp_path / "etp1", {f"{n}/model_optim_rng.pt": b"x" for n in ("mp_rank_00_000", "mp_rank_01_001")},
+                   meta=False, with_manifest=False)
+    check_legacy_ranks(d)  # read as TP x PP the names would lack mp_rank_01_000; read as TP x EP they suffice
+    src = legacy_ranks.Sources(d, legacy_ranks.present(d, expert_parallel=True), 2, 1, ep=2, etp=1, experts=True)
+    assert [src.dense(t, 0) for t in range(2)] == [0, 1] and [src.experts(0, 0, e) for e in range(2)] == [0, 1]
+    (d / "ckpt_meta.json").write_text(json.dumps({"format": "torch", "tp": 2, "pp": 1, "ep": 2, "etp": 1}))
+    check_legacy_ranks(d)
+    (d / "ckpt_meta.json").write_text(json.dumps({"format": "torch", "tp": 2, "pp": 1, "ep": 2, "etp": 2}))
+    with pytest.raises(InputError, match=r"mp_rank_01_000/model_optim_rng.pt: missing rank file \(no rank file "
+                                         r"holds expert-parallel rank 0's experts at expert tensor-parallel rank 1: "
+                                         r"mp_rank_01_000; the checkpoint spans tp=2 pp=1 ep=2 etp=2\)"):
+        check_legacy_ranks(d)  # at ETP2 each (TP, EP) file holds its own expert shards
+    old = _iteration(tmp_path / "old", {"mp_rank_00/model_optim_rng.pt": b"x"}, meta=False, with_manifest=False)
+    with pytest.raises(legacy_ranks.CheckpointLayoutError, match=r"mp_rank_01/model_optim_rng.pt: missing rank file "
+                       r"\(no rank file holds tensor-parallel rank 1's shards of the dense tensors: mp_rank_01; .*"
+                       r"Megatron-LM before NVIDIA/Megatron-LM#4678"):
+        legacy_ranks.Sources(old, legacy_ranks.present(old), 2, 1, ep=1, etp=1, experts=True)
 
 
 def test_the_newest_complete_iteration_is_named(tmp_path):
