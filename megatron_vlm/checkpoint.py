@@ -294,49 +294,40 @@ def save_sharded(sharded_state_dict: dict, iter_dir) -> None:
     """``dist_checkpointing.save`` (collective over all ranks): every torch_dist save of megatron-vlm goes
     through here.
 
-    megatron-core's torch_dist writer collects its results through a ``multiprocessing`` Manager queue, which it
-    starts, once per process, with the ``spawn`` method: a new interpreter that imports torch and
-    torch.distributed.checkpoint to unpickle the results (~3 s of CPU, measured on a 2-core machine, in every
-    rank's first save and every converter run). Without CUDA the queue's server is forked from this process
-    instead, which has those modules already; with CUDA megatron-core's own choice stands.
+    megatron-core's torch_dist writer collects its results through a ``multiprocessing`` Manager queue whose server
+    process it starts once per process (:func:`_start_write_results_queue` starts it instead, so that the server
+    ends with the rank on every device path).
     """
     from megatron.core import dist_checkpointing
 
-    if not torch.cuda.is_available():
-        _fork_write_results_queue()
+    _start_write_results_queue()
     dist_checkpointing.save(sharded_state_dict, str(iter_dir))
 
 
-def _fork_write_results_queue() -> None:
-    """Start megatron-core's write-results queue (see :func:`save_sharded`) by fork, if not started yet: both
-    megatron-core 0.16 and 0.19 keep it in the module global ``_results_queue``, which their getter fills only when
-    empty. The queue's server process is made to end with the rank that forked it (:func:`_end_with_parent`)."""
+def _start_write_results_queue() -> None:
+    """Start megatron-core's write-results queue (see :func:`save_sharded`), if not started yet: both megatron-core
+    0.16 and 0.19 keep it in the module global ``_results_queue``, which their getter fills only when empty.
+
+    Its server process ends with the rank that started it, even when the rank is killed with SIGKILL
+    (:func:`megatron_vlm.runtime.with_parent.end_with_parent`): megatron-core's own server outlived a rank killed in
+    the middle of a save. With CUDA the server is spawned, as megatron-core does (a forked CUDA process is unsafe);
+    without CUDA it is forked from this process, which has torch and torch.distributed.checkpoint imported already
+    (a spawned interpreter imports them again to unpickle the results: ~3 s of CPU, measured on a 2-core machine, in
+    every rank's first save and every converter run)."""
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    from megatron_vlm.runtime.with_parent import end_with_parent
+
     if getattr(filesystem_async, "_results_queue", None) is not None or not hasattr(filesystem_async,
                                                                                     "_results_queue"):
         return  # started, or a megatron-core whose queue lives elsewhere: its own choice stands
-    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-    manager.start(_end_with_parent, (os.getpid(),))
+    method = "spawn" if torch.cuda.is_available() else "fork"
+    manager = SyncManager(ctx=multiprocessing.get_context(method))
+    manager.start(end_with_parent, (os.getpid(),))
     filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager (and its server) alive
-
-
-def _end_with_parent(parent: int) -> None:
-    """In the write-results queue's server process: end when the rank that forked it ends, even by SIGKILL (Linux
-    ``PR_SET_PDEATHSIG``). A rank killed in the middle of a save otherwise left this process running for good."""
-    import signal
-
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the server ends with its manager, as before
-        return
-    if os.getppid() != parent:  # the rank ended before the line above ran
-        os._exit(0)
 
 
 def save_model_weights(model, iter_dir) -> None:
