@@ -290,9 +290,10 @@ def check_meta(meta: CheckpointMeta, spec: VLMSpec, tp: int, pp: int, where, ep:
         )
 
 
-def save_sharded(sharded_state_dict: dict, iter_dir) -> None:
+def save_sharded(sharded_state_dict: dict, iter_dir, verify_integrity: bool = False) -> None:
     """``dist_checkpointing.save`` (collective over all ranks): every torch_dist save of megatron-vlm goes
-    through here.
+    through here. ``verify_integrity``: megatron-core writes its integrity manifest too, where it has one
+    (:func:`megatron_vlm.mcore_version.has_integrity_manifest`).
 
     megatron-core's torch_dist writer collects its results through a ``multiprocessing`` Manager queue whose server
     process it starts once per process (:func:`_start_write_results_queue` starts it instead, so that the server
@@ -301,7 +302,8 @@ def save_sharded(sharded_state_dict: dict, iter_dir) -> None:
     from megatron.core import dist_checkpointing
 
     _start_write_results_queue()
-    dist_checkpointing.save(sharded_state_dict, str(iter_dir))
+    extra = {"verify_integrity": True} if verify_integrity and mcore_version.has_integrity_manifest() else {}
+    dist_checkpointing.save(sharded_state_dict, str(iter_dir), **extra)
 
 
 def _start_write_results_queue() -> None:

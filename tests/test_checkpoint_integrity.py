@@ -163,3 +163,66 @@ def test_a_shard_torch_cannot_read_at_resume_names_ckpt_step(tmp_path, monkeypat
     monkeypatch.setattr(checkpointing, "load", fails(shape))
     with pytest.raises(CheckpointException):
         resume.restore(training, plan)
+
+
+def test_a_commit_is_flushed_in_order(tmp_path, monkeypatch):
+    """A save's commit flushes every file (the shards, .metadata, the side files) and the directory, then renames
+    it and flushes the run directory, then writes the tracker and flushes it and the run directory: after a power
+    loss the tracker never names an iteration whose files are not on disk."""
+    import os
+
+    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.training.checkpointing import commit_local
+
+    run = tmp_path / "run"
+    target = _iteration(run / ".iter_0000006.tmp-x", {"__0_0.distcp": b"d" * 10, ".metadata": b"m",
+                                                      "sub/common.pt": b"c"})
+    flushed = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    commit_local(target, run / "iter_0000006", run)
+    ckpt.write_tracker(run, 6)
+    files = {str(target / n) for n in ("__0_0.distcp", ".metadata", "sub/common.pt", "ckpt_meta.json",
+                                       manifest.MANIFEST)}
+    first_dir = flushed.index(str(target))
+    assert files <= set(flushed[:first_dir]) and str(target / "sub") in flushed[:first_dir], flushed
+    tracker = flushed.index(next(p for p in flushed if "latest_checkpointed_iteration" in p))
+    assert flushed[first_dir + 1:tracker] == [str(run)], flushed  # the rename, before the tracker
+    assert flushed[tracker + 1:] == [str(run)], flushed  # the tracker's own rename
+    assert (run / "iter_0000006" / "__0_0.distcp").read_bytes() == b"d" * 10
+
+
+def test_integrity_manifests_of_either_megatron_core(tmp_path):
+    """A save's files as each lane records them: megatron-core 0.19 hashes the files it wrote (its integrity.json,
+    SHA-256, checked by megatron-core on rank 0) and checksums.json has the rest; with 0.16 checksums.json has all.
+    A changed byte in a shard or in a side file is named; --no-verify-integrity reads nothing."""
+    from megatron_vlm import mcore_version
+    from megatron_vlm.runtime.session import single_process_world
+    from megatron_vlm.training.checkpointing import damaged_files
+
+    d = tmp_path / "iter_0000003"
+    d.mkdir()
+    for name, data in (("__0_0.distcp", b"s" * 4096), (".metadata", b"m" * 64), ("metadata.json", b"{}")):
+        (d / name).write_bytes(data)
+    mcore = mcore_version.has_integrity_manifest()
+    if mcore:
+        from megatron.core.dist_checkpointing.validation import save_integrity_manifest
+
+        save_integrity_manifest(str(d))  # what dist_checkpointing.save(..., verify_integrity=True) writes
+    (d / "vlm_spec.json").write_text("{}")
+    listed = manifest.mcore_listed(d)
+    assert listed == ({"__0_0.distcp", ".metadata", "metadata.json"} if mcore else set())
+    manifest.write(d, manifest.entries(d, [n for n in manifest.files_of(d) if n not in listed]))
+    with single_process_world():
+        assert damaged_files(d) == []
+        shard = d / "__0_0.distcp"
+        shard.write_bytes(b"s" * 2048 + b"x" + b"s" * 2047)
+        (problem,) = damaged_files(d)
+        assert problem.startswith(f"{shard}: its bytes changed after the save ("), problem
+        assert ("SHA-256" in problem and "integrity.json" in problem) if mcore else "crc32" in problem, problem
+        assert damaged_files(d, verify_integrity=False) == []
+        shard.write_bytes(b"s" * 4096)
+        (d / "vlm_spec.json").write_text("[]")
+        assert damaged_files(d) == [f"{d / 'vlm_spec.json'}: its bytes changed after the save (crc32 "
+                                    f"{manifest.crc32(d / 'vlm_spec.json')}, its checksums.json says "
+                                    f"{manifest.read(d)['vlm_spec.json']['crc32']})"]
