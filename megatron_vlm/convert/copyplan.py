@@ -86,15 +86,18 @@ class RowPlan:
         out_shape = tuple(out_shape)
         if not self.ok or len(out_shape) != len(self.sources[0].shape) or self.sources[0].dtype != out_dtype:
             return None
-        runs = self._runs(part, out_shape, out_dtype, self.k)
-        if runs is None or self.k == 1:
-            return runs
-        src_row = math.prod(self.sources[0].shape[1:]) * itemsize(out_dtype)
-        out_row = math.prod(out_shape[1:]) * itemsize(out_dtype)
-        if src_row == out_row and all(a % src_row == 0 and b % out_row == 0 and n % out_row == 0
-                                      for _, a, b, n in runs):
-            return runs  # whole rows moved: nothing inside a row to check
-        return runs if self._runs(part, out_shape, out_dtype, self.k // 2) == runs else None
+        # the label arithmetic is many small ops: torch function modes (the CPU compatibility layer's, where
+        # megatron-core runs on a CPU) are kept out of them, which made planning most of an export's time
+        with torch._C.DisableTorchFunction():
+            runs = self._runs(part, out_shape, out_dtype, self.k)
+            if runs is None or self.k == 1:
+                return runs
+            src_row = math.prod(self.sources[0].shape[1:]) * itemsize(out_dtype)
+            out_row = math.prod(out_shape[1:]) * itemsize(out_dtype)
+            if src_row == out_row and all(a % src_row == 0 and b % out_row == 0 and n % out_row == 0
+                                          for _, a, b, n in runs):
+                return runs  # whole rows moved: nothing inside a row to check
+            return runs if self._runs(part, out_shape, out_dtype, self.k // 2) == runs else None
 
     def _runs(self, part, out_shape, out_dtype, k: int):
         row = math.prod(self.sources[0].shape[1:])  # elements

@@ -332,9 +332,10 @@ class DistReader:
         return full
 
     def located(self, rule):
-        """``(sources, assemble)`` for a kernel copy of ``rule``'s full tensor: the stored chunks that make it (each
-        a :class:`~megatron_vlm.convert.file_tensors.Located`) and the function that places them (rows only), or None
-        when a chunk is not a block of whole rows stored plainly."""
+        """``(sources, assemble, layout)`` for a kernel copy of ``rule``'s full tensor: the stored chunks that make it
+        (each a :class:`~megatron_vlm.convert.file_tensors.Located`), the function that places them (rows only) and
+        a key of that placement (tensors of one shape stored alike share their copy plan), or None when a chunk is
+        not a block of whole rows stored plainly."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         name = rule.mcore
@@ -370,7 +371,7 @@ class DistReader:
                 out[row0:row0 + n] = x
             return out
 
-        return sources, assemble
+        return sources, assemble, ("rows", tuple(full_shape), tuple(places))
 
     def _archive(self, path: str, offset: int, length: int):
         key = (path, offset)
@@ -571,8 +572,8 @@ class LegacyReader:
         return mapping.tp_merge(rule, self.shards(rule))
 
     def located(self, rule):
-        """``(sources, merge)`` for a kernel copy: the TP shards in their files and ``tp_merge``; None when a
-        shard's bytes cannot be placed."""
+        """``(sources, merge, layout)`` for a kernel copy: the TP shards in their files, ``tp_merge`` and a key of
+        it; None when a shard's bytes cannot be placed."""
         files = self._stored_as(rule)[0]
         sources = []
         for (t, p, e), shard in zip(files, self.shards(rule)):
@@ -581,7 +582,7 @@ class LegacyReader:
                 return None
             offset = shard.untyped_storage().data_ptr() - base + shard.storage_offset() * shard.element_size()
             sources.append(Located(path, offset, shard.dtype, tuple(shard.shape), lambda: None))
-        return sources, lambda xs: mapping.tp_merge(rule, xs)
+        return sources, lambda xs: mapping.tp_merge(rule, xs), ("tp_merge", rule.split)
 
 
 def _storage_base(path: str, tensors: list[torch.Tensor]) -> int | None:

@@ -164,14 +164,14 @@ def _export_tensors(source, rules, spec: VLMSpec, extra, hf_dir, dtype: torch.dt
     that are unchanged stored rows go file to file in the kernel, the rest is computed from the tensor read
     (merged over TP). The HF-only tensors the checkpoint carries follow."""
     files = copyplan.Files()
-    entries, tasks, makers = [], [], []
+    entries, tasks, makers, plans_made = [], [], [], {}
     for rule in rules:
         full = meta_full(source, rule)
         outs = mapping.to_hf(rule, full, spec)
         out_dtypes = [_out_dtype(o.dtype, dtype) for o in outs]
         entries += [(n, d, tuple(o.shape)) for n, d, o in zip(rule.hf, out_dtypes, outs)]
         nbytes = sum(o.numel() * torch.empty((), dtype=d).element_size() for o, d in zip(outs, out_dtypes))
-        runs = _copy_plan(source, rule, spec, outs, out_dtypes)
+        runs = _copy_plan(source, rule, spec, outs, out_dtypes, plans_made)
         if runs is not None:
             tasks.append(st.Task(rule.mcore, cost=0, nbytes=nbytes, run=None))
             makers.append(functools.partial(_copy_run, files, rule, runs))
@@ -214,22 +214,26 @@ def _out_dtype(have: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     return dtype if have.is_floating_point else have
 
 
-def _copy_plan(source, rule, spec: VLMSpec, outs, out_dtypes):
-    """``(sources, [(hf name, runs)])`` when every HF tensor of ``rule`` is whole stored rows, else None."""
+def _copy_plan(source, rule, spec: VLMSpec, outs, out_dtypes, plans_made: dict):
+    """``(sources, [(hf name, runs)])`` when every HF tensor of ``rule`` is whole stored rows, else None. A plan
+    holds byte offsets relative to its sources and outputs, so tensors of one shape stored alike (each layer's
+    ``linear_qkv``, say) share it: ``plans_made`` keeps them, and a model's depth costs no planning."""
     if any(o.numel() * o.element_size() < copyplan.MIN_COPY_BYTES for o in outs):
         return None
     located = source.located(rule)
     if located is None:
         return None
-    sources, assemble = located
-    rows = copyplan.RowPlan(sources, assemble)
-    plans = []
-    for k, (name, o, d) in enumerate(zip(rule.hf, outs, out_dtypes)):
-        runs = rows.runs(functools.partial(_hf_part, rule, spec, k), tuple(o.shape), d)
-        if runs is None:
-            return None
-        plans.append((name, runs))
-    return sources, plans
+    sources, assemble, layout = located
+    key = (layout, rule.kind, rule.split, rule.heads, rule.groups, rule.head_dim,
+           tuple((tuple(s.shape), s.dtype) for s in sources), tuple((tuple(o.shape), d) for o, d in zip(outs, out_dtypes)))
+    if key not in plans_made:
+        rows = copyplan.RowPlan(sources, assemble)
+        made = [rows.runs(functools.partial(_hf_part, rule, spec, k), tuple(o.shape), d)
+                for k, (o, d) in enumerate(zip(outs, out_dtypes))]
+        plans_made[key] = None if any(r is None for r in made) else made
+    if plans_made[key] is None:
+        return None
+    return sources, list(zip(rule.hf, plans_made[key]))
 
 
 def _hf_part(rule, spec: VLMSpec, k: int, full):
