@@ -102,17 +102,6 @@ def tree_anon(root: int) -> int:
     return total
 
 
-def _flush_tree(path: Path) -> None:
-    """fsync every file under ``path`` (a step's output): its time ends when its bytes are on disk."""
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -121,6 +110,8 @@ def _children_cpu() -> float:
 def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int, float]:
     """(seconds until ``output`` is on disk, peak Pss_Anon of the process tree, CPU seconds of the tree) of
     ``cmd``."""
+    from megatron_vlm.atomic import fsync_tree
+
     os.sync()
     cpu = _children_cpu()
     t = time.time()
@@ -138,7 +129,7 @@ def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int,
     out = proc.communicate()[0]
     done.set()
     sampler.join()
-    _flush_tree(output)
+    fsync_tree(output)  # (the converters flushed their own files already: a metadata check each)
     secs = time.time() - t
     if proc.returncode:
         sys.stderr.write(out[-4000:])
@@ -157,15 +148,30 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of each step at each size; the fastest counts (a shared machine's load comes in spikes)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    p.add_argument("--reuse-models", action="store_true",
+                   help="use the models an earlier run left in --work with --keep (building them takes minutes)")
     a = p.parse_args(argv)
     work = Path(a.work)
-    shutil.rmtree(work, ignore_errors=True)
+    if a.reuse_models:
+        for size in ("small", "large"):
+            for d in (work / size).iterdir() if (work / size).is_dir() else ():
+                if d.name != "hf":
+                    shutil.rmtree(d)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     py = sys.executable
     sizes, rows, runs = {}, {}, []
     load = [os.getloadavg()]
     try:
         for size, layers in (("small", a.small_layers), ("large", a.large_layers)):
             t = time.time()
+            if a.reuse_models and (work / size / "hf" / "config.json").is_file():
+                from megatron_vlm.convert.hf_io import HFReader
+
+                reader = HFReader(work / size / "hf")
+                sizes[size] = sum(reader.info(n).nbytes for n in reader.names())
+                print(f"{size} model: {sizes[size] / 1e9:.2f} GB of bf16 weights (reused)", flush=True)
+                continue
             sizes[size] = make_model(work / size / "hf", layers, a.hidden, a.vision_layers)
             print(f"{size} model: {sizes[size] / 1e9:.2f} GB of bf16 weights ({layers} LM layers), built in "
                   f"{time.time() - t:.0f} s", flush=True)
