@@ -1,8 +1,8 @@
 """Atomic outputs: everything megatron-vlm writes goes to a temporary sibling and is renamed at the end.
 
-A crash, a bad input or Ctrl-C never leaves an output directory (or file) that looks complete but is not. The
-files and directories are flushed to disk before the rename and the rename after it (:func:`fsync_tree`,
-:func:`fsync_dir`), so a power loss does not either.
+A crash, a bad input or Ctrl-C never leaves an output directory (or file) that looks complete but is not. A file,
+and a directory asked to (``flush``), is flushed to disk before the rename and the rename after it
+(:func:`fsync_tree`, :func:`fsync_dir`), so a power loss does not either.
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ class OutputExistsError(FileExistsError):
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike, overwrite: bool = False, what: str = "output directory"):
+def atomic_dir(final: str | os.PathLike, overwrite: bool = False, what: str = "output directory",
+               flush: bool = False):
     """Yield a fresh temporary directory next to ``final``; rename it to ``final`` when the block succeeds.
 
     ``final`` must not exist unless ``overwrite`` (then it is replaced only after the new one is complete).
-    On any exception the temporary directory is removed and ``final`` is untouched.
+    On any exception the temporary directory is removed and ``final`` is untouched. ``flush``: every file and
+    directory is flushed to disk before the rename, and the rename after it (the converters' checkpoints and
+    exports, whose large files their writers flushed already).
     """
     final = Path(final).absolute()
     if final.exists() and not overwrite:
@@ -36,15 +39,16 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False, what: str = "o
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output should have normal permissions
     try:
         yield tmp
-        fsync_tree(tmp)  # every file and directory on disk before the rename makes them the output
+        if flush:
+            fsync_tree(tmp)  # every file and directory on disk before the rename makes them the output
         if final.exists():
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
             os.replace(final, old)
             os.replace(tmp, final)
-            fsync_dir(final.parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
+        if flush:
             fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

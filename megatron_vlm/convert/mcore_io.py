@@ -189,7 +189,8 @@ def _make_strategy(write_data):
     class _Writer(dcp.FileSystemWriter):
         """torch.distributed.checkpoint's file system writer, one file, in two passes: :meth:`write_data` writes
         every item's archive with ``torch.save`` under ``skip_data`` (the records in place, no tensor data);
-        :meth:`commit` has ``write_data`` write the data at the offsets those archives give, flushes, and writes ``.metadata``."""
+        :meth:`commit` has ``write_data`` write the data at the offsets those archives give, flushes, and writes
+        ``.metadata``."""
 
         @property
         def checkpoint_id(self):  # a str, as megatron-core's own writer records it in .metadata
@@ -262,8 +263,8 @@ def _placeholder(shape, dtype) -> torch.Tensor:
 
 def save_dist(sharded_state_dict: dict, iter_dir, write_data) -> None:
     """Save ``sharded_state_dict`` (from :func:`dist_pieces`, on the meta device) to ``iter_dir`` with
-    ``dist_checkpointing.save``; ``write_data(offsets)`` then writes the data: ``offsets[(key, global offset)]`` is the
-    ``(file, byte offset)`` of each ShardedTensor's bytes."""
+    ``dist_checkpointing.save``; ``write_data(offsets)`` then writes the data: ``offsets[(key, global offset)]`` is
+    the ``(file, byte offset)`` of each ShardedTensor's bytes."""
     from megatron.core import dist_checkpointing
 
     Path(iter_dir).mkdir(parents=True, exist_ok=True)

@@ -190,7 +190,7 @@ def _export_tensors(source, rules, spec: VLMSpec, extra, hf_dir, dtype: torch.dt
         makers.append(functools.partial(_extra_run, files, name, get, located, dtype))
     budget = st.memory_budget(tasks, max_memory, workers)
     try:
-        with atomic_dir(hf_dir, overwrite=overwrite, what="--hf-dir") as tmp:
+        with atomic_dir(hf_dir, overwrite=overwrite, what="--hf-dir", flush=True) as tmp:
             writer = SafetensorsWriter(tmp, entries, max_shard_bytes)
             try:
                 for task, make in zip(tasks, makers):
@@ -225,7 +225,8 @@ def _copy_plan(source, rule, spec: VLMSpec, outs, out_dtypes, plans_made: dict):
         return None
     sources, assemble, layout = located
     key = (layout, rule.kind, rule.split, rule.heads, rule.groups, rule.head_dim,
-           tuple((tuple(s.shape), s.dtype) for s in sources), tuple((tuple(o.shape), d) for o, d in zip(outs, out_dtypes)))
+           tuple((tuple(s.shape), s.dtype) for s in sources),
+           tuple((tuple(o.shape), d) for o, d in zip(outs, out_dtypes)))
     if key not in plans_made:
         rows = copyplan.RowPlan(sources, assemble)
         made = [rows.runs(functools.partial(_hf_part, rule, spec, k), tuple(o.shape), d)

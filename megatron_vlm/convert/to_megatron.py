@@ -46,6 +46,7 @@ class _Plan:
 
     def __init__(self, reader: HFReader, spec: VLMSpec, rules, dtype: torch.dtype):
         self.reader, self.spec, self.dtype, self.rules = reader, spec, dtype, rules
+        self.plans_made: dict = {}
         self.shape = {}
         for rule in rules:
             metas = [torch.empty(reader.info(h).shape, dtype=reader.info(h).dtype, device="meta") for h in rule.hf]
@@ -72,33 +73,40 @@ class _Plan:
         return _cast(mapping.to_mcore(rule, [self.reader.view(h) for h in rule.hf], self.spec), self.dtype)
 
     def task(self, rule, outs: list, files: copyplan.Files) -> st.Task:
-        """The task writing ``rule``'s outputs: ``outs`` is ``[(part, shape, target)]``, ``part(full)`` the
-        output's block of the full tensor (a TP shard, a ShardedTensor's block) and ``target()`` where it goes.
-        All in the kernel when every output is whole HF rows, else from the computed full tensor."""
+        """The task writing ``rule``'s outputs: ``outs`` is ``[(part, part_key, shape, target)]``, ``part(full)``
+        the output's block of the full tensor (a TP shard, a ShardedTensor's block), ``part_key`` what that block is
+        (the same for the same block of every layer) and ``target()`` where it goes. All in the kernel when every
+        output is whole HF rows, else from the computed full tensor. A copy plan holds offsets relative to its
+        sources and outputs, so tensors of one shape made alike share it (:attr:`plans_made`): a model's depth
+        costs no planning."""
         sources = [self.reader.located(h) for h in rule.hf]
         dtype = self.out_dtype(rule)
+        key = (rule.kind, rule.split, rule.heads, rule.groups, rule.head_dim, dtype,
+               tuple((tuple(s.shape), s.dtype) for s in sources), tuple((k, tuple(shape)) for _, k, shape, _ in outs))
+        if key not in self.plans_made:
+            def made(xs):
+                return _cast(mapping.to_mcore(rule, xs, self.spec), self.dtype)
 
-        def made(xs):
-            return _cast(mapping.to_mcore(rule, xs, self.spec), self.dtype)
-
-        rows = copyplan.RowPlan(sources, made)
-        runs = [rows.runs(part, shape, dtype) if math.prod(shape) * itemsize(dtype) >= copyplan.MIN_COPY_BYTES
-                else None for part, shape, _ in outs]
-        nbytes = sum(math.prod(shape) for _, shape, _ in outs) * itemsize(dtype)
+            rows = copyplan.RowPlan(sources, made)
+            self.plans_made[key] = [
+                rows.runs(part, shape, dtype) if math.prod(shape) * itemsize(dtype) >= copyplan.MIN_COPY_BYTES
+                else None for part, _, shape, _ in outs]
+        runs = self.plans_made[key]
+        nbytes = sum(math.prod(shape) for _, _, shape, _ in outs) * itemsize(dtype)
         if all(r is not None for r in runs):
             def copy():
-                for (_, _, target), r in zip(outs, runs):
+                for (_, _, _, target), r in zip(outs, runs):
                     copyplan.fill(target(), None, sources, files, runs=r)
 
             return st.Task(rule.mcore, cost=0, nbytes=nbytes, run=copy, after=lambda: self.release(rule))
 
         def compute():
             full = self.make_full(rule)
-            for part, _, target in outs:
+            for part, _, _, target in outs:
                 t = target()
                 write_all(t.fd, tensor_bytes(part(full)), t.offset)
 
-        largest = max(math.prod(shape) for _, shape, _ in outs) * itemsize(dtype)  # a block made contiguous
+        largest = max(math.prod(shape) for _, _, shape, _ in outs) * itemsize(dtype)  # a block made contiguous
         return st.Task(rule.mcore, cost=self.made_bytes(rule) + largest, nbytes=nbytes, run=compute,
                        after=lambda: self.release(rule))
 
@@ -171,7 +179,7 @@ def _convert(plan: _Plan, files, hf_dir, megatron_dir, overwrite, check, max_mem
     budget = st.memory_budget(tasks, max_memory, workers)
     if before_write is not None:
         before_write(plan.spec)
-    with atomic_dir(megatron_dir, overwrite=overwrite, what="--megatron-dir") as tmp:
+    with atomic_dir(megatron_dir, overwrite=overwrite, what="--megatron-dir", flush=True) as tmp:
         iter_dir = tmp / "release"
         iter_dir.mkdir()
         progress = st.Progress(sum(t.nbytes for t in tasks), "hf_to_megatron")
@@ -208,7 +216,7 @@ class _DistOutput:
             if any(pc.sh.dtype != want for pc in ps) or ps[0].full_shape != plan.shape[rule.mcore]:
                 raise ValueError(f"{rule.mcore}: megatron-core's model holds {ps[0].sh.dtype} {ps[0].full_shape}, the "
                                  f"conversion makes {want} {plan.shape[rule.mcore]}")
-            outs = [(pc.of, pc.shape, self._target(pc)) for pc in ps]
+            outs = [(pc.of, ("block", pc.start), pc.shape, self._target(pc)) for pc in ps]
             self.tasks.append(plan.task(rule, outs, files))
 
     def _target(self, pc):
@@ -260,7 +268,8 @@ class _LegacyOutput:
                     for t in range(tp):
                         shape = tuple(mapping.tp_shard(rule, full, split, t % split).shape)
                         self.layout[(t, p, e)].append((name, full.dtype, shape))
-                        outs.append((self._part(rule, split, t % split), shape, self._target(t, p, name, e)))
+                        outs.append((self._part(rule, split, t % split), ("tp", split, t % split), shape,
+                                     self._target(t, p, name, e)))
             self.tasks.append(plan.task(rule, outs, files))
 
     @staticmethod

@@ -240,5 +240,6 @@ def megatron_lm_moe_checkpoints(megatron_dir, out_root, seq_length: int = 64) ->
     save_legacy("legacy_grouped", {grouped_expert_name(k): v for k, v in state.items()}, args, True)
     del model, state
     model = _model_for(src, 2, 1, seq_length, ep=2, etp=1)
-    save_legacy("legacy_etp1", legacy_state(model), argparse.Namespace(**dict(vars(args), expert_tensor_parallel_size=1)),
+    etp1_args = argparse.Namespace(**dict(vars(args), expert_tensor_parallel_size=1))
+    save_legacy("legacy_etp1", legacy_state(model), etp1_args,
                 ps.get_expert_data_parallel_rank() == 0 or ps.get_data_parallel_rank() == 0)
