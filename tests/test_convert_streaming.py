@@ -73,7 +73,7 @@ def test_kernel_copies_equal_computed_tensors(name, hf_models, tmp_path, monkeyp
         from megatron_vlm.testing.tiny import make_tiny_llava
 
         src = make_tiny_llava(tmp_path / "hf", "qwen3_moe", "clip", text_overrides=dict(
-            num_hidden_layers=4, mlp_only_layers=[2], num_key_value_heads=4))
+            num_hidden_layers=2, mlp_only_layers=[1], num_key_value_heads=4))
     copied = {"import": set(), "export": set()}
     real_task, real_plan = tm._Plan.task, to_hf._copy_plan
 
@@ -273,7 +273,7 @@ class _PeakAnon:
         self._thread.join()
 
 
-@pytest.mark.slow  # two conversions of a 0.3 GB model
+@pytest.mark.slow  # two conversions of a 0.2 GB model
 def test_memory_cap_holds_the_process_real_memory(hf_models, tmp_path, monkeypatch):
     """Under --max-memory the process's real anonymous memory, sampled while it converts, stays below the cap that
     admits one large tensor at a time. The control lifts the budget: the two large tensors (embedding, output
@@ -281,7 +281,7 @@ def test_memory_cap_holds_the_process_real_memory(hf_models, tmp_path, monkeypat
     measure goes over the same cap. Each large task rests 50 ms at its peak so the sampler sees it."""
     from megatron_vlm.convert import to_megatron
 
-    wide = _wide_vocab(hf_models["llama_clip"], tmp_path / "wide", 600_000)
+    wide = _wide_vocab(hf_models["llama_clip"], tmp_path / "wide", 400_000)
     convert_hf_to_megatron(hf_models["llama_clip"], tmp_path / "warm", dtype="fp16")  # imports and allocator warm
     monkeypatch.setattr(st, "SLACK", 32 << 20)
     largest = []

@@ -123,7 +123,7 @@ def test_verify_memory_counts_every_rank_of_an_expert_parallel_world(tmp_path):
                                                                                      mlp_only_layers=[1]))
     spec = VLMSpec.from_hf_dir(hf)
     hf_bytes = 4 * sum(t.numel() for t in map(HFReader(hf).view, HFReader(hf).names()))
-    for tp, ep, etp in ((1, 2, None), (2, 2, 1)):
+    for tp, ep, etp in ((1, 2, None),):  # 2 ranks: 2 data-parallel replicas of the dense weights, an EP rank each
         meg = convert_hf_to_megatron(hf, tmp_path / f"tp{tp}ep{ep}", tp=tp, ep=ep, etp=etp, ckpt_format="torch",
                                      dtype="fp32")
         world = verify.world_size(tp, 1, ep, etp)
@@ -136,7 +136,7 @@ def test_verify_memory_counts_every_rank_of_an_expert_parallel_world(tmp_path):
         for g in range(world):
             state = ckpt.load_legacy_rank(meg / "release", tp_rank[g], 0, 1, ep_rank=ep_rank[g], ep=ep)["model"]
             loaded += sum(4 * v.numel() for v in state.values() if isinstance(v, torch.Tensor))
-        assert loaded > hf_bytes  # the dense weights once per data-parallel replica
+        assert loaded > 1.5 * hf_bytes  # the dense weights once per data-parallel replica (most of this model)
         assert verify.megatron_weight_bytes(spec, tp, 1, ep, etp) == loaded, (tp, ep, etp)
         need, parts = verify.memory_needed(hf, spec, tp, 1, 0, ep, etp)
         base, _ = verify.memory_needed(hf, spec, tp, 1, 0)  # the same TP without experts split: one copy
