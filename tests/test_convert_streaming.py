@@ -281,7 +281,8 @@ def test_memory_cap_holds_the_process_real_memory(hf_models, tmp_path, monkeypat
     measure goes over the same cap. Each large task rests 50 ms at its peak so the sampler sees it."""
     from megatron_vlm.convert import to_megatron
 
-    wide = _wide_vocab(hf_models["llama_clip"], tmp_path / "wide", 400_000)
+    # 400,001 rows: the vocabulary is padded (to 400,128), so each large tensor is made anew and then cast
+    wide = _wide_vocab(hf_models["llama_clip"], tmp_path / "wide", 400_001)
     convert_hf_to_megatron(hf_models["llama_clip"], tmp_path / "warm", dtype="fp16")  # imports and allocator warm
     monkeypatch.setattr(st, "SLACK", 32 << 20)
     largest = []
