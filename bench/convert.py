@@ -12,13 +12,16 @@ Each step runs as its own process tree, --repeat times at each size (the fastest
 highest of them). Its peak memory is the sum over the tree of each process's anonymous
 memory with shared pages counted in proportion (``Pss_Anon`` of /proc/PID/smaps_rollup), sampled every
 --interval seconds: not ``ru_maxrss`` of one child, and not the memory-mapped input files or the page cache. Its
-time runs until its output is on disk (``sync`` before and after: the converters fsync their files, and a copy is
-not done while its pages are dirty).
+time runs until its output is on disk: the machine is synced before the step, and its output files are flushed
+(fsync) before the clock stops (the converters flush their own; a copy is not done while its pages are dirty).
+Its CPU time is the user + system time of the tree (``RUSAGE_CHILDREN``), which a busy machine inflates far less
+than the time itself.
 
 The printed table gives, per step, the peak at each size and, between the two sizes, the extra peak memory per
-extra model byte (target <= 0.10) and the extra time per extra byte relative to ``cp``'s (target <= 1.5, aim
-1.2): fixed costs (Python start-up, imports, the tiny tensors) cancel out. The machine's load average is printed
-with the results; on a shared machine run it when the load is low.
+extra model byte (target <= 0.10), the extra time per extra byte relative to ``cp``'s (target <= 1.5, aim 1.2) and
+the extra CPU time per extra byte relative to ``cp``'s: fixed costs (Python start-up, imports, the tiny tensors)
+cancel out. The load average is printed with every run and in the results; the time ratios are a measurement only
+on an idle machine (load below 1 for the whole run): ``python bench/convert.py --repeat 3``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -98,9 +102,18 @@ def tree_anon(root: int) -> int:
     return total
 
 
-def measured(cmd: list[str], interval: float) -> tuple[float, int]:
-    """(seconds until the output is on disk, peak Pss_Anon of the process tree) of ``cmd``."""
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int, float]:
+    """(seconds until ``output`` is on disk, peak Pss_Anon of the process tree, CPU seconds of the tree) of
+    ``cmd``."""
+    from megatron_vlm.atomic import fsync_tree
+
     os.sync()
+    cpu = _children_cpu()
     t = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak = [0]
@@ -116,12 +129,12 @@ def measured(cmd: list[str], interval: float) -> tuple[float, int]:
     out = proc.communicate()[0]
     done.set()
     sampler.join()
-    os.sync()
+    fsync_tree(output)  # (the converters flushed their own files already: a metadata check each)
     secs = time.time() - t
     if proc.returncode:
         sys.stderr.write(out[-4000:])
         raise SystemExit(f"failed: {' '.join(cmd)}")
-    return secs, peak[0]
+    return secs, peak[0], _children_cpu() - cpu
 
 
 def main(argv=None):
@@ -133,18 +146,33 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--vision-layers", type=int, default=24)
     p.add_argument("--interval", type=float, default=0.05, help="seconds between memory samples")
-    p.add_argument("--repeat", type=int, default=2,
+    p.add_argument("--repeat", type=int, default=3,
                    help="runs of each step at each size; the fastest counts (a shared machine's load comes in spikes)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    p.add_argument("--reuse-models", action="store_true",
+                   help="use the models an earlier run left in --work with --keep (building them takes minutes)")
     a = p.parse_args(argv)
     work = Path(a.work)
-    shutil.rmtree(work, ignore_errors=True)
+    if a.reuse_models:
+        for size in ("small", "large"):
+            for d in (work / size).iterdir() if (work / size).is_dir() else ():
+                if d.name != "hf":
+                    shutil.rmtree(d)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     py = sys.executable
-    sizes, rows = {}, {}
+    sizes, rows, runs = {}, {}, []
     load = [os.getloadavg()]
     try:
         for size, layers in (("small", a.small_layers), ("large", a.large_layers)):
             t = time.time()
+            if a.reuse_models and (work / size / "hf" / "config.json").is_file():
+                from megatron_vlm.convert.hf_io import HFReader
+
+                reader = HFReader(work / size / "hf")
+                sizes[size] = sum(reader.info(n).nbytes for n in reader.names())
+                print(f"{size} model: {sizes[size] / 1e9:.2f} GB of bf16 weights (reused)", flush=True)
+                continue
             sizes[size] = make_model(work / size / "hf", layers, a.hidden, a.vision_layers)
             print(f"{size} model: {sizes[size] / 1e9:.2f} GB of bf16 weights ({layers} LM layers), built in "
                   f"{time.time() - t:.0f} s", flush=True)
@@ -167,11 +195,13 @@ def main(argv=None):
             for _ in range(a.repeat):
                 for size in ("small", "large"):
                     shutil.rmtree(work / size / out, ignore_errors=True)  # each run writes a fresh output
-                    secs, peak = measured(cmd(work / size), a.interval)
-                    best = rows.setdefault(name, {}).get(size, (float("inf"), 0))
-                    rows[name][size] = (min(secs, best[0]), max(peak, best[1]))
-                    print(f"  {name:36s} {size:5s} {secs:7.1f} s  peak {peak / 1e9:6.3f} GB  (load "
-                          f"{os.getloadavg()[0]:.1f})", flush=True)
+                    secs, peak, cpu = measured(cmd(work / size), a.interval, work / size / out)
+                    best = rows.setdefault(name, {}).get(size, (float("inf"), 0, float("inf")))
+                    rows[name][size] = (min(secs, best[0]), max(peak, best[1]), min(cpu, best[2]))
+                    runs.append({"step": name, "size": size, "seconds": secs, "cpu_seconds": cpu, "peak": peak,
+                                 "load": os.getloadavg()[0]})
+                    print(f"  {name:36s} {size:5s} {secs:7.1f} s  cpu {cpu:6.1f} s  peak {peak / 1e9:6.3f} GB  "
+                          f"(load {os.getloadavg()[0]:.1f})", flush=True)
             if name.startswith("cp"):  # the copy's output is not needed again
                 for size in ("small", "large"):
                     shutil.rmtree(work / size / out, ignore_errors=True)
@@ -182,20 +212,24 @@ def main(argv=None):
     extra = sizes["large"] - sizes["small"]
     cp = rows["cp -r (reference)"]
     cp_marginal = (cp["large"][0] - cp["small"][0]) / extra
+    cp_cpu = (cp["large"][2] - cp["small"][2]) / extra
+    busiest = max(r["load"] for r in runs)
     print(f"\nmodels: {sizes['small'] / 1e9:.2f} GB and {sizes['large'] / 1e9:.2f} GB (+{extra / 1e9:.2f} GB); cp: "
-          f"{cp_marginal * 1e9:.2f} s per extra GB; load average {load[0][0]:.1f} at the start, {load[-1][0]:.1f} "
-          "at the end (1 min)")
+          f"{cp_marginal * 1e9:.2f} s and {cp_cpu * 1e9:.2f} CPU-s per extra GB; load average {load[0][0]:.1f} at "
+          f"the start, {load[-1][0]:.1f} at the end, at most {busiest:.1f} after a run (1 min)"
+          + ("" if busiest < 1.0 else ": NOT an idle machine, the time ratios are no measurement"))
     print(f"{'step':36s} {'peak small':>11s} {'peak large':>11s} {'x model (large)':>16s} "
-          f"{'extra mem / extra byte':>23s} {'extra time / extra byte, x cp':>30s}")
-    results = {"model_bytes": sizes, "load_average": load, "rows": {}}
+          f"{'extra mem / extra byte':>23s} {'extra time / extra byte, x cp':>30s} {'extra CPU, x cp':>16s}")
+    results = {"model_bytes": sizes, "load_average": load, "max_load_after_a_run": busiest, "runs": runs, "rows": {}}
     for name, r in rows.items():
-        (ts, ps), (tl, pl) = r["small"], r["large"]
+        (ts, ps, cs), (tl, pl, cl) = r["small"], r["large"]
         mem = (pl - ps) / extra
         tim = (tl - ts) / extra / cp_marginal
+        cpu = (cl - cs) / extra / cp_cpu if cp_cpu > 0 else float("nan")
         print(f"{name:36s} {ps / 1e9:9.3f} GB {pl / 1e9:8.3f} GB {pl / sizes['large']:16.2f} {mem:23.3f} "
-              f"{tim:30.2f}")
-        results["rows"][name] = {"seconds": [ts, tl], "peak_pss_anon": [ps, pl], "marginal_memory": mem,
-                                 "marginal_time_x_cp": tim}
+              f"{tim:30.2f} {cpu:16.2f}")
+        results["rows"][name] = {"seconds": [ts, tl], "cpu_seconds": [cs, cl], "peak_pss_anon": [ps, pl],
+                                 "marginal_memory": mem, "marginal_time_x_cp": tim, "marginal_cpu_x_cp": cpu}
     print(json.dumps(results))
 
 

@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from megatron_vlm import layer_impl, mcore_version, storage
+from megatron_vlm.legacy_ranks import (  # noqa: F401 (the legacy layout, exported here)
+    CheckpointLayoutError, legacy_layout, legacy_layout_ep, legacy_rank_dir, legacy_rank_file)
 from megatron_vlm.spec import SPEC_FILE, VLMSpec
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -41,10 +43,6 @@ META = "ckpt_meta.json"
 EXTRA = "hf_extra.safetensors"
 TOKENIZER_DIR = "tokenizer"
 FORMATS = ("torch_dist", "torch")
-
-
-class CheckpointLayoutError(ValueError):
-    pass
 
 
 @dataclass
@@ -196,50 +194,12 @@ def copy_tokenizer(hf_dir, ckpt_dir) -> None:
 
 
 # ---- legacy `torch` format -----------------------------------------------------------------------
-def legacy_rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
-    """Megatron-LM's rank directory: ``mp_rank_TT``, ``_PPP`` with pipeline parallelism, ``_EEE`` with expert
-    parallelism."""
-    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-    return name + (f"_{ep_rank:03d}" if ep > 1 else "")
-
-
-def legacy_rank_file(iter_dir, tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> Path:
-    return Path(iter_dir) / legacy_rank_dir(tp_rank, pp_rank, pp, ep_rank, ep) / "model_optim_rng.pt"
-
-
 def save_legacy_rank(iter_dir, tp_rank, pp_rank, pp, state: dict, iteration, ep_rank: int = 0, ep: int = 1) -> None:
     path = legacy_rank_file(iter_dir, tp_rank, pp_rank, pp, ep_rank, ep)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".pt.tmp")
     torch.save({"model": state, "checkpoint_version": 3.0, "iteration": iteration}, tmp)
     os.replace(tmp, path)
-
-
-def legacy_layout(iter_dir, expert_parallel: bool = False) -> tuple[int, int]:
-    """(tp, pp) of a legacy checkpoint, from its ``mp_rank_XX[_YYY]`` directories. Megatron-LM's names do not say
-    whether a second number is a PP or an EP rank: ``expert_parallel`` reads ``mp_rank_XX[_YYY]_EEE`` (see
-    :func:`legacy_layout_ep`)."""
-    tp, pp, _ = legacy_layout_ep(iter_dir, expert_parallel)
-    return tp, pp
-
-
-def legacy_layout_ep(iter_dir, expert_parallel: bool = False) -> tuple[int, int, int]:
-    """(tp, pp, ep) of a legacy checkpoint; ``expert_parallel``: its names end in an expert-parallel rank."""
-    ranks = set()
-    for p in Path(iter_dir).iterdir():
-        m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?", p.name)
-        if m and (p / "model_optim_rng.pt").is_file():
-            nums = [int(g) for g in m.groups()[1:] if g is not None]
-            e = nums.pop() if expert_parallel and nums else 0
-            ranks.add((int(m.group(1)), nums[0] if nums else 0, e))
-    if not ranks:
-        raise CheckpointLayoutError(f"{iter_dir} has no mp_rank_XX[_YYY]/model_optim_rng.pt files")
-    tp, pp, ep = (max(r[i] for r in ranks) + 1 for i in range(3))
-    missing = [legacy_rank_dir(t, p, pp, e, ep) for p in range(pp) for e in range(ep) for t in range(tp)
-               if (t, p, e) not in ranks]
-    if missing:
-        raise CheckpointLayoutError(f"{iter_dir} lacks rank files {', '.join(missing)}; the checkpoint is incomplete")
-    return tp, pp, ep
 
 
 def normalize_legacy_names(state: dict) -> dict:
@@ -330,53 +290,46 @@ def check_meta(meta: CheckpointMeta, spec: VLMSpec, tp: int, pp: int, where, ep:
         )
 
 
-def save_sharded(sharded_state_dict: dict, iter_dir) -> None:
+def save_sharded(sharded_state_dict: dict, iter_dir, verify_integrity: bool = False) -> None:
     """``dist_checkpointing.save`` (collective over all ranks): every torch_dist save of megatron-vlm goes
-    through here.
+    through here. ``verify_integrity``: megatron-core writes its integrity manifest too, where it has one
+    (:func:`megatron_vlm.mcore_version.has_integrity_manifest`).
 
-    megatron-core's torch_dist writer collects its results through a ``multiprocessing`` Manager queue, which it
-    starts, once per process, with the ``spawn`` method: a new interpreter that imports torch and
-    torch.distributed.checkpoint to unpickle the results (~3 s of CPU, measured on a 2-core machine, in every
-    rank's first save and every converter run). Without CUDA the queue's server is forked from this process
-    instead, which has those modules already; with CUDA megatron-core's own choice stands.
+    megatron-core's torch_dist writer collects its results through a ``multiprocessing`` Manager queue whose server
+    process it starts once per process (:func:`_start_write_results_queue` starts it instead, so that the server
+    ends with the rank on every device path).
     """
     from megatron.core import dist_checkpointing
 
-    if not torch.cuda.is_available():
-        _fork_write_results_queue()
-    dist_checkpointing.save(sharded_state_dict, str(iter_dir))
+    _start_write_results_queue()
+    extra = {"verify_integrity": True} if verify_integrity and mcore_version.has_integrity_manifest() else {}
+    dist_checkpointing.save(sharded_state_dict, str(iter_dir), **extra)
 
 
-def _fork_write_results_queue() -> None:
-    """Start megatron-core's write-results queue (see :func:`save_sharded`) by fork, if not started yet: both
-    megatron-core 0.16 and 0.19 keep it in the module global ``_results_queue``, which their getter fills only when
-    empty. The queue's server process is made to end with the rank that forked it (:func:`_end_with_parent`)."""
+def _start_write_results_queue() -> None:
+    """Start megatron-core's write-results queue (see :func:`save_sharded`), if not started yet: both megatron-core
+    0.16 and 0.19 keep it in the module global ``_results_queue``, which their getter fills only when empty.
+
+    Its server process ends with the rank that started it, even when the rank is killed with SIGKILL
+    (:func:`megatron_vlm.runtime.with_parent.end_with_parent`): megatron-core's own server outlived a rank killed in
+    the middle of a save. With CUDA the server is spawned, as megatron-core does (a forked CUDA process is unsafe);
+    without CUDA it is forked from this process, which has torch and torch.distributed.checkpoint imported already
+    (a spawned interpreter imports them again to unpickle the results: ~3 s of CPU, measured on a 2-core machine, in
+    every rank's first save and every converter run)."""
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    from megatron_vlm.runtime.with_parent import end_with_parent
+
     if getattr(filesystem_async, "_results_queue", None) is not None or not hasattr(filesystem_async,
                                                                                     "_results_queue"):
         return  # started, or a megatron-core whose queue lives elsewhere: its own choice stands
-    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-    manager.start(_end_with_parent, (os.getpid(),))
+    method = "spawn" if torch.cuda.is_available() else "fork"
+    manager = SyncManager(ctx=multiprocessing.get_context(method))
+    manager.start(end_with_parent, (os.getpid(),))
     filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager (and its server) alive
-
-
-def _end_with_parent(parent: int) -> None:
-    """In the write-results queue's server process: end when the rank that forked it ends, even by SIGKILL (Linux
-    ``PR_SET_PDEATHSIG``). A rank killed in the middle of a save otherwise left this process running for good."""
-    import signal
-
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the server ends with its manager, as before
-        return
-    if os.getppid() != parent:  # the rank ended before the line above ran
-        os._exit(0)
 
 
 def save_model_weights(model, iter_dir) -> None:

@@ -1,15 +1,23 @@
-"""The checksum manifest of a checkpoint: the size and crc32 of every file, written when a training save commits.
+"""The checksum manifests of a checkpoint: what a save records of every file, and what a resume checks.
 
 A shard cut short or lost is found by its size alone (:mod:`megatron_vlm.cli.inputs` compares the torch_dist shards
 with their index). A file whose size is right but whose bytes are not -- a bad disk block, a copy that wrote
-garbage, a file overwritten in place -- is found only by reading it. So a training save writes
-``checksums.json`` into the iteration directory just before ``ckpt_meta.json`` (the file that marks it complete):
-``{"algorithm": "crc32", "files": {"__0_0.distcp": {"bytes": N, "crc32": "89abcdef"}, ...}}`` for every file then
-in the directory. Each rank checksums a share of the shards (:func:`share`) and rank 0 writes the manifest, so a save
-reads its bytes back once, spread over the ranks; a resume checks them the same way before it loads, so every byte
-is read once more, spread over the ranks (zlib's crc32: ~0.6 GB/s per process on a busy 2-core machine).
+garbage, a file overwritten in place -- is found only by reading it. So a training save records checksums of every
+file of the iteration directory before ``ckpt_meta.json`` (the file that marks it complete), and a resume checks
+them before it loads anything:
 
-Checkpoints without a manifest (written before it existed, by Megatron-LM, or by the converters) load as before;
+- where megatron-core has its own integrity manifest (0.19: ``dist_checkpointing.save/load(verify_integrity=True)``,
+  :func:`megatron_vlm.mcore_version.has_integrity_manifest`), the files it writes are in its ``integrity.json``
+  (SHA-256, hashed and checked by megatron-core on rank 0; :func:`mcore_listed` reads which);
+- ``checksums.json``, megatron-vlm's own, has the rest (all files with megatron-core 0.16; the side files and
+  ``integrity.json`` itself with 0.19): ``{"algorithm": "crc32", "files": {"__0_0.distcp": {"bytes": N, "crc32":
+  "89abcdef"}, ...}}``. Each rank checksums a share of the files (:func:`share`) and rank 0 writes the manifest, so
+  a save reads its bytes back once, spread over the ranks, and a resume the same way (zlib's crc32: ~0.6 GB/s per
+  process on a busy 2-core machine).
+
+Both re-reads cost time in proportion to the checkpoint (megatron-core's on one rank): ``--no-verify-integrity``
+skips them, for multi-TB checkpoints, and the sizes are still checked. Checkpoints without a manifest (written
+before it existed, by Megatron-LM, by the converters, or with ``--no-verify-integrity``) load as before;
 object-store saves (``msc://``) write none, as the store checks what it receives. Pure Python (no torch), so the
 launcher reads it before any rank starts (sizes only: :func:`size_problems`).
 """
@@ -22,6 +30,8 @@ from pathlib import Path
 
 MANIFEST = "checksums.json"
 ALGORITHM = "crc32"
+#: megatron-core's integrity manifest (``megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME``)
+MCORE_MANIFEST = "integrity.json"
 _CHUNK = 8 << 20
 #: written after the manifest (it marks the directory complete), so not in it
 NOT_LISTED = {MANIFEST, "ckpt_meta.json"}
@@ -34,6 +44,21 @@ def crc32(path) -> str:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return f"{crc:08x}"
+
+
+def mcore_listed(it_dir) -> set[str]:
+    """The files megatron-core's integrity manifest of ``it_dir`` lists (empty without one). ValueError naming it
+    when it does not parse (megatron-core would fail on it on rank 0 alone)."""
+    path = Path(it_dir) / MCORE_MANIFEST
+    if not path.is_file():
+        return set()
+    try:
+        files = json.loads(path.read_text())["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not a mapping")
+        return {str(k) for k in files}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: unreadable integrity manifest ({type(e).__name__}: {e})") from None
 
 
 def files_of(it_dir) -> list[str]:

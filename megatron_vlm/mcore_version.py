@@ -141,3 +141,13 @@ def describe(versions: dict | None) -> str:
     names = (("megatron_core", "megatron-core"), ("torch", "torch"), ("megatron_vlm", "megatron-vlm"))
     return ", ".join(f"{label} {versions[k]}" for k, label in names if k in versions)
 
+
+def has_integrity_manifest() -> bool:
+    """Whether this megatron-core writes and checks its own integrity manifest: ``dist_checkpointing.save`` and
+    ``load`` with ``verify_integrity=True`` (0.19: the SHA-256 of every file of the checkpoint directory, in
+    ``integrity.json``, hashed and checked on rank 0)."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    return "verify_integrity" in inspect.signature(dist_checkpointing.save).parameters

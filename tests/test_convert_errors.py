@@ -91,7 +91,8 @@ def test_incomplete_legacy_checkpoint(meg, tmp_path, capsys):
     shutil.copytree(meg, bad)
     shutil.rmtree(bad / "release" / "mp_rank_01")
     rc, line = run(capsys, M2H, ["--megatron-dir", bad, "--hf-dir", tmp_path / "hf"])
-    assert rc == 2 and "is missing; the checkpoint is incomplete" in line
+    assert rc == 2 and "mp_rank_01/model_optim_rng.pt: missing rank file" in line, line
+    assert "the checkpoint spans tp=2 pp=1); the checkpoint is incomplete" in line, line  # (its ckpt_meta.json)
     assert not (tmp_path / "hf").exists()
 
 

@@ -4,6 +4,8 @@ writers' files are what torch / safetensors / transformers read."""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import signal
 import threading
@@ -13,6 +15,7 @@ import torch
 
 from megatron_vlm.convert import copyplan
 from megatron_vlm.convert import streaming as st
+from megatron_vlm.convert.file_tensors import Located
 from megatron_vlm.convert.hf_io import HFReader, SafetensorsWriter
 from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
@@ -29,28 +32,81 @@ def _all_copies(monkeypatch):
     monkeypatch.setattr(copyplan, "SMALL_RUN", 512)  # the tiny models' runs take both ways
 
 
-def _legacy_state(meg, tp, pp):
+def _legacy_state(meg, ep: int = 1):
+    """Every rank file's model state, by (TP, PP, EP) rank; each file must pass zipfile's CRC check."""
+    import zipfile
+
     from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm import legacy_ranks
 
-    return {(t, p): ckpt.load_legacy_rank(meg / "release", t, p, pp)["model"] for t in range(tp) for p in range(pp)}
+    it = meg / "release"
+    ranks = legacy_ranks.present(it, ep > 1)
+    _, pp, _ = legacy_ranks.legacy_layout_ep(it, ep > 1)
+    out = {}
+    for t, p, e in sorted(ranks):
+        f = ckpt.legacy_rank_file(it, t, p, pp, e, ep)
+        with zipfile.ZipFile(f) as z:
+            assert z.testzip() is None, f  # every record's CRC-32 (written as 0 before the data was filled)
+        out[(t, p, e)] = ckpt.load_legacy_rank(it, t, p, pp, ep_rank=e, ep=ep)["model"]
+    return out
 
 
-@pytest.mark.slow  # 8 conversions of each family (~5 s each family on an idle 2-core machine)
-@pytest.mark.parametrize("name", list(FAMILIES))
+#: conversions of the kernel-copy test: the families at TP2 x PP2, and a Qwen3-MoE LLaVA (multi-head attention, so
+#: that TP4 splits its 4 KV heads) at TP4 x PP2 x EP2 with experts whole (ETP1)
+COPY_CASES = {**{name: dict(tp=2, pp=2) for name in FAMILIES}, "qwen3_moe_tp4": dict(tp=4, pp=2, ep=2, etp=1)}
+
+
+@pytest.mark.slow  # 8 conversions of each case (~5 s each family on an idle 2-core machine)
+@pytest.mark.parametrize("name", list(COPY_CASES))
 def test_kernel_copies_equal_computed_tensors(name, hf_models, tmp_path, monkeypatch):
     """Every output that the copy plans make (forced down to the smallest tensor) equals the one computed by
-    mapping's own functions: legacy rank files at TP2xPP2 (row-parallel shards are column blocks of the HF rows),
-    torch_dist blocks, and the HF files exported from both (byte for byte)."""
-    src = hf_models[name]
+    mapping's own functions: legacy rank files (row-parallel shards are column blocks of the HF rows; an EP rank's
+    whole experts), torch_dist blocks, and the HF files exported from both (byte for byte); every rank file
+    passes zipfile's CRC check. The MoE case takes the kernel copies for experts and TP4 shards both ways."""
+    from megatron_vlm.convert import to_hf
+    from megatron_vlm.convert import to_megatron as tm
+
+    layout = COPY_CASES[name]
+    if name in hf_models:
+        src = hf_models[name]
+    else:
+        from megatron_vlm.testing.tiny import make_tiny_llava
+
+        src = make_tiny_llava(tmp_path / "hf", "qwen3_moe", "clip", text_overrides=dict(
+            num_hidden_layers=2, mlp_only_layers=[1], num_key_value_heads=4))
+    copied = {"import": set(), "export": set()}
+    real_task, real_plan = tm._Plan.task, to_hf._copy_plan
+
+    def task(self, rule, outs, files):
+        t = real_task(self, rule, outs, files)
+        if t.run.__name__ == "copy":
+            copied["import"].add(rule.mcore)
+        return t
+
+    def plan(source, rule, *args):
+        runs = real_plan(source, rule, *args)
+        if runs is not None:
+            copied["export"].add(rule.mcore)
+        return runs
+
+    monkeypatch.setattr(tm._Plan, "task", task)
+    monkeypatch.setattr(to_hf, "_copy_plan", plan)
     out = {}
     for how in ("copy", "compute"):
         with monkeypatch.context() as m:
             (_all_copies if how == "copy" else _no_copies)(m)
             for fmt in ("torch", "torch_dist"):
-                meg = convert_hf_to_megatron(src, tmp_path / f"{how}-{fmt}", tp=2, pp=2, ckpt_format=fmt)
+                meg = convert_hf_to_megatron(src, tmp_path / f"{how}-{fmt}", ckpt_format=fmt, **layout)
                 out[(how, fmt)] = meg
                 convert_megatron_to_hf(meg, tmp_path / f"{how}-{fmt}-hf")
-    a, b = _legacy_state(out[("copy", "torch")], 2, 2), _legacy_state(out[("compute", "torch")], 2, 2)
+        if how == "copy":
+            for way, names in copied.items():
+                assert any(".linear_proj." in n for n in names), (way, sorted(names))  # row-parallel shards
+                if "ep" in layout:
+                    assert any(".local_experts." in n for n in names), (way, sorted(names))
+    a, b = _legacy_state(out[("copy", "torch")], layout.get("ep", 1)), \
+        _legacy_state(out[("compute", "torch")], layout.get("ep", 1))
+    assert len(a) == layout["tp"] * layout["pp"] * layout.get("ep", 1) and a.keys() == b.keys()
     for rank in a:
         assert a[rank].keys() == b[rank].keys()
         for k in a[rank]:
@@ -70,7 +126,7 @@ def test_kernel_copies_equal_computed_tensors(name, hf_models, tmp_path, monkeyp
 def test_row_runs_follow_only_row_moves():
     """A proxy step that moves whole rows (or column blocks) gets a plan; one that mixes inside rows, casts or
     changes the row size does not."""
-    loc = [copyplan.Located("a", 0, torch.bfloat16, (8, 64), None), copyplan.Located("b", 0, torch.bfloat16, (4, 64), None)]
+    loc = [Located("a", 0, torch.bfloat16, (8, 64), None), Located("b", 0, torch.bfloat16, (4, 64), None)]
     runs = copyplan.row_runs(lambda xs: torch.cat(xs), loc, (12, 64), torch.bfloat16)
     assert runs == [(0, 0, 0, 8 * 128), (1, 0, 8 * 128, 4 * 128)]
     runs = copyplan.row_runs(lambda xs: xs[0].chunk(2, dim=1)[1], loc[:1], (8, 32), torch.bfloat16)
@@ -85,9 +141,83 @@ def test_row_runs_follow_only_row_moves():
         assert copyplan.row_runs(fn, loc[:1], shape, dtype) is None
 
 
+class _Xor(io.RawIOBase):
+    """A stream whose bytes are those of ``raw`` XOR 0x5A (a stand-in for a compressed item)."""
+
+    def __init__(self, raw):
+        super().__init__()
+        self.raw = raw
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        data = self.raw.read(len(b))
+        b[:len(data)] = bytes(x ^ 0x5A for x in data)
+        return len(data)
+
+
+def test_items_stored_through_a_transform_are_read_through_it_or_refused(hf_models, tmp_path, monkeypatch):
+    """torch.distributed.checkpoint can store an item through a stream transform (``transform_descriptors``, e.g.
+    ZStandard): the export reads it through the transform, never copying its stored bytes (every copy plan forced
+    on, so the embedding would be copied otherwise), and refuses in one line where no extension undoes it."""
+    import pickle
+
+    from torch.distributed.checkpoint import _extension
+
+    from megatron_vlm import checkpoint as ckpt
+
+    class Xor(_extension.StreamTransformExtension):
+        @staticmethod
+        def registry_name():
+            return "mvlm-test-xor"
+
+        @staticmethod
+        def from_descriptor(version):
+            return Xor()
+
+        def get_descriptor(self):
+            return "mvlm-test-xor/1"
+
+        def transform_to(self, output):
+            raise NotImplementedError
+
+        def transform_from(self, input):
+            return _Xor(input)
+
+    src = hf_models["llama_clip"]
+    iter_dir = convert_hf_to_megatron(src, tmp_path / "m") / "release"
+    md = pickle.loads((iter_dir / ".metadata").read_bytes())
+    index, info = next((i, v) for i, v in md.storage_data.items() if i.fqn.endswith("word_embeddings.weight"))
+    path = iter_dir / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset:info.offset + info.length] = bytes(x ^ 0x5A for x in data[info.offset:info.offset + info.length])
+    path.write_bytes(bytes(data))
+    info.transform_descriptors = [Xor().get_descriptor()]
+    (iter_dir / ".metadata").write_bytes(pickle.dumps(md))
+    _all_copies(monkeypatch)
+    with pytest.raises(ckpt.CheckpointLayoutError, match=r"word_embeddings.weight is stored through "
+                       r"torch.distributed.checkpoint transform\(s\) mvlm-test-xor/1, which this environment cannot "
+                       r"undo \(.*\); read the checkpoint where the extension is installed"):
+        convert_megatron_to_hf(tmp_path / "m", tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    real = _extension.ExtensionRegistry.__init__
+
+    def with_xor(self):
+        real(self)
+        self.register(Xor)
+
+    monkeypatch.setattr(_extension.ExtensionRegistry, "__init__", with_xor)
+    out = convert_megatron_to_hf(tmp_path / "m", tmp_path / "hf")
+    orig, back = HFReader(src), HFReader(out)
+    assert orig.names() == back.names()
+    for n in orig.names():
+        assert torch.equal(orig.get(n), back.get(n)), n
+
+
 def test_memory_cap_refuses_up_front_naming_the_tensor(hf_models, tmp_path, capsys):
     """A cap below what the largest computed tensor needs is refused before anything is written, naming that
-    tensor; a cap that admits one tensor at a time converts, and the budget never held more than the cap allows."""
+    tensor, by the function and by the command (what the cap does to real memory: the next test)."""
     src = hf_models["llama_clip"]
     held = st.anon_bytes()
     with pytest.raises(st.MemoryCapError, match=r"--max-memory.*word_embeddings.*needs about .*at least"):
@@ -99,29 +229,100 @@ def test_memory_cap_refuses_up_front_naming_the_tensor(hf_models, tmp_path, caps
                         "--max-memory", "1MB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: --max-memory") and "needs about" in err and "raise --max-memory" in err
-    peaks = []
-    real = st.Budget.__init__
+    assert not (tmp_path / "m").exists()
 
-    def spy(self, limit):
-        real(self, limit)
-        peaks.append(self)
 
-    import unittest.mock
+def _wide_vocab(src, out, rows: int):
+    """``src`` (a tiny LLaVA) with ``rows`` embedding and output rows of random fp32 weights: two large tensors, each
+    converted on its own (a cast to fp16 computes it), beside tiny ones."""
+    import json
+    import shutil
 
-    # the process's own memory is pinned at what it held before the first conversion: imports and allocator caches
-    # grow it between calls (by ~100 MB on megatron-core's first import), which would make the cap's room random
-    with unittest.mock.patch.object(st.Budget, "__init__", spy), \
-            unittest.mock.patch.object(st, "anon_bytes", lambda: held):
-        meg = convert_hf_to_megatron(src, tmp_path / "m", dtype="fp16", max_memory=held + st.SLACK + (1 << 20))
-    assert (meg / "latest_checkpointed_iteration.txt").is_file()
-    assert peaks and all(b.peak <= b.limit for b in peaks) and peaks[0].limit <= (1 << 20)
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["text_config"]["vocab_size"] = rows
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for k in list(weights):
+        if k.endswith(("embed_tokens.weight", "lm_head.weight")):
+            weights[k] = torch.randn(rows, weights[k].shape[1], generator=g)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+class _PeakAnon:
+    """The process's anonymous memory (``streaming.anon_bytes``: what the cap covers), its highest value sampled
+    every millisecond from another thread while the block runs."""
+
+    def __enter__(self):
+        self.peak, self._done = 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._done.is_set():
+            self.peak = max(self.peak, st.anon_bytes() or 0)
+            self._done.wait(0.001)
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+
+
+@pytest.mark.slow  # two conversions of a 0.2 GB model
+def test_memory_cap_holds_the_process_real_memory(hf_models, tmp_path, monkeypatch):
+    """Under --max-memory the process's real anonymous memory, sampled while it converts, stays below the cap that
+    admits one large tensor at a time. The control lifts the budget: the two large tensors (embedding, output
+    layer) are then made together (each held at its peak until the other is, a barrier) and the same real
+    measure goes over the same cap. Each large task rests 50 ms at its peak so the sampler sees it."""
+    from megatron_vlm.convert import to_megatron
+
+    # 400,001 rows: the vocabulary is padded (to 400,128), so each large tensor is made anew and then cast
+    wide = _wide_vocab(hf_models["llama_clip"], tmp_path / "wide", 400_001)
+    convert_hf_to_megatron(hf_models["llama_clip"], tmp_path / "warm", dtype="fp16")  # imports and allocator warm
+    monkeypatch.setattr(st, "SLACK", 32 << 20)
+    largest = []
+    real_budget, real_cast = st.memory_budget, to_megatron._cast
+    monkeypatch.setattr(st, "memory_budget", lambda tasks, *a: largest.append(max(t.cost for t in tasks))
+                        or real_budget(tasks, *a))
+    with pytest.raises(st.MemoryCapError, match=r"word_embeddings.weight needs about"):
+        convert_hf_to_megatron(wide, tmp_path / "refused", dtype="fp16", max_memory=1)
+    together = [None]
+
+    def cast(t, dtype):
+        out = real_cast(t, dtype)
+        if out.numel() > 10_000_000:
+            if together[0] is not None:
+                together[0].wait(timeout=120)
+            threading.Event().wait(0.05)
+        return out
+
+    monkeypatch.setattr(to_megatron, "_cast", cast)
+    peaks = {}
+    for run in ("capped", "control"):
+        if run == "control":
+            together[0] = threading.Barrier(2)
+            monkeypatch.setattr(st.Budget, "acquire", lambda self, n, cancelled: True)
+            monkeypatch.setattr(st.Budget, "release", lambda self, n: None)
+        held = st.anon_bytes()
+        cap = held + st.SLACK + largest[0] + (4 << 20)
+        with _PeakAnon() as seen:
+            convert_hf_to_megatron(wide, tmp_path / run, dtype="fp16", max_memory=cap)
+        peaks[run] = (seen.peak - held, cap - held)
+    assert peaks["capped"][0] <= peaks["capped"][1], peaks
+    assert peaks["control"][0] > peaks["control"][1], peaks
 
 
 def test_size_flag():
     assert st.parse_size("16GB") == 16 * 10**9 and st.parse_size("800MiB") == 800 * 2**20
     assert st.parse_size("2") == 2 * 2**30 and st.parse_size("1.5 TB") == 1.5 * 10**12
-    for bad in ("", "GB", "12 parsecs", "0", "-1GB"):
-        with pytest.raises(ValueError):
+    for bad, why in (("", "is not a size"), ("GB", "is not a size"), ("12 parsecs", "is not a size"),
+                     ("0", "must be more than zero"), ("-1GB", "is not a size")):
+        with pytest.raises(ValueError, match=f"^{bad!r} {why}"):
             st.parse_size(bad)
 
 
@@ -135,22 +336,36 @@ def test_failure_midway_leaves_nothing(how, fmt, hf_models, tmp_path, monkeypatc
     before = {p.relative_to(old): p.read_bytes() for p in old.rglob("*") if p.is_file()}
     calls = []
     real = copyplan.copy_range
+    interrupted = threading.Event()
+
+    def ctrl_c(signum, frame):  # Python's own SIGINT handling, and a mark that the main thread got it
+        interrupted.set()
+        raise KeyboardInterrupt
 
     def failing(*args):
         calls.append(1)
         if len(calls) == 5:
             if how == "error":
-                raise OSError(28, "No space left on device")
+                raise OSError(errno.ENOSPC, "No space left on device")
             os.kill(os.getpid(), signal.SIGINT)  # delivered to the main thread, as a terminal's Ctrl-C
-            threading.Event().wait(1.0)
+            assert interrupted.wait(60)  # this copy goes on only once the main thread has the interrupt
         return real(*args)
 
     monkeypatch.setattr(copyplan, "copy_range", failing)
     monkeypatch.setattr(copyplan, "SMALL_RUN", 0)  # every run by copy_range, even the tiny model's
     _all_copies(monkeypatch)
     threads = set(threading.enumerate())
-    with pytest.raises(KeyboardInterrupt if how == "ctrl-c" else (OSError, Exception)):
-        convert_hf_to_megatron(src, tmp_path / "m", ckpt_format=fmt, overwrite=True)
+    previous = signal.signal(signal.SIGINT, ctrl_c)
+    try:
+        if how == "ctrl-c":
+            with pytest.raises(KeyboardInterrupt):
+                convert_hf_to_megatron(src, tmp_path / "m", ckpt_format=fmt, overwrite=True)
+        else:
+            with pytest.raises(OSError, match="No space left on device") as e:
+                convert_hf_to_megatron(src, tmp_path / "m", ckpt_format=fmt, overwrite=True)
+            assert e.value.errno == errno.ENOSPC
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert len(calls) >= 5
     assert {p.relative_to(old): p.read_bytes() for p in old.rglob("*") if p.is_file()} == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -61,14 +61,39 @@ def _prompts(gen, kind):
 
 @pytest.mark.slow  # in one process, but ~10-30 s each (models converted and exported)
 @pytest.mark.parametrize("kind", ["llava", "ov"])
-def test_generate_from_checkpoint_equals_export(models, kind):
+def test_generate_from_checkpoint_equals_export(models, kind, caplog):
     """--megatron-dir builds, in memory, the model megatron_to_hf writes: the same tensors, the same greedy tokens
-    (each prompt alone and in one left-padded batch), and the command prints the same answer."""
+    (each prompt alone and in one left-padded batch), and the command prints the same answer. The start-up line
+    gives the compute dtype and the memory estimate, whose model part is the bytes the built model holds; every
+    tensor reached transformers' loader lazily, one read at a time (never the checkpoint's whole state)."""
+    import logging
+
+    import transformers
+
     from megatron_vlm.eval import generate as generate_mod
+    from megatron_vlm.eval import model as model_mod
     from megatron_vlm.eval.model import load
 
     m = models[kind]
-    from_ckpt = load(megatron_dir=m["meg"], tp=2, pp=1)
+    handed = []
+    real = transformers.PreTrainedModel.from_pretrained.__func__
+
+    def spy(cls, *args, state_dict=None, **kwargs):
+        if state_dict is not None:
+            handed.append({type(v) for v in state_dict.values()})
+        return real(cls, *args, state_dict=state_dict, **kwargs)
+
+    with caplog.at_level(logging.INFO, logger="megatron_vlm.eval.model"), \
+            pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(spy))
+        from_ckpt = load(megatron_dir=m["meg"], tp=2, pp=1)
+    assert handed == [{model_mod.LazyTensor}]
+    stored = "bfloat16" if kind == "llava" else "float32"
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("reading "))
+    assert f"stored in {stored}) into an HF " in line and "in float32 (the compute dtype) on cpu: about " in line, line
+    held = {id(t): t.numel() * t.element_size() for t in [*from_ckpt.model.parameters(), *from_ckpt.model.buffers()]}
+    config = type(from_ckpt.model.config).from_dict(from_ckpt.model.config.to_dict())
+    assert model_mod.memory_needed(type(from_ckpt.model), config, torch.float32)[1] == sum(held.values())
     from_export = load(model_dir=m["export"])
     a, b = from_ckpt.model.state_dict(), from_export.model.state_dict()
     assert a.keys() == b.keys()
@@ -94,6 +119,33 @@ def test_generate_from_checkpoint_equals_export(models, kind):
     assert outs[0] == outs[1] and outs[0].strip()
     with pytest.raises(Exception, match="--tp 4 does not match"):
         load(megatron_dir=m["meg"], tp=4)
+
+
+@pytest.mark.slow  # the models fixture
+def test_a_model_that_does_not_fit_is_refused_in_one_line(models, monkeypatch, capsys):
+    """Both ways refuse, before reading any weight, a model whose compute dtype does not fit in the memory
+    available, naming what it needs and --dtype bf16 where that halves it (a bf16 checkpoint, fp32 on CPU)."""
+    from megatron_vlm.cli import InputError, run_cli
+    from megatron_vlm.convert import streaming
+    from megatron_vlm.eval import generate as generate_mod
+    from megatron_vlm.eval.model import load
+
+    m = models["llava"]
+    monkeypatch.setattr(streaming, "available_bytes", lambda: 1000)
+    from megatron_vlm.convert import mcore_io
+
+    monkeypatch.setattr(mcore_io.DistReader, "read", lambda *a: pytest.fail("weights read before the check"))
+    with pytest.raises(InputError, match=r"--megatron-dir .*: the model in float32 needs about .* of memory, more "
+                                         r"than 80% of the 1.00 kB available; pass --dtype bf16 \(about "):
+        load(megatron_dir=m["meg"])
+    img = m["meg"].parent / "refused.png"
+    _image("red").save(img)
+    args = ["--megatron-dir", str(m["meg"]), "--image", str(img), "--prompt", "hi", "--device", "cpu"]
+    assert run_cli(generate_mod.main, args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len([x for x in err if x.startswith("error: ")]) == 1 and "pass --dtype bf16" in err[-1], err
+    with pytest.raises(InputError, match=r"--model .*: the model in float32 needs about"):
+        load(model_dir=m["export"])
 
 
 @pytest.mark.slow  # in one process, but ~10-30 s each (models converted and exported)

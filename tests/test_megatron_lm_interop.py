@@ -209,22 +209,51 @@ def moe_written(tmp_path_factory):
     return hf, root / "mlm"
 
 
-@pytest.mark.parametrize("kind", ["dist", "legacy_sequential", "legacy_grouped"])
-def test_megatron_lm_moe_checkpoints_export(kind, moe_written, tmp_path):
+@pytest.mark.parametrize("kind", ["dist", "legacy_sequential", "legacy_grouped", "legacy_etp1"])
+def test_megatron_lm_moe_checkpoints_export(kind, moe_written, tmp_path, capsys):
+    """Each exports byte for byte; at ETP1 from the two rank files Megatron-LM writes there (through the command,
+    whose up-front checks read Megatron-LM's mp_rank_TT_EEE names either way)."""
     hf, mlm = moe_written
     iter_dir = mlm / kind / "iter_0000005"
     if kind != "dist":
-        assert sorted(p.name for p in iter_dir.glob("mp_rank_*")) == ["mp_rank_00_000", "mp_rank_00_001",
-                                                                       "mp_rank_01_000", "mp_rank_01_001"]
-        keys = ckpt.load_legacy_rank(iter_dir, 0, 0, 1, ep_rank=1, ep=2)["model"]
+        every = ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+        assert sorted(p.name for p in iter_dir.glob("mp_rank_*")) == (
+            ["mp_rank_00_000", "mp_rank_01_001"] if kind == "legacy_etp1" else every)
+        keys = ckpt.load_legacy_rank(iter_dir, 1, 0, 1, ep_rank=1, ep=2)["model"]
         grouped = "language_model.decoder.layers.0.mlp.experts.linear_fc1.weight1"
         sequential = "language_model.decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"
         assert (grouped in keys, sequential in keys) == ((True, False) if kind == "legacy_grouped" else (False, True))
-    out = convert_megatron_to_hf(mlm / kind, tmp_path / "hf", hf_config=hf)
+    out = tmp_path / "hf"
+    if kind == "legacy_etp1":
+        script("convert/megatron_to_hf.py").main(["--megatron-dir", str(mlm / kind), "--hf-config", str(hf),
+                                                  "--hf-dir", str(out)])
+        assert "wrote HF LLaVA model" in capsys.readouterr().out
+    else:
+        convert_megatron_to_hf(mlm / kind, out, hf_config=hf)
     a, b = HFReader(hf), HFReader(out)
     assert a.names() == b.names() and any(".mlp.experts.3.gate_proj." in n for n in a.names())
     for n in a.names():
         assert a.get(n).dtype == b.get(n).dtype and torch.equal(a.get(n), b.get(n)), n
+
+
+def test_megatron_lm_moe_checkpoint_without_a_shard_is_refused(moe_written, tmp_path, capsys):
+    """At ETP1 without mp_rank_01_001 no file holds TP rank 1's dense shards (nor EP rank 1's experts): the command
+    refuses in one line naming the file, before anything is written."""
+    from megatron_vlm.cli import run_cli
+
+    hf, mlm = moe_written
+    part = tmp_path / "mlm"
+    shutil.copytree(mlm / "legacy_etp1", part)
+    shutil.rmtree(part / "iter_0000005" / "mp_rank_01_001")
+    with pytest.raises(ckpt.CheckpointLayoutError, match=r"mp_rank_01_000/model_optim_rng.pt: missing rank file \(no "
+                       r"rank file holds tensor-parallel rank 1's shards of the dense tensors: mp_rank_01_000 or "
+                       r"mp_rank_01_001; the checkpoint spans tp=2 pp=1 ep=2 etp=1\); the checkpoint is incomplete$"):
+        convert_megatron_to_hf(part, tmp_path / "hf", hf_config=hf)
+    args = ["--megatron-dir", str(part), "--hf-config", str(hf), "--hf-dir", str(tmp_path / "hf")]
+    assert run_cli(script("convert/megatron_to_hf.py").main, args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "mp_rank_01" in err and "missing rank file" in err, err
+    assert not (tmp_path / "hf").exists()
 
 
 def test_megatron_lm_moe_checkpoint_with_other_experts_is_refused(moe_written, tmp_path):

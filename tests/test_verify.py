@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_vlm.convert import verify
+from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.convert.verify import VerificationError, verify_checkpoint
 from megatron_vlm.spec import VLMSpec
@@ -106,3 +107,37 @@ def test_failed_verify_leaves_no_checkpoint(hf_models, tmp_path, capsys):
     assert f"the previous checkpoint in {out} is unchanged" in err
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meg"]
+
+
+def test_verify_memory_counts_every_rank_of_an_expert_parallel_world(tmp_path):
+    """--verify at EP > 1 runs a world with data-parallel replicas (each EP rank beside a TP group), and every
+    replica holds its own copy of the dense weights: the estimate counts what the ranks load, here the bytes of
+    the legacy rank file each rank of megatron-core's layout loads (megatron-core's RankGenerator places the ranks),
+    more than HF's one fp32 copy that the estimate counted before."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.testing.tiny import make_tiny_llava
+
+    hf = make_tiny_llava(tmp_path / "moe", "qwen3_moe", "clip", text_overrides=dict(num_hidden_layers=2,
+                                                                                     mlp_only_layers=[1]))
+    spec = VLMSpec.from_hf_dir(hf)
+    hf_bytes = 4 * sum(t.numel() for t in map(HFReader(hf).view, HFReader(hf).names()))
+    for tp, ep, etp in ((1, 2, None),):  # 2 ranks: 2 data-parallel replicas of the dense weights, an EP rank each
+        meg = convert_hf_to_megatron(hf, tmp_path / f"tp{tp}ep{ep}", tp=tp, ep=ep, etp=etp, ckpt_format="torch",
+                                     dtype="fp32")
+        world = verify.world_size(tp, 1, ep, etp)
+        dense = RankGenerator(tp=tp, ep=1, dp=world // tp, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+        expert = RankGenerator(tp=etp or tp, ep=ep, dp=world // ((etp or tp) * ep), pp=1, cp=1,
+                               order="tp-cp-ep-dp-pp")
+        tp_rank = {g: grp.index(g) for grp in dense.get_ranks("tp") for g in grp}
+        ep_rank = {g: grp.index(g) for grp in expert.get_ranks("ep") for g in grp}
+        loaded = 0
+        for g in range(world):
+            state = ckpt.load_legacy_rank(meg / "release", tp_rank[g], 0, 1, ep_rank=ep_rank[g], ep=ep)["model"]
+            loaded += sum(4 * v.numel() for v in state.values() if isinstance(v, torch.Tensor))
+        assert loaded > 1.5 * hf_bytes  # the dense weights once per data-parallel replica (most of this model)
+        assert verify.megatron_weight_bytes(spec, tp, 1, ep, etp) == loaded, (tp, ep, etp)
+        need, parts = verify.memory_needed(hf, spec, tp, 1, 0, ep, etp)
+        base, _ = verify.memory_needed(hf, spec, tp, 1, 0)  # the same TP without experts split: one copy
+        assert need - base == loaded - max(hf_bytes, verify.megatron_weight_bytes(spec, tp, 1)), parts

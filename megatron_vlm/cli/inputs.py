@@ -146,25 +146,39 @@ def check_iteration_files(it_dir: Path, fix: str = CONVERTER_FIX) -> None:
 
 
 def check_legacy_ranks(it_dir: Path, fix: str = CONVERTER_FIX) -> None:
-    """A legacy ('torch') checkpoint has a ``model_optim_rng.pt`` for every TP x PP rank its ``mp_rank_XX[_YYY]``
-    directories span."""
-    ranks, found = set(), {}
-    for d in it_dir.glob("mp_rank_*"):
-        m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?", d.name)
-        if m and d.is_dir():
-            key = (int(m.group(1)), int(m.group(2) or 0))
-            ranks.add(key)
-            found[key] = (d / "model_optim_rng.pt").is_file()
-    if not ranks:
+    """Every shard of a legacy ('torch') checkpoint is in some ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` of the
+    layout its directories span (:class:`megatron_vlm.legacy_ranks.Sources`: Megatron-LM writes only some (TP, EP)
+    files at ETP < TP). The layout comes from ``ckpt_meta.json`` where there is one; Megatron-LM's names alone do not
+    say whether a second number is a PP or an EP rank, so either reading passes."""
+    from megatron_vlm import legacy_ranks as lr
+
+    if not lr.present(it_dir, files=False):
         return
-    pp_named = any(re.fullmatch(r"mp_rank_\d{2}_\d{3}", d.name) for d in it_dir.glob("mp_rank_*"))
-    tp, pp = max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
-    for p in range(pp):
-        for t in range(tp):
-            name = f"mp_rank_{t:02d}_{p:03d}" if pp_named else f"mp_rank_{t:02d}"
-            if not found.get((t, p)):
-                raise InputError(f"{it_dir / name / 'model_optim_rng.pt'}: missing rank file (the checkpoint spans "
-                                 f"tp={tp} pp={pp}); the checkpoint is incomplete: {fix}")
+    incomplete = f"the checkpoint is incomplete: {fix}"
+
+    def covered(expert_parallel: bool, tp=None, pp=None, ep=None, etp=None, experts=None) -> None:
+        spans = lr.present(it_dir, expert_parallel, files=False)
+        tp, pp, ep = (x or max(r[i] for r in spans) + 1 for i, x in enumerate((tp, pp, ep)))
+        lr.Sources(it_dir, lr.present(it_dir, expert_parallel), tp, pp, ep, etp,
+                   expert_parallel if experts is None else experts, incomplete)
+
+    try:
+        meta = read_json(it_dir / "ckpt_meta.json", incomplete) if (it_dir / "ckpt_meta.json").is_file() else None
+        if meta is not None and meta.get("format") == "torch":
+            ep, tp, etp = int(meta.get("ep") or 1), int(meta["tp"]), meta.get("etp")
+            covered(ep > 1, tp, int(meta["pp"]), ep, etp, ep > 1 or (etp or tp) != tp)
+        elif any(re.fullmatch(r"mp_rank_\d{2}_\d{3}_\d{3}", d.name) for d in it_dir.glob("mp_rank_*")):
+            covered(True, etp=1)  # PP and EP ranks: each EP rank's experts in some file
+        else:
+            try:
+                covered(False)  # mp_rank_TT[_PPP]
+            except lr.CheckpointLayoutError as as_pp:
+                try:
+                    covered(True, etp=1)  # or mp_rank_TT_EEE, written sparsely by Megatron-LM at ETP < TP
+                except lr.CheckpointLayoutError:
+                    raise as_pp from None
+    except lr.CheckpointLayoutError as e:
+        raise InputError(str(e)) from None
 
 
 def check_torch_file(f: Path, fix: str) -> None:

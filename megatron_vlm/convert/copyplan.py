@@ -18,12 +18,11 @@ import math
 import mmap
 import os
 import threading
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from megatron_vlm.convert.hf_io import tensor_bytes, write_all
+from megatron_vlm.convert.file_tensors import Located, Target, itemsize, tensor_bytes, write_all
 
 _SRC_SHIFT = 40  # label = (source + 1) << 40 | (row * blocks + block)
 #: outputs smaller than this are computed: a copy plan saves nothing there
@@ -31,36 +30,6 @@ MIN_COPY_BYTES = 1 << 16
 #: a two-dimensional tensor's rows are labelled in (at most) this many blocks, so that splits along the second
 #: dimension (row-parallel TP shards, up to TP=8) are followed too
 MAX_BLOCKS = 16
-
-
-@dataclass(frozen=True)
-class Located:
-    """A C-contiguous source tensor at byte ``offset`` of the file ``path``; ``view()`` gives the tensor itself
-    (memory-mapped) for outputs that must be computed."""
-
-    path: str
-    offset: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    view: Callable[[], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where an output tensor's bytes go: ``offset`` of the open file ``fd``, preallocated (holes read as zeros)."""
-
-    fd: int
-    offset: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _blocks(shape) -> int:
@@ -83,8 +52,8 @@ def row_runs(fn: Callable[[list[torch.Tensor]], torch.Tensor], sources: list[Loc
 
 
 class RowPlan:
-    """Copy plans of the outputs of one step ``full(sources)`` (e.g. the TP shards of one tensor): the step is
-    taken on the proxies once per granularity, and each output's ``part(full)`` from it.
+    """Copy plans of the outputs of one ``step(sources)`` that makes a full tensor (each output, e.g. a TP shard,
+    is ``part(full)``): the step is taken on the proxies once per granularity, and each output's part from it.
 
     The rows are labelled in blocks (:func:`_blocks`), and a plan that moves parts of rows is made twice, at that
     granularity and at half of it: a step that moves whole blocks gives the same bytes both times, one that
@@ -92,14 +61,14 @@ class RowPlan:
     that cannot be split into two or more equal blocks is labelled by its two ends, which the step must keep
     together and in order."""
 
-    def __init__(self, sources: list[Located], full: Callable[[list[torch.Tensor]], torch.Tensor]):
-        self.sources, self.full = sources, full
+    def __init__(self, sources: list[Located], step: Callable[[list[torch.Tensor]], torch.Tensor]):
+        self.sources, self.step = sources, step
         self.ok = bool(sources) and all(len(s.shape) >= 2 and s.dtype == sources[0].dtype
                                         and tuple(s.shape[1:]) == tuple(sources[0].shape[1:]) for s in sources)
         self.k = _blocks(sources[0].shape) if self.ok else 1
         self._made: dict[int, torch.Tensor | None] = {}
 
-    def _proxy_full(self, k: int):
+    def _proxy_output(self, k: int):
         if k not in self._made:
             per_row = max(k, 2)
             try:
@@ -107,7 +76,7 @@ class RowPlan:
                 for i, s in enumerate(self.sources):
                     labels = ((i + 1) << _SRC_SHIFT) + torch.arange(s.shape[0] * per_row, dtype=torch.int64)
                     proxies.append(labels.view((s.shape[0],) + (1,) * (len(s.shape) - 2) + (per_row,)))
-                self._made[k] = self.full(proxies)
+                self._made[k] = self.step(proxies)
             except Exception:  # noqa: BLE001 (a step the proxy cannot take: computed instead)
                 self._made[k] = None
         return self._made[k]
@@ -117,15 +86,18 @@ class RowPlan:
         out_shape = tuple(out_shape)
         if not self.ok or len(out_shape) != len(self.sources[0].shape) or self.sources[0].dtype != out_dtype:
             return None
-        runs = self._runs(part, out_shape, out_dtype, self.k)
-        if runs is None or self.k == 1:
-            return runs
-        src_row = math.prod(self.sources[0].shape[1:]) * _itemsize(out_dtype)
-        out_row = math.prod(out_shape[1:]) * _itemsize(out_dtype)
-        if src_row == out_row and all(a % src_row == 0 and b % out_row == 0 and n % out_row == 0
-                                      for _, a, b, n in runs):
-            return runs  # whole rows moved: nothing inside a row to check
-        return runs if self._runs(part, out_shape, out_dtype, self.k // 2) == runs else None
+        # the label arithmetic is many small ops: torch function modes (the CPU compatibility layer's, where
+        # megatron-core runs on a CPU) are kept out of them, which made planning most of an export's time
+        with torch._C.DisableTorchFunction():
+            runs = self._runs(part, out_shape, out_dtype, self.k)
+            if runs is None or self.k == 1:
+                return runs
+            src_row = math.prod(self.sources[0].shape[1:]) * itemsize(out_dtype)
+            out_row = math.prod(out_shape[1:]) * itemsize(out_dtype)
+            if src_row == out_row and all(a % src_row == 0 and b % out_row == 0 and n % out_row == 0
+                                          for _, a, b, n in runs):
+                return runs  # whole rows moved: nothing inside a row to check
+            return runs if self._runs(part, out_shape, out_dtype, self.k // 2) == runs else None
 
     def _runs(self, part, out_shape, out_dtype, k: int):
         row = math.prod(self.sources[0].shape[1:])  # elements
@@ -134,7 +106,7 @@ class RowPlan:
         if not out_row or out_row % block or k == 1 and out_row != row:
             return None
         k_out = out_row // block * (2 if k == 1 else 1)
-        full = self._proxy_full(k)
+        full = self._proxy_output(k)
         if full is None:
             return None
         try:
@@ -155,7 +127,7 @@ class RowPlan:
                                   & (pos.view(-1, 2)[:, 0] % 2 == 0))):
                 return None
             src, pos, pad = src.view(-1, 2)[:, 0], pos.view(-1, 2)[:, 0] // 2, pad.view(-1, 2)[:, 0]
-        bb = block * _itemsize(out_dtype)
+        bb = block * itemsize(out_dtype)
         n = src.numel()
         if not n:
             return []

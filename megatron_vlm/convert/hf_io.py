@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_vlm.convert.file_tensors import Located, Target, tensor_bytes, write_all
 from megatron_vlm.convert.mapping import canonical_hf_name
 
 INDEX = "model.safetensors.index.json"
@@ -127,9 +128,7 @@ class _MappedTensors:
             return m
 
     def located(self, name: str):
-        """``name`` as a :class:`~megatron_vlm.convert.copyplan.Located` source (its file and byte offset)."""
-        from megatron_vlm.convert.copyplan import Located
-
+        """``name`` as a :class:`~megatron_vlm.convert.file_tensors.Located` source (its file and byte offset)."""
         info = self.info(name)
         return Located(str(self.dir / info.file), info.start, info.dtype, info.shape, lambda: self.view(name))
 
@@ -215,23 +214,6 @@ class SafetensorsFile(_MappedTensors):
 
 
 # ---- writing --------------------------------------------------------------------------------------------------
-def write_all(fd: int, data, offset: int) -> None:
-    """``os.pwrite`` until every byte of ``data`` (a buffer) is at ``offset`` of ``fd``."""
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:
-            raise OSError(f"short write at offset {offset}")
-        view, offset = view[n:], offset + n
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
-
-
 class SafetensorsWriter:
     """Writes the planned tensors ``entries`` (``(name, dtype, shape)``) into shards of at most
     ``max_shard_bytes`` in ``out_dir``: ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` and
@@ -257,7 +239,7 @@ class SafetensorsWriter:
             names = [SINGLE]
         else:
             names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        self._where: dict[str, tuple[int, int, int, torch.dtype, tuple[int, ...]]] = {}
+        self._slots: dict[str, tuple[int, int, int, torch.dtype, tuple[int, ...]]] = {}
         self._files: list[tuple[str, int]] = []
         self.total = 0
         self.index = len(shards) > 1 and single_name is None
@@ -277,16 +259,14 @@ class SafetensorsWriter:
             write_all(fd, len(header).to_bytes(8, "little") + header, 0)
             os.ftruncate(fd, base + offset)
             for name, dtype, shape, n in items:
-                self._where[name] = (k, base + table[name]["data_offsets"][0], n, dtype, shape)
+                self._slots[name] = (k, base + table[name]["data_offsets"][0], n, dtype, shape)
             self.total += offset
-        self._left = set(self._where)
+        self._left = set(self._slots)
         self._lock = threading.Lock()
 
     def target(self, name: str):
-        """Where ``name``'s bytes go (a :class:`~megatron_vlm.convert.copyplan.Target`); the caller fills it."""
-        from megatron_vlm.convert.copyplan import Target
-
-        k, offset, n, dtype, shape = self._where[name]
+        """Where ``name``'s bytes go (a :class:`~megatron_vlm.convert.file_tensors.Target`); the caller fills it."""
+        k, offset, n, dtype, shape = self._slots[name]
         with self._lock:
             self._left.discard(name)
         return Target(self._files[k][1], offset, dtype, shape)
@@ -304,7 +284,7 @@ class SafetensorsWriter:
             os.fsync(fd)
         self.abort()
         if self.index:
-            weight_map = {name: self._files[k][0] for name, (k, *_) in self._where.items()}
+            weight_map = {name: self._files[k][0] for name, (k, *_) in self._slots.items()}
             index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
             (self.dir / INDEX).write_text(json.dumps(index, indent=2))
 

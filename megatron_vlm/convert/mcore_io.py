@@ -17,9 +17,11 @@ rules and megatron-core's own keys, nothing here names them.
 
 **Legacy ``torch``.** :class:`LegacyWriter` first writes each rank file ``mp_rank_XX[_YYY]/model_optim_rng.pt``
 with ``torch.save`` under ``torch.serialization.skip_data``, from placeholder (fake) tensors: a complete archive
-with every record in place and no data. Each shard's bytes then go to their record's offset as soon as they are
-made, and the records' CRC-32s into the zip headers when the file is closed, so every file ends as the archive
-``torch.save`` would have written. :class:`LegacyReader` reads rank files memory-mapped.
+with every record in place and no data (its CRC-32 0). Each shard's bytes then go to their record's offset as soon
+as they are made; once all are in place the records are read back (page cache, bounded chunks) and their CRC-32s
+written into the zip central directory and data descriptors, so every file ends as the archive ``torch.save`` would
+have written: ``zipfile``'s ``testzip`` and ``unzip -t`` pass. :class:`LegacyReader` reads rank files
+memory-mapped.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import logging
 import math
 import os
 import threading
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,7 +39,7 @@ import torch
 
 from megatron_vlm import checkpoint as ckpt
 from megatron_vlm.convert import mapping
-from megatron_vlm.convert.hf_io import tensor_bytes, write_all
+from megatron_vlm.convert.file_tensors import Located, Target, itemsize, tensor_bytes, write_all
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ class Piece:
     name: str  # the state-dict name, a Rule's ``mcore``
     start: tuple[int, ...]
     shape: tuple[int, ...]
-    full: tuple[int, ...]  # the full tensor's shape
+    full_shape: tuple[int, ...]  # the full tensor's shape
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -74,7 +77,7 @@ class Piece:
         """The block of the full tensor ``t`` (dimensions the block spans whole are left alone, so a row proxy of
         :mod:`megatron_vlm.convert.copyplan` passes through)."""
         for d, (s, n) in enumerate(zip(self.start, self.shape)):
-            if d == 0 and (s or n != t.shape[0]) or d > 0 and (s or n != self.full[d]):
+            if d == 0 and (s or n != t.shape[0]) or d > 0 and (s or n != self.full_shape[d]):
                 t = t.narrow(d, s, n)
         return t
 
@@ -170,7 +173,7 @@ def archive_tensor(f, offset: int, length: int) -> tuple[torch.Tensor, int]:
     return t, offset + torch._C.PyTorchFileReader(_Slice(f, offset, length)).get_record_offset(records[0])
 
 
-def _make_strategy(fill):
+def _make_strategy(write_data):
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
         TorchDistSaveShardedStrategy,
@@ -186,7 +189,8 @@ def _make_strategy(fill):
     class _Writer(dcp.FileSystemWriter):
         """torch.distributed.checkpoint's file system writer, one file, in two passes: :meth:`write_data` writes
         every item's archive with ``torch.save`` under ``skip_data`` (the records in place, no tensor data);
-        :meth:`commit` has ``fill`` write the data where those archives say, flushes, and writes ``.metadata``."""
+        :meth:`commit` has ``write_data`` write the data at the offsets those archives give, flushes, and writes
+        ``.metadata``."""
 
         @property
         def checkpoint_id(self):  # a str, as megatron-core's own writer records it in .metadata
@@ -218,11 +222,11 @@ def _make_strategy(fill):
         def commit(self) -> None:
             """Fill the tensors' bytes where the archives say (outside torch's save, which would turn Ctrl-C
             into a CheckpointException), flush them, then write ``.metadata``."""
-            where = {}
+            offsets = {}
             for index, path, offset, length in self._tensors:
                 with open(path, "rb") as f:
-                    where[(index.fqn, tuple(index.offset))] = (path, archive_tensor(f, offset, length)[1])
-            fill(where)
+                    offsets[(index.fqn, tuple(index.offset))] = (path, archive_tensor(f, offset, length)[1])
+            write_data(offsets)
             for path in {p for _, p, _, _ in self._tensors}:
                 fd = os.open(path, os.O_RDONLY)
                 try:
@@ -232,7 +236,7 @@ def _make_strategy(fill):
             dcp.FileSystemWriter.finish(self, *self.finished)
 
     class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
-        """megatron-core's torch_dist save whose tensor data ``fill`` writes in place (:class:`_Writer`)."""
+        """megatron-core's torch_dist save whose tensor data ``write_data`` writes in place (:class:`_Writer`)."""
 
         def __init__(self):
             super().__init__("torch_dist", 1)
@@ -257,14 +261,14 @@ def _placeholder(shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
 
-def save_dist(sharded_state_dict: dict, iter_dir, fill) -> None:
+def save_dist(sharded_state_dict: dict, iter_dir, write_data) -> None:
     """Save ``sharded_state_dict`` (from :func:`dist_pieces`, on the meta device) to ``iter_dir`` with
-    ``dist_checkpointing.save``; ``fill(where)`` then writes the data: ``where[(key, global offset)]`` is the
-    ``(file, byte offset)`` of each ShardedTensor's bytes."""
+    ``dist_checkpointing.save``; ``write_data(offsets)`` then writes the data: ``offsets[(key, global offset)]`` is
+    the ``(file, byte offset)`` of each ShardedTensor's bytes."""
     from megatron.core import dist_checkpointing
 
     Path(iter_dir).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(sharded_state_dict, str(iter_dir), sharded_strategy=_make_strategy(fill))
+    dist_checkpointing.save(sharded_state_dict, str(iter_dir), sharded_strategy=_make_strategy(write_data))
 
 
 # ---- torch_dist: reading --------------------------------------------------------------------------------------
@@ -276,9 +280,11 @@ class DistReader:
         from torch.distributed.checkpoint import FileSystemReader
 
         self.dir, self.pieces = str(iter_dir), pieces
-        self.metadata = FileSystemReader(self.dir).read_metadata()
+        reader = FileSystemReader(self.dir)
+        self.metadata = reader.read_metadata()
         self._archives: dict = {}
         self._lock = threading.Lock()
+        _check_transforms(self.dir, self.metadata, reader)
 
     def dtype(self, name: str) -> torch.dtype:
         sh = self.pieces[name][0].sh
@@ -327,12 +333,11 @@ class DistReader:
         return full
 
     def located(self, rule):
-        """``(sources, assemble)`` for a kernel copy of ``rule``'s full tensor: the stored chunks that make it (each
-        a :class:`~megatron_vlm.convert.copyplan.Located`) and the function that places them (rows only), or None
-        when a chunk is not a block of whole rows stored plainly."""
+        """``(sources, assemble, layout)`` for a kernel copy of ``rule``'s full tensor: the stored chunks that make it
+        (each a :class:`~megatron_vlm.convert.file_tensors.Located`), the function that places them (rows only) and
+        a key of that placement (tensors of one shape stored alike share their copy plan), or None when a chunk is
+        not a block of whole rows stored plainly."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        from megatron_vlm.convert.copyplan import Located
 
         name = rule.mcore
         full_shape = self.shape(name)
@@ -350,8 +355,8 @@ class DistReader:
                 if not inside or any(n != 1 for n in c_n[:p]) or c_n[p + 1:] != tuple(full_shape[1:]):
                     return None  # a chunk across pieces, layers or a split of the rows: computed instead
                 info = self.metadata.storage_data.get(MetadataIndex(pc.sh.key, chunk.offsets))
-                if info is None:
-                    return None
+                if info is None or getattr(info, "transform_descriptors", None):
+                    return None  # stored through a transform (e.g. compressed): read through it instead
                 path = str(Path(self.dir) / info.relative_path)
                 t, data = self._archive(path, info.offset, info.length)
                 if (not t.is_contiguous() or t.storage_offset() or tuple(t.shape) != c_n
@@ -367,7 +372,7 @@ class DistReader:
                 out[row0:row0 + n] = x
             return out
 
-        return sources, assemble
+        return sources, assemble, ("rows", tuple(full_shape), tuple(places))
 
     def _archive(self, path: str, offset: int, length: int):
         key = (path, offset)
@@ -378,12 +383,37 @@ class DistReader:
             return self._archives[key]
 
 
+def _check_transforms(where: str, metadata, reader) -> None:
+    """torch.distributed.checkpoint may store an item through stream transforms (its ``transform_descriptors``, e.g.
+    ZStandard compression): :meth:`DistReader.read` loads such items through them, :meth:`DistReader.located` never
+    copies their bytes. Raises :class:`CheckpointLayoutError` in one line when this torch has no extension for a
+    transform, before anything is read."""
+    registry = getattr(getattr(reader, "transforms", None), "extension_registry", None)
+    seen = set()
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        descriptors = tuple(getattr(info, "transform_descriptors", None) or ())
+        if not descriptors or descriptors in seen:
+            continue
+        seen.add(descriptors)
+        try:
+            if registry is None:
+                raise ValueError("this torch reads no transforms")
+            registry.from_descriptor_list(descriptors)
+        except Exception as e:  # noqa: BLE001 (torch's registry raises ValueError, an extension anything)
+            raise ckpt.CheckpointLayoutError(
+                f"{where}: {index.fqn} is stored through torch.distributed.checkpoint transform(s) "
+                f"{', '.join(descriptors)}, which this environment cannot undo ({e}); read the checkpoint where the "
+                "extension is installed (torch's ZStandard needs the zstandard package), or save it without "
+                "transforms") from None
+
+
 # ---- legacy rank files ----------------------------------------------------------------------------------------
 class LegacyWriter:
     """The rank files of a legacy checkpoint, written in place. ``layout[(tp_rank, pp_rank, ep_rank)]``: the
     rank's ``(local name, dtype, shape)`` in file order (``ep`` expert-parallel ranks: Megatron-LM's
     ``mp_rank_TT[_PPP]_EEE`` files when above 1). Each file is first written whole by ``torch.save`` under
-    ``skip_data`` (every record in place, no data); :meth:`target` gives where a tensor's bytes go."""
+    ``skip_data`` (every record in place, no data, its CRC-32 0); :meth:`target` gives where a tensor's bytes go,
+    and :meth:`close` puts each record's CRC-32 into its zip headers once every byte is in place."""
 
     def __init__(self, iter_dir, pp: int, layout: dict, iteration, ep: int = 1):
         self._files: dict[tuple[int, int, int], dict] = {}
@@ -393,18 +423,26 @@ class LegacyWriter:
             state = {name: _placeholder(shape, dtype) for name, dtype, shape in entries}
             with torch.serialization.skip_data(materialize_fake_tensors=True):
                 torch.save({"model": state, "checkpoint_version": 3.0, "iteration": iteration}, path)
-            records = _records(path, [(name, math.prod(shape) * _itemsize(dtype)) for name, dtype, shape in entries])
+            records = _records(path, [(name, math.prod(shape) * itemsize(dtype)) for name, dtype, shape in entries])
             self._files[(t, p, e)] = {"fd": os.open(path, os.O_RDWR), "records": records,
                                    "entries": {name: (dtype, tuple(shape)) for name, dtype, shape in entries}}
 
     def target(self, tp_rank: int, pp_rank: int, name: str, ep_rank: int = 0):
-        from megatron_vlm.convert.copyplan import Target
-
         f = self._files[(tp_rank, pp_rank, ep_rank)]
         dtype, shape = f["entries"][name]
-        return Target(f["fd"], f["records"][name], dtype, shape)
+        return Target(f["fd"], f["records"][name].offset, dtype, shape)
 
-    def close(self) -> None:
+    def close(self, workers: int = 2) -> None:
+        """Write every record's CRC-32 (read back from the page cache in bounded chunks, ``workers`` records at
+        a time) into its zip headers, then flush the files to disk."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        jobs = [(f["fd"], r) for f in self._files.values() for r in f["records"].values()]
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            crcs = list(pool.map(lambda job: _crc32(job[0], job[1].offset, job[1].nbytes), jobs))
+        for (fd, record), crc in zip(jobs, crcs):
+            for at in record.crc_at:
+                write_all(fd, crc.to_bytes(4, "little"), at)
         for f in self._files.values():
             os.fsync(f["fd"])
         self.abort()
@@ -416,36 +454,83 @@ class LegacyWriter:
                 f["fd"] = -1
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+@dataclass(frozen=True)
+class _Record:
+    """A storage record of a rank file: its data's byte range and the offsets of the zip fields holding its CRC-32
+    (the central directory's, and the data descriptor's or the local header's)."""
+
+    offset: int
+    nbytes: int
+    crc_at: tuple[int, ...]
 
 
-def _records(path: Path, tensors: list[tuple[str, int]]) -> dict[str, int]:
-    """``name -> data offset`` of the storage records ``torch.save`` wrote for ``tensors`` (one storage each,
+_CRC_CHUNK = 8 << 20
+
+
+def _crc32(fd: int, offset: int, nbytes: int) -> int:
+    """The CRC-32 of bytes ``[offset, offset + nbytes)`` of ``fd``, read :data:`_CRC_CHUNK` at a time."""
+    buf = bytearray(min(nbytes, _CRC_CHUNK))
+    crc, done = 0, 0
+    while done < nbytes:
+        n = os.preadv(fd, [memoryview(buf)[:min(len(buf), nbytes - done)]], offset + done)
+        if n <= 0:
+            raise OSError(f"unexpected end of file at offset {offset + done}")
+        crc = zlib.crc32(memoryview(buf)[:n], crc)
+        done += n
+    return crc
+
+
+def _records(path: Path, tensors: list[tuple[str, int]]) -> dict[str, _Record]:
+    """``name -> _Record`` of the storage records ``torch.save`` wrote for ``tensors`` (one storage each,
     numbered in pickling order, which is the state dict's order), checked against the archive's sizes."""
+    import struct
     import zipfile
 
     reader = torch._C.PyTorchFileReader(str(path))
     with zipfile.ZipFile(path) as zf:
-        sizes = {i.filename.split("/", 1)[-1]: i.file_size for i in zf.infolist()}
-    out = {}
-    for i, (name, nbytes) in enumerate(tensors):
-        record = f"data/{i}"
-        if sizes.get(record) != nbytes:
-            raise RuntimeError(f"{path}: record {record} holds {sizes.get(record)} bytes, {name} has {nbytes}")
-        out[name] = reader.get_record_offset(record)
+        infos = {i.filename.split("/", 1)[-1]: i for i in zf.infolist()}
+        central, count, start = {}, len(zf.infolist()), zf.start_dir
+    with open(path, "rb") as f:
+        f.seek(start)  # the central directory: a CRC-32 at byte 16 of each entry
+        for _ in range(count):
+            head = f.read(46)
+            if head[:4] != b"PK\x01\x02":
+                raise RuntimeError(f"{path}: unexpected zip central directory")
+            name_len, extra_len, comment_len = struct.unpack("<3H", head[28:34])
+            name = f.read(name_len).decode()
+            central[name.split("/", 1)[-1]] = f.tell() - name_len - 46 + 16
+            f.seek(extra_len + comment_len, os.SEEK_CUR)
+        out = {}
+        for i, (name, nbytes) in enumerate(tensors):
+            record = f"data/{i}"
+            info = infos.get(record)
+            if info is None or info.file_size != nbytes or record not in central:
+                raise RuntimeError(f"{path}: record {record} holds {info and info.file_size} bytes, {name} has "
+                                   f"{nbytes}")
+            offset = reader.get_record_offset(record)
+            if info.flag_bits & 0x08:  # a data descriptor follows the data (its signature is optional)
+                f.seek(offset + nbytes)
+                own = offset + nbytes + (4 if f.read(4) == b"PK\x07\x08" else 0)
+            else:
+                own = info.header_offset + 14
+            out[name] = _Record(offset, nbytes, (central[record], own))
     return out
 
 
 class LegacyReader:
     """Full tensors of a legacy checkpoint, merged over TP from memory-mapped rank files (thread-safe). With expert
     parallelism (``meta.ep`` > 1) an expert's tensors come from its EP rank's files (``mp_rank_TT[_PPP]_EEE``), under
-    their local indices, merged over the expert TP size."""
+    their local indices, merged over the expert TP size. Each shard is read from a file that holds it
+    (:class:`megatron_vlm.legacy_ranks.Sources`: Megatron-LM writes only some (TP, EP) files at ETP < TP)."""
 
     def __init__(self, iter_dir, spec, meta: ckpt.CheckpointMeta):
+        from megatron_vlm import legacy_ranks
+
         self.dir, self.spec, self.meta = iter_dir, spec, meta
         self.ep, self.etp = meta.ep, meta.etp or meta.tp
         self.per_rank = spec.num_moe_experts // self.ep if spec.is_moe else None
+        self.sources = legacy_ranks.Sources(iter_dir, legacy_ranks.present(iter_dir, self.ep > 1), meta.tp, meta.pp,
+                                            self.ep, self.etp, spec.is_moe)
         self._files: dict[tuple[int, int, int], tuple[dict, str, int | None]] = {}
         self._lock = threading.Lock()
 
@@ -461,18 +546,25 @@ class LegacyReader:
                                                                            if isinstance(v, torch.Tensor)]))
             return self._files[(t, p, e)]
 
-    def _where(self, rule) -> tuple[int, int, str]:
+    def _stored_as(self, rule) -> tuple[list[tuple[int, int, int]], str]:
+        """The rank files ``(tp, pp, ep)`` that hold ``rule``'s TP shards, in TP order, and its local name there."""
         stage = mapping.stages_of(rule, self.spec, self.meta.pp_layers)[0]
-        e = mapping.ep_rank_of(rule, self.spec, self.ep) or 0
-        return stage, e, mapping.local_name(rule, stage, self.meta.pp_layers, self.per_rank)
+        name = mapping.local_name(rule, stage, self.meta.pp_layers, self.per_rank)
+        split = mapping.split_size(rule, self.meta.tp, self.etp)
+        e = mapping.ep_rank_of(rule, self.spec, self.ep)
+        if rule.expert is None:
+            files = [(t, stage, self.sources.dense(t, stage)) for t in range(split)]
+        else:
+            files = [(self.sources.experts(x, stage, e), stage, e) for x in range(split)]
+        return files, name
 
     def shards(self, rule) -> list[torch.Tensor]:
-        stage, e, name = self._where(rule)
+        files, name = self._stored_as(rule)
         out = []
-        for t in range(mapping.split_size(rule, self.meta.tp, self.etp)):
-            state = self._rank(t, stage, e)[0]
+        for t, p, e in files:
+            state = self._rank(t, p, e)[0]
             if name not in state:
-                raise ckpt.CheckpointLayoutError(f"{name} is missing from rank file tp={t} pp={stage}"
+                raise ckpt.CheckpointLayoutError(f"{name} is missing from rank file tp={t} pp={p}"
                                                  f"{f' ep={e}' if self.ep > 1 else ''} of {self.dir}")
             out.append(state[name])
         return out
@@ -481,19 +573,17 @@ class LegacyReader:
         return mapping.tp_merge(rule, self.shards(rule))
 
     def located(self, rule):
-        """``(sources, merge)`` for a kernel copy: the TP shards in their files and ``tp_merge``; None when a
-        shard's bytes cannot be placed."""
-        from megatron_vlm.convert.copyplan import Located
-
-        stage, e, name = self._where(rule)
+        """``(sources, merge, layout)`` for a kernel copy: the TP shards in their files, ``tp_merge`` and a key of
+        it; None when a shard's bytes cannot be placed."""
+        files = self._stored_as(rule)[0]
         sources = []
-        for t, shard in enumerate(self.shards(rule)):
-            _, path, base = self._rank(t, stage, e)
+        for (t, p, e), shard in zip(files, self.shards(rule)):
+            _, path, base = self._rank(t, p, e)
             if base is None or not shard.is_contiguous():
                 return None
             offset = shard.untyped_storage().data_ptr() - base + shard.storage_offset() * shard.element_size()
             sources.append(Located(path, offset, shard.dtype, tuple(shard.shape), lambda: None))
-        return sources, lambda xs: mapping.tp_merge(rule, xs)
+        return sources, lambda xs: mapping.tp_merge(rule, xs), ("tp_merge", rule.split)
 
 
 def _storage_base(path: str, tensors: list[torch.Tensor]) -> int | None:

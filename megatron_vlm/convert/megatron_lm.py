@@ -129,17 +129,21 @@ _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 def _read_legacy(iter_dir, tp: int, pp: int, spec: VLMSpec, ep: int = 1,
                  etp: int | None = None) -> tuple[dict, dict, dict, dict, list[int]]:
     """Legacy rank files: as :func:`_read_dist`, plus the language layers of each pipeline stage. With expert
-    parallelism (``ep`` rank files per TP rank and stage) each file's experts are renumbered to their global index,
-    and an expert's TP shards are those of the first ``etp`` TP ranks."""
+    parallelism each EP rank's experts are renumbered to their global index; every shard is read from the file
+    :class:`megatron_vlm.legacy_ranks.Sources` names (Megatron-LM writes only some (TP, EP) files at ETP < TP)."""
+    from megatron_vlm import legacy_ranks
+
     # each tensor's split, under the layer-0 names shapes are kept by (layer 0 may be an MoE layer while a later one
     # holds the dense MLP: mlp_only_layers)
     split = {_LAYER.sub(lambda m: f"{m.group(1)}.decoder.layers.0.", r.mcore): r.split for r in mapping.rules(spec)}
     shapes, dtypes, args, per_stage, vit = {}, {}, {}, [], 0
     per_rank = spec.num_moe_experts // ep if spec.is_moe else 0
+    sources = legacy_ranks.Sources(iter_dir, legacy_ranks.present(iter_dir, ep > 1), tp, pp, ep, etp, spec.is_moe)
     for stage in range(pp):
-        local = {}
-        for e in range(ep):
-            for t in range(tp):
+        local, files = {}, {}
+
+        def rank_state(t, e):
+            if (t, e) not in files:
                 f = ckpt.load_legacy_rank(iter_dir, t, stage, pp, ep_rank=e, ep=ep)
                 if "model" not in f:
                     found = sorted(k for k in f if k.startswith("model"))
@@ -148,17 +152,24 @@ def _read_legacy(iter_dir, tp: int, pp: int, spec: VLMSpec, ep: int = 1,
                         f"{found}); checkpoints with virtual pipeline stages are not supported: save with "
                         "--num-layers-per-virtual-pipeline-stage unset"
                     )
-                args = args or _args_of(f.get("args"))
-                for k, v in ckpt.normalize_legacy_names(f["model"]).items():
-                    expert = _EXPERT.search(k)
-                    if expert:  # one EP rank's experts, split over the first etp TP ranks
-                        if t >= (etp or tp):
-                            continue
-                        k = _EXPERT.sub(f".local_experts.{int(expert.group(1)) + e * per_rank}.", k)
-                    elif e > 0:  # every EP rank holds the same dense tensors
-                        continue
-                    if isinstance(v, torch.Tensor):
-                        local.setdefault(k, []).append(v)
+                files[(t, e)] = (_args_of(f.get("args")), ckpt.normalize_legacy_names(f["model"]))
+            return files[(t, e)]
+
+        # the dense tensors of each TP rank, then each EP rank's experts at each expert TP rank
+        wanted = [(t, sources.dense(t, stage), False) for t in range(tp)]
+        wanted += [(sources.experts(x, stage, e), e, True) for e in range(ep if spec.is_moe else 0)
+                   for x in range(etp or tp)]
+        for t, e, experts in wanted:
+            file_args, state = rank_state(t, e)
+            args = args or file_args
+            for k, v in state.items():
+                expert = _EXPERT.search(k)
+                if bool(expert) != experts:
+                    continue
+                if expert:
+                    k = _EXPERT.sub(f".local_experts.{int(expert.group(1)) + e * per_rank}.", k)
+                if isinstance(v, torch.Tensor):
+                    local.setdefault(k, []).append(v)
         layers = {int(m.group(2)) for k in local if (m := _LAYER.match(k)) and m.group(1) == "language_model"}
         per_stage.append(len(layers))
         if stage == 0:
@@ -344,12 +355,11 @@ def describe(iter_dir, hf_config) -> tuple[VLMSpec, ckpt.CheckpointMeta, dict[st
         first_args = _legacy_args(iter_dir)
         ep = int(first_args.get("expert_model_parallel_size") or 1)
         etp = first_args.get("expert_tensor_parallel_size")
+        # the layout its args name (the files' names span it, or fewer where a rank file is missing)
         tp, pp, _ = ckpt.legacy_layout_ep(iter_dir, expert_parallel=ep > 1)
+        tp = int(first_args.get("tensor_model_parallel_size") or tp)
+        pp = int(first_args.get("pipeline_model_parallel_size") or pp)
         shapes, counts, args, dtypes, per_stage = _read_legacy(iter_dir, tp, pp, spec, ep, etp)
-        for name, have in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
-            if args.get(name) not in (None, have):
-                raise ckpt.CheckpointLayoutError(f"{iter_dir} has rank files for {name}={have}, but its args say "
-                                                 f"{args[name]}; the checkpoint is incomplete")
     where = str(iter_dir)
     spec.make_vocab_size_divisible_by = _padded_vocab(
         spec, shapes.get("language_model.embedding.word_embeddings.weight", (0,))[0], args, tp, where)

@@ -15,6 +15,7 @@ described by :mod:`megatron_vlm.convert.megatron_lm` from an HF config and read 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -26,28 +27,32 @@ from megatron_vlm import checkpoint as ckpt
 from megatron_vlm.atomic import atomic_dir
 from megatron_vlm.convert import copyplan, mapping, mcore_io
 from megatron_vlm.convert import streaming as st
-from megatron_vlm.convert.hf_io import SafetensorsFile, SafetensorsWriter, tensor_bytes, write_all
+from megatron_vlm.convert.file_tensors import tensor_bytes, write_all
+from megatron_vlm.convert.hf_io import SafetensorsFile, SafetensorsWriter
 from megatron_vlm.spec import VLMSpec
 
 log = logging.getLogger(__name__)
 
 
-def read_full_megatron_state(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta) -> dict[str, torch.Tensor]:
-    """Every full (TP=1/PP=1, global layer numbers) Megatron tensor of an iteration directory, in memory and in
-    the dtypes stored: for building a model from a checkpoint (the export itself never holds them all)."""
-    rules = mapping.rules(spec)
+@contextlib.contextmanager
+def open_source(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta):
+    """The reader of ``iter_dir``'s full (TP=1/PP=1, global layer numbers) Megatron tensors, one at a time, in the
+    dtypes stored: :class:`~megatron_vlm.convert.mcore_io.LegacyReader` for rank files,
+    :class:`~megatron_vlm.convert.mcore_io.DistReader` for torch_dist (inside a one-process world, whose
+    megatron-core model on the meta device gives the keys). The export reads through it, and so does a model built
+    in memory from a checkpoint (:mod:`megatron_vlm.eval.model`)."""
     if meta.format == "torch":
-        source = mcore_io.LegacyReader(iter_dir, spec, meta)
-        return {r.mcore: source.read(r) for r in rules}
+        yield mcore_io.LegacyReader(iter_dir, spec, meta)
+        return
     from megatron_vlm.runtime.session import single_process_world
 
     _check_dist_vocab(iter_dir, spec)
     layout = ckpt.dist_key_layout(iter_dir)
     with single_process_world():
         model = mcore_io.meta_model(spec, getattr(torch, meta.dtype))
-        _, pieces = mcore_io.dist_pieces(model, {r.mcore for r in rules}, layout)
-        source = mcore_io.DistReader(iter_dir, pieces)
-        return {r.mcore: source.read(r) for r in rules}
+        _, pieces = mcore_io.dist_pieces(model, {r.mcore for r in mapping.rules(spec)}, layout)
+        del model
+        yield mcore_io.DistReader(iter_dir, pieces)
 
 
 def _check_dist_vocab(iter_dir, spec: VLMSpec) -> None:
@@ -138,27 +143,13 @@ def _export(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta, extra, hf_dir, t
     dtype_name = DTYPES[out_dtype] if out_dtype else meta.dtype
     dtype = getattr(torch, dtype_name)
     workers = workers or st.default_workers()
-    rules = mapping.rules(spec)
-    if meta.format == "torch":
-        source = mcore_io.LegacyReader(iter_dir, spec, meta)
-        _export_tensors(source, rules, spec, extra, hf_dir, dtype, dtype_name, tok_dir, overwrite, max_shard_bytes,
-                        max_memory, workers)
-        return Path(hf_dir)
-    from megatron_vlm.runtime.session import single_process_world
-
-    _check_dist_vocab(iter_dir, spec)
-    layout = ckpt.dist_key_layout(iter_dir)
-    with single_process_world():
-        model = mcore_io.meta_model(spec, getattr(torch, meta.dtype))
-        _, pieces = mcore_io.dist_pieces(model, {r.mcore for r in rules}, layout)
-        del model
-        source = mcore_io.DistReader(iter_dir, pieces)
-        _export_tensors(source, rules, spec, extra, hf_dir, dtype, dtype_name, tok_dir, overwrite, max_shard_bytes,
-                        max_memory, workers)
+    with open_source(iter_dir, spec, meta) as source:
+        _export_tensors(source, mapping.rules(spec), spec, extra, hf_dir, dtype, dtype_name, tok_dir, overwrite,
+                        max_shard_bytes, max_memory, workers)
     return Path(hf_dir)
 
 
-def _source_meta(source, rule) -> torch.Tensor:
+def meta_full(source, rule) -> torch.Tensor:
     """The full tensor of ``rule`` on the meta device (its shape and stored dtype, nothing read)."""
     if isinstance(source, mcore_io.DistReader):
         return torch.empty(source.shape(rule.mcore), dtype=source.dtype(rule.mcore), device="meta")
@@ -173,14 +164,14 @@ def _export_tensors(source, rules, spec: VLMSpec, extra, hf_dir, dtype: torch.dt
     that are unchanged stored rows go file to file in the kernel, the rest is computed from the tensor read
     (merged over TP). The HF-only tensors the checkpoint carries follow."""
     files = copyplan.Files()
-    entries, tasks, makers = [], [], []
+    entries, tasks, makers, plans_made = [], [], [], {}
     for rule in rules:
-        full = _source_meta(source, rule)
+        full = meta_full(source, rule)
         outs = mapping.to_hf(rule, full, spec)
         out_dtypes = [_out_dtype(o.dtype, dtype) for o in outs]
         entries += [(n, d, tuple(o.shape)) for n, d, o in zip(rule.hf, out_dtypes, outs)]
         nbytes = sum(o.numel() * torch.empty((), dtype=d).element_size() for o, d in zip(outs, out_dtypes))
-        runs = _copy_plan(source, rule, spec, outs, out_dtypes)
+        runs = _copy_plan(source, rule, spec, outs, out_dtypes, plans_made)
         if runs is not None:
             tasks.append(st.Task(rule.mcore, cost=0, nbytes=nbytes, run=None))
             makers.append(functools.partial(_copy_run, files, rule, runs))
@@ -199,7 +190,7 @@ def _export_tensors(source, rules, spec: VLMSpec, extra, hf_dir, dtype: torch.dt
         makers.append(functools.partial(_extra_run, files, name, get, located, dtype))
     budget = st.memory_budget(tasks, max_memory, workers)
     try:
-        with atomic_dir(hf_dir, overwrite=overwrite, what="--hf-dir") as tmp:
+        with atomic_dir(hf_dir, overwrite=overwrite, what="--hf-dir", flush=True) as tmp:
             writer = SafetensorsWriter(tmp, entries, max_shard_bytes)
             try:
                 for task, make in zip(tasks, makers):
@@ -223,22 +214,27 @@ def _out_dtype(have: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     return dtype if have.is_floating_point else have
 
 
-def _copy_plan(source, rule, spec: VLMSpec, outs, out_dtypes):
-    """``(sources, [(hf name, runs)])`` when every HF tensor of ``rule`` is whole stored rows, else None."""
+def _copy_plan(source, rule, spec: VLMSpec, outs, out_dtypes, plans_made: dict):
+    """``(sources, [(hf name, runs)])`` when every HF tensor of ``rule`` is whole stored rows, else None. A plan
+    holds byte offsets relative to its sources and outputs, so tensors of one shape stored alike (each layer's
+    ``linear_qkv``, say) share it: ``plans_made`` keeps them, and a model's depth costs no planning."""
     if any(o.numel() * o.element_size() < copyplan.MIN_COPY_BYTES for o in outs):
         return None
     located = source.located(rule)
     if located is None:
         return None
-    sources, assemble = located
-    rows = copyplan.RowPlan(sources, assemble)
-    plans = []
-    for k, (name, o, d) in enumerate(zip(rule.hf, outs, out_dtypes)):
-        runs = rows.runs(functools.partial(_hf_part, rule, spec, k), tuple(o.shape), d)
-        if runs is None:
-            return None
-        plans.append((name, runs))
-    return sources, plans
+    sources, assemble, layout = located
+    key = (layout, rule.kind, rule.split, rule.heads, rule.groups, rule.head_dim,
+           tuple((tuple(s.shape), s.dtype) for s in sources),
+           tuple((tuple(o.shape), d) for o, d in zip(outs, out_dtypes)))
+    if key not in plans_made:
+        rows = copyplan.RowPlan(sources, assemble)
+        made = [rows.runs(functools.partial(_hf_part, rule, spec, k), tuple(o.shape), d)
+                for k, (o, d) in enumerate(zip(outs, out_dtypes))]
+        plans_made[key] = None if any(r is None for r in made) else made
+    if plans_made[key] is None:
+        return None
+    return sources, list(zip(rule.hf, plans_made[key]))
 
 
 def _hf_part(rule, spec: VLMSpec, k: int, full):

@@ -29,7 +29,8 @@ from megatron_vlm import checkpoint as ckpt
 from megatron_vlm.atomic import atomic_dir
 from megatron_vlm.convert import copyplan, mapping
 from megatron_vlm.convert import streaming as st
-from megatron_vlm.convert.hf_io import HFReader, SafetensorsWriter, tensor_bytes, write_all
+from megatron_vlm.convert.file_tensors import Target, itemsize, tensor_bytes, write_all
+from megatron_vlm.convert.hf_io import HFReader, SafetensorsWriter
 from megatron_vlm.spec import VLMSpec
 
 log = logging.getLogger(__name__)
@@ -40,15 +41,12 @@ def _cast(t: torch.Tensor, dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 class _Plan:
     """What the conversion makes: each full Megatron tensor (shape and dtype from the HF headers alone) and how."""
 
     def __init__(self, reader: HFReader, spec: VLMSpec, rules, dtype: torch.dtype):
         self.reader, self.spec, self.dtype, self.rules = reader, spec, dtype, rules
+        self.plans_made: dict = {}
         self.shape = {}
         for rule in rules:
             metas = [torch.empty(reader.info(h).shape, dtype=reader.info(h).dtype, device="meta") for h in rule.hf]
@@ -59,49 +57,56 @@ class _Plan:
         return self.dtype if src.is_floating_point else src
 
     def nbytes(self, rule) -> int:
-        return math.prod(self.shape[rule.mcore]) * _itemsize(self.out_dtype(rule))
+        return math.prod(self.shape[rule.mcore]) * itemsize(self.out_dtype(rule))
 
     def made_bytes(self, rule) -> int:
         """Anonymous bytes the full tensor takes when computed (0 when it is the memory-mapped HF tensor)."""
         numel = math.prod(self.shape[rule.mcore])
         src = self.reader.info(rule.hf[0]).dtype
-        made = numel * _itemsize(src) if rule.kind in ("qkv", "gated", "vocab") else 0
-        cast = numel * _itemsize(self.out_dtype(rule)) if self.out_dtype(rule) != src else 0
+        made = numel * itemsize(src) if rule.kind in ("qkv", "gated", "vocab") else 0
+        cast = numel * itemsize(self.out_dtype(rule)) if self.out_dtype(rule) != src else 0
         return made + cast
 
-    def full(self, rule) -> torch.Tensor:
+    def make_full(self, rule) -> torch.Tensor:
         """The full Megatron tensor of ``rule`` in the checkpoint's dtype (a view of the mapped HF file when
         nothing changes)."""
         return _cast(mapping.to_mcore(rule, [self.reader.view(h) for h in rule.hf], self.spec), self.dtype)
 
     def task(self, rule, outs: list, files: copyplan.Files) -> st.Task:
-        """The task writing ``rule``'s outputs: ``outs`` is ``[(part, shape, target)]``, ``part(full)`` the
-        output's block of the full tensor (a TP shard, a ShardedTensor's block) and ``target()`` where it goes.
-        All in the kernel when every output is whole HF rows, else from the computed full tensor."""
+        """The task writing ``rule``'s outputs: ``outs`` is ``[(part, part_key, shape, target)]``, ``part(full)``
+        the output's block of the full tensor (a TP shard, a ShardedTensor's block), ``part_key`` what that block is
+        (the same for the same block of every layer) and ``target()`` where it goes. All in the kernel when every
+        output is whole HF rows, else from the computed full tensor. A copy plan holds offsets relative to its
+        sources and outputs, so tensors of one shape made alike share it (:attr:`plans_made`): a model's depth
+        costs no planning."""
         sources = [self.reader.located(h) for h in rule.hf]
         dtype = self.out_dtype(rule)
+        key = (rule.kind, rule.split, rule.heads, rule.groups, rule.head_dim, dtype,
+               tuple((tuple(s.shape), s.dtype) for s in sources), tuple((k, tuple(shape)) for _, k, shape, _ in outs))
+        if key not in self.plans_made:
+            def made(xs):
+                return _cast(mapping.to_mcore(rule, xs, self.spec), self.dtype)
 
-        def made(xs):
-            return _cast(mapping.to_mcore(rule, xs, self.spec), self.dtype)
-
-        rows = copyplan.RowPlan(sources, made)
-        runs = [rows.runs(part, shape, dtype) if math.prod(shape) * _itemsize(dtype) >= copyplan.MIN_COPY_BYTES
-                else None for part, shape, _ in outs]
-        nbytes = sum(math.prod(shape) for _, shape, _ in outs) * _itemsize(dtype)
+            rows = copyplan.RowPlan(sources, made)
+            self.plans_made[key] = [
+                rows.runs(part, shape, dtype) if math.prod(shape) * itemsize(dtype) >= copyplan.MIN_COPY_BYTES
+                else None for part, _, shape, _ in outs]
+        runs = self.plans_made[key]
+        nbytes = sum(math.prod(shape) for _, _, shape, _ in outs) * itemsize(dtype)
         if all(r is not None for r in runs):
             def copy():
-                for (_, _, target), r in zip(outs, runs):
+                for (_, _, _, target), r in zip(outs, runs):
                     copyplan.fill(target(), None, sources, files, runs=r)
 
             return st.Task(rule.mcore, cost=0, nbytes=nbytes, run=copy, after=lambda: self.release(rule))
 
         def compute():
-            full = self.full(rule)
-            for part, _, target in outs:
+            full = self.make_full(rule)
+            for part, _, _, target in outs:
                 t = target()
                 write_all(t.fd, tensor_bytes(part(full)), t.offset)
 
-        largest = max(math.prod(shape) for _, shape, _ in outs) * _itemsize(dtype)  # a block made contiguous
+        largest = max(math.prod(shape) for _, _, shape, _ in outs) * itemsize(dtype)  # a block made contiguous
         return st.Task(rule.mcore, cost=self.made_bytes(rule) + largest, nbytes=nbytes, run=compute,
                        after=lambda: self.release(rule))
 
@@ -174,7 +179,7 @@ def _convert(plan: _Plan, files, hf_dir, megatron_dir, overwrite, check, max_mem
     budget = st.memory_budget(tasks, max_memory, workers)
     if before_write is not None:
         before_write(plan.spec)
-    with atomic_dir(megatron_dir, overwrite=overwrite, what="--megatron-dir") as tmp:
+    with atomic_dir(megatron_dir, overwrite=overwrite, what="--megatron-dir", flush=True) as tmp:
         iter_dir = tmp / "release"
         iter_dir.mkdir()
         progress = st.Progress(sum(t.nbytes for t in tasks), "hf_to_megatron")
@@ -203,40 +208,40 @@ class _DistOutput:
         model = mcore_io.meta_model(plan.spec, plan.dtype)
         self.sharded, self.pieces = mcore_io.dist_pieces(model, {r.mcore for r in plan.rules})
         del model
-        self.where: dict = {}
+        self.offsets: dict = {}
         self.tasks = []
         for rule in plan.rules:
             ps = self.pieces[rule.mcore]
             want = plan.out_dtype(rule)
-            if any(pc.sh.dtype != want for pc in ps) or ps[0].full != plan.shape[rule.mcore]:
-                raise ValueError(f"{rule.mcore}: megatron-core's model holds {ps[0].sh.dtype} {ps[0].full}, the "
+            if any(pc.sh.dtype != want for pc in ps) or ps[0].full_shape != plan.shape[rule.mcore]:
+                raise ValueError(f"{rule.mcore}: megatron-core's model holds {ps[0].sh.dtype} {ps[0].full_shape}, the "
                                  f"conversion makes {want} {plan.shape[rule.mcore]}")
-            outs = [(pc.of, pc.shape, self._target(pc)) for pc in ps]
+            outs = [(pc.of, ("block", pc.start), pc.shape, self._target(pc)) for pc in ps]
             self.tasks.append(plan.task(rule, outs, files))
 
     def _target(self, pc):
         def target():
-            fd, offset = self.where[pc.key]
-            return copyplan.Target(fd, offset, pc.sh.dtype, pc.shape)
+            fd, offset = self.offsets[pc.key]
+            return Target(fd, offset, pc.sh.dtype, pc.shape)
 
         return target
 
     def write(self, iter_dir: Path, runner: st.Runner) -> None:
         from megatron_vlm.convert import mcore_io
 
-        def fill(where: dict) -> None:
+        def write_data(offsets: dict) -> None:
             fds = {}
             try:
-                for key, (path, offset) in where.items():
+                for key, (path, offset) in offsets.items():
                     if path not in fds:
                         fds[path] = os.open(path, os.O_WRONLY)
-                    self.where[key] = (fds[path], offset)
+                    self.offsets[key] = (fds[path], offset)
                 runner.run(self.tasks)
             finally:
                 for fd in fds.values():
                     os.close(fd)
 
-        mcore_io.save_dist(self.sharded, iter_dir, fill)
+        mcore_io.save_dist(self.sharded, iter_dir, write_data)
 
 
 class _LegacyOutput:
@@ -263,7 +268,8 @@ class _LegacyOutput:
                     for t in range(tp):
                         shape = tuple(mapping.tp_shard(rule, full, split, t % split).shape)
                         self.layout[(t, p, e)].append((name, full.dtype, shape))
-                        outs.append((self._part(rule, split, t % split), shape, self._target(t, p, name, e)))
+                        outs.append((self._part(rule, split, t % split), ("tp", split, t % split), shape,
+                                     self._target(t, p, name, e)))
             self.tasks.append(plan.task(rule, outs, files))
 
     @staticmethod
@@ -279,7 +285,7 @@ class _LegacyOutput:
         self.writer = mcore_io.LegacyWriter(iter_dir, self.pp, self.layout, "release", self.ep)
         try:
             runner.run(self.tasks)
-            self.writer.close()
+            self.writer.close(runner.workers)
         finally:
             self.writer.abort()
 
@@ -294,7 +300,7 @@ class _Extra:
             info = reader.info(n)
             out = dtype if info.dtype.is_floating_point else info.dtype
             self.entries.append((n, out, info.shape))
-            nbytes = math.prod(info.shape) * _itemsize(out)
+            nbytes = math.prod(info.shape) * itemsize(out)
             self.tasks.append(st.Task(n, cost=nbytes if out != info.dtype else 0, nbytes=nbytes, run=self._run(n),
                                       after=lambda n=n: reader.release(n)))
 

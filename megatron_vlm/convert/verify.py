@@ -422,28 +422,46 @@ def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
     return pp * math.lcm(tp, experts)
 
 
+def megatron_weight_bytes(spec: VLMSpec, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """fp32 bytes of the weights every rank of a verification world holds together: each rank's share
+    (:func:`megatron_vlm.training.memory.estimate`, which tests/test_memory.py holds to what ranks allocate) times
+    the ranks of its stage. At EP > 1 the world has data-parallel replicas (:func:`world_size`), each holding its
+    copy of the dense weights, and the experts are replicated over their own data-parallel group."""
+    from megatron_vlm.training import memory
+
+    world = world_size(tp, pp, ep, etp)
+    layout = memory.Layout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep, etp=etp, precision="fp32",
+                           trained=(False, False, False))
+    return sum(stage.weights for stage in memory.estimate(spec, layout)) * (world // pp)
+
+
 def memory_needed(hf_dir, spec: VLMSpec, tp: int, pp: int, runtime: int, ep: int = 1,
                   etp: int | None = None) -> tuple[int, str]:
     """Bytes :func:`verify_checkpoint` adds at its peak to the converter's own process, and how they split.
 
-    One fp32 copy of the model (HF's, then Megatron's over the TP*PP ranks, never both), each rank's runtime
+    The larger of HF's fp32 model and Megatron's (:func:`megatron_weight_bytes`: over the world's ranks, with the
+    dense weights once per data-parallel replica of an EP world; never both at once), each rank's runtime
     (``runtime``: what one process holds for torch and megatron-core; the converter's own process counts when
-    TP*PP > 1 only as the parent), one sample's activations (on CPU megatron-core's local attention holds
-    2 x heads x S^2 fp32 scores for the longest, S-position, reference sample), the fp32 ``lm_head`` and the logit
-    slices of :data:`CHUNK_BYTES`."""
+    the world has more than one rank only as the parent), one sample's activations (on CPU megatron-core's local
+    attention holds 2 x heads x S^2 fp32 scores for the longest, S-position, reference sample), the fp32
+    ``lm_head`` and the logit slices of :data:`CHUNK_BYTES`."""
     from megatron_vlm.convert.hf_io import HFReader
 
     reader = HFReader(hf_dir)
     numel = sum(math.prod(reader.info(n).shape) for n in reader.names())
     batch = reference_batch(spec)
     longest = max(batch.valid_length(b) for b in range(batch.num_samples))
-    model = 4 * numel
+    hf_model, megatron = 4 * numel, megatron_weight_bytes(spec, tp, pp, ep, etp)
+    model = max(hf_model, megatron)
     world = world_size(tp, pp, ep, etp)
     ranks = world if world > 1 else 0
     scores = 0 if torch.cuda.is_available() else 2 * spec.num_attention_heads * longest**2 * 4 // tp
     head = 4 * spec.padded_vocab_size * spec.hidden_size
     total = model + ranks * runtime + scores + head + 8 * CHUNK_BYTES
-    parts = (f"the model in fp32: {_gb(model)}"
+    replicas = world // (tp * pp)
+    which = (f"Megatron's over {world} ranks, the dense weights {replicas} times" if megatron > hf_model and
+             replicas > 1 else "HF's" if hf_model >= megatron else f"Megatron's over {world} ranks")
+    parts = (f"the model in fp32: {_gb(model)} ({which})"
              + (f", {ranks} processes of about {_gb(runtime)}" if ranks else "")
              + f", attention scores and logits of the longest reference sample ({longest} positions): "
                f"{_gb(scores + head + 8 * CHUNK_BYTES)}")
@@ -482,17 +500,17 @@ def verify_checkpoint(hf_dir, megatron_dir, tp: int = 1, pp: int = 1, iteration=
     the expert-parallel layout of a mixture-of-experts model (a world of :func:`world_size` processes; every
     data-parallel replica runs the same batch, so the experts see every replica's tokens).
 
-    Peak memory: the larger of HF's fp32 model and Megatron's (TP*PP ranks together hold one fp32 copy), plus
-    one sample's activations and ``chunk_bytes``-sized logit slices (default :data:`CHUNK_BYTES`); never a
-    batch's full-vocabulary logits."""
+    Peak memory: the larger of HF's fp32 model and Megatron's (:func:`megatron_weight_bytes`: TP*PP ranks hold one
+    fp32 copy, an EP world's data-parallel replicas one each of the dense weights), plus one sample's activations
+    and ``chunk_bytes``-sized logit slices (default :data:`CHUNK_BYTES`); never a batch's full-vocabulary logits."""
     from megatron_vlm import checkpoint as ckpt
     from megatron_vlm.runtime.session import single_process_world
 
     spec = VLMSpec.load(ckpt.resolve_iteration_dir(megatron_dir, iteration))
     batch = reference_batch(spec)
     rows = chunk_rows(spec.padded_vocab_size, chunk_bytes or CHUNK_BYTES)
-    where = Path(megatron_dir).absolute().parent  # beside the checkpoint: it has room for one lm_head
-    with tempfile.TemporaryDirectory(prefix=".verify-", dir=where) as tmp:
+    beside = Path(megatron_dir).absolute().parent  # beside the checkpoint: it has room for one lm_head
+    with tempfile.TemporaryDirectory(prefix=".verify-", dir=beside) as tmp:
         reference = Path(tmp) / "hf_reference.safetensors"
         write_hf_reference(hf_dir, batch, reference)
         world = world_size(tp, pp, ep, etp)

@@ -5,13 +5,22 @@
 
 ``--megatron-dir`` is any checkpoint ``megatron_to_hf`` exports (a converted checkpoint, a training run at its
 tracker's iteration or ``--iteration``, or one iteration directory). Nothing is written: the checkpoint is read
-by the export's own reader (:func:`megatron_vlm.convert.to_hf.read_full_megatron_state`: torch_dist resharded to
-one process, legacy rank files merged), turned into HF tensors by the export's rules
-(:mod:`megatron_vlm.convert.mapping`), cast to the dtype the export would write (the checkpoint's), joined by the
-HF-only tensors the checkpoint carries, and loaded into the HF model class of its spec. The model is therefore
-the one ``megatron_to_hf`` would write, tensor for tensor; the tokenizer, chat template, processor and generation
-config come from the run's ``tokenizer/`` directory, as the export copies them. ``--tp``/``--pp`` name the
-layout the checkpoint was written at and are checked, as ``megatron_to_hf.py --tp/--pp`` are.
+one tensor at a time by the export's own reader (:func:`megatron_vlm.convert.to_hf.open_source`: torch_dist
+resharded to one process, legacy rank files merged), turned into HF tensors by the export's rules
+(:mod:`megatron_vlm.convert.mapping`), joined by the HF-only tensors the checkpoint carries, and handed to
+``from_pretrained`` of the HF model class of its spec as a state dict of lazy values (:class:`LazyTensor`, read as
+transformers reads a safetensors file: each value when its parameter is loaded), so the process holds the model
+in its compute dtype plus the few tensors being read, never the checkpoint's state beside it. The model is the
+one ``megatron_to_hf`` would write, tensor for tensor, cast to the compute dtype; the tokenizer, chat template,
+processor and generation config come from the run's ``tokenizer/`` directory, as the export copies them.
+``--tp``/``--pp`` name the layout the checkpoint was written at and are checked, as ``megatron_to_hf.py
+--tp/--pp`` are.
+
+**Memory.** Both ways build the model in the compute dtype (``--dtype``; auto: fp32 on CPU, the weights' dtype on
+CUDA). Before anything is read, :func:`memory_needed` estimates the bytes (the model in that dtype, plus, from a
+checkpoint, the tensors transformers' loader threads read at once), the start-up line says them and the compute
+dtype, and a model that would not fit in the memory available (a GPU's free memory with ``--device cuda``) is
+refused in one line that names the need and ``--dtype bf16`` where it would halve it.
 """
 
 from __future__ import annotations
@@ -52,9 +61,11 @@ def load_hf_export(model_dir, dtype: str = "auto", device: str = "cpu") -> Loade
     """The HF model of an HF LLaVA directory."""
     import json
 
+    import torch
     import transformers
 
     from megatron_vlm.cli.inputs import check_hf_dir, check_tokenizer_dir
+    from megatron_vlm.convert.streaming import format_bytes
 
     model_dir = Path(model_dir)
     check_hf_dir(model_dir, "--model")
@@ -63,42 +74,134 @@ def load_hf_export(model_dir, dtype: str = "auto", device: str = "cpu") -> Loade
     config = json.loads((model_dir / "config.json").read_text())
     stored = config.get("dtype") or config.get("torch_dtype")
     cls = getattr(transformers, ARCHS[spec.arch][1])
-    model = cls.from_pretrained(str(model_dir), dtype=compute_dtype(dtype, device, stored)).to(device).eval()
+    compute = compute_dtype(dtype, device, stored)
+    total, model_bytes = memory_needed(cls, transformers.AutoConfig.from_pretrained(str(model_dir)), compute)
+    check_fits(f"--model {model_dir}", total, model_bytes, compute,
+               getattr(torch, stored) if isinstance(stored, str) else None, device)
+    log.info("loading %s (an HF %s, stored in %s) in %s (the compute dtype) on %s: about %s of memory", model_dir,
+             spec.arch, stored, str(compute).replace("torch.", ""), device, format_bytes(total))
+    model = cls.from_pretrained(str(model_dir), dtype=compute).to(device).eval()
     return LoadedModel(model, spec, model_dir, str(model_dir))
 
 
-def hf_state_of_checkpoint(iter_dir, spec: VLMSpec, meta) -> dict:
-    """The HF tensors (on-disk names) ``megatron_to_hf`` would write for ``iter_dir``, in memory."""
-    import torch
+#: threads transformers' ``from_pretrained`` reads tensors with (its ``GLOBAL_WORKERS``, at most 4)
+LOADER_THREADS = 4
 
+
+class LazyTensor:
+    """One HF tensor of a checkpoint, made when transformers' loader reads it: the loader takes ``value[...]`` of
+    each state-dict value (as of a safetensors slice from ``safe_open(...).get_slice``) and casts it to the compute
+    dtype, so a tensor is made only while its parameter is loaded."""
+
+    def __init__(self, make, dtype, shape):
+        self._make, self.dtype, self.shape = make, dtype, tuple(shape)
+
+    def __getitem__(self, index):
+        return self._make()[index]
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+
+class _RuleOutputs:
+    """The HF tensors of one Megatron tensor (a fused QKV gives three): read once when the first is asked for and
+    let go when the last is taken (thread-safe: transformers' loader threads ask in any order)."""
+
+    def __init__(self, source, rule, spec):
+        import threading
+
+        self.source, self.rule, self.spec = source, rule, spec
+        self._outs: list | None = None
+        self._lock = threading.Lock()
+
+    def take(self, k: int):
+        from megatron_vlm.convert import mapping
+
+        with self._lock:
+            if self._outs is None or self._outs[k] is None:
+                self._outs = list(mapping.to_hf(self.rule, self.source.read(self.rule), self.spec))
+            t, self._outs[k] = self._outs[k], None
+            if all(o is None for o in self._outs):
+                self._outs = None
+        return t.contiguous()
+
+
+def lazy_hf_state(source, iter_dir, spec: VLMSpec) -> tuple[dict, int]:
+    """``(state, largest)``: the HF tensors (on-disk names) ``megatron_to_hf`` would write for the checkpoint
+    ``source`` reads (:func:`megatron_vlm.convert.to_hf.open_source`), as :class:`LazyTensor` s in the dtypes stored,
+    with the HF-only tensors of ``iter_dir``; ``largest``: the bytes of the largest Megatron tensor."""
     from megatron_vlm import checkpoint as ckpt
     from megatron_vlm.convert import mapping
-    from megatron_vlm.convert.to_hf import read_full_megatron_state
+    from megatron_vlm.convert.hf_io import SafetensorsFile
+    from megatron_vlm.convert.to_hf import meta_full
 
-    dtype = getattr(torch, meta.dtype)  # the export's default: the checkpoint's dtype
-
-    def cast(t):
-        return t.to(dtype) if t.is_floating_point() else t
-
-    state = read_full_megatron_state(iter_dir, spec, meta)
-    out = {}
+    state, largest = {}, 0
     for rule in mapping.rules(spec):
-        full = state.pop(rule.mcore)
-        for name, t in zip(rule.hf, mapping.to_hf(rule, full, spec)):
-            out[name] = cast(t).contiguous()
-    for name, t in ckpt.read_extra(iter_dir).items():
-        out[name] = cast(t)
-    return out
+        full = meta_full(source, rule)
+        largest = max(largest, full.numel() * full.element_size())
+        outs = _RuleOutputs(source, rule, spec)
+        for k, (name, t) in enumerate(zip(rule.hf, mapping.to_hf(rule, full, spec))):
+            state[name] = LazyTensor(lambda outs=outs, k=k: outs.take(k), t.dtype, t.shape)
+    extra = Path(iter_dir) / ckpt.EXTRA
+    if extra.is_file():
+        f = SafetensorsFile(extra)
+        for name in f.names():
+            info = f.info(name)
+            state[name] = LazyTensor(lambda name=name: f.get(name), info.dtype, info.shape)
+    return state, largest
+
+
+def memory_needed(model_class, config, dtype, reading: int = 0) -> tuple[int, int]:
+    """``(total, model)`` bytes of building ``model_class(config)`` in ``dtype`` by ``from_pretrained``: the model
+    (its parameters and buffers, counted on the meta device) plus ``reading`` (the tensors being read)."""
+    import torch
+
+    with torch.device("meta"):
+        meta = model_class(config)
+    seen, model = set(), 0
+    for t in list(meta.parameters()) + list(meta.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            model += t.numel() * (torch.empty((), dtype=dtype).element_size() if t.is_floating_point()
+                                  else t.element_size())
+    return model + reading, model
+
+
+def check_fits(what: str, total: int, model: int, dtype, stored, device: str) -> None:
+    """Refuse in one line a model that would not fit: ``total`` bytes in this machine's available memory (80%, as
+    the converters take), and with CUDA ``model`` bytes in the GPU's free memory."""
+    import torch
+
+    from megatron_vlm.cli import InputError
+    from megatron_vlm.convert.streaming import AUTO_SHARE, available_bytes, format_bytes
+
+    half = (f"; pass --dtype bf16 (about {format_bytes(total * 2 // 4)})"
+            if dtype == torch.float32 and stored != torch.float32 else "")
+    avail = available_bytes()
+    if avail is not None and total > AUTO_SHARE * avail:
+        raise InputError(f"{what}: the model in {str(dtype).replace('torch.', '')} needs about "
+                         f"{format_bytes(total)} of memory, more than {AUTO_SHARE:.0%} of the {format_bytes(avail)} "
+                         f"available{half or '; use a machine with more memory'}")
+    if device == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+        if model > free:
+            raise InputError(f"{what}: the model in {str(dtype).replace('torch.', '')} needs about "
+                             f"{format_bytes(model)} of GPU memory, more than the {format_bytes(free)} free"
+                             f"{half or '; pass --device cpu'}")
 
 
 def load_megatron_checkpoint(megatron_dir, iteration=None, tp: int | None = None, pp: int | None = None,
                              dtype: str = "auto", device: str = "cpu") -> LoadedModel:
-    """The HF model that ``megatron_to_hf`` would export from ``megatron_dir``, built in memory."""
+    """The HF model that ``megatron_to_hf`` would export from ``megatron_dir``, built in memory one tensor at a
+    time (:func:`lazy_hf_state`), in the compute dtype."""
+    import torch
     import transformers
     from transformers import GenerationConfig
 
     from megatron_vlm import checkpoint as ckpt
     from megatron_vlm.cli.inputs import check_checkpoint, check_tokenizer_dir
+    from megatron_vlm.convert.streaming import format_bytes
+    from megatron_vlm.convert.to_hf import open_source
 
     iter_dir = check_checkpoint(megatron_dir, iteration)  # the iteration directory, its files checked
     if not (Path(iter_dir) / ckpt.META).is_file():
@@ -114,12 +217,19 @@ def load_megatron_checkpoint(megatron_dir, iteration=None, tp: int | None = None
     spec = VLMSpec.load(iter_dir)
     files = ckpt.run_dir(iter_dir) / ckpt.TOKENIZER_DIR
     check_tokenizer_dir(files, "the checkpoint's tokenizer directory")
-    log.info("reading %s (%s, tp=%d pp=%d) into an HF %s", iter_dir, meta.format, meta.tp, meta.pp, spec.arch)
-    state = hf_state_of_checkpoint(iter_dir, spec, meta)
     config = spec.to_hf_config()
     config.dtype = meta.dtype
     cls = getattr(transformers, ARCHS[spec.arch][1])
-    model = cls.from_pretrained(None, config=config, state_dict=state, dtype=compute_dtype(dtype, device, meta.dtype))
+    compute = compute_dtype(dtype, device, meta.dtype)
+    with open_source(iter_dir, spec, meta) as source:
+        state, largest = lazy_hf_state(source, iter_dir, spec)
+        # transformers' loader threads each hold a Megatron tensor being read and its HF parts
+        total, model_bytes = memory_needed(cls, config, compute, 2 * LOADER_THREADS * largest)
+        check_fits(f"--megatron-dir {megatron_dir}", total, model_bytes, compute, getattr(torch, meta.dtype), device)
+        log.info("reading %s (%s, tp=%d pp=%d, stored in %s) into an HF %s in %s (the compute dtype) on %s: about "
+                 "%s of memory", iter_dir, meta.format, meta.tp, meta.pp, meta.dtype, spec.arch,
+                 str(compute).replace("torch.", ""), device, format_bytes(total))
+        model = cls.from_pretrained(None, config=config, state_dict=state, dtype=compute)
     if (files / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(files))
     return LoadedModel(model.to(device).eval(), spec, files, str(iter_dir))
@@ -156,7 +266,9 @@ def add_model_flags(p) -> None:
     g.add_argument("--pp", type=positive_int, default=None,
                    help="with --megatron-dir: the PP the checkpoint was written at (checked if given)")
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                   help="compute dtype (auto: fp32 on CPU, the weights' dtype on CUDA)")
+                   help="compute dtype: the model is built and runs in it (auto: fp32 on CPU, the weights' dtype on "
+                        "CUDA); the start-up line gives it and the memory it needs, and a model that does not fit "
+                        "is refused before anything is read")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="where the model runs (default: cuda when a GPU is visible, else cpu)")
 

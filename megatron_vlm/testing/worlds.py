@@ -175,7 +175,9 @@ def megatron_lm_moe_checkpoints(megatron_dir, out_root, seq_length: int = 64) ->
     - ``legacy_sequential``: ``mp_rank_TT_EEE/model_optim_rng.pt`` per (TP, EP) rank, SequentialMLP's names
       (``mlp.experts.local_experts.<local j>.linear_fc1.weight``);
     - ``legacy_grouped``: the same files under Transformer Engine's TEGroupedMLP names
-      (``mlp.experts.linear_fc1.weight<local j>``), as a grouped-GEMM run saves them.
+      (``mlp.experts.linear_fc1.weight<local j>``), as a grouped-GEMM run saves them;
+    - ``legacy_etp1``: at expert TP 1, only the files Megatron-LM writes there (``mp_rank_00_000`` and
+      ``mp_rank_01_001``: the ranks of expert data-parallel rank 0, which are also those of data-parallel rank 0).
     """
     import argparse
     import os
@@ -209,24 +211,38 @@ def megatron_lm_moe_checkpoints(megatron_dir, out_root, seq_length: int = 64) ->
                        "args": args}, iter_dir)
     if torch.distributed.get_rank() == 0:
         ckpt.write_tracker(out / "dist", 5)
-    state = {}
-    moe_layers = tuple(f"language_model.decoder.layers.{i}." for i in spec.moe_layers)
-    for k, v in model.state_dict().items():
-        for local, te in LOCAL_TO_TE_KEYS.items():
-            if not (local == "pre_mlp_layernorm." and k.startswith(moe_layers)):  # an MoE layer keeps its own norm
-                k = k.replace("." + local, "." + te)
-        state[k] = v.clone() if isinstance(v, torch.Tensor) else v
-    args.ckpt_format = "torch"
-    tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
-    for name, named in (("legacy_sequential", state), ("legacy_grouped",
-                                                       {grouped_expert_name(k): v for k, v in state.items()})):
-        path = ckpt.legacy_rank_file(out / name / "iter_0000005", tp_rank, 0, 1, ep_rank=ep_rank, ep=2)
-        if ps.get_expert_data_parallel_rank() == 0:
+
+    def legacy_state(model):
+        state = {}
+        moe_layers = tuple(f"language_model.decoder.layers.{i}." for i in spec.moe_layers)
+        for k, v in model.state_dict().items():
+            for local, te in LOCAL_TO_TE_KEYS.items():
+                if not (local == "pre_mlp_layernorm." and k.startswith(moe_layers)):  # an MoE layer keeps its own norm
+                    k = k.replace("." + local, "." + te)
+            state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        return state
+
+    def save_legacy(name, state, run_args, writes: bool) -> None:
+        path = ckpt.legacy_rank_file(out / name / "iter_0000005", ps.get_tensor_model_parallel_rank(), 0, 1,
+                                     ep_rank=ps.get_expert_model_parallel_rank(), ep=2)
+        if writes:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 5, "model": named}, path)
+            torch.save({"args": run_args, "checkpoint_version": 3.0, "iteration": 5, "model": state}, path)
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
             ckpt.write_tracker(out / name, 5)
+
+    # Megatron-LM writes a legacy checkpoint on the ranks of expert data-parallel rank 0 (since its #4678 also on
+    # those of data-parallel rank 0): at ETP2 every rank here, at ETP1 only TP0 x EP0 and TP1 x EP1
+    args.ckpt_format = "torch"
+    state = legacy_state(model)
+    save_legacy("legacy_sequential", state, args, True)
+    save_legacy("legacy_grouped", {grouped_expert_name(k): v for k, v in state.items()}, args, True)
+    del model, state
+    model = _model_for(src, 2, 1, seq_length, ep=2, etp=1)
+    etp1_args = argparse.Namespace(**dict(vars(args), expert_tensor_parallel_size=1))
+    save_legacy("legacy_etp1", legacy_state(model), etp1_args,
+                ps.get_expert_data_parallel_rank() == 0 or ps.get_data_parallel_rank() == 0)
     torch.distributed.barrier()
 
 

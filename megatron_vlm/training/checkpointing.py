@@ -11,9 +11,11 @@ How a save becomes visible (a crash at any point leaves the previous checkpoint 
   ``iter_XXXXXXX`` when complete; the tracker is then replaced atomically (temporary file + rename). A save
   killed part-way leaves its temporary directory, which is never read: the next start reports it
   (:func:`interrupted_saves`) and leaves it for the user to delete.
-- integrity: before ``ckpt_meta.json`` a local save writes ``checksums.json`` (:mod:`megatron_vlm.manifest`: size
-  and crc32 of every file, each rank reading back a share of the shards); a resume checks it the same way
-  (:func:`damaged_files`) before it loads anything.
+- integrity: before ``ckpt_meta.json`` a local save records the checksums of every file (:mod:`megatron_vlm.manifest`:
+  megatron-core's SHA-256 ``integrity.json`` where it has one, 0.19, and ``checksums.json``, crc32 with each rank
+  reading back a share, for the rest); a resume checks them (:func:`damaged_files`) before it loads anything.
+  ``--no-verify-integrity`` skips both re-reads (multi-TB checkpoints). The commit is durable: every file, the
+  directory, the rename and the tracker are flushed to disk in that order (:func:`commit_local`).
 - object store (``--save-dir msc://PROFILE/...``): there is no rename, so the shards are written straight
   into ``iter_XXXXXXX/`` (emptied first if an interrupted save left objects there). ``ckpt_meta.json`` is
   the last object of an iteration directory, so a directory without it is known to be incomplete; the
@@ -157,8 +159,11 @@ def _storage_problem(target, e: BaseException) -> str | None:
 
 
 def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spec: VLMSpec, meta: ckpt.CheckpointMeta,
-         side_src: Path | None, with_optim: bool, total_limit: int | None, config_yaml: str | None = None) -> str:
-    """Save iteration ``iteration`` under ``run_dir`` (a local directory or an ``msc://`` URL); returns its path."""
+         side_src: Path | None, with_optim: bool, total_limit: int | None, config_yaml: str | None = None,
+         verify_integrity: bool = True) -> str:
+    """Save iteration ``iteration`` under ``run_dir`` (a local directory or an ``msc://`` URL); returns its path.
+    ``verify_integrity`` (``--verify-integrity``): record the checksums of every file (:mod:`megatron_vlm.manifest`),
+    reading them back once."""
     remote = storage.is_remote(run_dir)
     final = storage.join(run_dir, ckpt.iter_dir_name(iteration))
     rank0 = torch.distributed.get_rank() == 0
@@ -175,15 +180,18 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
     torch.distributed.broadcast_object_list(name, src=0)
     target = name[0]
     sd = _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim, loading=False)
+    verify = verify_integrity and not remote
     try:
-        ckpt.save_sharded(sd, target)
+        ckpt.save_sharded(sd, target, verify_integrity=verify)
     except BaseException as e:  # torch's CheckpointException derives from BaseException
         hint = _errno_hint(e) or _storage_problem(target, e)
         if hint is None:
             raise
         raise CheckpointWriteError(f"saving checkpoint {final}: {hint}") from e
     torch.distributed.barrier()
-    shards = _checksum_share(target) if not remote else {}  # every rank reads back its share of the shards
+    # megatron-core's integrity manifest (0.19) has the files it wrote; every rank reads back its share of the rest
+    listed = manifest.mcore_listed(target) if verify else set()
+    shards = _checksum_share(target, skip=listed) if verify else {}
     if rank0:
         if side_src is not None and (storage.path(side_src) / ckpt.EXTRA).is_file():
             ckpt.copy_side_files(side_src, target)
@@ -194,20 +202,14 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
             storage.write_text(storage.join(target, "config.yaml"), config_yaml)
         meta.iteration = iteration
         meta.extra["optimizer"] = with_optim
-        if not remote:  # the side files (written here, after the shards) are checksummed by rank 0
-            side = [n for n in manifest.files_of(target) if n not in shards]
+        if verify:  # the side files (written here, after the shards) are checksummed by rank 0
+            side = [n for n in manifest.files_of(target) if n not in shards and n not in listed]
             manifest.write(target, {**shards, **manifest.entries(target, side)})
         meta.save(target)  # last object of the iteration directory: marks it complete
         if not remote:
-            old_copy = None
-            if Path(final).exists():  # the same iteration saved again (a resume from an earlier one)
-                old_copy = Path(run_dir) / f".{ckpt.iter_dir_name(iteration)}.replaced-{os.getpid()}"
-                Path(final).rename(old_copy)
-            Path(target).rename(final)
-            if old_copy is not None:
-                shutil.rmtree(old_copy)
+            commit_local(target, final, run_dir)
         spec.save(run_dir)  # like a converted checkpoint: the run directory itself says what it holds
-        ckpt.write_tracker(run_dir, iteration)  # the commit point
+        ckpt.write_tracker(run_dir, iteration)  # the commit point (a local tracker and its directory flushed)
         # --save-total-limit: the newest iterations up to this one; an iteration after it is one a resume from an
         # earlier iteration (--ckpt-step) left, which the run replaces as it saves that iteration again
         kept = [it for it in ckpt.list_iterations(run_dir) if it <= iteration]
@@ -221,11 +223,30 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
     return final
 
 
-def _checksum_share(it_dir) -> dict[str, dict]:
-    """The checksum manifest's entries of every file now in ``it_dir`` (the shards a save just wrote), each rank
-    reading its share (:func:`megatron_vlm.manifest.share`); collective, every rank gets them all."""
+def commit_local(target, final, run_dir) -> None:
+    """Make the complete save in the temporary directory ``target`` the iteration directory ``final`` of
+    ``run_dir``, durably and in order: every file (the shards, ``.metadata``, the side files, ``ckpt_meta.json``) and
+    the directory itself flushed to disk, then the rename, flushed in ``run_dir``. An iteration saved again (a resume
+    from an earlier one) replaces the old directory only then. The tracker is written after this."""
+    from megatron_vlm.atomic import fsync_dir, fsync_tree
+
+    fsync_tree(target)
+    old_copy = None
+    if Path(final).exists():  # the same iteration saved again (a resume from an earlier one)
+        old_copy = Path(run_dir) / f".{Path(final).name}.replaced-{os.getpid()}"
+        Path(final).rename(old_copy)
+    Path(target).rename(final)
+    fsync_dir(run_dir)
+    if old_copy is not None:
+        shutil.rmtree(old_copy)
+
+
+def _checksum_share(it_dir, skip: set[str] = frozenset()) -> dict[str, dict]:
+    """The checksum manifest's entries of every file now in ``it_dir`` (the shards a save just wrote) but those in
+    ``skip``, each rank reading its share (:func:`megatron_vlm.manifest.share`); collective, every rank gets them
+    all."""
     root = Path(it_dir)
-    names = manifest.files_of(root)
+    names = [n for n in manifest.files_of(root) if n not in skip]
     sizes = {n: (root / n).stat().st_size for n in names}
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     mine = manifest.entries(root, manifest.share(names, sizes, world, rank))
@@ -234,23 +255,54 @@ def _checksum_share(it_dir) -> dict[str, dict]:
     return {k: v for part in gathered for k, v in part.items()}
 
 
-def damaged_files(iter_dir) -> list[str]:
-    """The files of ``iter_dir`` whose size or crc32 differs from its checksum manifest (empty: none, or no
-    manifest to compare with). Collective: each rank reads its share of the files, every rank gets the answer."""
-    if storage.is_remote(iter_dir):
+def damaged_files(iter_dir, verify_integrity: bool = True) -> list[str]:
+    """The files of ``iter_dir`` whose bytes differ from its checksum manifests (empty: none, no manifest to compare
+    with, or ``verify_integrity`` off: ``--no-verify-integrity``). Collective: megatron-core checks the files of its
+    integrity manifest on rank 0 (0.19), each rank a share of the rest; every rank gets the answer."""
+    if storage.is_remote(iter_dir) or not verify_integrity:
         return []
     problems: list[str] = []
     try:
+        listed = manifest.mcore_listed(iter_dir)
         files = manifest.read(iter_dir)
     except ValueError as e:
-        files, problems = None, [str(e)]
+        listed, files, problems = set(), None, [str(e)]
     if files is not None:
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        sizes = {n: e["bytes"] for n, e in files.items()}
-        problems = manifest.checksum_problems(iter_dir, files, manifest.share(sorted(files), sizes, world, rank))
+        ours = {n: e for n, e in files.items() if n not in listed}
+        sizes = {n: e["bytes"] for n, e in ours.items()}
+        problems = manifest.checksum_problems(iter_dir, ours, manifest.share(sorted(ours), sizes, world, rank))
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, problems)
-    return sorted({q for part in gathered for q in part})
+    problems = sorted({q for part in gathered for q in part})
+    if listed and not problems:
+        problems = _mcore_integrity_problems(iter_dir)
+    return problems
+
+
+def _mcore_integrity_problems(iter_dir) -> list[str]:
+    """megatron-core's own check of its integrity manifest (collective: rank 0 hashes every file it lists and
+    broadcasts the verdict), as one line per file."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
+
+    if not mcore_version.has_integrity_manifest():
+        return []  # a megatron-core without one: the checkpoint's own manifest covered the rest
+    try:
+        verify_integrity_manifest(str(iter_dir))
+        return []
+    except CheckpointingException as e:
+        out = []
+        for line in str(e).splitlines()[1:]:
+            name, _, what = line.strip().partition(": ")
+            path = Path(iter_dir) / name
+            if what.startswith("hash mismatch"):
+                detail = what[len("hash mismatch"):].strip().strip("()")
+                out.append(f"{path}: its bytes changed after the save (SHA-256 {detail}; its "
+                           f"{manifest.MCORE_MANIFEST})")
+            elif name:
+                out.append(f"{path}: {what or 'failed the check'} (its {manifest.MCORE_MANIFEST} lists it)")
+        return out or [f"{iter_dir}: {str(e).splitlines()[0]}"]
 
 
 #: the mark of a save's temporary directory, ``.iter_XXXXXXX.tmp-<time>-<pid>``

@@ -87,10 +87,10 @@ def report_run_dir(cfg, resumed_dir) -> None:
 
 
 def check_integrity(cfg, iter_dir, resuming: bool) -> None:
-    """Refuse a damaged iteration before anything is loaded: its files against its checksum manifest, each rank
-    reading its share (collective; checkpoints without a manifest pass). ``resuming``: ``iter_dir`` is the run's
-    own (the message names ``--ckpt-step``), else ``--megatron-load-dir``'s."""
-    problems = checkpointing.damaged_files(iter_dir)
+    """Refuse a damaged iteration before anything is loaded: its files against its checksum manifests (collective;
+    checkpoints without one, and every checkpoint with ``--no-verify-integrity``, pass). ``resuming``: ``iter_dir``
+    is the run's own (the message names ``--ckpt-step``), else ``--megatron-load-dir``'s."""
+    problems = checkpointing.damaged_files(iter_dir, getattr(cfg, "verify_integrity", True))
     if not problems:
         return
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

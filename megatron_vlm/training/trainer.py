@@ -237,7 +237,8 @@ def save(cfg, run: Run, iteration: int) -> None:
     loader_state = run.loader.save_state_rank() if run.loader is not None else None
     checkpointing.save(cfg.checkpoint_dir, iteration, training.model, training.optimizer, training.scheduler,
                        loader_state, spec=run.spec, meta=meta, side_src=run.side_src, with_optim=cfg.save_optim,
-                       total_limit=cfg.save_total_limit, config_yaml=cfg.to_yaml())
+                       total_limit=cfg.save_total_limit, config_yaml=cfg.to_yaml(),
+                       verify_integrity=cfg.verify_integrity)
     if overlap:
         training.ddp.enable_forward_pre_hook()
 

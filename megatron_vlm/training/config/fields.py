@@ -370,6 +370,11 @@ class ConfigFields:
         "deterministic position (seeded by --seed and the iteration). energon's saved position is per "
         "data-parallel rank and cannot move to another DP size; without this flag such a resume is refused.",
         "flag", False, "ckpt")
+    verify_integrity: bool = _f(
+        ("--verify-integrity",), "Record the checksums of every checkpoint file when saving (megatron-core's SHA-256 "
+        "integrity manifest where it has one, megatron-core 0.19, and crc32 for the rest) and check them before a "
+        "resume loads anything; each reads every byte back once. --no-verify-integrity skips both re-reads (for "
+        "multi-TB checkpoints); file sizes are still checked.", "bool", True, "ckpt")
     save_total_limit: int | None = _f(("--save-total-limit",), "Keep only the newest N checkpoints. "
                                       "Default: keep all.", "int", None, "ckpt")
     ckpt_step: int | None = _f(
