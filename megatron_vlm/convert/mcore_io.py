@@ -381,28 +381,36 @@ class DistReader:
 # ---- legacy rank files ----------------------------------------------------------------------------------------
 class LegacyWriter:
     """The rank files of a legacy checkpoint, written in place. ``layout[(tp_rank, pp_rank, ep_rank)]``: the
-    rank's ``(local name, dtype, shape)`` in file order (``ep`` expert-parallel ranks: Megatron-LM's
-    ``mp_rank_TT[_PPP]_EEE`` files when above 1). Each file is first written whole by ``torch.save`` under
-    ``skip_data`` (every record in place, no data); :meth:`target` gives where a tensor's bytes go."""
+    rank's ``(local name, dtype, shape)`` or ``(local name, dtype, shape, entry)`` (``ep`` expert-parallel ranks:
+    Megatron-LM's ``mp_rank_TT[_PPP]_EEE`` files when above 1); ``entry`` is the file's model entry the tensor goes
+    to, ``model`` (the default) or, with virtual pipeline stages, ``model0``, ``model1``, ... (one per model chunk,
+    as Megatron-LM writes them). Each file is first written whole by ``torch.save`` under ``skip_data`` (every
+    record in place, no data); :meth:`target` gives where a tensor's bytes go."""
 
     def __init__(self, iter_dir, pp: int, layout: dict, iteration, ep: int = 1):
         self._files: dict[tuple[int, int, int], dict] = {}
         for (t, p, e), entries in layout.items():
             path = ckpt.legacy_rank_file(iter_dir, t, p, pp, e, ep)
             path.parent.mkdir(parents=True, exist_ok=True)
-            state = {name: _placeholder(shape, dtype) for name, dtype, shape in entries}
+            chunks: dict[str, list] = {}
+            for name, dtype, shape, *entry in entries:
+                chunks.setdefault(entry[0] if entry else "model", []).append((name, dtype, tuple(shape)))
+            keys = sorted(chunks, key=lambda k: (len(k), k))  # model0, model1, ..., model10
+            ordered = [(key, name, dtype, shape) for key in keys for name, dtype, shape in chunks[key]]
+            state = {key: {name: _placeholder(shape, dtype) for name, dtype, shape in chunks[key]} for key in keys}
             with torch.serialization.skip_data(materialize_fake_tensors=True):
-                torch.save({"model": state, "checkpoint_version": 3.0, "iteration": iteration}, path)
-            records = _records(path, [(name, math.prod(shape) * _itemsize(dtype)) for name, dtype, shape in entries])
+                torch.save({**state, "checkpoint_version": 3.0, "iteration": iteration}, path)
+            records = _records(path, [((key, name), math.prod(shape) * _itemsize(dtype))
+                                      for key, name, dtype, shape in ordered])
             self._files[(t, p, e)] = {"fd": os.open(path, os.O_RDWR), "records": records,
-                                   "entries": {name: (dtype, tuple(shape)) for name, dtype, shape in entries}}
+                                      "entries": {(key, name): (dtype, shape) for key, name, dtype, shape in ordered}}
 
-    def target(self, tp_rank: int, pp_rank: int, name: str, ep_rank: int = 0):
+    def target(self, tp_rank: int, pp_rank: int, name: str, ep_rank: int = 0, entry: str = "model"):
         from megatron_vlm.convert.copyplan import Target
 
         f = self._files[(tp_rank, pp_rank, ep_rank)]
-        dtype, shape = f["entries"][name]
-        return Target(f["fd"], f["records"][name], dtype, shape)
+        dtype, shape = f["entries"][(entry, name)]
+        return Target(f["fd"], f["records"][(entry, name)], dtype, shape)
 
     def close(self) -> None:
         for f in self._files.values():
@@ -420,9 +428,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _records(path: Path, tensors: list[tuple[str, int]]) -> dict[str, int]:
+def _records(path: Path, tensors: list[tuple[object, int]]) -> dict:
     """``name -> data offset`` of the storage records ``torch.save`` wrote for ``tensors`` (one storage each,
-    numbered in pickling order, which is the state dict's order), checked against the archive's sizes."""
+    numbered in pickling order, which is the state dicts' order), checked against the archive's sizes."""
     import zipfile
 
     reader = torch._C.PyTorchFileReader(str(path))
@@ -440,40 +448,54 @@ def _records(path: Path, tensors: list[tuple[str, int]]) -> dict[str, int]:
 class LegacyReader:
     """Full tensors of a legacy checkpoint, merged over TP from memory-mapped rank files (thread-safe). With expert
     parallelism (``meta.ep`` > 1) an expert's tensors come from its EP rank's files (``mp_rank_TT[_PPP]_EEE``), under
-    their local indices, merged over the expert TP size."""
+    their local indices, merged over the expert TP size; with virtual pipeline stages (``meta.vpp`` > 1) from the
+    ``model<c>`` entry of the chunk that holds them, under the chunk's own layer numbers."""
 
     def __init__(self, iter_dir, spec, meta: ckpt.CheckpointMeta):
         self.dir, self.spec, self.meta = iter_dir, spec, meta
         self.ep, self.etp = meta.ep, meta.etp or meta.tp
         self.per_rank = spec.num_moe_experts // self.ep if spec.is_moe else None
+        self.stage_layers = meta.stage_layers  # per virtual stage (per PP stage without VPP)
         self._files: dict[tuple[int, int, int], tuple[dict, str, int | None]] = {}
         self._lock = threading.Lock()
 
-    def _rank(self, t: int, p: int, e: int = 0) -> tuple[dict, str, int | None]:
-        """(state under local names, file, base) of a rank file: a storage's bytes are at
+    def _rank(self, t: int, p: int, e: int = 0, entry: str = "model") -> tuple[dict, str, int | None]:
+        """(state under local names, file, base) of a rank file's model ``entry``: a storage's bytes are at
         ``data_ptr - base`` of the file (None when they cannot be placed)."""
         with self._lock:
             if (t, p, e) not in self._files:
                 f = ckpt.load_legacy_rank(self.dir, t, p, self.meta.pp, ep_rank=e, ep=self.ep)
-                state = ckpt.normalize_legacy_names(f["model"])  # TE names, _extra_state
+                states = {k: ckpt.normalize_legacy_names(v) for k, v in f.items()
+                          if k == "model" or (k.startswith("model") and k[5:].isdigit())}  # TE names, _extra_state
                 path = str(ckpt.legacy_rank_file(self.dir, t, p, self.meta.pp, e, self.ep))
-                self._files[(t, p, e)] = (state, path, _storage_base(path, [v for v in state.values()
-                                                                           if isinstance(v, torch.Tensor)]))
-            return self._files[(t, p, e)]
+                self._files[(t, p, e)] = (states, path, _storage_base(path, [
+                    v for state in states.values() for v in state.values() if isinstance(v, torch.Tensor)]))
+            states, path, base = self._files[(t, p, e)]
+            if entry not in states:
+                raise ckpt.CheckpointLayoutError(
+                    f"{path} has no '{entry}' entry (it has {sorted(states)}); the checkpoint's virtual pipeline "
+                    f"stages (vpp={self.meta.vpp} in its {ckpt.META}) are not those of its rank files")
+            return states[entry], path, base
 
-    def _where(self, rule) -> tuple[int, int, str]:
-        stage = mapping.stages_of(rule, self.spec, self.meta.pp_layers)[0]
+    def _where(self, rule) -> tuple[int, int, str, str]:
+        """(pipeline rank, EP rank, local name, model entry) of ``rule``'s tensor in the rank files."""
+        from megatron_vlm.pipeline_layout import rank_and_chunk
+
+        stage = mapping.stages_of(rule, self.spec, self.stage_layers)[0]
         e = mapping.ep_rank_of(rule, self.spec, self.ep) or 0
-        return stage, e, mapping.local_name(rule, stage, self.meta.pp_layers, self.per_rank)
+        p, c = rank_and_chunk(stage, self.meta.pp)
+        return p, e, mapping.local_name(rule, stage, self.stage_layers, self.per_rank), \
+            "model" if self.meta.vpp == 1 else f"model{c}"
 
     def shards(self, rule) -> list[torch.Tensor]:
-        stage, e, name = self._where(rule)
+        stage, e, name, entry = self._where(rule)
         out = []
         for t in range(mapping.split_size(rule, self.meta.tp, self.etp)):
-            state = self._rank(t, stage, e)[0]
+            state = self._rank(t, stage, e, entry)[0]
             if name not in state:
                 raise ckpt.CheckpointLayoutError(f"{name} is missing from rank file tp={t} pp={stage}"
-                                                 f"{f' ep={e}' if self.ep > 1 else ''} of {self.dir}")
+                                                 f"{f' ep={e}' if self.ep > 1 else ''}"
+                                                 f"{f' ({entry})' if entry != 'model' else ''} of {self.dir}")
             out.append(state[name])
         return out
 
@@ -485,10 +507,10 @@ class LegacyReader:
         shard's bytes cannot be placed."""
         from megatron_vlm.convert.copyplan import Located
 
-        stage, e, name = self._where(rule)
+        stage, e, _, entry = self._where(rule)
         sources = []
         for t, shard in enumerate(self.shards(rule)):
-            _, path, base = self._rank(t, stage, e)
+            _, path, base = self._rank(t, stage, e, entry)
             if base is None or not shard.is_contiguous():
                 return None
             offset = shard.untyped_storage().data_ptr() - base + shard.storage_offset() * shard.element_size()

@@ -29,6 +29,7 @@ class Runtime:
     dp_rank: int
     ep: int = 1  # expert-model-parallel size (mixture-of-experts models)
     ep_rank: int = 0
+    vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -49,9 +50,10 @@ def choose_device(device: str | None = None) -> str:
 
 
 def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234, timeout_min: int = 30, ep: int = 1,
-          etp: int | None = None) -> Runtime:
+          etp: int | None = None, vpp: int = 1) -> Runtime:
     """Initialise torch.distributed and megatron's model-parallel groups for this process (``ep``/``etp``: the
-    expert-parallel groups of a mixture-of-experts model; ``etp`` defaults to ``tp``)."""
+    expert-parallel groups of a mixture-of-experts model; ``etp`` defaults to ``tp``; ``vpp``: virtual pipeline
+    stages per pipeline rank, which makes megatron-core's schedule the interleaved one)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -86,7 +88,8 @@ def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234,
                          f"{world // pp} ranks must hold whole expert-parallel groups")
     destroy_parallel_groups()  # a world that runs several jobs: the previous job's groups and their threads
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     seed_everything(seed)
     model_parallel_cuda_manual_seed(seed)
     return current()
@@ -109,6 +112,7 @@ def current() -> Runtime:
         dp_rank=ps.get_data_parallel_rank(),
         ep=ps.get_expert_model_parallel_world_size(),
         ep_rank=ps.get_expert_model_parallel_rank(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
     )
 
 

@@ -21,6 +21,7 @@ import torch
 from megatron_vlm import checkpoint as ckpt
 from megatron_vlm.runtime.spawn import thread_names
 from megatron_vlm.spec import VLMSpec
+from megatron_vlm.testing import chunk_views
 
 #: what every job's TrainConfig has unless the job says otherwise
 BASE = dict(device="cpu", stage=2, freeze_vit=False, lr=2e-3, min_lr=0.0, lr_warmup_fraction=0.0,
@@ -96,15 +97,17 @@ def micro_batches(collate, samples: list, dp: int, dp_rank: int, micro_batch_siz
     return [collate(mine[i:i + micro_batch_size]) for i in range(0, len(mine), micro_batch_size)]
 
 
-def _setup(cfg):
+def _setup(cfg, spec: VLMSpec | None = None):
+    """The job's parallel groups (``spec``: the model's, which decides the virtual pipeline stages, if any)."""
     from megatron_vlm.runtime import distributed
 
-    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp)
+    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp,
+                             vpp=cfg.vpp_size(spec) if spec is not None else 1)
 
 
 def weights_digest(model) -> str:
-    """sha256 of this rank's parameters (names, dtypes and bytes, in the model's order): equal digests are
-    bit-identical weights."""
+    """sha256 of this rank's parameters (names, dtypes and bytes, in the model's order; ``model``: a module or a
+    ``Training``, all of its chunks): equal digests are bit-identical weights."""
     import hashlib
 
     h = hashlib.sha256()
@@ -157,10 +160,11 @@ def grad_differences(training, rt, spec: VLMSpec, cfg, reference: dict) -> dict[
 def _save(job, step: int, cfg, rt, spec, training, iter_dir, global_batch_size: int) -> None:
     from megatron_vlm.training import checkpointing, resume
 
-    meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp),
-                               dtype=str(training.dtype).replace("torch.", ""), ep=cfg.ep, etp=cfg.etp)
+    meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers),
+                               dtype=str(training.dtype).replace("torch.", ""), ep=cfg.ep, etp=cfg.etp,
+                               vpp=len(training.models))
     meta.extra.update(resume.layout_extra(cfg, rt.dp, step * global_batch_size))
-    checkpointing.save(Path(job["save"]), step, training.model, training.optimizer, training.scheduler, None,
+    checkpointing.save(Path(job["save"]), step, training.models, training.optimizer, training.scheduler, None,
                        spec=spec, meta=meta, side_src=iter_dir, with_optim=cfg.save_optim, total_limit=None)
 
 
@@ -207,7 +211,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         cfg = job_config(job, steps, len(global_batches[0]))
         # for batch() only; sequence parallelism splits the image-expanded length over TP, as the trainer pads it
         encoder = encoder_for(hf_dir, spec=spec, pad_to_multiple_of=cfg.tp if cfg.sequence_parallel else None)
-        rt = _setup(cfg)
+        rt = _setup(cfg, spec)
         if job.get("resume"):  # as the trainer: the plan (which fixes the loss objective) before the model
             plan = resume.plan(cfg, job["resume"], rt.tp, rt.pp, rt.dp)
             plan.load_data = False  # the job feeds its own batches
@@ -216,12 +220,13 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             if job.get("reload_weights", True):
                 resume.restore(training, plan)
             else:  # the defect: weights loaded, the optimizer's fp32 main params left as they were
-                checkpointing.load(plan.iter_dir, training.model, training.optimizer, training.scheduler, False,
+                checkpointing.load(plan.iter_dir, training.models, training.optimizer, training.scheduler, False,
                                    with_rng=False, with_data=False)
+        views = chunk_views.views(training, rt, cfg, spec)  # VPP: each chunk as a stage of a wider pipeline
         if job.get("grads"):
             from megatron_vlm.testing import grad_reference
 
-            captured = grad_reference.capture(training)
+            captured = [grad_reference.capture(v.training) for v in views]
         losses, norms, scales, moe = [], [], [], []
         first = job.get("start", 0)
         # as the trainer: only the ranks batch_feed.reads_data names read (batch) the data; distribute() hands
@@ -233,8 +238,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         for k, gb in enumerate(global_batches[first:first + steps], 1):
             mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
                 [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
-            inspect = (lambda t: rel.update(grad_differences(t, rt, spec, cfg, reference))) if reference and k == 1 \
-                else None
+            inspect = (lambda t: [rel.update(grad_differences(v.training, v.rt, spec, v.cfg, reference)) for v in views]) \
+                if reference and k == 1 else None
             r = train_step(training, batch_feed.distribute(mine, rt.device), cfg, rt.device, inspect)
             losses.append(r.loss)
             norms.append(r.grad_norm)
@@ -246,19 +251,22 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         readers: list = [None] * world
         torch.distributed.all_gather_object(readers, reads)
         digests: list = [None] * world
-        torch.distributed.all_gather_object(digests, weights_digest(training.model))
+        torch.distributed.all_gather_object(digests, weights_digest(training))
         rels: list = [None] * world
         torch.distributed.all_gather_object(rels, rel)
         result = {"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
                   "readers": [r for r, x in enumerate(readers) if x], "weights": digests, "moe": moe,
                   "grad_rel": {k: max(d[k] for d in rels if k in d) for d in rels for k in d}}
-        if job.get("grads"):
+        if job.get("grads"):  # each chunk's (coordinates, first step's gradients); pp: its stage of the views' pipeline
+            mine = [(dict(grad_reference.coordinates(), pp=v.stage), c[0]) for v, c in zip(views, captured)]
             ranks: list = [None] * world
-            torch.distributed.all_gather_object(ranks, (grad_reference.coordinates(), captured[0]))
-            result.update(grads=ranks, layers=spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers))
+            torch.distributed.all_gather_object(ranks, mine)
+            result.update(grads=[chunk for rank in ranks for chunk in rank],
+                          layers=chunk_views.stage_layers(training, cfg, spec))
         out.append(result)
         release(training)
-        del training
+        del training, views
+        inspect = None  # (it holds the views)
         gc.collect()
         threads: list = [None] * world
         torch.distributed.all_gather_object(threads, thread_names())

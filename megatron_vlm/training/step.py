@@ -69,6 +69,31 @@ def forward_step(device, data_iterator, model):
     return out, partial(loss_func, loss_mask)
 
 
+def chunk_batches(batches: list, num_chunks: int) -> list:
+    """What each of this rank's model chunks takes from the micro batches ``batches``: all of them for one chunk;
+    with virtual pipeline stages, the first chunk of the first rank (inputs) and the last chunk of the last rank
+    (labels, loss mask) take the batches, the other chunks run the middle of the model and take what a middle
+    pipeline stage takes (nothing; with packing, each micro batch's ``cu_seqlens``). One iterator per chunk, as
+    megatron-core's interleaved schedule wants them."""
+    from megatron.core import parallel_state as ps
+
+    if num_chunks == 1:
+        return [iter(batches)]
+    first, last = ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
+    middle = [_middle(b) for b in batches]
+    return [iter(batches if (first and c == 0) or (last and c == num_chunks - 1) else middle)
+            for c in range(num_chunks)]
+
+
+def _middle(batch):
+    """A micro batch as a middle stage sees it: None, or only the packed boundaries."""
+    if batch is None or getattr(batch, "cu_seqlens", None) is None:
+        return None
+    from megatron_vlm.training.batch_feed import MicroBatch
+
+    return MicroBatch(None, None, None, None, None, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
+
+
 def _reduce_losses(losses, device) -> torch.Tensor:
     """[loss sum, token count] of the global batch on the last pipeline stage (zeros elsewhere)."""
     from megatron.core import parallel_state as ps
@@ -81,6 +106,12 @@ def _reduce_losses(losses, device) -> torch.Tensor:
     return total
 
 
+def _iterators(batches: list, ddps: list):
+    """The schedule's data iterator: one, or one per model chunk (:func:`chunk_batches`)."""
+    its = chunk_batches(batches, len(ddps))
+    return its[0] if len(its) == 1 else its
+
+
 def train_step(training, batches: list, cfg, device, before_optimizer_step=None) -> StepResult:
     """Forward/backward over this rank's micro batches of one global batch, then the optimizer step.
     ``before_optimizer_step(training)``, if given, runs in between, when the gradients are reduced over the global
@@ -88,8 +119,9 @@ def train_step(training, batches: list, cfg, device, before_optimizer_step=None)
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp, optimizer = training.ddp, training.optimizer
-    ddp.zero_grad_buffer()
+    ddps, optimizer = training.ddps, training.optimizer
+    for ddp in ddps:
+        ddp.zero_grad_buffer()
     optimizer.zero_grad()
     # fp16's dynamic loss scale (read before the step changes it); other precisions have none, and reading the
     # scale tensor would be one more host-device sync per step
@@ -104,7 +136,7 @@ def train_step(training, batches: list, cfg, device, before_optimizer_step=None)
             micro_batches = len(batches) * ps.get_data_parallel_world_size()
             stack.enter_context(aux_weight.step(global_loss_tokens(batches, device), micro_batches))
         losses = get_forward_backward_func()(
-            forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
+            forward_step_func=partial(forward_step, device), data_iterator=_iterators(batches, ddps), model=ddps,
             num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
             forward_only=False)
     if before_optimizer_step is not None:
@@ -159,25 +191,31 @@ def evaluate(training, batches: list, cfg, device) -> float | None:
     """Mean loss per loss token over ``batches`` (this rank's share of the validation set); None if empty."""
     n = torch.tensor([len(batches)], device=device)
     torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
-    batches = [pad_micro_batch(b, cfg.micro_batch_size, training.spec.media_token_ids)
-               for b in batches[: int(n.item())]]
+    n = int(n.item())
+    if len(training.models) > 1:  # the interleaved schedule runs micro batches in groups of PP (a short split: fewer)
+        from megatron.core import parallel_state as ps
+
+        n -= n % ps.get_pipeline_model_parallel_world_size()
+    batches = [pad_micro_batch(b, cfg.micro_batch_size, training.spec.media_token_ids) for b in batches[:n]]
     if not batches:
         return None
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp = training.ddp
+    ddps = training.ddps
     overlap = training.overlapping_param_gather()
     if overlap:  # parameters must be current before a forward outside the training step
-        ddp.disable_forward_pre_hook(param_sync=True)
-    ddp.eval()
+        training.disable_forward_pre_hook()
+    for ddp in ddps:
+        ddp.eval()
     with torch.no_grad():
         losses = get_forward_backward_func()(
-            forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
+            forward_step_func=partial(forward_step, device), data_iterator=_iterators(batches, ddps), model=ddps,
             num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
             forward_only=True)
-    ddp.train()
+    for ddp in ddps:
+        ddp.train()
     if overlap:
-        ddp.enable_forward_pre_hook()
+        training.enable_forward_pre_hook()
     from megatron.core import parallel_state as ps
 
     total = _reduce_losses(losses, device)
