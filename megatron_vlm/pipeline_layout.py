@@ -27,8 +27,8 @@ STAGES_FLAG = "--num-virtual-stages-per-pipeline-rank"
 def vpp_size(layers_per_rank: list[int], layers_per_virtual_stage: int | None = None,
              virtual_stages_per_rank: int | None = None, uneven: bool = False) -> int:
     """Virtual stages per pipeline rank (1: no VPP) from Megatron-LM's two flags, for ``layers_per_rank`` language
-    layers on each pipeline rank (``uneven``: given by ``--pp-layers``). Raises :class:`ParallelismError` naming
-    the fix for a layout megatron-core cannot build."""
+    layers on each pipeline rank (``uneven``: given by ``--pp-layers``, which Megatron-LM's per-stage flag does not
+    take). Raises :class:`ParallelismError` naming the fix for a layout megatron-core cannot build."""
     pp = len(layers_per_rank)
     if layers_per_virtual_stage is None and virtual_stages_per_rank is None:
         return 1
@@ -44,8 +44,8 @@ def vpp_size(layers_per_rank: list[int], layers_per_virtual_stage: int | None = 
     if layers_per_virtual_stage is not None:
         if uneven:
             raise ParallelismError(
-                f"{LAYERS_FLAG} with --pp-layers {','.join(map(str, layers_per_rank))}: the stages hold different "
-                f"numbers of layers; give the chunks per rank with {STAGES_FLAG} instead (as Megatron-LM asks)")
+                f"{LAYERS_FLAG} with --pp-layers {','.join(map(str, layers_per_rank))}: with an explicit split, give "
+                f"the chunks per rank with {STAGES_FLAG} instead (as Megatron-LM asks for uneven stages)")
         per_rank = layers_per_rank[0]
         if per_rank % layers_per_virtual_stage:
             raise ParallelismError(
@@ -62,7 +62,8 @@ def vpp_size(layers_per_rank: list[int], layers_per_virtual_stage: int | None = 
         common = _divisors(_gcd(layers_per_rank))
         what = f"--pp-layers {','.join(map(str, layers_per_rank))}" if uneven else f"--pp {pp}"
         raise ParallelismError(
-            f"{STAGES_FLAG} {vpp}: pipeline rank {p} holds {n} language layers ({what}), which do not split into "
+            f"{STAGES_FLAG} {vpp}: pipeline rank {p} holds {n} language layer{'s' if n != 1 else ''} ({what}), which "
+            f"do not split into "
             f"{vpp} model chunks of equal size (megatron-core gives each chunk of a rank the same number of layers); "
             f"choose {STAGES_FLAG} from {[d for d in common if d > 1] or common}"
             + (" or change --pp-layers" if uneven else " or change --pp"))

@@ -445,7 +445,7 @@ class ConfigFields:
 
         layers = spec.check_parallelism(self.tp, self.pp, self.pp_layers, self.ep, self.etp)
         return vpp_size(layers, self.num_layers_per_virtual_pipeline_stage, self.num_virtual_stages_per_pipeline_rank,
-                        uneven=self.pp_layers is not None and len(set(layers)) > 1)
+                        uneven=self.pp_layers is not None)
 
     @property
     def expert_tp(self) -> int:
