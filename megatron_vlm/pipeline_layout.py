@@ -59,14 +59,14 @@ def vpp_size(layers_per_rank: list[int], layers_per_virtual_stage: int | None = 
     bad = [(p, n) for p, n in enumerate(layers_per_rank) if n % vpp]
     if bad:
         p, n = bad[0]
-        common = _divisors(_gcd(layers_per_rank))
+        options = [d for d in _divisors(_gcd(layers_per_rank)) if d > 1]
         what = f"--pp-layers {','.join(map(str, layers_per_rank))}" if uneven else f"--pp {pp}"
+        fix = (f"choose {STAGES_FLAG} from {options} or " if options else "") + (
+            f"give every stage a multiple of {vpp} layers with --pp-layers" if uneven else "change --pp")
         raise ParallelismError(
             f"{STAGES_FLAG} {vpp}: pipeline rank {p} holds {n} language layer{'s' if n != 1 else ''} ({what}), which "
-            f"do not split into "
-            f"{vpp} model chunks of equal size (megatron-core gives each chunk of a rank the same number of layers); "
-            f"choose {STAGES_FLAG} from {[d for d in common if d > 1] or common}"
-            + (" or change --pp-layers" if uneven else " or change --pp"))
+            f"do not split into {vpp} model chunks of equal size (megatron-core gives each chunk of a rank the same "
+            f"number of layers); {fix}")
     return vpp
 
 

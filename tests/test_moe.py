@@ -162,6 +162,10 @@ TRAIN_LAYOUTS = {
 }
 
 
+#: virtual pipeline stages with expert parallelism (issue 51): one layer per model chunk, the load-balancing loss off
+VPP_EP = dict(pp=2, num_virtual_stages_per_pipeline_rank=2, ep=2, micro_batch_size=2)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Tiny Qwen3-MoE LLaVA and OneVision (3 MoE layers and a dense one), trained in one 4-process world, and HF's
@@ -186,6 +190,8 @@ def trained(tmp_path_factory):
         jobs += [dict(name=f"{m}-{lay}", steps=3, grads=True, **kw, **own) for lay, kw in TRAIN_LAYOUTS.items()]
         jobs.append(dict(name=f"{m}-ep2dp2-distopt", steps=3, dist_optim=True, **TRAIN_LAYOUTS["ep2dp2"], **own))
     llava = dict(megatron_dir=str(meg["llava"]), hf_dir=str(hf["llava"]), **S2)
+    jobs.append(dict(name="llava-pp2vpp2ep2", steps=2, grads=True, batches="llava", moe_aux_loss_coeff=0.0, **VPP_EP,
+                     **llava))  # virtual pipeline stages (issue 51)
     jobs += [dict(name=f"aux-{lay}", steps=1, grads=True, batches="uniform", moe_aux_loss_coeff=AUX,
                   seq_length=length, **kw, **llava) for lay, kw in TRAIN_LAYOUTS.items()]
     jobs.append(dict(name="bf16-tp2ep2", steps=9, precision="bf16", batches="llava-long", **TRAIN_LAYOUTS["tp2ep2"],
@@ -244,6 +250,22 @@ def test_every_gradient_equals_hf(trained, model, layout):
     experts = [n for n in diffs if ".mlp.experts." in n]
     assert len(experts) == 3 * spec.num_moe_experts * 3 and any(".mlp.gate." in n for n in diffs)
     worst = max(diffs.items(), key=lambda kv: kv[1])
+    assert worst[1] <= RTOL, worst
+
+
+def test_virtual_pipeline_stages_with_expert_parallelism_equal_hf(trained):
+    """The Qwen3-MoE LLaVA at PP2 x VPP2 x EP2 (each rank's two model chunks one layer each, the experts of every
+    chunk dealt out over EP2; the load-balancing loss off): two AdamW steps give HF's losses and grad norms, and the
+    first step's gradient of every tensor (routers, every expert, the dense layers) HF's."""
+    from megatron_vlm.testing import grad_reference
+
+    r, ref, spec = trained["llava-pp2vpp2ep2"], trained["llava-hf"], trained["specs"]["llava"]
+    assert all(rel(a, b) <= RTOL for a, b in zip(r["loss"] + r["grad_norm"], ref["loss"][:2] + ref["grad_norm"][:2]))
+    assert len(r["layers"]) == 4  # the four virtual stages, as a PP4 world's stages
+    diffs = grad_reference.compare(_gradients(r, spec, VPP_EP), trained["llava-hf-grads"]["grads"])
+    assert len([n for n in diffs if ".mlp.experts." in n]) == 3 * spec.num_moe_experts * len(spec.moe_layers)
+    worst = max(diffs.items(), key=lambda kv: kv[1])
+    print(f"\nPP2 x VPP2 x EP2 vs HF: losses {r['loss']}, worst tensor {worst}")
     assert worst[1] <= RTOL, worst
 
 

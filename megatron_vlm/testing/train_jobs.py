@@ -51,10 +51,11 @@ def encoder_for(hf_dir, seq_length: int = BASE["seq_length"], spec: VLMSpec | No
 
 
 def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BASE["seq_length"],
-                            uniform: bool = False) -> list[list]:
+                            uniform: bool = False, videos: int = 0) -> list[list]:
     """``n`` global batches of ``size`` encoded samples of different lengths (and, for anyres models, image
     sizes), the same on every call; ``uniform``: every sample has the first question and answer (one length, the
-    images differ)."""
+    images differ); ``videos`` (OneVision): that many samples of each global batch are a video (of 3 frames and of 1
+    frame in turn, made with PyAV) instead of an image."""
     from megatron.energon import VQASample
     from PIL import Image
 
@@ -63,10 +64,20 @@ def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BAS
     enc = encoder_for(hf_dir, seq_length)
     sizes = IMAGE_SIZES if enc.spec.is_anyres else IMAGE_SIZES[:1]
     meta = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
+    clips = _clips() if videos else []
     out = []
     for b in range(n):
         samples = []
         for i in range(size):
+            if i < videos:
+                from megatron_vlm.data.anyres_encoder import AnyresSample
+                from megatron_vlm.data.conversation import vqa_messages
+
+                j = (b + i) % len(QUESTIONS)
+                messages = vqa_messages(QUESTIONS[j], ANSWERS[(j + b) % len(ANSWERS)], "video")
+                samples.append(AnyresSample(__key__=f"{b}-{i}", **meta, **enc.encode_conversation(
+                    messages, [], f"{b}-{i}", [clips[(b + i) % len(clips)]])))
+                continue
             j = 0 if uniform else (b + i) % len(QUESTIONS)
             image = Image.fromarray(image_array(sizes[0 if uniform else (b + i) % len(sizes)], 8 * b + i))
             s = VQASample(__key__=f"{b}-{i}", image=image, context=QUESTIONS[j],
@@ -74,6 +85,13 @@ def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BAS
             samples.append(enc.encode_sample(s))
         out.append(samples)
     return out
+
+
+def _clips() -> list[bytes]:
+    """Two clips: 25 frames at 10 fps (OneVision's rule picks 3) and 5 at 7 fps (it picks 1)."""
+    from megatron_vlm.testing.videos import make_video
+
+    return [make_video(25, 33, 21, fps=10), make_video(5, 48, 32, fps=7)]
 
 
 def job_config(job: dict, n_steps: int, global_batch_size: int):
@@ -188,7 +206,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     (:mod:`megatron_vlm.testing.grad_reference`); an MoE model's routing numbers of each step come as 'moe'.
     ``megatron_dir``, ``hf_dir`` and ``batches`` give a job its own model and global batches (default: the
     arguments), so one world trains several models: ``global_batches`` is then a dict and ``batches`` names one;
-    a value of that dict may be a recipe, ``(hf_dir, n, uniform, repeat)``, which every rank makes with
+    a value of that dict may be a recipe, ``(hf_dir, n, uniform, repeat[, videos])``, which every rank makes with
     :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks.
     """
     from megatron_vlm.training import batch_feed, checkpointing, resume
@@ -203,8 +221,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         if isinstance(global_batches, tuple):
             recipe, global_batches = global_batches, made.get(global_batches)
             if global_batches is None:
-                global_batches = made[recipe] = variable_length_batches(recipe[0], recipe[1],
-                                                                        uniform=recipe[2]) * recipe[3]
+                global_batches = made[recipe] = variable_length_batches(
+                    recipe[0], recipe[1], uniform=recipe[2], videos=recipe[4] if len(recipe) > 4 else 0) * recipe[3]
         iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
         spec = VLMSpec.load(iter_dir)
         steps = job.get("steps", len(global_batches) - job.get("start", 0))
