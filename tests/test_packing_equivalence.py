@@ -16,7 +16,10 @@ behind the CPU compatibility layer, megatron's per-segment RoPE), with the train
   than bf16 itself is from fp32 on the same step (the unpacked bf16 step against the unpacked fp32 one, measured
   in the same world): a packing defect shows as an error larger than the precision's own;
 - the negative control: the same packs with attention across the samples of a pack (the local 'thd' attention
-  given one segment for the whole row) fail these checks, at PP2 and for the OneVision at DP2.
+  given one segment for the whole row) fail these checks, at PP2 and for the OneVision at DP2;
+- virtual pipeline stages (issue 51): a LLaVA of four language layers at PP2 x VPP2 (one layer per model chunk),
+  two packs and two unpacked micro batches per step (the interleaved schedule runs micro batches in groups of PP),
+  the packed step equal to the unpacked one in fp32 as above; the middle chunks take each pack's boundaries.
 """
 
 from __future__ import annotations
@@ -45,10 +48,15 @@ def results(hf_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("packing_eq")
     hf = hf_models["llama_clip"]
     ov = make_tiny_onevision(root / "ov")
+    from megatron_vlm.testing.tiny import make_tiny_llava
+
+    four = make_tiny_llava(root / "llava4", text_overrides={"num_hidden_layers": 4})
     models = {"llava": (convert_hf_to_megatron(hf, root / "llava_meg", tp=1), hf),
-              "ov": (convert_hf_to_megatron(ov, root / "ov_meg", tp=1), ov)}
+              "ov": (convert_hf_to_megatron(ov, root / "ov_meg", tp=1), ov),
+              "llava4": (convert_hf_to_megatron(four, root / "llava4_meg", tp=1), four)}
     sets = {f"llava-{k}": v for k, v in sample_sets(encoder_for(hf, LLAVA["seq_length"])).items()}
     sets.update({f"ov-{k}": v for k, v in sample_sets(encoder_for(ov, OV["seq_length"])).items()})
+    sets["llava4-mixed"] = sample_sets(encoder_for(four, LLAVA["seq_length"]))["mixed"]
     jobs = [
         dict(name="llava-tp2", tp=2, samples="llava-mixed", **LLAVA),
         dict(name="llava-pp2", pp=2, samples="llava-mixed", **LLAVA),
@@ -61,6 +69,8 @@ def results(hf_models, tmp_path_factory):
         dict(name="ov-dp2", samples="ov-mixed", **OV),
         dict(name="ov-dp2-bf16", samples="ov-mixed", precision="bf16", **OV),
         dict(name="ov-dp2-broken", samples="ov-mixed", broken=True, **OV),
+        dict(name="llava-pp2vpp2", pp=2, num_virtual_stages_per_pipeline_rank=2, samples="llava4-mixed",
+             unpacked_micro_batches=2, **dict(LLAVA, model="llava4")),
     ]
     out = run_world(equivalence_jobs, 2, jobs, models, sets)[0]
     return {r["name"]: r for r in out}
@@ -74,7 +84,7 @@ def fp32_failures(r: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["llava-tp2", "llava-pp2", "llava-dp2", "llava-identical", "ov-tp2", "ov-pp2",
-                                  "ov-dp2"])
+                                  "ov-dp2", "llava-pp2vpp2"])
 def test_packed_step_equals_unpacked_in_fp32(results, name):
     r = results[name]
     assert not fp32_failures(r), (fp32_failures(r), r)

@@ -126,6 +126,7 @@ def convert_hf_to_megatron(
     ep: int = 1,
     etp: int | None = None,
     vpp: int = 1,
+    layers_per_virtual_stage: int | None = None,
 ) -> Path:
     """Write ``megatron_dir``. ``check(tmp_dir)``, if given, runs on the complete checkpoint under its temporary
     name before the rename (``--verify``): when it raises, the new checkpoint is deleted and ``megatron_dir`` is
@@ -134,15 +135,16 @@ def convert_hf_to_megatron(
     before anything is written (``--verify``'s own memory check). ``ep``/``etp``: the expert-parallel layout of a
     mixture-of-experts model (legacy rank files are written per EP rank; torch_dist reshards to any). ``vpp``:
     virtual pipeline stages per PP rank (legacy rank files hold one ``model<c>`` entry per model chunk, as Megatron-LM
-    writes them; a torch_dist checkpoint is the same at any layout and records it only)."""
+    writes them; a torch_dist checkpoint is the same at any layout and records it only), or
+    ``layers_per_virtual_stage`` layers per model chunk (Megatron-LM's two flags)."""
     if ckpt_format not in ckpt.FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {ckpt.FORMATS}")
     spec = VLMSpec.from_hf_dir(hf_dir)
     layers = spec.check_parallelism(tp, pp, pp_layers, ep, etp)
-    if vpp > 1:
+    if vpp > 1 or layers_per_virtual_stage is not None:
         from megatron_vlm.pipeline_layout import vpp_size
 
-        vpp_size(layers, virtual_stages_per_rank=vpp, uneven=len(set(layers)) > 1)
+        vpp = vpp_size(layers, layers_per_virtual_stage, vpp if vpp > 1 else None, uneven=pp_layers is not None)
     if ckpt_format == "torch" and (etp or tp) not in (1, tp):
         raise ValueError(f"--etp {etp} with --tp {tp}: legacy rank files hold experts whole (--etp 1) or split as the "
                          "attention (--etp equal to --tp); use --ckpt-format torch_dist, which reshards to any --etp")

@@ -99,7 +99,7 @@ def job_config(job: dict, n_steps: int, global_batch_size: int):
 
     fields = {k: v for k, v in job.items()
               if k not in ("name", "steps", "start", "save", "save_after", "resume", "reload_weights",
-                           "reference_grads", "grads", "megatron_dir", "hf_dir", "batches")}
+                           "reference_grads", "grads", "megatron_dir", "hf_dir", "batches", "evaluate")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
     # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
@@ -202,6 +202,9 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     must avoid); ``reference_grads`` (global Megatron name -> full tensor: the first step's gradients are compared
     with them tensor by tensor, :func:`grad_differences`; the result's ``grad_rel`` holds each tensor's relative
     difference, over all ranks).
+    ``evaluate`` (a number of micro batches): the trainer's evaluation (:func:`megatron_vlm.training.step.evaluate`)
+    of that many micro batches of the first global batch after the last step, as 'val_loss' (with virtual pipeline
+    stages it takes the largest multiple of PP of them).
     ``grads``: also return, as 'grads', every rank's (coordinates, local gradients) of the first step
     (:mod:`megatron_vlm.testing.grad_reference`); an MoE model's routing numbers of each step come as 'moe'.
     ``megatron_dir``, ``hf_dir`` and ``batches`` give a job its own model and global batches (default: the
@@ -265,7 +268,17 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             moe.append(r.moe)
             if k == save_after:
                 _save(job, first + k, cfg, rt, spec, training, iter_dir, len(gb))
+        val = None
+        if job.get("evaluate"):  # the trainer's evaluation (forward only) of the first global batch, weights as now
+            from megatron_vlm.training.step import evaluate
+
+            gb = global_batches[first]
+            mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
+                [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
+            val = evaluate(training, batch_feed.distribute(mine[:job["evaluate"]], rt.device), cfg, rt.device)
         world = torch.distributed.get_world_size()
+        vals: list = [None] * world
+        torch.distributed.all_gather_object(vals, val)
         readers: list = [None] * world
         torch.distributed.all_gather_object(readers, reads)
         digests: list = [None] * world
@@ -274,7 +287,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         torch.distributed.all_gather_object(rels, rel)
         result = {"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
                   "readers": [r for r, x in enumerate(readers) if x], "weights": digests, "moe": moe,
-                  "grad_rel": {k: max(d[k] for d in rels if k in d) for d in rels for k in d}}
+                  "grad_rel": {k: max(d[k] for d in rels if k in d) for d in rels for k in d},
+                  "val_loss": next((v for v in vals if v is not None), None)}
         if job.get("grads"):  # each chunk's (coordinates, first step's gradients); pp: its stage of the views' pipeline
             mine = [(dict(grad_reference.coordinates(), pp=v.stage), c[0]) for v, c in zip(views, captured)]
             ranks: list = [None] * world
