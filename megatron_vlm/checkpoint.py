@@ -73,7 +73,10 @@ class CheckpointMeta:
 
     def save(self, iter_dir) -> None:
         self.versions = mcore_version.writer_stamp()
-        storage.write_text(storage.join(iter_dir, META), json.dumps(asdict(self), indent=2))
+        fields = asdict(self)
+        if fields["vpp"] == 1:  # recorded only with virtual pipeline stages: other checkpoints read as before
+            del fields["vpp"]
+        storage.write_text(storage.join(iter_dir, META), json.dumps(fields, indent=2))
 
     @classmethod
     def load(cls, iter_dir) -> "CheckpointMeta":

@@ -20,7 +20,8 @@ of a run without the distributed optimizer) and continues as HF does; at its own
 Virtual pipeline parallelism (issue 51) joins the 4-rank worlds on models of four language layers (one per model
 chunk at PP2 x VPP2): TP2 x PP2 x VPP2 and PP2 x VPP2 x DP2 with the distributed optimizer (LLaVA), and PP2 x VPP2 x
 DP2 for a OneVision whose batches hold two videos besides anyres images, each equal to HF over two AdamW steps (losses,
-grad norms, every tensor's first-step gradient; measured <= 4.8e-7); the PP2 x VPP2 x DP2 checkpoint resumes at
+grad norms, every tensor's first-step gradient; measured <= 4.8e-7), the distributed optimizer's run overlapping its
+grad reduce and param gather; the PP2 x VPP2 x DP2 checkpoint resumes at
 TP2 x PP2 x VPP2 and at PP4 and continues as the straight run and HF.
 
 fp16 with megatron-core's dynamic loss scaling trains on CPU too: an overflowing first step is skipped, the scale
@@ -78,7 +79,10 @@ LAYOUTS = {
 #: the 4-rank world, two AdamW steps each against HF's own model; OneVision's batches hold two videos each
 VPP = dict(num_virtual_stages_per_pipeline_rank=2, micro_batch_size=2)
 VPP_LAYOUTS = {
-    "llava": {"tp2pp2vpp2": dict(tp=2, pp=2, **VPP), "pp2vpp2dp2-dist": dict(pp=2, dist_optim=True, **VPP)},
+    "llava": {"tp2pp2vpp2": dict(tp=2, pp=2, **VPP),
+              # the distributed optimizer with overlapped grad reduce and param gather (buckets on the first chunk)
+              "pp2vpp2dp2-dist": dict(pp=2, dist_optim=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                                      ddp_bucket_size=4000, **VPP)},
     "onevision": {"pp2vpp2dp2": dict(pp=2, **VPP)},
 }
 #: a PP2 x VPP2 x DP2 checkpoint (distributed optimizer, after step 1) resumes at these layouts
@@ -243,8 +247,9 @@ def test_bf16_tp1_starts_at_hf_fp32_loss_within_bf16_rounding(runs):
 @pytest.mark.parametrize("model,layout", [(m, lay) for m, lays in VPP_LAYOUTS.items() for lay in lays])
 def test_virtual_pipeline_stages_equal_hf(runs, models, model, layout):
     """Virtual pipeline stages (issue 51) at TP2 x PP2 x VPP2 and at PP2 x VPP2 x DP2 with the distributed optimizer
-    (LLaVA), and PP2 x VPP2 x DP2 for a OneVision whose batches hold anyres images and videos: two AdamW steps give
-    HF's losses and grad norms, and the first step's gradient of every trained tensor HF's, to 1e-5."""
+    (overlapping its grad reduce and param gather) (LLaVA), and PP2 x VPP2 x DP2 for a OneVision whose batches hold
+    anyres images and videos: two AdamW steps give HF's losses and grad norms, and the first step's gradient of every
+    trained tensor HF's, to 1e-5."""
     r, ref = runs[f"{model}-vpp-{layout}"], runs[f"{model}-vpp-hf"]
     worst = max(r["grad_rel"], key=r["grad_rel"].get)
     print(f"\n{model} {layout}: losses {r['loss']} (HF {ref['loss']}), worst tensor {worst} {r['grad_rel'][worst]:.2e}")

@@ -182,8 +182,13 @@ def _save(job, step: int, cfg, rt, spec, training, iter_dir, global_batch_size: 
                                dtype=str(training.dtype).replace("torch.", ""), ep=cfg.ep, etp=cfg.etp,
                                vpp=len(training.models))
     meta.extra.update(resume.layout_extra(cfg, rt.dp, step * global_batch_size))
+    overlap = training.overlapping_param_gather()
+    if overlap:  # as the trainer saves: the parameters gathered first
+        training.disable_forward_pre_hook()
     checkpointing.save(Path(job["save"]), step, training.models, training.optimizer, training.scheduler, None,
                        spec=spec, meta=meta, side_src=iter_dir, with_optim=cfg.save_optim, total_limit=None)
+    if overlap:
+        training.enable_forward_pre_hook()
 
 
 def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list]) -> list | None:
