@@ -158,10 +158,11 @@ def language_layer_params(spec, tp: int, moe: bool = False, ep: int = 1, etp: in
 
 
 def stage_layers(spec, layout: Layout, stage: int) -> list[int]:
-    """The language layers (global indices) of pipeline stage ``stage``."""
-    counts = layers_per_stage(spec, layout)
-    start = sum(counts[:stage])
-    return list(range(start, start + counts[stage]))
+    """The language layers (global indices) of pipeline stage ``stage`` (with virtual pipeline stages, those of all
+    its model chunks: not contiguous)."""
+    from megatron_vlm.pipeline_layout import chunk_layer_ranges
+
+    return [i for a, b in chunk_layer_ranges(layers_per_stage(spec, layout), layout.vpp)[stage] for i in range(a, b)]
 
 
 def vision_params(spec, tp: int) -> int:
