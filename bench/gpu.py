@@ -35,6 +35,12 @@ What it measures, in one run (each part can be picked with ``--only``):
             the peak memory per rank of the step (``max_memory_allocated``; on CPU the peak resident set). CP2 needs
             two GPUs: NCCL runs one rank per GPU (it refuses two ranks on one device, "Duplicate GPU detected"), so
             on a one-GPU machine the CP2 row says so and only CP1 is measured.
+``vpp``     (bench/gpu_quick.sh) virtual pipeline parallelism: the set-up's LLaVA trained through train/run.py at PP2 and
+            at PP2 x VPP2 (megatron-core's interleaved 1F1B schedule), from the same weights on the same batches, with
+            the language layers split evenly in chunks (``--pp-layers`` with an even count per rank, e.g. 12,10 of 22
+            layers: chunks of 6 and 5): equal loss curves (``--loss-tolerance``), tokens/s of both and the speed-up
+            of the smaller pipeline bubble. PP2 needs two GPUs (NCCL runs one rank per GPU); on a one-GPU machine the
+            rows say so. On CPU (``--tiny``) both run as two gloo ranks.
 ``hf``      (bench/gpu_quick.sh) the reference loop: HF ``LlavaForConditionalGeneration`` with SDPA attention trained by
             a plain PyTorch loop (bf16 autocast over fp32 weights, as HF's Trainer runs bf16; AdamW, the trainer's
             schedule and clipping) on the same batches (energon loader + ``VLMTaskEncoder``, same seed) and the same
@@ -86,7 +92,7 @@ RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 FULL = dict(hidden=2048, layers=22, vision_hidden=1024, vision_layers=24, image_size=336, samples=512,
             mbs=4, gbs=16, seq_length=1024, iters=50, warmup=10, lr=1e-4,
             moe_layers=8, experts=8, topk=2, expert_ffn=1408)
-TINY = dict(hidden=128, layers=2, vision_hidden=128, vision_layers=2, image_size=56, samples=8,
+TINY = dict(hidden=128, layers=4, vision_hidden=128, vision_layers=2, image_size=56, samples=8,
             mbs=2, gbs=4, seq_length=128, iters=3, warmup=1, lr=1e-4,
             moe_layers=2, experts=4, topk=2, expert_ffn=64)
 
@@ -487,6 +493,55 @@ def check_cp(a, hf: Path, meg: Path) -> list[dict]:
     return [one, two]
 
 
+# ---- virtual pipeline parallelism: PP2 x VPP2 against PP2 --------------------------------------------------------
+def vpp_split(layers: int) -> list[int] | None:
+    """Language layers per rank of PP2 that split into two chunks each (even counts, as equal as they come: 12,10 of
+    22); None when the model has too few layers (under 4)."""
+    first = (layers + 2) // 4 * 2
+    rest = layers - first
+    return [first, rest] if first >= 2 and rest >= 2 and rest % 2 == 0 else None
+
+
+def check_vpp(a, work: Path, hf: Path, data: Path, meg: Path) -> list[dict]:
+    """The virtual-pipeline rows: the set-up's LLaVA trained at PP2 and at PP2 x VPP2 through train/run.py (two
+    ranks), same weights, batches and steps: equal losses and both throughputs."""
+    import torch
+
+    impl = "transformer_engine" if "transformer_engine" in a.impls else "local"
+    split = vpp_split(a.layers)
+    gpus = torch.cuda.device_count() if a.device == "cuda" else 2
+    rows = {}
+    for vpp in (1, 2):
+        label = f"{impl}, PP2" + (" x VPP2" if vpp > 1 else "")
+        row = dict(part="vpp", impl=label, dtype=a.precision)
+        if gpus < 2 or split is None:
+            rows[vpp] = dict(row, ok=None, note="not measured: " + (
+                f"PP2 needs 2 GPUs, this machine has {gpus} (NCCL runs one rank per GPU and refuses two ranks on one "
+                "device: 'Duplicate GPU detected')" if gpus < 2 else
+                f"the set-up's {a.layers} language layers do not make two chunks on each of two ranks"))
+            continue
+        extra = ("-g", "2", "--pp", "2", "--pp-layers", ",".join(map(str, split)))
+        if vpp > 1:
+            extra += ("--num-virtual-stages-per-pipeline-rank", str(vpp))
+        r = train_run(a, work, hf, data, meg, f"vpp{vpp}_{impl}", impl, a.precision, extra=extra)
+        if "error" in r:
+            rows[vpp] = dict(row, ok=False, note=r["error"])
+            continue
+        chunks = ", ".join(f"{n // vpp}" for n in split)
+        rows[vpp] = dict(row, loss_first=r["losses"][0], loss_last=r["losses"][-1], losses=r["losses"],
+                         tokens_per_s=r["tokens_per_s"], tflops=r["tflops"], s_per_iter=r["s_per_iter"], ok=None,
+                         note=f"--pp-layers {','.join(map(str, split))}" + (
+                             f", {vpp} chunks per rank of {chunks} layers (interleaved 1F1B)" if vpp > 1 else
+                             " (1F1B)") + f"; {a.gbs // a.mbs} micro batches per step")
+    plain, inter = rows[1], rows[2]
+    if "losses" in plain and "losses" in inter:
+        diff = curve_diff(inter["losses"], plain["losses"])
+        inter.update(diff=diff, tolerance=a.loss_tolerance, ok=diff <= a.loss_tolerance,
+                     speedup=inter["tokens_per_s"] / plain["tokens_per_s"], mfu=mfu(inter))
+        plain.update(ok=True, mfu=mfu(plain))
+    return [plain, inter]
+
+
 # ---- the reference: HF + SDPA in a plain PyTorch loop ------------------------------------------------------------
 HF_ROW = "HF + SDPA loop"
 
@@ -647,7 +702,8 @@ def parse(argv=None):
                    "Megatron), packing (packed vs unpacked forward, and a packed training row), train (bf16 local/TE, "
                    "FP8 recipes), fusions (a TE training row with every fusion off), hf (the HF + SDPA reference "
                    "loop on the same batches), moe (an MoE LLaVA at EP1: TE grouped GEMM, or local layers), cp (one long "
-                   "sample at CP1 and at CP2 with TE's p2p attention: losses and peak memory per rank)")
+                   "sample at CP1 and at CP2 with TE's p2p attention: losses and peak memory per rank), vpp (PP2 x "
+                   "VPP2 against PP2 through train/run.py: equal losses, tokens/s; needs two GPUs)")
     p.add_argument("--inputs", type=Path, default=None, help="set-up folder (HF model, data, converted checkpoint): "
                    "reused when it holds one, else built there and kept")
     p.add_argument("--setup-only", action="store_true", help="build the set-up into --inputs and stop")
@@ -692,9 +748,10 @@ def parse(argv=None):
         p.error(f"--gbs {a.gbs} must be a multiple of --mbs {a.mbs}")
     if a.setup_only and a.inputs is None:
         p.error("--setup-only needs --inputs DIR (where the set-up is kept for the later steps)")
-    unknown = a.only - {"logits", "packing", "train", "fusions", "hf", "moe", "cp"}
+    unknown = a.only - {"logits", "packing", "train", "fusions", "hf", "moe", "cp", "vpp"}
     if unknown:
-        p.error(f"--only {','.join(sorted(unknown))}: unknown part(s); pick from logits,packing,train,fusions,hf,moe,cp")
+        p.error(f"--only {','.join(sorted(unknown))}: unknown part(s); pick from logits,packing,train,fusions,hf,moe,"
+                "cp,vpp")
     return a
 
 
@@ -740,6 +797,8 @@ def main(argv=None, run_command=subprocess.run) -> int:
             rows += check_moe(a, work, a.inputs or work, data)
         if "cp" in a.only and not a.setup_only:
             rows += check_cp(a, hf, meg)
+        if "vpp" in a.only and not a.setup_only:
+            rows += check_vpp(a, work, hf, data, meg)
     finally:
         if a.out:
             write_results(a.out, info, rows, {k: str(v) for k, v in vars(a).items()})

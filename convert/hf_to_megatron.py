@@ -28,6 +28,12 @@ def main(argv=None):
                    help="tensor-parallel size inside each expert (default: --tp, as megatron-core)")
     p.add_argument("--pp-layers", default=None,
                    help="uneven language layers per PP stage, e.g. 3,1 (only first/last may differ)")
+    p.add_argument("--num-virtual-stages-per-pipeline-rank", type=positive_int, default=1, metavar="N",
+                   help="virtual pipeline stages (model chunks) per PP rank, as the training run will use: legacy rank "
+                        "files then hold model0, model1, ... (Megatron-LM's layout), --verify runs the interleaved "
+                        "schedule; torch_dist loads at any layout and only records it")
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None, metavar="N",
+                   help="the same, as language layers per model chunk (Megatron-LM's other flag; even splits)")
     p.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                    help="torch_dist (megatron dist_checkpointing, reshards on load) or legacy torch rank files")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
@@ -77,8 +83,13 @@ def main(argv=None):
     convert_hf_to_megatron(a.hf_dir, a.megatron_dir, tp=a.tp, pp=a.pp, pp_layers=parse_pp_layers(a.pp_layers),
                            ckpt_format=a.ckpt_format, dtype=a.dtype, overwrite=a.overwrite,
                            check=verify if a.verify else None, ep=a.ep, etp=a.etp, max_memory=a.max_memory,
-                           before_write=verify_fits if a.verify else None)
-    layout = f"tp={a.tp} pp={a.pp}" + (f" ep={a.ep} etp={a.etp or a.tp}" if a.ep > 1 or a.etp else "")
+                           before_write=verify_fits if a.verify else None, vpp=a.num_virtual_stages_per_pipeline_rank,
+                           layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage)
+    from megatron_vlm import checkpoint as ckpt
+
+    vpp = ckpt.CheckpointMeta.load(os.path.join(a.megatron_dir, "release")).vpp
+    layout = f"tp={a.tp} pp={a.pp}" + (f" vpp={vpp}" if vpp > 1 else "") + (
+        f" ep={a.ep} etp={a.etp or a.tp}" if a.ep > 1 or a.etp else "")
     print(f"wrote {a.ckpt_format} checkpoint ({layout}) to {a.megatron_dir}")
     if a.verify:
         print(f"verify: max |logit diff| HF vs Megatron (fp32, {layout}) = {diffs[0]:.3g} <= {a.tolerance:g}: OK")

@@ -12,8 +12,9 @@ Layout (Megatron's)::
                                                   expert-parallel rank if ep > 1, as Megatron-LM names them)
 
 Model keys follow Megatron-LM's convention: ``model.sharded_state_dict()`` with no prefix (torch_dist) and
-``{"model": model.state_dict()}`` per rank file (legacy), norms under Transformer Engine names, so Megatron-LM
-loads these checkpoints. Checkpoints that megatron-vlm wrote before stored torch_dist keys under a ``model.``
+``{"model": model.state_dict()}`` per rank file (legacy; with virtual pipeline stages ``model0``, ``model1``, ...,
+one per model chunk of the rank, each with its own layer numbers from 0), norms under Transformer Engine names, so
+Megatron-LM loads these checkpoints. Checkpoints that megatron-vlm wrote before stored torch_dist keys under a ``model.``
 prefix; :func:`dist_key_layout` reads which convention a checkpoint uses from its metadata, so both load.
     <dir>/tokenizer/                              tokenizer + processor files (copied from the HF dir)
 
@@ -58,10 +59,22 @@ class CheckpointMeta:
     versions: dict = field(default_factory=dict)
     ep: int = 1  # expert-model-parallel size (legacy rank files are per EP rank; torch_dist reshards)
     etp: int | None = None  # expert tensor-parallel size (None: tp)
+    vpp: int = 1  # virtual pipeline stages per PP rank (legacy rank files hold model0, model1, ...; torch_dist reshards)
+
+    @property
+    def stage_layers(self) -> list[int]:
+        """Language layers per virtual pipeline stage, in the model's order (per PP stage without VPP): how legacy
+        rank files lay the layers out (:mod:`megatron_vlm.pipeline_layout`)."""
+        from megatron_vlm.pipeline_layout import virtual_stage_layers
+
+        return virtual_stage_layers(self.pp_layers, self.vpp)
 
     def save(self, iter_dir) -> None:
         self.versions = mcore_version.writer_stamp()
-        storage.write_text(storage.join(iter_dir, META), json.dumps(asdict(self), indent=2))
+        fields = asdict(self)
+        if fields["vpp"] == 1:  # recorded only with virtual pipeline stages: other checkpoints read as before
+            del fields["vpp"]
+        storage.write_text(storage.join(iter_dir, META), json.dumps(fields, indent=2))
 
     @classmethod
     def load(cls, iter_dir) -> "CheckpointMeta":
@@ -278,15 +291,18 @@ def model_sharded_state_dict(model, layout: DistKeyLayout = DistKeyLayout()) -> 
 
 # ---- model weights in a running world --------------------------------------------------------------
 def check_meta(meta: CheckpointMeta, spec: VLMSpec, tp: int, pp: int, where, ep: int = 1,
-               etp: int | None = None) -> None:
-    have = (meta.tp, meta.pp, meta.ep, meta.etp or meta.tp)
-    if meta.format == "torch" and have != (tp, pp, ep, etp or tp):
+               etp: int | None = None, vpp: int = 1) -> None:
+    have = (meta.tp, meta.pp, meta.ep, meta.etp or meta.tp, meta.vpp)
+    if meta.format == "torch" and have != (tp, pp, ep, etp or tp, vpp):
         ep_text = lambda e, x, t: f" ep={e} etp={x or t}" if spec.is_moe else ""  # noqa: E731
+        vpp_text = lambda v: f" vpp={v}" if v > 1 or vpp != meta.vpp else ""  # noqa: E731
         flags = f"--tp {meta.tp} --pp {meta.pp}" + (f" --ep {meta.ep} --etp {meta.etp or meta.tp}" if spec.is_moe else "")
+        if meta.vpp > 1:
+            flags += f" --num-virtual-stages-per-pipeline-rank {meta.vpp}"
         raise CheckpointLayoutError(
             f"{where} is a legacy 'torch' checkpoint written at tp={meta.tp} pp={meta.pp}"
-            f"{ep_text(meta.ep, meta.etp, meta.tp)}, which cannot be loaded at tp={tp} pp={pp}{ep_text(ep, etp, tp)}; "
-            f"use {flags}, or convert it to torch_dist (which reshards on load)"
+            f"{ep_text(meta.ep, meta.etp, meta.tp)}{vpp_text(meta.vpp)}, which cannot be loaded at tp={tp} pp={pp}"
+            f"{ep_text(ep, etp, tp)}{vpp_text(vpp)}; use {flags}, or convert it to torch_dist (which reshards on load)"
         )
 
 
@@ -339,28 +355,33 @@ def save_model_weights(model, iter_dir) -> None:
 
 
 def load_model_weights(model, iter_dir, strict: bool = True) -> CheckpointMeta:
-    """Load this rank's chunk ``model`` from ``iter_dir`` (torch_dist reshards to the current TP/PP)."""
+    """Load this rank's chunk ``model``, or its list of chunks (virtual pipeline stages), from ``iter_dir`` (torch_dist
+    reshards to the current TP/PP/VPP; a legacy checkpoint must have this layout, its chunk ``c`` under ``model<c>``)."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    keys = ["model"] if len(chunks) == 1 else [f"model{c}" for c in range(len(chunks))]
     meta = CheckpointMeta.load(iter_dir)
     spec = VLMSpec.load(iter_dir)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-    check_meta(meta, spec, tp, pp, iter_dir, ep, etp)
+    check_meta(meta, spec, tp, pp, iter_dir, ep, etp, len(chunks))
     if meta.format == "torch_dist":
         layout = dist_key_layout(iter_dir)
-        sharded = model_sharded_state_dict(model, layout)
-        layer_impl.prepare_dist_load(sharded, iter_dir)  # TE _extra_state may be absent; nothing else
-        names = set(sharded)  # the result also holds the checkpoint's common entries (iteration, optimizer, ...)
-        state = dist_checkpointing.load(sharded, str(iter_dir))
-        state = {k[len(layout.prefix):]: v for k, v in state.items() if k in names}
+        sharded = {k: model_sharded_state_dict(m, layout) for k, m in zip(keys, chunks)}
+        for part in sharded.values():
+            layer_impl.prepare_dist_load(part, iter_dir)  # TE _extra_state may be absent; nothing else
+        loaded = dist_checkpointing.load(sharded, str(iter_dir))
+        # (the result also holds the checkpoint's common entries: iteration, optimizer, ...)
+        states = [{k[len(layout.prefix):]: v for k, v in loaded[key].items() if k in sharded[key]} for key in keys]
     else:
-        state = load_legacy_rank(iter_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp,
-                                 ep_rank=ps.get_expert_model_parallel_rank(), ep=ep)["model"]
-        state = layer_impl.adapt_state_dict(state, model.state_dict(), where=str(iter_dir))
-    _check_vocab(state, spec)
-    model.load_state_dict(state, strict=strict)
+        f = load_legacy_rank(iter_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp,
+                             ep_rank=ps.get_expert_model_parallel_rank(), ep=ep)
+        states = [layer_impl.adapt_state_dict(f[key], m.state_dict(), where=str(iter_dir)) for key, m in zip(keys, chunks)]
+    for state, m in zip(states, chunks):
+        _check_vocab(state, spec)
+        m.load_state_dict(state, strict=strict)
     return meta
 
 

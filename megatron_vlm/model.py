@@ -40,6 +40,7 @@ class ModelOptions:
     cp: int = 1  # context parallelism of the language model (megatron_vlm.context_parallel)
     cp_comm_type: str | None = None  # Transformer Engine's CP attention: p2p (None), a2a or allgather
     pp_layers: list[int] | None = None  # explicit (uneven) language layers per PP stage
+    vpp: int = 1  # virtual pipeline stages (model chunks) per PP rank: megatron-core's interleaved schedule
     seq_length: int = 2048  # combined text + image tokens
     params_dtype: torch.dtype = torch.float32
     bf16: bool = False
@@ -161,6 +162,9 @@ def language_config(spec: VLMSpec, opts: ModelOptions):
     kw = _common(opts, "language")
     if opts.pp > 1 and len(set(layers)) > 1:
         kw.update(num_layers_in_first_pipeline_stage=layers[0], num_layers_in_last_pipeline_stage=layers[-1])
+        if opts.vpp > 1 and opts.pp == 2:  # megatron-core's interleaved offset divides by the middle stages: at PP2
+            kw.pop("num_layers_in_last_pipeline_stage")  # the last stage is the one "middle" stage, same layers
+    kw.update(_interleaving(layers, opts))
     if opts.fp8:  # the language model only: the ViT's 577 (CLIP-L/14-336) tokens are no multiple of 16
         kw.update(fp8=opts.fp8_format, fp8_recipe=opts.fp8_recipe)
         if opts.fp8_recipe == "delayed":
@@ -194,6 +198,19 @@ def _context_parallel(opts: ModelOptions) -> dict:
     if opts.cp == 1:
         return {}
     return dict(context_parallel_size=opts.cp, cp_comm_type=opts.cp_comm_type or "p2p")
+
+
+def _interleaving(layers: list[int], opts: ModelOptions) -> dict:
+    """TransformerConfig fields of virtual pipeline parallelism (``opts.vpp`` chunks per rank, checked against the
+    layers of every rank): megatron-core's interleaved schedule, with Megatron-LM's default of overlapping its
+    point-to-point communication (unbatched sends and receives; Megatron-LM needs that overlap at PP2, where the
+    next and the previous rank are one)."""
+    from megatron_vlm.pipeline_layout import vpp_size
+
+    if opts.vpp == 1:
+        return {}
+    vpp_size(layers, virtual_stages_per_rank=opts.vpp, uneven=len(set(layers)) > 1)
+    return dict(virtual_pipeline_model_parallel_size=opts.vpp, overlap_p2p_comm=True, batch_p2p_comm=False)
 
 
 def _recompute(opts: ModelOptions) -> dict:
@@ -363,14 +380,14 @@ def moe_layer_spec(dense_spec, use_te: bool, num_experts: int, grouped_gemm: boo
     return spec
 
 
-def _language_block(spec: VLMSpec, lang_cfg, dense_spec, use_te: bool):
+def _language_block(spec: VLMSpec, lang_cfg, dense_spec, use_te: bool, vp_stage: int | None = None):
     """This pipeline stage's language layers (:class:`LanguageBlock`): the dense or MoE spec of each layer it
     builds, by the spec's MoE pattern, and the final norm (torch's for local layers: megatron's block would pick
     apex's FusedLayerNorm, which has no RMSNorm)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    n = get_num_layers_to_build(lang_cfg)
+    n = get_num_layers_to_build(lang_cfg, vp_stage=vp_stage)
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
@@ -378,7 +395,7 @@ def _language_block(spec: VLMSpec, lang_cfg, dense_spec, use_te: bool):
     layers = [dense_spec] * n
     if spec.is_moe:
         moe_spec = moe_layer_spec(dense_spec, use_te, spec.num_moe_experts, lang_cfg.moe_grouped_gemm)
-        offset = get_transformer_layer_offset(lang_cfg)
+        offset = get_transformer_layer_offset(lang_cfg, vp_stage=vp_stage)
         layers = [moe_spec if offset + i in set(spec.moe_layers) else dense_spec for i in range(n)]
     return _language_block_class()(layer_specs=layers, layer_norm=final_norm, submodules=dense_spec.submodules)
 
@@ -412,8 +429,23 @@ def te_deterministic_env() -> None:
                          "unset it, or drop --deterministic")
 
 
-def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = None, post_process: bool | None = None):
-    """Build the LLaVAModel chunk of this rank (megatron parallel_state must be initialised)."""
+def build_chunks(spec: VLMSpec, opts: ModelOptions) -> list:
+    """This rank's model chunks, one per virtual pipeline stage (``opts.vpp``; one chunk without VPP): chunk ``c``
+    is the LLaVAModel of virtual stage ``c * pp + pp_rank`` (:mod:`megatron_vlm.pipeline_layout`), the vision encoder
+    and projector on chunk 0 of the first rank, the output layer on the last chunk of the last rank."""
+    from megatron.core import parallel_state as ps
+
+    if opts.vpp == 1:
+        return [build_model(spec, opts)]
+    first, last = ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
+    return [build_model(spec, opts, pre_process=first and c == 0, post_process=last and c == opts.vpp - 1, vp_stage=c)
+            for c in range(opts.vpp)]
+
+
+def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = None, post_process: bool | None = None,
+                vp_stage: int | None = None):
+    """Build the LLaVAModel chunk of this rank (megatron parallel_state must be initialised); ``vp_stage``: which
+    of its chunks with virtual pipeline stages (:func:`build_chunks` builds them all)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.transformer.enums import ModelType
@@ -451,7 +483,7 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
     lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te, spec.qk_layernorm, opts.cp)
     lang_cfg = language_config(spec, opts)
     if not opts.use_te or spec.is_moe:
-        lang_spec = _language_block(spec, lang_cfg, lang_spec, opts.use_te)
+        lang_spec = _language_block(spec, lang_cfg, lang_spec, opts.use_te, vp_stage)
     local_sp = (opts.sequence_parallel or opts.cp > 1) and not opts.use_te
     core_attention = lang_spec.submodules.self_attention.submodules.core_attention
     cls, extra = LLaVAModel, {}
@@ -461,7 +493,7 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         cls, extra = AnyresLLaVAModel, dict(anyres=spec.anyres, video_token_index=spec.video_token_id)
     with _llava_accepts_local_sequence_parallel(local_sp, core_attention):
         model = _build_llava(cls, spec, opts, lang_cfg, lang_spec, vit_spec, proj_spec, pre_process, post_process,
-                             extra)
+                             dict(extra, vp_stage=vp_stage) if vp_stage is not None else extra)
     if model.vision_model is not None and spec.vision_family == "siglip":
         # HF LLaVA reads hidden_states[k], which SigLIP's post_layernorm never touches.
         model.vision_model.ln_post = None

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.one_lane(
 def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     """Every step of the GPU command, in its own process: install from a kit (a hand-made wheel, with pip --no-index),
     set-up, HF vs Megatron logits (fp32, bf16), our training, the HF + SDPA loop on the same batches, the MoE row,
-    the context-parallel rows, the gpu tests (skipped here), the report; results merged into one JSON as they come."""
+    the context-parallel rows, PP2 x VPP2 against PP2, the gpu tests (skipped here), the report; results merged into
+    one JSON as they come."""
     kit = tmp_path / "kit"
     fake_wheel(kit / "wheels", "mvlm-kit-probe", "1.0")
     out = tmp_path / "out"
@@ -37,7 +38,7 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert [(s["step"], s["rc"]) for s in steps] == [(n, 0) for n in ("env", "install", "setup", "logits", "train",
-                                                                        "hf", "moe", "cp", "pytest")]
+                                                                        "hf", "moe", "cp", "vpp", "pytest")]
     assert "all checks passed" in res.stdout and "step(s) failed" not in res.stdout
     rows = {(r["part"], r["impl"], r["dtype"]): r for r in json.loads((out / "gpu_bench.json").read_text())["rows"]}
     fp32, bf16 = rows[("logits", "local", "fp32")], rows[("logits", "local", "bf16")]
@@ -70,6 +71,14 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     cp1, cp2 = rows[("cp", "local, CP1", "fp32")], rows[("cp", "local, CP2", "fp32")]
     assert cp1["ok"] and cp2["ok"] and cp2["diff"] <= 1e-5 and cp2["tolerance"] == 0.02, (cp1, cp2)
     assert cp1["positions"] == cp2["positions"] > 3 * 16 and cp2["peak_gib"] > 0 and cp2["memory_ratio"] > 0
+    # virtual pipeline stages (issue 53's row): the set-up's 4-layer LM at PP2 and at PP2 x VPP2 (one layer per chunk),
+    # two gloo ranks each: the same losses (fp32 on CPU: the schedules sum in other orders only)
+    plain, inter = rows[("vpp", "local, PP2", "fp32")], rows[("vpp", "local, PP2 x VPP2", "fp32")]
+    assert plain["ok"] and inter["ok"] and len(inter["losses"]) == bench.TINY["iters"]
+    assert inter["diff"] == bench.curve_diff(inter["losses"], plain["losses"]) < 1e-5
+    assert "--pp-layers 2,2, 2 chunks per rank of 1, 1 layers (interleaved 1F1B)" in inter["note"]
+    assert inter["tokens_per_s"] > 0 and inter["speedup"] > 0
+    assert "==== vpp2_local: " in (out / "train_runs.log").read_text()
     log = (out / "gpu_quick.log").read_text()
     assert "== install: rc 0" in log and "skipped" in log  # pytest: the gpu tests skip without a GPU
     assert bench.curve_diff([1.0, 2.02], [1.0, 2.0]) == pytest.approx(0.01)
@@ -84,6 +93,24 @@ def test_gpu_quick_refuses_te_without_a_te_kit_and_bad_arguments(tmp_path):
     assert res.returncode == 2 and "holds no Transformer Engine build" in res.stderr
     res = subprocess.run(["bash", sh, "--budget", "soon"], env=env, capture_output=True, text=True)
     assert res.returncode == 2 and "whole numbers" in res.stderr
+
+
+def test_vpp_rows_say_why_one_gpu_measures_nothing(tmp_path):
+    """On a one-GPU machine the PP2 rows are not measured (NCCL runs one rank per GPU) and say so; the split that
+    makes two chunks per rank of the full-size set-up's 22 layers is 12,10."""
+    from types import SimpleNamespace
+
+    bench = script("bench/gpu.py")
+    assert bench.vpp_split(22) == [12, 10] and bench.vpp_split(4) == [2, 2] and bench.vpp_split(2) is None
+    a = SimpleNamespace(impls=["transformer_engine"], layers=22, device="cpu", precision="bf16")
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("two GPUs are visible: the rows are measured (bench/gpu.py --only vpp)")
+    a.device = "cuda"  # as on the lent machine: the device count decides
+    rows = bench.check_vpp(a, tmp_path, tmp_path, tmp_path, tmp_path)
+    assert [r["impl"] for r in rows] == ["transformer_engine, PP2", "transformer_engine, PP2 x VPP2"]
+    assert all(r["ok"] is None and "PP2 needs 2 GPUs, this machine has" in r["note"] for r in rows)
 
 
 def test_report_of_a_timed_out_run(tmp_path, capsys):

@@ -140,7 +140,7 @@ def test_a_shard_torch_cannot_read_at_resume_names_ckpt_step(tmp_path, monkeypat
     (run / "iter_0000006" / "ckpt_meta.json").write_text(json.dumps({
         "format": "torch_dist", "tp": 1, "pp": 1, "pp_layers": [2], "iteration": 6}))
     plan = resume.ResumePlan(str(run / "iter_0000006"), 6, True, False, False, 1234)
-    training = SimpleNamespace(model=None, optimizer=None, scheduler=None)  # load() below never reaches them
+    training = SimpleNamespace(models=None, optimizer=None, scheduler=None)  # load() below never reaches them
     gone = FileNotFoundError(2, "No such file or directory", str(run / "iter_0000006" / "__1_0.distcp"))
 
     def fails(error):

@@ -32,6 +32,10 @@ def meg(hf_models, tmp_path_factory):
     (["--tp", "8"], "tp=8 does not divide num_attention_heads=4"),
     (["--pp", "3"], "pp=3 does not divide num_layers=2 of language model"),
     (["--pp", "2", "--pp-layers", "2,1"], "--pp-layers 2,1 must give 2 positive counts summing to num_layers=2"),
+    (["--pp", "2", "--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank 2: "
+     "pipeline rank 0 holds 1 language layer (--pp 2), which do not split into 2 model chunks of equal size"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage needs pipeline "
+     "parallelism"),
 ])
 def test_bad_parallelism(args, expect, hf_models, tmp_path, capsys):
     out = tmp_path / "out"

@@ -90,6 +90,11 @@ COMPOSED = {
                                                   f"{HOLE} {HOLE} {HOLE} {HOLE} {HOLE}; {HOLE}: choose another "],
     "--verify: ...; the new checkpoint was deleted (nothing was written to ...)": [
         "--verify: \x00; the new checkpoint was deleted (\x00).", "nothing was written to \x00"],
+    "...mp_rank_01_000/model_optim_rng.pt: missing rank file (no rank file holds tensor-parallel rank 1's shards "
+    "...); ... Megatron-LM before NVIDIA/Megatron-LM#4678 ...": [
+        ": missing rank file (no rank file holds ", "; Megatron-LM before NVIDIA/Megatron-LM#4678 (May 2026) wrote"],
+    "--megatron-dir X: the model in float32 needs about ... of memory, more than 80% of the ... available; pass "
+    "--dtype bf16 (about ...)": [": the model in ", " of memory, more than ", "; pass --dtype bf16 (about "],
 }
 
 

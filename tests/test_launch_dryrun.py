@@ -102,6 +102,19 @@ def test_yaml_request_with_overrides(tmp_path, capsys):
     (["-g", "2", "--cp", "2", "--seq-length", "66", "--gbs", "16", "--mbs", "16"],
      "--seq-length 66 does not split over the context-parallel ranks: it must be a multiple of 4 (2 x --cp 2); "
      "use --seq-length 68"),
+    # virtual pipeline stages (issue 51): the 2-layer model's ranks hold one layer each
+    (["-g", "2", "--pp", "2", "--num-virtual-stages-per-pipeline-rank", "2", "--gbs", "32", "--mbs", "16"],
+     "--num-virtual-stages-per-pipeline-rank 2: pipeline rank 0 holds 1 language layer (--pp 2), which do not split "
+     "into 2 model chunks of equal size"),
+    (["-g", "2", "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "2", "--gbs", "32", "--mbs", "16"],
+     "--num-layers-per-virtual-pipeline-stage 2 does not divide the 1 language layers of each pipeline rank"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage needs pipeline "
+     "parallelism"),
+    (["-g", "2", "--pp", "2", "--num-virtual-stages-per-pipeline-rank", "2", "--gbs", "48", "--mbs", "16"],
+     "a step has 3 (global batch 48 / (micro batch 16 x data-parallel 1)), not a multiple of 2; pass "
+     "--global-batch-size 32 or 64"),
+    (["-g", "2", "--pp", "2", "--pp-layers", "1,1", "--num-layers-per-virtual-pipeline-stage", "1", "--gbs", "32",
+      "--mbs", "16"], "give the chunks per rank with --num-virtual-stages-per-pipeline-rank instead"),
 ])
 def test_impossible_requests(tmp_path, capsys, extra, expect):
     rc, out, err = dry([*base_args(tmp_path), *extra], capsys)
@@ -226,3 +239,27 @@ def test_real_probe_reads_token_ids_from_tokenizer(tmp_path, capsys):
 
     facts = run_probe([sys.executable], dict(os.environ), str(REPO), False, False, str(tmp_path / "tok_real"))
     assert facts == {"tokenizer": {"image": 300, "pad": 301}}
+
+
+def test_virtual_pipeline_stages_on_the_command_line_yaml_and_sbatch(tmp_path, capsys):
+    """Megatron-LM's two flags for virtual pipeline parallelism (issue 51) with a 4-layer model at PP2: the dry run
+    passes, the estimate names VPP and counts the interleaved schedule's chunk passes in flight, the resolved config
+    carries the flag, a YAML request gives the same, and the --sbatch job's YAML keeps it for every node."""
+    args = base_args(tmp_path)
+    args[args.index("--megatron-load-dir") + 1] = str(make_ckpt(tmp_path / "four", spec=tiny_spec(num_layers=4)))
+    flags = ["-g", "2", "--pp", "2", "--gbs", "32", "--mbs", "16"]
+    rc, out, err = dry([*args, *flags, "--num-layers-per-virtual-pipeline-stage", "1"], capsys)
+    assert rc == 0, err
+    head = out.splitlines()[0]
+    assert "TP=1 PP=2 VPP=2 DP=1" in head, head
+    assert "up to 4 chunk passes in flight (2 chunks of 1 layer(s): the interleaved schedule)" in out, out
+    assert config_of(out).num_layers_per_virtual_pipeline_stage == 1
+    req = tmp_path / "run.yaml"
+    req.write_text(yaml.safe_dump({"num_virtual_stages_per_pipeline_rank": 2, "pp": 2, "gpus": 2}))
+    rc, out, err = dry([*args, "--config", str(req), "--gbs", "32", "--mbs", "16"], capsys)
+    assert rc == 0, err
+    assert config_of(out).num_virtual_stages_per_pipeline_rank == 2 and "VPP=2" in out
+    job = tmp_path / "job.sh"
+    assert cli.main([*args, *flags, "--num-virtual-stages-per-pipeline-rank", "2", "--device", "cuda", "--sbatch",
+                     str(job)], repo_root=REPO) == 0, capsys.readouterr().err
+    assert yaml.safe_load((tmp_path / "job.yaml").read_text())["num_virtual_stages_per_pipeline_rank"] == 2

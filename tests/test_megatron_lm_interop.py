@@ -4,7 +4,13 @@ One 2-process world (TP=2) writes, from a converted checkpoint, the checkpoints 
 ``megatron/training/checkpointing.py`` would: torch_dist with Transformer Engine norm names and ``_extra_state``
 objects at ``iter_0000007`` + tracker with ``args``, torch_dist with local names at ``release`` without ``args``,
 and legacy ``mp_rank_XX`` rank files; none carries megatron-vlm's side files. Each is exported with only an HF
-config and compared with the source HF model (logits in fp32 and every tensor's bytes).
+config and compared with the source HF model (logits in fp32 and every tensor's bytes). The same world writes, from
+megatron-core's own model chunks at PP2 x VPP2 (virtual pipeline stages, issue 51) with the uneven split 4,2, a LLaVA
+of six language layers (chunks of 2, 1, 2, 1 layers) as Megatron-LM saves a list of chunks (torch_dist with
+``model0``/``model1`` entries; legacy rank files with them, each chunk's layers numbered from 0): both export to the
+source HF model byte for byte, and ``hf_to_megatron.py --ckpt-format torch --pp 2 --pp-layers 4,2
+--num-virtual-stages-per-pipeline-rank 2 --verify`` (HF's logits against the interleaved schedule's) writes exactly
+Megatron-LM's entries, names and tensors.
 """
 
 import json
@@ -31,12 +37,16 @@ pytestmark = pytest.mark.slow
 TOL = 1e-4
 NAME = "llama_clip"
 OTHER = "qwen2_siglip"
+VPP = "pp2vpp2"  # a 6-layer LLaVA as Megatron-LM saves it at PP2 (4,2) x VPP2
+VPP_LAYERS = [4, 2]
 
 
 @pytest.fixture(scope="module")
 def written(hf_models, tmp_path_factory):
     """Megatron-LM-style checkpoints of llama_clip and of qwen2_siglip (tied embeddings, qkv bias, no class
     token), written in one world."""
+    from megatron_vlm.testing.tiny import make_tiny_llava
+
     root = tmp_path_factory.mktemp("mlm")
     out = {}
     for name in (NAME, OTHER):
@@ -45,7 +55,11 @@ def written(hf_models, tmp_path_factory):
         batch = reference_batch(spec)
         out[name] = {"root": root / name, "converted": converted, "spec": spec, "batch": batch,
                      "ref": hf_logits(hf_models[name], batch)}
-    run_world(worlds.megatron_lm_checkpoints, 2, [(str(v["converted"]), str(v["root"])) for v in out.values()])
+    jobs = [(str(v["converted"]), str(v["root"])) for v in out.values()]
+    six = make_tiny_llava(root / "six_hf", text_overrides={"num_hidden_layers": sum(VPP_LAYERS)})
+    out[VPP] = {"hf": six, "root": root / VPP, "converted": convert_hf_to_megatron(six, root / "six_converted")}
+    run_world(worlds.megatron_lm_checkpoints, 2, jobs + [(str(out[VPP]["converted"]), str(out[VPP]["root"]),
+                                                          "pp2vpp2", VPP_LAYERS)])
     return out
 
 
@@ -111,6 +125,59 @@ def test_legacy_tp2_exports_to_hf(hf_models, mlm, tmp_path):
     assert any(k.endswith("_extra_state") for k in rank0["model"])
     out = convert_megatron_to_hf(mlm["root"] / "legacy", tmp_path / "hf", hf_config=hf_models[NAME], tp=2)
     _assert_same_model(hf_models[NAME], out, mlm)
+
+
+@pytest.mark.parametrize("fmt", ["dist", "legacy"])
+def test_megatron_lm_virtual_pipeline_checkpoints_export(fmt, written, tmp_path):
+    """Megatron-LM's checkpoints of a PP2 (4,2) x VPP2 run (model0/model1 entries; legacy: each chunk's layers
+    numbered from 0, args saying virtual_pipeline_model_parallel_size=2) export with only the HF config to the source
+    model, every tensor's bytes."""
+    w = written[VPP]
+    iter_dir = w["root"] / fmt / "iter_0000003"
+    if fmt == "legacy":
+        for rank, want in ((0, ["0", "1"]), (1, ["0"])):
+            f = ckpt.load_legacy_rank(iter_dir, 0, rank, 2)
+            assert "model" not in f and f["args"].virtual_pipeline_model_parallel_size == 2
+            layers = {k: sorted({n.split(".")[3] for n in f[k] if n.startswith("language_model.decoder.layers.")})
+                      for k in ("model0", "model1")}
+            assert layers == {"model0": want, "model1": want}, (rank, layers)
+        assert "language_model.output_layer.weight" in f["model1"] and "vision_projection.encoder.linear_fc1.weight" \
+            in ckpt.load_legacy_rank(iter_dir, 0, 0, 2)["model0"]
+    out = convert_megatron_to_hf(w["root"] / fmt, tmp_path / "hf", hf_config=w["hf"])
+    a, b = HFReader(w["hf"]), HFReader(out)
+    assert a.names() == b.names()
+    for n in a.names():
+        assert a.get(n).dtype == b.get(n).dtype and torch.equal(a.get(n), b.get(n)), n
+
+
+def test_hf_to_megatron_writes_megatron_lms_virtual_pipeline_rank_files(written, tmp_path, capsys):
+    """hf_to_megatron --ckpt-format torch at PP2 (4,2) x VPP2, checked by --verify (HF's fp32 logits against the
+    interleaved schedule's over the four chunks of 2, 1, 2 and 1 layers), writes what Megatron-LM writes: in each rank
+    file the entries model0 and model1 with megatron-core's chunk state dicts' names (local layer numbers) and
+    tensors; the checkpoint records vpp=2, and a layout mismatch on load names the flag."""
+    w = written[VPP]
+    script("convert/hf_to_megatron.py").main([
+        "--hf-dir", str(w["hf"]), "--megatron-dir", str(tmp_path / "meg"), "--ckpt-format", "torch", "--pp", "2",
+        "--pp-layers", ",".join(map(str, VPP_LAYERS)), "--num-virtual-stages-per-pipeline-rank", "2", "--verify"])
+    out = capsys.readouterr().out
+    assert "wrote torch checkpoint (tp=1 pp=2 vpp=2)" in out and "verify: max |logit diff| HF vs Megatron (fp32, " \
+        "tp=1 pp=2 vpp=2) = " in out, out
+    ours = tmp_path / "meg" / "release"
+    assert ckpt.CheckpointMeta.load(ours).vpp == 2 and ckpt.CheckpointMeta.load(ours).stage_layers == [2, 1, 2, 1]
+    theirs = w["root"] / "legacy" / "iter_0000003"
+    for rank in range(2):
+        a, b = ckpt.load_legacy_rank(ours, 0, rank, 2), ckpt.load_legacy_rank(theirs, 0, rank, 2)
+        assert sorted(k for k in a if k.startswith("model")) == ["model0", "model1"]
+        for key in ("model0", "model1"):
+            x, y = ckpt.normalize_legacy_names(a[key]), ckpt.normalize_legacy_names(b[key])
+            assert sorted(x) == sorted(y), (rank, key, sorted(set(x) ^ set(y)))
+            for n in x:
+                assert x[n].dtype == y[n].dtype and torch.equal(x[n], y[n]), (rank, key, n)
+    spec = VLMSpec.load(ours)
+    with pytest.raises(ckpt.CheckpointLayoutError, match="written at tp=1 pp=2 vpp=2, which cannot be loaded at tp=1 "
+                                                         "pp=2 vpp=1; use --tp 1 --pp 2 "
+                                                         "--num-virtual-stages-per-pipeline-rank 2, or convert it"):
+        ckpt.check_meta(ckpt.CheckpointMeta.load(ours), spec, 1, 2, ours)
 
 
 @pytest.mark.parametrize("fmt", ["dist_te", "legacy"])

@@ -57,9 +57,10 @@ def test_estimate_equals_allocation_one_process(specs, job):
 @pytest.mark.slow
 def test_estimate_matches_allocation_in_parallel_worlds(specs):
     """TP2 x DP2, PP2 x DP2 and CP2 x DP2 (sharded over DP x CP) with the distributed optimizer (bf16), TP2 x PP2
-    in fp32, and for the MoE model
-    EP2 x DP2 and TP2 x EP2 (the experts' optimizer state sharded over their own data-parallel group) and PP2 x EP2:
-    every rank's weights exactly, its gradient buffer and optimizer shard within megatron's padding."""
+    in fp32, and for the MoE model EP2 x DP2 and TP2 x EP2 (the experts' optimizer state sharded over their own
+    data-parallel group), PP2 x EP2 and PP2 x VPP2 x DP2 (four layers: two model chunks per rank, each with its own
+    gradient buffer): every rank's weights exactly, its gradient buffer and optimizer shard within megatron's
+    padding."""
     from megatron_vlm.runtime.spawn import run_world
     from megatron_vlm.testing.memory_jobs import memory_jobs
 
@@ -67,7 +68,8 @@ def test_estimate_matches_allocation_in_parallel_worlds(specs):
             dict(tp=2, pp=2, precision="fp32", stage=1), dict(cp=2, precision="bf16", dist_optim=True)]
     moe_jobs = [dict(ep=2, precision="bf16", dist_optim=True),
                 dict(tp=2, ep=2, sequence_parallel=True, precision="bf16", dist_optim=True),
-                dict(pp=2, ep=2, precision="fp32")]
+                dict(pp=2, ep=2, precision="fp32"),
+                dict(pp=2, num_virtual_stages_per_pipeline_rank=2, precision="bf16", dist_optim=True)]
     for name in ("llava", "ov", "moe"):
         jobs = moe_jobs if name == "moe" else jobs
         results = run_world(memory_jobs, 4, specs[name].to_json(), jobs)
@@ -114,6 +116,53 @@ def test_estimate_scales_with_the_layout():
         assert at[2].weights == at[1].weights and at[2].optimizer == at[1].optimizer
     cp2 = memory.estimate(spec, memory.Layout(**{**base.__dict__, "cp": 2, "dist_optim": True}))[0]
     assert cp2.optimizer == -(-one.optimizer // 8)
+
+
+@pytest.mark.parametrize("pp,vpp", [(2, 2), (4, 2), (4, 3), (2, 4)])
+def test_interleaved_order_is_megatron_cores(pp, vpp):
+    """The order of chunk passes the estimate follows is megatron-core's interleaved schedule: its forward passes
+    are megatron-core's schedule table, and each rank's backward passes start after megatron-core's warm-up count."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel import schedules
+
+    for m in (pp, 2 * pp, 3 * pp):
+        for rank in range(pp):
+            order = memory.interleaved_order(pp, vpp, m, rank)
+            comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda: rank),
+                                   virtual_pipeline_model_parallel_size=vpp)
+            warmup = schedules.get_pp_rank_microbatches(m, vpp, pp, p2p_communicator=comm)[2]
+            assert [(mb, c) for kind, mb, c in order if kind == "F"] == schedules.get_schedule_table(m, vpp, pp)
+            assert [kind for kind, _, _ in order[:warmup]] == ["F"] * warmup
+            assert order[warmup:warmup + 2] == ([("F", *order[warmup][1:]), ("B", 0, vpp - 1)] if warmup < m * vpp
+                                                else [("B", 0, vpp - 1)] + order[warmup + 1:warmup + 2])
+            held: set = set()
+            for kind, mb, c in order:  # every pass backward once, after its forward
+                assert ((mb, c) not in held) == (kind == "F")
+                (held.add if kind == "F" else held.discard)((mb, c))
+            assert not held
+
+
+def test_estimate_counts_the_interleaved_schedules_passes_in_flight():
+    """With virtual pipeline stages the first rank holds more layers' activations than with the plain 1F1B schedule:
+    1 + (PP - 1) / (PP x VPP) times as many (Narayanan et al. 2021, the interleaved schedule's memory), measured here
+    as what eight more layers per model add to each estimate (the embedding, vision and logits parts cancel)."""
+    from .launch_helpers import tiny_spec
+
+    def rank0(layers, **kw):
+        spec = tiny_spec(num_layers=layers, vocab_size=32000, hidden_size=512, ffn_hidden_size=1024,
+                         num_attention_heads=8, num_query_groups=8, kv_channels=64)
+        return memory.estimate(spec, memory.Layout(seq_length=1024, micro_batch_size=2, grad_accum=8, **kw))[0]
+
+    plain = rank0(16, pp=2).activations - rank0(8, pp=2).activations
+    for pp, vpp in ((2, 2), (2, 4), (4, 2)):
+        if pp != 2:
+            plain = rank0(16, pp=pp).activations - rank0(8, pp=pp).activations
+        interleaved = rank0(16, pp=pp, vpp=vpp).activations - rank0(8, pp=pp, vpp=vpp).activations
+        assert interleaved / plain == pytest.approx(1 + (pp - 1) / (pp * vpp), rel=1e-6), (pp, vpp)
+    est = rank0(8, pp=2, vpp=2)
+    assert "up to 5 chunk passes in flight (2 chunks of 2 layer(s): the interleaved schedule)" in est.notes[-1]
+    assert est.weights == rank0(8, pp=2).weights  # the same layers on each rank
 
 
 def test_dry_run_prints_the_estimate_and_warns(tmp_path, capsys, no_slurm_env):  # noqa: F811

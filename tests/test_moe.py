@@ -133,6 +133,8 @@ def _train_jobs(tiny, root) -> list[dict]:
              **TRAIN_LAYOUTS["tp2ep2"], **S2, **llava),
         dict(name="llava-pp4", steps=1, grads=True, pp=4, micro_batch_size=2, **S2, **llava),
         dict(name="llava-cp2ep2", steps=1, grads=True, cp=2, ep=2, micro_batch_size=2, **S2, **llava),
+        dict(name="llava-pp2vpp2ep2", steps=1, grads=True, pp=2, num_virtual_stages_per_pipeline_rank=2, ep=2,
+             micro_batch_size=2, **S2, **llava),  # virtual pipeline stages (issue 51)
         dict(name="recompute-pp2ep2", steps=1, grads=True, recompute_granularity="full", **TRAIN_LAYOUTS["pp2ep2"],
              **S2, **llava),
         dict(name="stage1-pp2ep2", steps=1, grads=True, **TRAIN_LAYOUTS["pp2ep2"],
@@ -283,6 +285,22 @@ def test_recomputed_routers_keep_the_term_and_count_once(world):
     assert worst[1] <= RTOL, worst
     positions = sum(int(s.num_tokens) for s in world["batches-llava"][0])
     assert [sum(layer) for layer in r["moe"][0]["moe_tokens_per_expert"]] == [spec.moe_router_topk * positions] * 3
+
+
+def test_virtual_pipeline_stages_carry_hfs_objective(world):
+    """PP2 x VPP2 x EP2 (issue 51: each rank's two model chunks of one layer each, the middle chunks fed each micro
+    batch's positions of samples): the statistics of a micro batch are summed over a rank's chunks and exchanged once
+    per stage, and the loss, the logged load-balancing loss and every gradient (routers, each expert, the dense
+    layer) equal HF's objective."""
+    spec, r, ref = world["specs"]["llava"], world["runs"]["llava-pp2vpp2ep2"], world["hf"]["llava"]
+    assert len(r["layout"]["layers"]) == 4  # the four virtual stages, as a PP4 world's stages
+    diffs = _differences(world, "llava-pp2vpp2ep2", "llava")
+    assert sum(".mlp.experts." in n for n in diffs) == 3 * spec.num_moe_experts * 3
+    worst = max(diffs.items(), key=lambda kv: kv[1])
+    print(f"\nPP2 x VPP2 x EP2 vs HF: loss {r['loss']} vs {ref['loss'][:1]}, worst tensor {worst}")
+    assert worst[1] <= RTOL, worst
+    assert rel(r["loss"][0], ref["loss"][0]) <= RTOL, (r["loss"], ref["loss"])
+    assert rel(r["moe"][0]["moe_load_balancing_loss"], ref["lb"][0]) <= RTOL
 
 
 @pytest.mark.parametrize("layout", list(TRAIN_LAYOUTS))

@@ -22,6 +22,9 @@ behind the CPU compatibility layer, megatron's per-segment RoPE), with the train
   included), and the unpacked CP2 step is the unpacked CP1 (DP2) one; the control: the CP attention's mask at
   contiguous positions (rank r holding the r-th half of the row, not megatron-core's chunks r and 2 x CP - 1 - r)
   fails.
+- virtual pipeline stages (issue 51): a LLaVA of four language layers at PP2 x VPP2 (one layer per model chunk),
+  two packs and two unpacked micro batches per step (the interleaved schedule runs micro batches in groups of PP),
+  the packed step equal to the unpacked one in fp32 as above; the middle chunks take each pack's boundaries.
 """
 
 from __future__ import annotations
@@ -50,10 +53,15 @@ def results(hf_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("packing_eq")
     hf = hf_models["llama_clip"]
     ov = make_tiny_onevision(root / "ov")
+    from megatron_vlm.testing.tiny import make_tiny_llava
+
+    four = make_tiny_llava(root / "llava4", text_overrides={"num_hidden_layers": 4})
     models = {"llava": (convert_hf_to_megatron(hf, root / "llava_meg", tp=1), hf),
-              "ov": (convert_hf_to_megatron(ov, root / "ov_meg", tp=1), ov)}
+              "ov": (convert_hf_to_megatron(ov, root / "ov_meg", tp=1), ov),
+              "llava4": (convert_hf_to_megatron(four, root / "llava4_meg", tp=1), four)}
     sets = {f"llava-{k}": v for k, v in sample_sets(encoder_for(hf, LLAVA["seq_length"])).items()}
     sets.update({f"ov-{k}": v for k, v in sample_sets(encoder_for(ov, OV["seq_length"])).items()})
+    sets["llava4-mixed"] = sample_sets(encoder_for(four, LLAVA["seq_length"]))["mixed"]
     jobs = [
         dict(name="llava-tp2", tp=2, samples="llava-mixed", **LLAVA),
         dict(name="llava-pp2", pp=2, samples="llava-mixed", **LLAVA),
@@ -69,6 +77,8 @@ def results(hf_models, tmp_path_factory):
         dict(name="llava-cp2", cp=2, samples="llava-mixed", **LLAVA),
         dict(name="ov-cp2", cp=2, samples="ov-mixed", **OV),
         dict(name="llava-cp2-broken", cp=2, samples="llava-mixed", broken=True, **LLAVA),
+        dict(name="llava-pp2vpp2", pp=2, num_virtual_stages_per_pipeline_rank=2, samples="llava4-mixed",
+             unpacked_micro_batches=2, **dict(LLAVA, model="llava4")),
     ]
     out = run_world(equivalence_jobs, 2, jobs, models, sets)[0]
     return {r["name"]: r for r in out}
@@ -82,7 +92,7 @@ def fp32_failures(r: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["llava-tp2", "llava-pp2", "llava-dp2", "llava-identical", "ov-tp2", "ov-pp2",
-                                  "ov-dp2"])
+                                  "ov-dp2", "llava-pp2vpp2"])
 def test_packed_step_equals_unpacked_in_fp32(results, name):
     r = results[name]
     assert not fp32_failures(r), (fp32_failures(r), r)

@@ -17,6 +17,14 @@ bf16 TP1 run's step by step (losses within 0.5%, grad norms within 5%: see BF16_
 after step 1 at TP2 x PP2 resumes at PP2 x DP2 and at TP2 x DP2 (``--reset-data-position``; the optimizer state
 of a run without the distributed optimizer) and continues as HF does; at its own layout it continues bit-exactly.
 
+Virtual pipeline parallelism (issue 51) joins the 4-rank worlds on models of four language layers (one per model
+chunk at PP2 x VPP2): TP2 x PP2 x VPP2 and PP2 x VPP2 x DP2 with the distributed optimizer (LLaVA), and PP2 x VPP2 x
+DP2 for a OneVision whose batches hold two videos besides anyres images, each equal to HF over two AdamW steps (losses,
+grad norms, every tensor's first-step gradient; measured <= 4.8e-7), the distributed optimizer's run overlapping its
+grad reduce and param gather, and PP2 x VPP2 x CP2 (context parallelism through both chunks of each rank); the
+PP2 x VPP2 x DP2 checkpoint resumes at
+TP2 x PP2 x VPP2 and at PP4 and continues as the straight run and HF.
+
 fp16 with megatron-core's dynamic loss scaling trains on CPU too: an overflowing first step is skipped, the scale
 backs off, and a resume continues bit-exactly (loss, grad norm and loss scale).
 
@@ -96,6 +104,22 @@ VIDEO_LAYOUTS = {
 VIDEO_SEQ = 256
 MOE_CP = dict(cp=2, ep=2, micro_batch_size=2)
 
+#: virtual pipeline stages (issue 51), on models of four language layers (one per chunk at PP2 x VPP2): the layouts of
+#: the 4-rank world, two AdamW steps each against HF's own model; OneVision's batches hold two videos each
+VPP = dict(num_virtual_stages_per_pipeline_rank=2, micro_batch_size=2)
+VPP_LAYOUTS = {
+    "llava": {"tp2pp2vpp2": dict(tp=2, pp=2, **VPP),
+              # the distributed optimizer with overlapped grad reduce and param gather (buckets on the first chunk)
+              "pp2vpp2dp2-dist": dict(pp=2, dist_optim=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                                      ddp_bucket_size=4000, **VPP),
+              # with context parallelism: each rank's chunks of every sequence through both model chunks
+              "pp2vpp2cp2": dict(pp=2, cp=2, **VPP)},
+    "onevision": {"pp2vpp2dp2": dict(pp=2, **VPP)},
+}
+#: a PP2 x VPP2 x DP2 checkpoint (after step 1) resumes at these layouts
+VPP_RESUMES = {"tp2pp2vpp2": dict(tp=2, pp=2, **VPP), "pp4": dict(pp=4, micro_batch_size=2)}
+VPP_VIDEOS = 2
+
 
 @pytest.fixture(scope="module")
 def models(hf_models, tmp_path_factory):
@@ -110,8 +134,29 @@ def models(hf_models, tmp_path_factory):
     moe = make_tiny_llava(root / "moe", "qwen3_moe", "clip", text_overrides=dict(num_hidden_layers=4,
                                                                                    mlp_only_layers=[1]))
     out["moe"] = dict(hf=moe, meg=convert_hf_to_megatron(moe, root / "moe" / "meg", tp=1))
+    four = {"llava": make_tiny_llava(root / "llava4", text_overrides={"num_hidden_layers": 4}),
+            "onevision": make_tiny_onevision(root / "ov4", text_overrides={"num_hidden_layers": 4})}
+    for name, hf in four.items():
+        videos = VPP_VIDEOS if name == "onevision" else 0
+        out[f"{name}4"] = dict(hf=hf, meg=convert_hf_to_megatron(hf, root / f"{name}4" / "meg", tp=1),
+                               batches=variable_length_batches(hf, 2, videos=videos), recipe=(str(hf), 2, False, 1,
+                                                                                              videos))
     out["root"] = root
     return out
+
+
+def _vpp_jobs(m: str, four: dict, root) -> list[dict]:
+    """The 4-rank world's jobs of the 4-layer ``m``: its layouts against HF (stage 2), and for LLaVA a PP2 x VPP2 x
+    DP2 checkpoint resumed at other layouts (``--reset-data-position``: DP 1 there)."""
+    model = dict(megatron_dir=str(four["meg"]), hf_dir=str(four["hf"]), batches=four["recipe"], **STAGES[2])
+    jobs = [dict(name=f"{m}-vpp-{lay}", steps=2, grads=True, **kw, **model)
+            for lay, kw in VPP_LAYOUTS[m].items()]
+    if m == "llava":  # (the distributed optimizer's run above overlaps its grad reduce: its checkpoints are not used)
+        saved = root / "vpp-run"
+        jobs.append(dict(name="vpp-save-pp2vpp2dp2", steps=1, save=str(saved), pp=2, **VPP, **model))
+        jobs += [dict(name=f"vpp-resume-{lay}", start=1, steps=1, resume=str(saved / "iter_0000001"),
+                      reset_data_position=True, **kw, **model) for lay, kw in VPP_RESUMES.items()]
+    return jobs
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +166,11 @@ def runs(models):
     out, reference = {}, {}  # reference: job name -> HF's first-step gradients (HF names) it is compared with
     for m in ("llava", "onevision"):
         hf, meg, gbs = models[m]["hf"], models[m]["meg"], models[m]["batches"]
+        m4 = models[f"{m}4"]
+        vpp_ref = hf_reference.train(m4["hf"], m4["batches"], job_config(STAGES[2], 2, len(m4["batches"][0])),
+                                     grads=True)
+        out[f"{m}-vpp-hf"] = vpp_ref
+        vpp_grads = vpp_ref.pop("grads")
         grads = {}
         for s in STAGES:  # HF's first step's gradients, compared with each job's tensor by tensor
             cfg = job_config(STAGES[s], 3, len(gbs[0]))
@@ -163,10 +213,15 @@ def runs(models):
         for job in one + four:  # HF's first-step gradients each job's are compared with, unless it names its own
             if job.get("grads") and "hf_dir" not in job:
                 reference.setdefault(job["name"], grads[job["stage"]])
+        vpp = _vpp_jobs(m, m4, root)  # the 4-layer model's: its own HF gradients and spec
+        four += vpp
+        specs = {job["name"]: VLMSpec.from_hf_dir(m4["hf"]) for job in vpp}
+        reference.update({job["name"]: vpp_grads for job in vpp if job.get("grads")})
         for r in run_world(train_jobs, 1, one, meg, hf, long)[0] + run_world(train_jobs, 4, four, meg, hf, long)[0]:
             if "grads" in r and r["name"] in reference:  # the first step's gradient of every trained tensor vs HF's
-                r["grad_rel"] = grad_reference.compare(grad_reference.assemble(r.pop("grads"), spec, **r["layout"]),
-                                                       reference[r["name"]])
+                r["grad_rel"] = grad_reference.compare(
+                    grad_reference.assemble(r.pop("grads"), specs.get(r["name"], spec), **r["layout"]),
+                    reference[r["name"]])
             out[r["name"]] = r
     moe_hf = models["moe"]["hf"]  # the MoE job's reference: HF LLaVA's plain cross entropy (load balancing off)
     cfg = job_config(dict(STAGES[2], moe_aux_loss_coeff=0.0), 1, 8)
@@ -273,6 +328,38 @@ def test_bf16_tp1_starts_at_hf_fp32_loss_within_bf16_rounding(runs):
     got = rel(runs["bf16-tp1"]["loss"][0], runs["llava-s2-hf"]["loss"][0])
     print(f"\nbf16 TP1 first loss vs HF fp32: relative {got:.2e}")
     assert got <= BF16_HF_LOSS_RTOL
+
+
+@pytest.mark.parametrize("model,layout", [(m, lay) for m, lays in VPP_LAYOUTS.items() for lay in lays])
+def test_virtual_pipeline_stages_equal_hf(runs, models, model, layout):
+    """Virtual pipeline stages (issue 51) at TP2 x PP2 x VPP2 and at PP2 x VPP2 x DP2 with the distributed optimizer
+    (overlapping its grad reduce and param gather) (LLaVA), and PP2 x VPP2 x DP2 for a OneVision whose batches hold
+    anyres images and videos: two AdamW steps give HF's losses and grad norms, and the first step's gradient of every
+    trained tensor HF's, to 1e-5."""
+    r, ref = runs[f"{model}-vpp-{layout}"], runs[f"{model}-vpp-hf"]
+    worst = max(r["grad_rel"], key=r["grad_rel"].get)
+    print(f"\n{model} {layout}: losses {r['loss']} (HF {ref['loss']}), worst tensor {worst} {r['grad_rel'][worst]:.2e}")
+    assert close(r["loss"], ref["loss"], RTOL) and close(r["grad_norm"], ref["grad_norm"], RTOL)
+    layers = {int(k.split(".layers.")[1].split(".")[0]) for k in r["grad_rel"]
+              if k.startswith("language_model.") and ".layers." in k}
+    assert layers == {0, 1, 2, 3} and any(k.startswith("multi_modal_projector.") for k in r["grad_rel"])
+    assert r["grad_rel"][worst] <= GRAD_TENSOR_RTOL
+    if model == "onevision":  # the batches held videos (VPP_VIDEOS per global batch) besides anyres images
+        from megatron_vlm.spec import VLMSpec
+
+        video = VLMSpec.from_hf_dir(models["onevision4"]["hf"]).video_token_id
+        assert [sum(int((s.tokens == video).sum()) for s in gb) for gb in models["onevision4"]["batches"]] == \
+            [VPP_VIDEOS] * 2
+
+
+@pytest.mark.parametrize("layout", list(VPP_RESUMES))
+def test_virtual_pipeline_checkpoint_resumes_at_other_layouts(runs, layout):
+    """A PP2 x VPP2 x DP2 run's iteration-1 checkpoint (torch_dist with model0/model1 entries) resumes at TP2 x PP2 x
+    VPP2 and at PP4 (one layer per stage); step 2 is the straight runs' and HF's."""
+    r, full, ref = runs[f"vpp-resume-{layout}"], runs["llava-vpp-tp2pp2vpp2"], runs["llava-vpp-hf"]
+    print(f"\nresume at {layout}: loss {r['loss']} grad norm {r['grad_norm']}")
+    assert close(r["loss"], full["loss"][1:], RTOL) and close(r["grad_norm"], full["grad_norm"][1:], RTOL)
+    assert close(r["loss"], ref["loss"][1:], RTOL) and close(r["grad_norm"], ref["grad_norm"][1:], RTOL)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -410,27 +410,35 @@ def _check_transforms(where: str, metadata, reader) -> None:
 # ---- legacy rank files ----------------------------------------------------------------------------------------
 class LegacyWriter:
     """The rank files of a legacy checkpoint, written in place. ``layout[(tp_rank, pp_rank, ep_rank)]``: the
-    rank's ``(local name, dtype, shape)`` in file order (``ep`` expert-parallel ranks: Megatron-LM's
-    ``mp_rank_TT[_PPP]_EEE`` files when above 1). Each file is first written whole by ``torch.save`` under
-    ``skip_data`` (every record in place, no data, its CRC-32 0); :meth:`target` gives where a tensor's bytes go,
-    and :meth:`close` puts each record's CRC-32 into its zip headers once every byte is in place."""
+    rank's ``(local name, dtype, shape)`` or ``(local name, dtype, shape, entry)`` (``ep`` expert-parallel ranks:
+    Megatron-LM's ``mp_rank_TT[_PPP]_EEE`` files when above 1); ``entry`` is the file's model entry the tensor goes
+    to, ``model`` (the default) or, with virtual pipeline stages, ``model0``, ``model1``, ... (one per model chunk,
+    as Megatron-LM writes them). Each file is first written whole by ``torch.save`` under ``skip_data`` (every
+    record in place, no data, its CRC-32 0); :meth:`target` gives where a tensor's bytes go, and :meth:`close` puts
+    each record's CRC-32 into its zip headers once every byte is in place."""
 
     def __init__(self, iter_dir, pp: int, layout: dict, iteration, ep: int = 1):
         self._files: dict[tuple[int, int, int], dict] = {}
         for (t, p, e), entries in layout.items():
             path = ckpt.legacy_rank_file(iter_dir, t, p, pp, e, ep)
             path.parent.mkdir(parents=True, exist_ok=True)
-            state = {name: _placeholder(shape, dtype) for name, dtype, shape in entries}
+            chunks: dict[str, list] = {}
+            for name, dtype, shape, *entry in entries:
+                chunks.setdefault(entry[0] if entry else "model", []).append((name, dtype, tuple(shape)))
+            keys = sorted(chunks, key=lambda k: (len(k), k))  # model0, model1, ..., model10
+            ordered = [(key, name, dtype, shape) for key in keys for name, dtype, shape in chunks[key]]
+            state = {key: {name: _placeholder(shape, dtype) for name, dtype, shape in chunks[key]} for key in keys}
             with torch.serialization.skip_data(materialize_fake_tensors=True):
-                torch.save({"model": state, "checkpoint_version": 3.0, "iteration": iteration}, path)
-            records = _records(path, [(name, math.prod(shape) * itemsize(dtype)) for name, dtype, shape in entries])
+                torch.save({**state, "checkpoint_version": 3.0, "iteration": iteration}, path)
+            records = _records(path, [((key, name), math.prod(shape) * itemsize(dtype))
+                                      for key, name, dtype, shape in ordered])
             self._files[(t, p, e)] = {"fd": os.open(path, os.O_RDWR), "records": records,
-                                   "entries": {name: (dtype, tuple(shape)) for name, dtype, shape in entries}}
+                                      "entries": {(key, name): (dtype, shape) for key, name, dtype, shape in ordered}}
 
-    def target(self, tp_rank: int, pp_rank: int, name: str, ep_rank: int = 0):
+    def target(self, tp_rank: int, pp_rank: int, name: str, ep_rank: int = 0, entry: str = "model"):
         f = self._files[(tp_rank, pp_rank, ep_rank)]
-        dtype, shape = f["entries"][name]
-        return Target(f["fd"], f["records"][name].offset, dtype, shape)
+        dtype, shape = f["entries"][(entry, name)]
+        return Target(f["fd"], f["records"][(entry, name)].offset, dtype, shape)
 
     def close(self, workers: int = 2) -> None:
         """Write every record's CRC-32 (read back from the page cache in bounded chunks, ``workers`` records at
@@ -480,9 +488,9 @@ def _crc32(fd: int, offset: int, nbytes: int) -> int:
     return crc
 
 
-def _records(path: Path, tensors: list[tuple[str, int]]) -> dict[str, _Record]:
+def _records(path: Path, tensors: list[tuple[object, int]]) -> dict:
     """``name -> _Record`` of the storage records ``torch.save`` wrote for ``tensors`` (one storage each,
-    numbered in pickling order, which is the state dict's order), checked against the archive's sizes."""
+    numbered in pickling order, which is the state dicts' order), checked against the archive's sizes."""
     import struct
     import zipfile
 
@@ -520,8 +528,10 @@ def _records(path: Path, tensors: list[tuple[str, int]]) -> dict[str, _Record]:
 class LegacyReader:
     """Full tensors of a legacy checkpoint, merged over TP from memory-mapped rank files (thread-safe). With expert
     parallelism (``meta.ep`` > 1) an expert's tensors come from its EP rank's files (``mp_rank_TT[_PPP]_EEE``), under
-    their local indices, merged over the expert TP size. Each shard is read from a file that holds it
-    (:class:`megatron_vlm.legacy_ranks.Sources`: Megatron-LM writes only some (TP, EP) files at ETP < TP)."""
+    their local indices, merged over the expert TP size; with virtual pipeline stages (``meta.vpp`` > 1) from the
+    ``model<c>`` entry of the chunk that holds them, under the chunk's own layer numbers. Each shard is read from a
+    file that holds it (:class:`megatron_vlm.legacy_ranks.Sources`: Megatron-LM writes only some (TP, EP) files at
+    ETP < TP)."""
 
     def __init__(self, iter_dir, spec, meta: ckpt.CheckpointMeta):
         from megatron_vlm import legacy_ranks
@@ -531,41 +541,54 @@ class LegacyReader:
         self.per_rank = spec.num_moe_experts // self.ep if spec.is_moe else None
         self.sources = legacy_ranks.Sources(iter_dir, legacy_ranks.present(iter_dir, self.ep > 1), meta.tp, meta.pp,
                                             self.ep, self.etp, spec.is_moe)
+        self.stage_layers = meta.stage_layers  # per virtual stage (per PP stage without VPP)
         self._files: dict[tuple[int, int, int], tuple[dict, str, int | None]] = {}
         self._lock = threading.Lock()
 
-    def _rank(self, t: int, p: int, e: int = 0) -> tuple[dict, str, int | None]:
-        """(state under local names, file, base) of a rank file: a storage's bytes are at
+    def _rank(self, t: int, p: int, e: int = 0, entry: str = "model") -> tuple[dict, str, int | None]:
+        """(state under local names, file, base) of a rank file's model ``entry``: a storage's bytes are at
         ``data_ptr - base`` of the file (None when they cannot be placed)."""
         with self._lock:
             if (t, p, e) not in self._files:
                 f = ckpt.load_legacy_rank(self.dir, t, p, self.meta.pp, ep_rank=e, ep=self.ep)
-                state = ckpt.normalize_legacy_names(f["model"])  # TE names, _extra_state
+                states = {k: ckpt.normalize_legacy_names(v) for k, v in f.items()
+                          if k == "model" or (k.startswith("model") and k[5:].isdigit())}  # TE names, _extra_state
                 path = str(ckpt.legacy_rank_file(self.dir, t, p, self.meta.pp, e, self.ep))
-                self._files[(t, p, e)] = (state, path, _storage_base(path, [v for v in state.values()
-                                                                           if isinstance(v, torch.Tensor)]))
-            return self._files[(t, p, e)]
+                self._files[(t, p, e)] = (states, path, _storage_base(path, [
+                    v for state in states.values() for v in state.values() if isinstance(v, torch.Tensor)]))
+            states, path, base = self._files[(t, p, e)]
+            if entry not in states:
+                raise ckpt.CheckpointLayoutError(
+                    f"{path} has no '{entry}' entry (it has {sorted(states)}); the checkpoint's virtual pipeline "
+                    f"stages (vpp={self.meta.vpp} in its {ckpt.META}) are not those of its rank files")
+            return states[entry], path, base
 
-    def _stored_as(self, rule) -> tuple[list[tuple[int, int, int]], str]:
-        """The rank files ``(tp, pp, ep)`` that hold ``rule``'s TP shards, in TP order, and its local name there."""
-        stage = mapping.stages_of(rule, self.spec, self.meta.pp_layers)[0]
-        name = mapping.local_name(rule, stage, self.meta.pp_layers, self.per_rank)
+    def _stored_as(self, rule) -> tuple[list[tuple[int, int, int]], str, str]:
+        """The rank files ``(tp, pp, ep)`` that hold ``rule``'s TP shards, in TP order, its local name there and
+        the files' model entry (``model<c>`` for chunk c with virtual pipeline stages)."""
+        from megatron_vlm.pipeline_layout import rank_and_chunk
+
+        stage = mapping.stages_of(rule, self.spec, self.stage_layers)[0]
+        name = mapping.local_name(rule, stage, self.stage_layers, self.per_rank)
+        p, c = rank_and_chunk(stage, self.meta.pp)
+        entry = "model" if self.meta.vpp == 1 else f"model{c}"
         split = mapping.split_size(rule, self.meta.tp, self.etp)
         e = mapping.ep_rank_of(rule, self.spec, self.ep)
         if rule.expert is None:
-            files = [(t, stage, self.sources.dense(t, stage)) for t in range(split)]
+            files = [(t, p, self.sources.dense(t, p)) for t in range(split)]
         else:
-            files = [(self.sources.experts(x, stage, e), stage, e) for x in range(split)]
-        return files, name
+            files = [(self.sources.experts(x, p, e), p, e) for x in range(split)]
+        return files, name, entry
 
     def shards(self, rule) -> list[torch.Tensor]:
-        files, name = self._stored_as(rule)
+        files, name, entry = self._stored_as(rule)
         out = []
         for t, p, e in files:
-            state = self._rank(t, p, e)[0]
+            state = self._rank(t, p, e, entry)[0]
             if name not in state:
                 raise ckpt.CheckpointLayoutError(f"{name} is missing from rank file tp={t} pp={p}"
-                                                 f"{f' ep={e}' if self.ep > 1 else ''} of {self.dir}")
+                                                 f"{f' ep={e}' if self.ep > 1 else ''}"
+                                                 f"{f' ({entry})' if entry != 'model' else ''} of {self.dir}")
             out.append(state[name])
         return out
 
@@ -575,10 +598,10 @@ class LegacyReader:
     def located(self, rule):
         """``(sources, merge, layout)`` for a kernel copy: the TP shards in their files, ``tp_merge`` and a key of
         it; None when a shard's bytes cannot be placed."""
-        files = self._stored_as(rule)[0]
+        files, _, entry = self._stored_as(rule)
         sources = []
         for (t, p, e), shard in zip(files, self.shards(rule)):
-            _, path, base = self._rank(t, p, e)
+            _, path, base = self._rank(t, p, e, entry)
             if base is None or not shard.is_contiguous():
                 return None
             offset = shard.untyped_storage().data_ptr() - base + shard.storage_offset() * shard.element_size()

@@ -127,32 +127,36 @@ _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def _read_legacy(iter_dir, tp: int, pp: int, spec: VLMSpec, ep: int = 1,
-                 etp: int | None = None) -> tuple[dict, dict, dict, dict, list[int]]:
-    """Legacy rank files: as :func:`_read_dist`, plus the language layers of each pipeline stage. With expert
-    parallelism each EP rank's experts are renumbered to their global index; every shard is read from the file
-    :class:`megatron_vlm.legacy_ranks.Sources` names (Megatron-LM writes only some (TP, EP) files at ETP < TP)."""
+                 etp: int | None = None) -> tuple[dict, dict, dict, dict, list[int], int]:
+    """Legacy rank files: as :func:`_read_dist`, plus the language layers of each pipeline stage and the model chunks
+    per rank (``model0``, ``model1``, ... entries with virtual pipeline stages, each numbering its layers from 0; 1
+    with a ``model`` entry). With expert parallelism each EP rank's experts are renumbered to their global index;
+    every shard is read from the file :class:`megatron_vlm.legacy_ranks.Sources` names (Megatron-LM writes only some
+    (TP, EP) files at ETP < TP)."""
     from megatron_vlm import legacy_ranks
 
     # each tensor's split, under the layer-0 names shapes are kept by (layer 0 may be an MoE layer while a later one
     # holds the dense MLP: mlp_only_layers)
     split = {_LAYER.sub(lambda m: f"{m.group(1)}.decoder.layers.0.", r.mcore): r.split for r in mapping.rules(spec)}
-    shapes, dtypes, args, per_stage, vit = {}, {}, {}, [], 0
+    shapes, dtypes, args, per_stage, vit, vpp = {}, {}, {}, [], 0, None
     per_rank = spec.num_moe_experts // ep if spec.is_moe else 0
     sources = legacy_ranks.Sources(iter_dir, legacy_ranks.present(iter_dir, ep > 1), tp, pp, ep, etp, spec.is_moe)
     for stage in range(pp):
-        local, files = {}, {}
+        chunks: dict[str, dict] = {}
+        files: dict = {}
 
         def rank_state(t, e):
+            nonlocal vpp
             if (t, e) not in files:
                 f = ckpt.load_legacy_rank(iter_dir, t, stage, pp, ep_rank=e, ep=ep)
-                if "model" not in f:
-                    found = sorted(k for k in f if k.startswith("model"))
+                keys = _model_entries(f, ckpt.legacy_rank_file(iter_dir, t, stage, pp, e, ep))
+                if vpp is None:
+                    vpp = len(keys)
+                elif len(keys) != vpp:
                     raise ckpt.CheckpointLayoutError(
-                        f"{ckpt.legacy_rank_file(iter_dir, t, stage, pp, e, ep)} has no 'model' entry (it has "
-                        f"{found}); checkpoints with virtual pipeline stages are not supported: save with "
-                        "--num-layers-per-virtual-pipeline-stage unset"
-                    )
-                files[(t, e)] = (_args_of(f.get("args")), ckpt.normalize_legacy_names(f["model"]))
+                        f"{ckpt.legacy_rank_file(iter_dir, t, stage, pp, e, ep)} holds {len(keys)} model chunk(s) "
+                        f"({', '.join(keys)}), other rank files {vpp}; the checkpoint is inconsistent")
+                files[(t, e)] = (_args_of(f.get("args")), {k: ckpt.normalize_legacy_names(f[k]) for k in keys})
             return files[(t, e)]
 
         # the dense tensors of each TP rank, then each EP rank's experts at each expert TP rank
@@ -160,36 +164,55 @@ def _read_legacy(iter_dir, tp: int, pp: int, spec: VLMSpec, ep: int = 1,
         wanted += [(sources.experts(x, stage, e), e, True) for e in range(ep if spec.is_moe else 0)
                    for x in range(etp or tp)]
         for t, e, experts in wanted:
-            file_args, state = rank_state(t, e)
+            file_args, states = rank_state(t, e)
             args = args or file_args
-            for k, v in state.items():
-                expert = _EXPERT.search(k)
-                if bool(expert) != experts:
+            for key, state in states.items():
+                local = chunks.setdefault(key, {})
+                for k, v in state.items():
+                    expert = _EXPERT.search(k)
+                    if bool(expert) != experts:
+                        continue
+                    if expert:
+                        k = _EXPERT.sub(f".local_experts.{int(expert.group(1)) + e * per_rank}.", k)
+                    if isinstance(v, torch.Tensor):
+                        local.setdefault(k, []).append(v)
+        counts = [len({int(m.group(2)) for k in local if (m := _LAYER.match(k)) and m.group(1) == "language_model"})
+                  for local in chunks.values()]
+        if len(set(counts)) > 1:
+            raise MismatchError(f"{iter_dir}: the model chunks of pipeline rank {stage} hold {counts} language layers; "
+                                "megatron-core gives every chunk of a rank the same number")
+        per_stage.append(sum(counts))
+        for c, local in enumerate(chunks.values()):
+            if stage == 0 and c == 0:
+                vit = len({int(m.group(2)) for k in local if (m := _LAYER.match(k)) and m.group(1) == "vision_model"})
+            for k, ts in local.items():
+                if (stage > 0 or c > 0) and not k.startswith("language_model.decoder.layers.") and k in shapes:
                     continue
-                if expert:
-                    k = _EXPERT.sub(f".local_experts.{int(expert.group(1)) + e * per_rank}.", k)
-                if isinstance(v, torch.Tensor):
-                    local.setdefault(k, []).append(v)
-        layers = {int(m.group(2)) for k in local if (m := _LAYER.match(k)) and m.group(1) == "language_model"}
-        per_stage.append(len(layers))
-        if stage == 0:
-            vit = len({int(m.group(2)) for k in local if (m := _LAYER.match(k)) and m.group(1) == "vision_model"})
-        for k, ts in local.items():
-            if stage > 0 and not k.startswith("language_model.decoder.layers.") and k in shapes:
-                continue
-            shape = list(ts[0].shape)
-            full_name = _LAYER.sub(lambda m: f"{m.group(1)}.decoder.layers.0.", k)
-            rule = split.get(full_name, "replicated")
-            if rule in ("column", "gated"):
-                shape[0] = sum(t.shape[0] for t in ts)
-            elif rule == "row":
-                shape[1] = sum(t.shape[1] for t in ts)
-            shapes[full_name] = tuple(shape)
-            if ts[0].is_floating_point():
-                dtypes[ts[0].dtype] = dtypes.get(ts[0].dtype, 0) + ts[0].numel()
+                shape = list(ts[0].shape)
+                full_name = _LAYER.sub(lambda m: f"{m.group(1)}.decoder.layers.0.", k)
+                rule = split.get(full_name, "replicated")
+                if rule in ("column", "gated"):
+                    shape[0] = sum(t.shape[0] for t in ts)
+                elif rule == "row":
+                    shape[1] = sum(t.shape[1] for t in ts)
+                shapes[full_name] = tuple(shape)
+                if ts[0].is_floating_point():
+                    dtypes[ts[0].dtype] = dtypes.get(ts[0].dtype, 0) + ts[0].numel()
     counts = {"language_model": sum(per_stage), "vision_model": vit}
-    return shapes, counts, args, dtypes, per_stage
+    return shapes, counts, args, dtypes, per_stage, vpp or 1
 
+
+def _model_entries(f: dict, path) -> list[str]:
+    """The model entries of a rank file: ``["model"]``, or ``model0``, ``model1``, ... (one per virtual pipeline
+    stage, in order) as Megatron-LM saves several model chunks."""
+    if "model" in f:
+        return ["model"]
+    chunks = sorted((k for k in f if k.startswith("model") and k[5:].isdigit()), key=lambda k: int(k[5:]))
+    if not chunks or chunks != [f"model{c}" for c in range(len(chunks))]:
+        raise ckpt.CheckpointLayoutError(f"{path} has no 'model' entry nor model0, model1, ... (it has "
+                                         f"{sorted(k for k in f if isinstance(k, str))}); it is not a Megatron-LM "
+                                         "checkpoint of a model")
+    return chunks
 
 
 def _legacy_args(iter_dir) -> dict:
@@ -347,7 +370,7 @@ def describe(iter_dir, hf_config) -> tuple[VLMSpec, ckpt.CheckpointMeta, dict[st
     iter_dir = Path(iter_dir)
     iteration = int(iter_dir.name[5:]) if re.fullmatch(r"iter_\d+", iter_dir.name) else "release"
     if (iter_dir / "metadata.json").is_file():
-        fmt, tp, pp = "torch_dist", None, None
+        fmt, tp, pp, vpp = "torch_dist", None, None, 1
         shapes, counts, args, dtypes = _read_dist(iter_dir)
         per_stage = None
     else:
@@ -359,7 +382,12 @@ def describe(iter_dir, hf_config) -> tuple[VLMSpec, ckpt.CheckpointMeta, dict[st
         tp, pp, _ = ckpt.legacy_layout_ep(iter_dir, expert_parallel=ep > 1)
         tp = int(first_args.get("tensor_model_parallel_size") or tp)
         pp = int(first_args.get("pipeline_model_parallel_size") or pp)
-        shapes, counts, args, dtypes, per_stage = _read_legacy(iter_dir, tp, pp, spec, ep, etp)
+        shapes, counts, args, dtypes, per_stage, vpp = _read_legacy(iter_dir, tp, pp, spec, ep, etp)
+        named = args.get("virtual_pipeline_model_parallel_size")
+        if named not in (None, vpp if vpp > 1 else None):
+            raise ckpt.CheckpointLayoutError(f"{iter_dir} has rank files for virtual_pipeline_model_parallel_size="
+                                             f"{vpp if vpp > 1 else None}, but its args say {named}; the checkpoint "
+                                             "is incomplete")
     where = str(iter_dir)
     spec.make_vocab_size_divisible_by = _padded_vocab(
         spec, shapes.get("language_model.embedding.word_embeddings.weight", (0,))[0], args, tp, where)
@@ -367,10 +395,11 @@ def describe(iter_dir, hf_config) -> tuple[VLMSpec, ckpt.CheckpointMeta, dict[st
     dtype = max(dtypes, key=dtypes.get) if dtypes else torch.float32
     meta = ckpt.CheckpointMeta(fmt, tp or 1, pp or 1, per_stage or [spec.num_layers], iteration,
                                str(dtype).replace("torch.", ""), extra={"source": "Megatron-LM"},
+                               vpp=vpp if fmt == "torch" else 1,
                                ep=int(args.get("expert_model_parallel_size") or 1) if fmt == "torch" else 1,
                                etp=args.get("expert_tensor_parallel_size") if fmt == "torch" else None)
     log.info("Megatron-LM checkpoint %s (%s%s, %s) matches %s", iter_dir, fmt,
-             f", tp={tp} pp={pp}" if tp else "", meta.dtype, _config_path(hf_config))
+             f", tp={tp} pp={pp}" + (f" vpp={vpp}" if vpp > 1 else "") if tp else "", meta.dtype, _config_path(hf_config))
     return spec, meta, hf_only_tensors(spec, hf_config, dtype)
 
 

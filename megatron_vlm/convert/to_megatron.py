@@ -130,17 +130,26 @@ def convert_hf_to_megatron(
     before_write=None,
     ep: int = 1,
     etp: int | None = None,
+    vpp: int = 1,
+    layers_per_virtual_stage: int | None = None,
 ) -> Path:
     """Write ``megatron_dir``. ``check(tmp_dir)``, if given, runs on the complete checkpoint under its temporary
     name before the rename (``--verify``): when it raises, the new checkpoint is deleted and ``megatron_dir`` is
     left as it was (absent, or the previous checkpoint with ``overwrite``). ``max_memory``: the cap in bytes on the
     process's memory (None: from the memory available); ``before_write(spec)`` runs once the plan is checked,
     before anything is written (``--verify``'s own memory check). ``ep``/``etp``: the expert-parallel layout of a
-    mixture-of-experts model (legacy rank files are written per EP rank; torch_dist reshards to any)."""
+    mixture-of-experts model (legacy rank files are written per EP rank; torch_dist reshards to any). ``vpp``:
+    virtual pipeline stages per PP rank (legacy rank files hold one ``model<c>`` entry per model chunk, as Megatron-LM
+    writes them; a torch_dist checkpoint is the same at any layout and records it only), or
+    ``layers_per_virtual_stage`` layers per model chunk (Megatron-LM's two flags)."""
     if ckpt_format not in ckpt.FORMATS:
         raise ValueError(f"--ckpt-format {ckpt_format!r} is not one of {ckpt.FORMATS}")
     spec = VLMSpec.from_hf_dir(hf_dir)
     layers = spec.check_parallelism(tp, pp, pp_layers, ep, etp)
+    if vpp > 1 or layers_per_virtual_stage is not None:
+        from megatron_vlm.pipeline_layout import vpp_size
+
+        vpp = vpp_size(layers, layers_per_virtual_stage, vpp if vpp > 1 else None, uneven=pp_layers is not None)
     if ckpt_format == "torch" and (etp or tp) not in (1, tp):
         raise ValueError(f"--etp {etp} with --tp {tp}: legacy rank files hold experts whole (--etp 1) or split as the "
                          "attention (--etp equal to --tp); use --ckpt-format torch_dist, which reshards to any --etp")
@@ -155,10 +164,10 @@ def convert_hf_to_megatron(
         plan = _Plan(reader, spec, rules, torch_dtype)
         workers = workers or st.default_workers()
         meta = ckpt.CheckpointMeta(ckpt_format, tp, pp, layers, "release", str(torch_dtype).replace("torch.", ""),
-                                   ep=ep, etp=etp)
+                                   ep=ep, etp=etp, vpp=vpp)
         if ckpt_format == "torch":
             _convert(plan, files, hf_dir, megatron_dir, overwrite, check, max_memory, workers, before_write, meta,
-                     _LegacyOutput(plan, files, tp, pp, layers, ep, etp))
+                     _LegacyOutput(plan, files, tp, pp, meta.stage_layers, ep, etp, vpp))
         else:
             from megatron_vlm.runtime.session import single_process_world
 
@@ -168,7 +177,7 @@ def convert_hf_to_megatron(
     finally:
         files.close()
         reader.close()
-    log.debug("wrote %s checkpoint (tp=%d pp=%d) to %s", ckpt_format, tp, pp, megatron_dir)
+    log.debug("wrote %s checkpoint (tp=%d pp=%d vpp=%d) to %s", ckpt_format, tp, pp, vpp, megatron_dir)
     return Path(megatron_dir)
 
 
@@ -247,9 +256,14 @@ class _DistOutput:
 class _LegacyOutput:
     """Legacy rank files: every TP shard of every stage that holds the tensor, one file per (TP rank, PP stage, EP
     rank) as Megatron-LM writes them. An EP rank's file holds its own experts (under their local indices) and the
-    stage's other tensors; an expert's linears are split over ``etp`` (1 or ``tp``)."""
+    stage's other tensors; an expert's linears are split over ``etp`` (1 or ``tp``). ``layers``: the language layers
+    per virtual stage (per PP stage without virtual stages); with ``vpp`` > 1 a file holds one ``model<c>`` entry
+    per model chunk ``c`` of its rank, each numbering its layers from 0 (Megatron-LM's layout)."""
 
-    def __init__(self, plan: _Plan, files, tp: int, pp: int, layers: list[int], ep: int = 1, etp: int | None = None):
+    def __init__(self, plan: _Plan, files, tp: int, pp: int, layers: list[int], ep: int = 1, etp: int | None = None,
+                 vpp: int = 1):
+        from megatron_vlm.pipeline_layout import rank_and_chunk
+
         self.plan, self.tp, self.pp, self.ep = plan, tp, pp, ep
         spec = plan.spec
         per_rank = spec.num_moe_experts // ep if spec.is_moe else None
@@ -262,22 +276,24 @@ class _LegacyOutput:
             owner = mapping.ep_rank_of(rule, spec, ep)
             split = mapping.split_size(rule, tp, etp)
             outs = []
-            for p in mapping.stages_of(rule, spec, layers):
-                name = mapping.local_name(rule, p, layers, per_rank)
+            for s in mapping.stages_of(rule, spec, layers):
+                name = mapping.local_name(rule, s, layers, per_rank)
+                p, c = rank_and_chunk(s, pp)
+                entry = "model" if vpp == 1 else f"model{c}"
                 for e in (range(ep) if owner is None else [owner]):
                     for t in range(tp):
                         shape = tuple(mapping.tp_shard(rule, full, split, t % split).shape)
-                        self.layout[(t, p, e)].append((name, full.dtype, shape))
+                        self.layout[(t, p, e)].append((name, full.dtype, shape, entry))
                         outs.append((self._part(rule, split, t % split), ("tp", split, t % split), shape,
-                                     self._target(t, p, name, e)))
+                                     self._target(t, p, name, e, entry)))
             self.tasks.append(plan.task(rule, outs, files))
 
     @staticmethod
     def _part(rule, split: int, t: int):
         return lambda full: mapping.tp_shard(rule, full, split, t)
 
-    def _target(self, t: int, p: int, name: str, e: int):
-        return lambda: self.writer.target(t, p, name, e)
+    def _target(self, t: int, p: int, name: str, e: int, entry: str):
+        return lambda: self.writer.target(t, p, name, e, entry)
 
     def write(self, iter_dir: Path, runner: st.Runner) -> None:
         from megatron_vlm.convert import mcore_io

@@ -345,10 +345,13 @@ def compare_chunked(n: int, hf_hidden: torch.Tensor | None, hf_head: dict, meg_h
 
 def megatron_max_diffs(model, batch: ReferenceBatch, reference_file, vocab: int, rows: int) -> list | None:
     """Per-sample max ``|HF - Megatron|`` on TP rank 0 of the last pipeline stage (None elsewhere): one sample per
-    micro batch through megatron's pipeline schedule, compared chunk by chunk as it leaves the last stage."""
+    micro batch through megatron's pipeline schedule, compared chunk by chunk as it leaves the last stage. ``model``:
+    this rank's model, or its list of model chunks (virtual pipeline stages: megatron-core's interleaved schedule,
+    which takes micro batches in groups of PP, so the samples are repeated up to a multiple of PP)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     comparing = last and ps.get_tensor_model_parallel_rank() == 0
     ref = None
@@ -357,9 +360,13 @@ def megatron_max_diffs(model, batch: ReferenceBatch, reference_file, vocab: int,
 
         ref = load_file(str(reference_file))
     head = {k.split(".", 1)[1]: v for k, v in (ref or {}).items() if k.startswith("lm_head.")}
-    device = next(model.parameters()).device
-    tap = _OutputLayerTap(model.language_model.output_layer) if last else contextlib.nullcontext()
-    samples = iter([(b, batch.sample(b)) for b in range(batch.num_samples)])
+    device = next(chunks[0].parameters()).device
+    tap = _OutputLayerTap(chunks[-1].language_model.output_layer) if last else contextlib.nullcontext()
+    n = batch.num_samples
+    groups = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
+    order = [i % n for i in range(-(-n // groups) * groups)]
+    samples = [(b, batch.sample(b)) for b in order]
+    left = {b: order.count(b) for b in set(order)}  # a sample's HF hidden states are dropped after its last use
 
     def step(data_iterator, chunk):
         b, sb = next(data_iterator)
@@ -367,9 +374,10 @@ def megatron_max_diffs(model, batch: ReferenceBatch, reference_file, vocab: int,
                        attention_mask=None, **sb.model_kwargs())
 
         def compare(output, non_loss_data=False):
-            hf_hidden = ref.pop(f"hidden.{b}") if comparing else None
+            left[b] -= 1
+            hf_hidden = (ref.pop(f"hidden.{b}") if not left[b] else ref[f"hidden.{b}"]) if comparing else None
             diff = compare_chunked(batch.valid_length(b), hf_hidden, head, output, tap, vocab, rows)
-            if comparing:
+            if comparing and not left[b]:
                 _progress(f"sample {b + 1} of {batch.num_samples} ({batch.valid_length(b)} positions): "
                           f"max |logit diff| {diff.item():.3g}")
             return diff
@@ -379,9 +387,9 @@ def megatron_max_diffs(model, batch: ReferenceBatch, reference_file, vocab: int,
     with torch.no_grad(), tap:
         result = get_forward_backward_func()(
             forward_step_func=step,
-            data_iterator=samples,
-            model=[model],
-            num_microbatches=batch.num_samples,
+            data_iterator=iter(samples) if len(chunks) == 1 else [iter(samples) for _ in chunks],
+            model=chunks,
+            num_microbatches=len(samples),
             seq_length=batch.combined_length,
             micro_batch_size=1,
             forward_only=True,
@@ -391,28 +399,29 @@ def megatron_max_diffs(model, batch: ReferenceBatch, reference_file, vocab: int,
 
 
 def _verify_worker(megatron_dir, iteration, tp: int, pp: int, batch: ReferenceBatch, reference_file, rows: int,
-                   device=None, progress: bool = False, ep: int = 1, etp: int | None = None):
+                   device=None, progress: bool = False, ep: int = 1, etp: int | None = None, vpp: int = 1):
     from megatron_vlm import checkpoint as ckpt
-    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.model import ModelOptions, build_chunks
     from megatron_vlm.runtime import distributed
 
     if progress and not logging.getLogger().handlers:  # a spawned rank: show the progress lines as the parent does
         from megatron_vlm.cli import setup_logging
 
         setup_logging()
-    distributed.setup(tp, pp, device=device, ep=ep, etp=etp)
+    distributed.setup(tp, pp, device=device, ep=ep, etp=etp, vpp=vpp)
     iter_dir = ckpt.resolve_iteration_dir(megatron_dir, iteration)
     spec = VLMSpec.load(iter_dir)
     meta = ckpt.CheckpointMeta.load(iter_dir)
     pp_layers = meta.pp_layers if meta.pp == pp else None
     opts = ModelOptions(tp=tp, pp=pp, pp_layers=pp_layers, seq_length=batch.combined_length, perform_initialization=False,
-                        ep=ep, etp=etp)
-    model = build_model(spec, opts)
-    if torch.cuda.is_available():
-        model.cuda()
-    ckpt.load_model_weights(model, iter_dir)
-    model.eval()
-    return megatron_max_diffs(model, batch, reference_file, spec.vocab_size, rows)
+                        ep=ep, etp=etp, vpp=vpp)
+    chunks = build_chunks(spec, opts)
+    for m in chunks:
+        if torch.cuda.is_available():
+            m.cuda()
+        m.eval()
+    ckpt.load_model_weights(chunks, iter_dir)
+    return megatron_max_diffs(chunks if vpp > 1 else chunks[0], batch, reference_file, spec.vocab_size, rows)
 
 
 def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
@@ -495,10 +504,12 @@ def check_memory(hf_dir, spec: VLMSpec, tp: int, pp: int, max_memory: int | None
 
 def verify_checkpoint(hf_dir, megatron_dir, tp: int = 1, pp: int = 1, iteration=None,
                       tolerance: float = DEFAULT_TOLERANCE, chunk_bytes: int | None = None, ep: int = 1,
-                      etp: int | None = None) -> float:
+                      etp: int | None = None, vpp: int | None = None) -> float:
     """Max |logit difference| between HF and the Megatron checkpoint; raises above ``tolerance``. ``ep``/``etp``:
     the expert-parallel layout of a mixture-of-experts model (a world of :func:`world_size` processes; every
-    data-parallel replica runs the same batch, so the experts see every replica's tokens).
+    data-parallel replica runs the same batch, so the experts see every replica's tokens); ``vpp``: virtual pipeline
+    stages per PP rank (the model built as its chunks, run through megatron-core's interleaved schedule; default: the
+    checkpoint's own, from its ``ckpt_meta.json``).
 
     Peak memory: the larger of HF's fp32 model and Megatron's (:func:`megatron_weight_bytes`: TP*PP ranks hold one
     fp32 copy, an EP world's data-parallel replicas one each of the dense weights), plus one sample's activations
@@ -506,7 +517,10 @@ def verify_checkpoint(hf_dir, megatron_dir, tp: int = 1, pp: int = 1, iteration=
     from megatron_vlm import checkpoint as ckpt
     from megatron_vlm.runtime.session import single_process_world
 
-    spec = VLMSpec.load(ckpt.resolve_iteration_dir(megatron_dir, iteration))
+    it_dir = ckpt.resolve_iteration_dir(megatron_dir, iteration)
+    spec = VLMSpec.load(it_dir)
+    if vpp is None:
+        vpp = ckpt.CheckpointMeta.load(it_dir).vpp if (it_dir / ckpt.META).is_file() else 1
     batch = reference_batch(spec)
     rows = chunk_rows(spec.padded_vocab_size, chunk_bytes or CHUNK_BYTES)
     beside = Path(megatron_dir).absolute().parent  # beside the checkpoint: it has room for one lm_head
@@ -514,7 +528,8 @@ def verify_checkpoint(hf_dir, megatron_dir, tp: int = 1, pp: int = 1, iteration=
         reference = Path(tmp) / "hf_reference.safetensors"
         write_hf_reference(hf_dir, batch, reference)
         world = world_size(tp, pp, ep, etp)
-        layout = f"tp={tp} pp={pp}" + (f" ep={ep} etp={tp if etp is None else etp}" if spec.is_moe else "")
+        layout = f"tp={tp} pp={pp}" + (f" vpp={vpp}" if vpp > 1 else "") + (
+            f" ep={ep} etp={tp if etp is None else etp}" if spec.is_moe else "")
         _progress(f"loading the checkpoint into a {layout} Megatron model"
                   + (f" ({world} processes)" if world > 1 else ""))
         progress = log.isEnabledFor(logging.INFO)
@@ -525,7 +540,7 @@ def verify_checkpoint(hf_dir, megatron_dir, tp: int = 1, pp: int = 1, iteration=
             from megatron_vlm.runtime.spawn import run_world
 
             results = run_world(_verify_worker, world, megatron_dir, iteration, tp, pp, batch, reference, rows,
-                                progress=progress, ep=ep, etp=etp)
+                                progress=progress, ep=ep, etp=etp, vpp=vpp)
             diffs = [d for r in results if r is not None for d in r]  # every data-parallel replica's comparison
     diff = float(torch.tensor(diffs).max())  # NaN stays NaN, and fails below
     log.info("max |logit diff| HF vs Megatron (%s, fp32): %.3g (tolerance %.1g)", layout, diff, tolerance)

@@ -329,6 +329,7 @@ def check_spec(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
     problems = []
     try:
         spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers, cfg.ep, cfg.etp)
+        cfg.vpp_size(spec)  # virtual pipeline stages: each rank's layers split into equal chunks
     except ParallelismError as e:
         problems.append(f"{e} (model: {source})")
     if spec.is_moe and cfg.container is None:  # the megatron-core that will train is this environment's

@@ -25,7 +25,7 @@ def device_limit_gib(cfg, facts: dict) -> tuple[float | None, str]:
 
 def estimate_lines(cfg, spec, facts: dict) -> tuple[list[str], str | None]:
     """The estimate's lines and, when it exceeds the limit, a warning."""
-    layout = memory.Layout.of_config(cfg)
+    layout = memory.Layout.of_config(cfg, spec=spec)
     stages = memory.estimate(spec, layout)
     limit, source = device_limit_gib(cfg, facts)
     lines = memory.format_estimate(stages, layout, limit, source)

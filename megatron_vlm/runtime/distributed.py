@@ -31,6 +31,7 @@ class Runtime:
     ep_rank: int = 0
     cp: int = 1  # context-parallel size (dp counts data-parallel replicas without it)
     cp_rank: int = 0
+    vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -51,10 +52,11 @@ def choose_device(device: str | None = None) -> str:
 
 
 def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234, timeout_min: int = 30, ep: int = 1,
-          etp: int | None = None, cp: int = 1) -> Runtime:
+          etp: int | None = None, cp: int = 1, vpp: int = 1) -> Runtime:
     """Initialise torch.distributed and megatron's model-parallel groups for this process (``ep``/``etp``: the
     expert-parallel groups of a mixture-of-experts model; ``etp`` defaults to ``tp``; ``cp``: context parallelism,
-    megatron-core's rank order tp-cp-ep-dp-pp)."""
+    megatron-core's rank order tp-cp-ep-dp-pp; ``vpp``: virtual pipeline stages per pipeline rank, which makes
+    megatron-core's schedule the interleaved one)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -90,7 +92,8 @@ def setup(tp: int = 1, pp: int = 1, device: str | None = None, seed: int = 1234,
     destroy_parallel_groups()  # a world that runs several jobs: the previous job's groups and their threads
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                                 context_parallel_size=cp)
+                                 context_parallel_size=cp,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     seed_everything(seed)
     model_parallel_cuda_manual_seed(seed)
     return current()
@@ -115,6 +118,7 @@ def current() -> Runtime:
         ep_rank=ps.get_expert_model_parallel_rank(),
         cp=ps.get_context_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
     )
 
 

@@ -9,15 +9,15 @@ import torch
 def measure(training) -> dict:
     """Bytes of this rank's parameters, DDP gradient buffers and optimizer state (fp32 main parameters that are
     not the model's own, Adam's moments: created by one optimizer step on zero gradients)."""
-    model = training.model
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    buffers = list(training.ddp.buffers) + list(getattr(training.ddp, "expert_parallel_buffers", []) or [])
+    params = [p for _, p in training.named_parameters()]  # every model chunk of the rank
+    weights = sum(p.numel() * p.element_size() for p in params)
+    buffers = [b for d in training.ddps for b in list(d.buffers) + list(getattr(d, "expert_parallel_buffers", []) or [])]
     grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
-    for p in model.parameters():
+    for p in params:
         if p.requires_grad:
             p.main_grad.zero_()
     training.optimizer.step()
-    own = {id(p) for p in model.parameters()}
+    own = {id(p) for p in params}
     opt = 0
     for o in getattr(training.optimizer, "chained_optimizers", [training.optimizer]):
         inner = o.optimizer
@@ -40,7 +40,7 @@ def measured_and_estimated(spec, cfg) -> dict:
 
     training = build_training(cfg, spec)
     stage = ps.get_pipeline_model_parallel_rank()
-    layout = memory.Layout.of_config(cfg)
+    layout = memory.Layout.of_config(cfg, spec=spec)
     est = memory.estimate(spec, layout)[stage]
     return {"stage": stage, "measured": measure(training),
             "estimated": {"weights": est.weights, "gradients": est.gradients, "optimizer": est.optimizer}}
@@ -57,7 +57,8 @@ def memory_jobs(spec_json: str, jobs: list[dict]) -> list[dict]:
     out = []
     for job in jobs:
         cfg = TrainConfig(**{**BASE, "train_iters": 1, "micro_batch_size": 1, **job})
-        distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp)
+        distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp,
+                          vpp=cfg.vpp_size(spec))
         cfg.gpus = torch.distributed.get_world_size()
         cfg.global_batch_size = cfg.dp
         out.append(measured_and_estimated(spec, cfg))

@@ -110,8 +110,8 @@ def _as_samples(encoder, sample_fields: list[dict]) -> list:
 
 
 def _grads(training) -> dict:
-    """This rank's reduced gradients of the last step (megatron DDP's fp32 ``main_grad`` buffers)."""
-    return {n: p.main_grad.detach().float().clone() for n, p in training.model.named_parameters() if p.requires_grad}
+    """This rank's reduced gradients of the last step (megatron DDP's fp32 ``main_grad`` buffers; every chunk's)."""
+    return {n: p.main_grad.detach().float().clone() for n, p in training.named_parameters() if p.requires_grad}
 
 
 def _rel(a: float, b: float) -> float:
@@ -131,7 +131,9 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
     ``samples`` (a key of ``sample_sets``: lists of encoded-sample fields), ``packed_seq_length``,
     TrainConfig fields (tp, pp, cp, precision, ...), ``broken`` (attention across the samples of a pack: the local
     'thd' attention given one segment for the whole row, the defect the comparison must catch; with ``cp`` > 1 the
-    context-parallel attention's mask at contiguous positions instead, :func:`contiguous_cp_mask`)."""
+    context-parallel attention's mask at contiguous positions instead, :func:`contiguous_cp_mask`),
+    ``unpacked_micro_batches`` (the unpacked share in that many micro batches, default 1: virtual pipeline stages
+    need as many micro batches as pipeline stages, packed and unpacked)."""
     import copy
 
     from megatron_vlm import checkpoint as ckpt
@@ -152,13 +154,13 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
         megatron_dir, hf_dir = models[job["model"]]
         iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
         spec = VLMSpec.load(iter_dir)
-        fields = {k: v for k, v in job.items() if k not in ("samples", "broken", "model")}
+        fields = {k: v for k, v in job.items() if k not in ("samples", "broken", "model", "unpacked_micro_batches")}
         samples_fields = sample_sets[job["samples"]]
         psl = fields.pop("packed_seq_length")
         fields.update(lr=0.0, min_lr=0.0, clip_grad=0.0, packing_buffer_size=len(samples_fields),
                       packed_seq_length=psl, micro_batch_size=1)
         cfg = job_config(fields, 1, len(samples_fields))
-        rt = _setup(cfg)
+        rt = _setup(cfg, spec)
         # context parallelism: each sample of a pack, and the unpacked rows, padded as the trainer pads them
         multiple, sample_multiple = pad_multiple(cfg), length_multiple(cfg.cp)
         key = (job["model"], psl, cfg.seq_length, multiple, sample_multiple)
@@ -171,13 +173,15 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
         per_rank = len(samples) // rt.dp
         mine = samples[rt.dp_rank * per_rank:(rt.dp_rank + 1) * per_rank]
         reads = batch_feed.reads_data(rt.tp_rank, rt.pp_rank, rt.pp)
-        unpacked = [super(type(enc), enc).batch(mine)]  # the architecture's plain batch: separate rows
+        k = len(mine) // job.get("unpacked_micro_batches", 1)
+        unpacked = [super(type(enc), enc).batch(mine[i:i + k])  # the architecture's plain batch: separate rows
+                    for i in range(0, len(mine), k)]
         selected = enc.select_samples_to_pack(mine)
         packs = [enc.batch([enc.pack_selected_samples(p)]) for p in selected]
         pack_sizes: list = [None] * torch.distributed.get_world_size()  # samples per pack, on every rank
         torch.distributed.all_gather_object(pack_sizes, [len(p) for p in selected])
         ucfg = copy.copy(cfg)
-        ucfg.micro_batch_size = len(mine)
+        ucfg.micro_batch_size = k
         training = build_training(cfg, spec, init_from=iter_dir)
         results, grads = {}, {}
         segments, mask = cpu_compat.segments, ContextParallelAttention.mask

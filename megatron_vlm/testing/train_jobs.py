@@ -21,6 +21,7 @@ import torch
 from megatron_vlm import checkpoint as ckpt
 from megatron_vlm.runtime.spawn import thread_names
 from megatron_vlm.spec import VLMSpec
+from megatron_vlm.testing import chunk_views
 
 #: what every job's TrainConfig has unless the job says otherwise
 BASE = dict(device="cpu", stage=2, freeze_vit=False, lr=2e-3, min_lr=0.0, lr_warmup_fraction=0.0,
@@ -50,10 +51,11 @@ def encoder_for(hf_dir, seq_length: int = BASE["seq_length"], spec: VLMSpec | No
 
 
 def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BASE["seq_length"],
-                            uniform: bool = False) -> list[list]:
+                            uniform: bool = False, videos: int = 0) -> list[list]:
     """``n`` global batches of ``size`` encoded samples of different lengths (and, for anyres models, image
     sizes), the same on every call; ``uniform``: every sample has the first question and answer (one length, the
-    images differ)."""
+    images differ); ``videos`` (OneVision): that many samples of each global batch are a video (of 3 frames and of 1
+    frame in turn, made with PyAV) instead of an image."""
     from megatron.energon import VQASample
     from PIL import Image
 
@@ -62,10 +64,20 @@ def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BAS
     enc = encoder_for(hf_dir, seq_length)
     sizes = IMAGE_SIZES if enc.spec.is_anyres else IMAGE_SIZES[:1]
     meta = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
+    clips = _clips() if videos else []
     out = []
     for b in range(n):
         samples = []
         for i in range(size):
+            if i < videos:
+                from megatron_vlm.data.anyres_encoder import AnyresSample
+                from megatron_vlm.data.conversation import vqa_messages
+
+                j = (b + i) % len(QUESTIONS)
+                messages = vqa_messages(QUESTIONS[j], ANSWERS[(j + b) % len(ANSWERS)], "video")
+                samples.append(AnyresSample(__key__=f"{b}-{i}", **meta, **enc.encode_conversation(
+                    messages, [], f"{b}-{i}", [clips[(b + i) % len(clips)]])))
+                continue
             j = 0 if uniform else (b + i) % len(QUESTIONS)
             image = Image.fromarray(image_array(sizes[0 if uniform else (b + i) % len(sizes)], 8 * b + i))
             s = VQASample(__key__=f"{b}-{i}", image=image, context=QUESTIONS[j],
@@ -106,13 +118,20 @@ def long_video_batch(hf_dir, frames: int = 32, seq_length: int = 256, side: int 
     return [AnyresSample(__key__=f"{i}", **meta, **f) for i, f in enumerate(fields)]
 
 
+def _clips() -> list[bytes]:
+    """Two clips: 25 frames at 10 fps (OneVision's rule picks 3) and 5 at 7 fps (it picks 1)."""
+    from megatron_vlm.testing.videos import make_video
+
+    return [make_video(25, 33, 21, fps=10), make_video(5, 48, 32, fps=7)]
+
+
 def job_config(job: dict, n_steps: int, global_batch_size: int):
     from megatron_vlm.training.config import TrainConfig
 
     fields = {k: v for k, v in job.items()
               if k not in ("name", "steps", "start", "save", "save_after", "resume", "reload_weights",
                            "grads", "megatron_dir", "hf_dir", "batches", "refused",
-                           "unchecked_expert_layout")}
+                           "unchecked_expert_layout", "evaluate")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
     # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
@@ -128,15 +147,17 @@ def micro_batches(collate, samples: list, dp: int, dp_rank: int, micro_batch_siz
     return [collate(mine[i:i + micro_batch_size]) for i in range(0, len(mine), micro_batch_size)]
 
 
-def _setup(cfg):
+def _setup(cfg, spec: VLMSpec | None = None):
+    """The job's parallel groups (``spec``: the model's, which decides the virtual pipeline stages, if any)."""
     from megatron_vlm.runtime import distributed
 
-    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp)
+    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp,
+                             vpp=cfg.vpp_size(spec) if spec is not None else 1)
 
 
 def weights_digest(model) -> str:
-    """sha256 of this rank's parameters (names, dtypes and bytes, in the model's order): equal digests are
-    bit-identical weights."""
+    """sha256 of this rank's parameters (names, dtypes and bytes, in the model's order; ``model``: a module or a
+    ``Training``, all of its chunks): equal digests are bit-identical weights."""
     import hashlib
 
     h = hashlib.sha256()
@@ -150,11 +171,17 @@ def weights_digest(model) -> str:
 def _save(job, step: int, cfg, rt, spec, training, iter_dir, global_batch_size: int) -> None:
     from megatron_vlm.training import checkpointing, resume
 
-    meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp),
-                               dtype=str(training.dtype).replace("torch.", ""), ep=cfg.ep, etp=cfg.etp)
+    meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers),
+                               dtype=str(training.dtype).replace("torch.", ""), ep=cfg.ep, etp=cfg.etp,
+                               vpp=len(training.models))
     meta.extra.update(resume.layout_extra(cfg, rt.dp, step * global_batch_size))
-    checkpointing.save(Path(job["save"]), step, training.model, training.optimizer, training.scheduler, None,
+    overlap = training.overlapping_param_gather()
+    if overlap:  # as the trainer saves: the parameters gathered first
+        training.disable_forward_pre_hook()
+    checkpointing.save(Path(job["save"]), step, training.models, training.optimizer, training.scheduler, None,
                        spec=spec, meta=meta, side_src=iter_dir, with_optim=cfg.save_optim, total_limit=None)
+    if overlap:
+        training.enable_forward_pre_hook()
 
 
 def _start(job: dict, cfg, spec, iter_dir, rt):
@@ -170,7 +197,7 @@ def _start(job: dict, cfg, spec, iter_dir, rt):
         if job.get("reload_weights", True):
             resume.restore(training, plan)
         else:  # the defect: weights loaded, the optimizer's fp32 main params left as they were
-            checkpointing.load(plan.iter_dir, training.model, training.optimizer, training.scheduler, False,
+            checkpointing.load(plan.iter_dir, training.models, training.optimizer, training.scheduler, False,
                                with_rng=False, with_data=False)
     return training
 
@@ -192,12 +219,17 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     ``{'name', 'error'}``, the exception's type and message, or None if nothing refused it;
     ``unchecked_expert_layout=True`` lifts the refusal of an expert layout the installed megatron-core trains wrong
     (:func:`megatron_vlm.mcore_version.expert_layout_problem`), to write a fixture of what an older release did.
-    ``grads``: also return, as 'grads', every rank's (coordinates, local gradients) of the first step, and as
-    'layout' the keyword arguments of :func:`megatron_vlm.testing.grad_reference.assemble` (tp, pp, layers, ep,
-    etp), which turns them into HF-named gradients; an MoE model's routing numbers of each step come as 'moe'.
+    ``evaluate`` (a number of micro batches): the trainer's evaluation (:func:`megatron_vlm.training.step.evaluate`)
+    of that many micro batches of the first global batch after the last step, as 'val_loss' (with virtual pipeline
+    stages it takes the largest multiple of PP of them).
+    ``grads``: also return, as 'grads', every model chunk's (coordinates, local gradients) of the first step, and
+    as 'layout' the keyword arguments of :func:`megatron_vlm.testing.grad_reference.assemble` (tp, pp, layers, ep,
+    etp), which turns them into HF-named gradients (with virtual pipeline stages each chunk is a stage of a
+    ``pp x vpp``-stage pipeline, :mod:`megatron_vlm.testing.chunk_views`); an MoE model's routing numbers of each
+    step come as 'moe'.
     ``megatron_dir``, ``hf_dir`` and ``batches`` give a job its own model and global batches (default: the
     arguments), so one world trains several models: ``global_batches`` is then a dict and ``batches`` names one;
-    a value of that dict may be a recipe, ``(hf_dir, n, uniform, repeat)``, which every rank makes with
+    a value of that dict may be a recipe, ``(hf_dir, n, uniform, repeat[, videos])``, which every rank makes with
     :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks. ``batches``
     may also be such a recipe itself, or the job's own list of global batches.
     """
@@ -216,8 +248,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         if isinstance(global_batches, tuple):
             recipe, global_batches = global_batches, made.get(global_batches)
             if global_batches is None:
-                global_batches = made[recipe] = variable_length_batches(recipe[0], recipe[1],
-                                                                        uniform=recipe[2]) * recipe[3]
+                global_batches = made[recipe] = variable_length_batches(
+                    recipe[0], recipe[1], uniform=recipe[2], videos=recipe[4] if len(recipe) > 4 else 0) * recipe[3]
         iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
         spec = VLMSpec.load(iter_dir)
         steps = job.get("steps", len(global_batches) - job.get("start", 0))
@@ -225,7 +257,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         settle_with_spec(cfg, spec)  # as the trainer: e.g. sequence parallelism for an MoE LM at TP > 1
         # for batch() only; sequence and context parallelism split the image-expanded length, as the trainer pads it
         encoder = encoder_for(hf_dir, spec=spec, pad_to_multiple_of=pad_multiple(cfg))
-        rt = _setup(cfg)
+        rt = _setup(cfg, spec)
         if job.get("refused"):  # the set-up must fail, on every rank alike, before a step
             try:
                 training = _start(job, cfg, spec, iter_dir, rt)
@@ -245,10 +277,11 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
                 training = _start(job, cfg, spec, iter_dir, rt)
         else:
             training = _start(job, cfg, spec, iter_dir, rt)
+        views = chunk_views.views(training, rt, cfg, spec)  # VPP: each chunk as a stage of a wider pipeline
         if job.get("grads"):
             from megatron_vlm.testing import grad_reference
 
-            captured = grad_reference.capture(training)
+            captured = [grad_reference.capture(v.training) for v in views]
         losses, norms, scales, moe = [], [], [], []
         first = job.get("start", 0)
         # as the trainer: only the ranks batch_feed.reads_data names read (batch) the data; distribute() hands
@@ -265,21 +298,36 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             moe.append(r.moe)
             if k == save_after:
                 _save(job, first + k, cfg, rt, spec, training, iter_dir, len(gb))
+        val = None
+        if job.get("evaluate"):  # the trainer's evaluation (forward only) of the first global batch, weights as now
+            from megatron_vlm.training.step import evaluate
+
+            gb = global_batches[first]
+            mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
+                [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
+            val = evaluate(training, batch_feed.distribute(mine[:job["evaluate"]], rt.device), cfg, rt.device)
         world = torch.distributed.get_world_size()
+        vals: list = [None] * world
+        torch.distributed.all_gather_object(vals, val)
         readers: list = [None] * world
         torch.distributed.all_gather_object(readers, reads)
         digests: list = [None] * world
-        torch.distributed.all_gather_object(digests, weights_digest(training.model))
+        torch.distributed.all_gather_object(digests, weights_digest(training))
+        vals: list = [None] * world
+        torch.distributed.all_gather_object(vals, val)
         result = {"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
-                  "readers": [r for r, x in enumerate(readers) if x], "weights": digests, "moe": moe}
-        if job.get("grads"):
+                  "readers": [r for r, x in enumerate(readers) if x], "weights": digests, "moe": moe,
+                  "val_loss": next((v for v in vals if v is not None), None)}
+        if job.get("grads"):  # each chunk's (coordinates, first step's gradients); pp: its stage of the views' pipeline
+            mine = [(dict(grad_reference.coordinates(), pp=v.stage), c[0]) for v, c in zip(views, captured)]
             ranks: list = [None] * world
-            torch.distributed.all_gather_object(ranks, (grad_reference.coordinates(), captured[0]))
-            result.update(grads=ranks, layout=dict(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp,
-                                                   layers=spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers)))
+            torch.distributed.all_gather_object(ranks, mine)
+            result.update(grads=[chunk for rank in ranks for chunk in rank],
+                          layout=dict(tp=cfg.tp, pp=cfg.pp * len(views), ep=cfg.ep, etp=cfg.etp,
+                                      layers=chunk_views.stage_layers(training, cfg, spec)))
         out.append(result)
         release(training)
-        del training
+        del training, views
         gc.collect()
         threads: list = [None] * world
         torch.distributed.all_gather_object(threads, thread_names())

@@ -92,9 +92,76 @@ def megatron_lm_checkpoints(jobs: list[tuple[str, str]], seq_length: int = 64) -
     - ``dist_local``: torch_dist with the local spec's norm names, no ``args``, ``release``;
     - ``legacy``: ``mp_rank_XX/model_optim_rng.pt`` with ``args``, TE norm names and ``_extra_state`` tensors;
     - ``old_prefix``: torch_dist under ``model.`` with megatron-vlm's side files (backward compatibility).
+
+    A job ``(converted checkpoint, output dir, "pp2vpp2", pp_layers)`` writes, at PP2 (``pp_layers`` language layers
+    per rank, or None) with two virtual pipeline stages per rank, what Megatron-LM writes of its model chunks
+    (:func:`_megatron_lm_vpp_checkpoints`).
     """
-    for megatron_dir, out_root in jobs:
-        _megatron_lm_checkpoints(megatron_dir, out_root, seq_length)
+    for megatron_dir, out_root, *kind in jobs:
+        if kind and kind[0] == "pp2vpp2":
+            _megatron_lm_vpp_checkpoints(megatron_dir, out_root, seq_length, kind[1])
+        else:
+            _megatron_lm_checkpoints(megatron_dir, out_root, seq_length)
+
+
+def _megatron_lm_vpp_checkpoints(megatron_dir, out_root, seq_length: int, pp_layers=None) -> None:
+    """Megatron-LM's checkpoints of a run at PP2 x VPP2 (a 2-process world; ``pp_layers``: an uneven split, Megatron-LM's
+    ``--decoder-first-pipeline-num-layers``), from megatron-core's own model chunks (``model.build_chunks``: chunk ``c``
+    of pipeline rank ``p`` is virtual stage ``c * 2 + p``), with ``args`` and none of megatron-vlm's side files, as
+    ``megatron/training/checkpointing.py``'s ``generate_state_dict`` saves a list of chunks:
+
+    - ``dist``: torch_dist of ``{"model0": chunk 0's sharded state dict, "model1": ...}`` (global layer numbers),
+      ``iter_0000003`` + tracker;
+    - ``legacy``: ``mp_rank_00_PPP/model_optim_rng.pt`` with ``model0``, ``model1``: each chunk's ``state_dict()``
+      (its layers numbered from 0) under Transformer Engine's norm names.
+    """
+    import argparse
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_vlm.model import LOCAL_TO_TE_KEYS, ModelOptions, build_chunks
+    from megatron_vlm.runtime import distributed
+
+    distributed.setup(1, 2, device="cpu", vpp=2)
+    src = ckpt.resolve_iteration_dir(megatron_dir)
+    spec = VLMSpec.load(src)
+    chunks = build_chunks(spec, ModelOptions(pp=2, pp_layers=pp_layers, vpp=2, seq_length=seq_length,
+                                             perform_initialization=False))
+    ckpt.load_model_weights(chunks, src)
+    out, rank = Path(out_root), ps.get_pipeline_model_parallel_rank()
+    args = argparse.Namespace(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        group_query_attention=True, num_query_groups=spec.num_query_groups, kv_channels=spec.kv_channels,
+        ffn_hidden_size=spec.ffn_hidden_size, swiglu=True, padded_vocab_size=spec.padded_vocab_size,
+        make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+        num_virtual_stages_per_pipeline_rank=2, decoder_first_pipeline_num_layers=pp_layers[0] if pp_layers else None,
+        attention_backend=AttnBackend.auto, ckpt_format="torch_dist", bf16=False)
+    iter_dir = out / "dist" / "iter_0000003"
+    if rank == 0:
+        iter_dir.mkdir(parents=True)
+    torch.distributed.barrier()
+    ckpt.save_sharded({**{f"model{c}": ckpt.model_sharded_state_dict(m) for c, m in enumerate(chunks)},
+                       "checkpoint_version": 3.0, "iteration": 3, "args": args}, iter_dir)
+    if rank == 0:
+        ckpt.write_tracker(out / "dist", 3)
+    states = {}
+    for c, m in enumerate(chunks):
+        state = {}
+        for k, v in m.state_dict().items():
+            for local, te in LOCAL_TO_TE_KEYS.items():
+                k = k.replace("." + local, "." + te)
+            state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        states[f"model{c}"] = state
+    args.ckpt_format = "torch"
+    path = ckpt.legacy_rank_file(out / "legacy" / "iter_0000003", 0, rank, 2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 3, **states}, path)
+    torch.distributed.barrier()
+    if rank == 0:
+        ckpt.write_tracker(out / "legacy", 3)
 
 
 def _megatron_lm_checkpoints(megatron_dir, out_root, seq_length: int) -> None:

@@ -1,5 +1,5 @@
 """Build this rank's training objects on megatron-core, as Megatron-LM does: the LLaVAModel chunk of this
-pipeline stage, wrapped for mixed precision (``Float16Module``: bf16/fp16 parameters, first-stage inputs such as
+pipeline stage (one per virtual stage with virtual pipeline parallelism), each wrapped for mixed precision (``Float16Module``: bf16/fp16 parameters, first-stage inputs such as
 pixel values cast to the compute dtype, last-stage outputs back to fp32), megatron-core's
 ``DistributedDataParallel`` (fp32 gradient buffers, per-token loss normalisation over the whole global batch),
 the loss objective (:mod:`.objective`: padded vocabulary rows masked out unless ``--loss-over-padded-vocab``),
@@ -30,11 +30,14 @@ def compute_dtype(cfg) -> torch.dtype:
 
 @dataclass
 class Training:
-    """One rank's model, wrapped model, optimizer and schedule (everything a step and a checkpoint touch)."""
+    """One rank's model chunks, wrapped chunks, optimizer and schedule (everything a step and a checkpoint touch).
+    A rank holds one model chunk, or one per virtual pipeline stage with ``--num-virtual-stages-per-pipeline-rank``
+    / ``--num-layers-per-virtual-pipeline-stage`` (:mod:`megatron_vlm.pipeline_layout`): ``models[c]`` is chunk
+    ``c``, in the order megatron-core's interleaved schedule takes them."""
 
     spec: VLMSpec
-    model: torch.nn.Module  # the LLaVAModel chunk of this pipeline stage (unwrapped)
-    ddp: torch.nn.Module  # DistributedDataParallel(Float16Module(model)) or DistributedDataParallel(model)
+    models: list  # the LLaVAModel chunks of this rank (unwrapped)
+    ddps: list  # DistributedDataParallel(Float16Module(chunk)) or DistributedDataParallel(chunk), per chunk
     optimizer: object  # megatron-core MegatronOptimizer
     scheduler: object  # megatron-core OptimizerParamScheduler
     trained_parts: tuple[bool, bool, bool]  # (vision encoder, projector, language model) trainable
@@ -45,15 +48,49 @@ class Training:
     moe: object = None  # megatron_vlm.training.moe.MoETraining of a mixture-of-experts model
 
     @property
+    def model(self) -> torch.nn.Module:
+        """The rank's one model chunk (without virtual pipeline stages; with them, iterate :attr:`models`)."""
+        return _only(self.models, "models")
+
+    @property
+    def ddp(self) -> torch.nn.Module:
+        """The rank's one wrapped chunk (without virtual pipeline stages; with them, iterate :attr:`ddps`)."""
+        return _only(self.ddps, "ddps")
+
+    @property
     def config(self):
-        """The language TransformerConfig, which megatron's schedules and DDP read."""
-        return self.model.config
+        """The language TransformerConfig, which megatron's schedules and DDP read (one for all chunks)."""
+        return self.models[0].config
+
+    def named_parameters(self):
+        """(name, parameter) of every chunk: the chunk's own names, prefixed ``model<c>.`` with several chunks
+        (Megatron-LM's checkpoint keys of chunk ``c``)."""
+        for c, m in enumerate(self.models):
+            for n, p in m.named_parameters():
+                yield (f"model{c}.{n}" if len(self.models) > 1 else n), p
 
     def lr(self) -> float:
         return self.scheduler.get_lr(self.optimizer.param_groups[0])
 
     def overlapping_param_gather(self) -> bool:
-        return bool(self.ddp.ddp_config.use_distributed_optimizer and self.ddp.ddp_config.overlap_param_gather)
+        cfg = self.ddps[0].ddp_config
+        return bool(cfg.use_distributed_optimizer and cfg.overlap_param_gather)
+
+    def disable_forward_pre_hook(self) -> None:
+        """Gather the parameters now and stop overlapping the gather with the forward (every chunk)."""
+        for d in self.ddps:
+            d.disable_forward_pre_hook(param_sync=True)
+
+    def enable_forward_pre_hook(self) -> None:
+        for d in self.ddps:
+            d.enable_forward_pre_hook()
+
+
+def _only(chunks: list, name: str):
+    if len(chunks) != 1:
+        raise AttributeError(f"this rank holds {len(chunks)} model chunks (virtual pipeline stages): use "
+                             f"Training.{name}")
+    return chunks[0]
 
 
 def model_options(cfg, spec: VLMSpec, impl: str, fusions=None):
@@ -61,7 +98,8 @@ def model_options(cfg, spec: VLMSpec, impl: str, fusions=None):
 
     dtype = compute_dtype(cfg)
     return ModelOptions(
-        tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, cp_comm_type=cfg.cp_comm_type, pp_layers=cfg.pp_layers, seq_length=cfg.lm_seq_length, params_dtype=dtype,
+        tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, cp_comm_type=cfg.cp_comm_type, pp_layers=cfg.pp_layers, vpp=cfg.vpp_size(spec),
+        seq_length=cfg.lm_seq_length, params_dtype=dtype,
         bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16", use_te=impl == "transformer_engine",
         fp8=cfg.fp8, fp8_recipe=cfg.fp8_recipe, fp8_format=cfg.fp8_format,
         deterministic=cfg.deterministic, recompute_granularity=cfg.recompute_granularity,
@@ -116,7 +154,7 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_vlm.model import build_model
+    from megatron_vlm.model import build_chunks
 
     from megatron_vlm import fusions as fusions_mod
     from megatron_vlm import layer_impl
@@ -138,36 +176,43 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
         if note and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
             log.warning(note)
     fusions = fusions_mod.resolve(fusions_mod.requested(cfg), device, impl)
-    model = build_model(spec, model_options(cfg, spec, impl, fusions))
+    models = build_chunks(spec, model_options(cfg, spec, impl, fusions))
     if torch.cuda.is_available() and cfg.device != "cpu":
-        model.cuda()
+        for m in models:
+            m.cuda()
     if init_from is not None:
-        ckpt.load_model_weights(model, init_from)
-    objective.apply(model, spec.vocab_size, spec.padded_vocab_size, bool(cfg.loss_over_padded_vocab))
-    trained = freeze(model, cfg)
-    config = model.config
-    wrapped = Float16Module(config, model) if dtype != torch.float32 else model
+        ckpt.load_model_weights(models, init_from)
+    trained = None
+    for m in models:
+        objective.apply(m, spec.vocab_size, spec.padded_vocab_size, bool(cfg.loss_over_padded_vocab))
+        trained = freeze(m, cfg)
+    config = models[0].config
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
         overlap_param_gather=cfg.overlap_param_gather, use_distributed_optimizer=cfg.dist_optim,
         bucket_size=cfg.ddp_bucket_size,
     )
     # config.calculate_per_token_loss is set at build time: DDP reads it here to leave gradients unscaled by
-    # 1/DP, and finalize_model_grads then divides them by the global batch's loss-token count.
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=wrapped)
-    optimizer = get_megatron_optimizer(optimizer_config(cfg), [ddp])
+    # 1/DP, and finalize_model_grads then divides them by the global batch's loss-token count. With several
+    # chunks, only the first keeps DDP's buckets (Megatron-LM's get_model): the others reduce in one bucket each.
+    ddps = [DistributedDataParallel(config=config, ddp_config=ddp_cfg,
+                                    module=Float16Module(config, m) if dtype != torch.float32 else m,
+                                    disable_bucketing=c > 0)
+            for c, m in enumerate(models)]
+    optimizer = get_megatron_optimizer(optimizer_config(cfg), ddps)
     scheduler = schedule.build(cfg, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = ddp.no_sync
+    config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [d.no_sync for d in ddps]
     moe = None
     if spec.is_moe:
         from megatron_vlm.model import aux_loss_coefficient
         from megatron_vlm.training.moe import MoETraining
 
         opts = cfg.moe_options()
-        moe = MoETraining(model, spec, config, opts.load_balancing_type, aux_loss_coefficient(spec, opts))
-    return Training(spec, model, ddp, optimizer, scheduler, trained, dtype, impl, why, fusions, moe)
+        moe = MoETraining(models, spec, config, opts.load_balancing_type, aux_loss_coefficient(spec, opts),
+                          wrapped=ddps)
+    return Training(spec, models, ddps, optimizer, scheduler, trained, dtype, impl, why, fusions, moe)
 
 
 def release(training: Training) -> None:
@@ -178,7 +223,7 @@ def release(training: Training) -> None:
     as Megatron-LM does. With the distributed optimizer that link kept the whole job alive after it was dropped
     and collected (measured on megatron-core 0.16: its model, optimizer and the 17 process groups they hold, each
     with three gloo threads, for every such job of a world); without the link it is freed."""
-    config = training.model.config
+    config = training.config
     config.finalize_model_grads_func = None
     config.grad_scale_func = None
     config.no_sync_func = None

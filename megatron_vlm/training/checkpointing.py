@@ -104,17 +104,31 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
+def _chunks(model) -> list:
+    """This rank's model chunks: ``model`` is one chunk or the list of them (virtual pipeline stages)."""
+    return [_unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+
+
+def model_keys(n: int) -> list[str]:
+    """The state-dict entries of a rank's ``n`` model chunks, as Megatron-LM names them: ``model`` for one,
+    ``model0``, ``model1``, ... with virtual pipeline stages (torch_dist keys inside are global: the checkpoint
+    loads at any layout)."""
+    return ["model"] if n == 1 else [f"model{c}" for c in range(n)]
+
+
 def trains_here(model) -> bool:
-    """Whether this rank's model chunk has a trainable parameter. In stage 1 at PP>1 the later pipeline stages
-    hold only frozen language-model layers: their optimizer has empty parameter groups and no state."""
-    return any(p.requires_grad for p in _unwrap(model).parameters())
+    """Whether this rank's model chunks have a trainable parameter. In stage 1 at PP>1 the later pipeline stages
+    (with virtual stages: every chunk but the first rank's first) hold only frozen language-model layers: the
+    rank's optimizer has empty parameter groups and no state when none of its chunks trains."""
+    return any(p.requires_grad for m in _chunks(model) for p in m.parameters())
 
 
 def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim: bool, loading: bool,
                 with_rng: bool = True, with_data: bool = True, layout: ckpt.DistKeyLayout = ckpt.DistKeyLayout()):
     # Megatron-LM's convention: model keys without a prefix (older megatron-vlm checkpoints: "model.")
-    model_sd = ckpt.model_sharded_state_dict(_unwrap(model), layout)
-    sd = {"model": model_sd, "iteration": iteration,
+    chunks = _chunks(model)
+    model_sd = {k: ckpt.model_sharded_state_dict(m, layout) for k, m in zip(model_keys(len(chunks)), chunks)}
+    sd = {**model_sd, "iteration": iteration,
           **_rank_objects(loader_state, None if loading else rng_state(), with_rng, with_data)}
     if with_optim:
         # A stage without trainable parameters holds no optimizer state, and megatron-core's optimizers cannot
@@ -123,7 +137,8 @@ def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim
         # and DP peers, who share its parameters) does the same, so the collectives of a save still match.
         if trains_here(model):
             # 'fully_reshardable': the distributed optimizer's state resumes at any TP/PP/DP
-            sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIM_METADATA)
+            sd["optimizer"] = optimizer.sharded_state_dict(model_sd if len(chunks) > 1 else model_sd["model"],
+                                                           is_loading=loading, metadata=OPTIM_METADATA)
         sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     return sd
 
@@ -424,9 +439,11 @@ def load(iter_dir, model, optimizer, scheduler, with_optim: bool, with_rng: bool
         opt.optimizer.state.clear()
     if with_optim and here:
         _check_optimizer_state(sd["optimizer"], iter_dir)
-    layer_impl.prepare_dist_load(sd["model"], iter_dir)  # TE _extra_state may be absent; nothing else
+    for key in model_keys(len(_chunks(model))):
+        layer_impl.prepare_dist_load(sd[key], iter_dir)  # TE _extra_state may be absent; nothing else
     loaded = dist_checkpointing.load(sd, str(iter_dir))  # a local path or an msc:// URL
-    _unwrap(model).load_state_dict({k[len(layout.prefix):]: v for k, v in loaded["model"].items()}, strict=True)
+    for key, chunk in zip(model_keys(len(_chunks(model))), _chunks(model)):
+        chunk.load_state_dict({k[len(layout.prefix):]: v for k, v in loaded[key].items()}, strict=True)
     if with_optim:
         if scheduler is not None and loaded.get("scheduler") and schedule_check is not None:
             schedule_check(loaded["scheduler"])

@@ -20,7 +20,9 @@ the gradient buffer stays whole (with context parallelism over DP x CP ranks). F
 weights only.
 
 **Activations** are what autograd keeps for the backward pass of the micro batches in flight (1F1B: the first
-pipeline stage holds ``min(PP, micro batches per step)`` of them), per language-model layer in the compute dtype:
+pipeline stage holds ``min(PP, micro batches per step)`` of them; with virtual pipeline stages, megatron-core's
+interleaved schedule runs chunk passes in the order :func:`interleaved_order` gives, and a rank holds the most at
+the peak of that order: the first rank about ``1 + (PP - 1) / (PP x VPP)`` times the plain schedule's layers), per language-model layer in the compute dtype:
 the inputs of the two norms and of the QKV and FC1 GEMMs (replicated over TP, split by ``--sequence-parallel``),
 and Q/K/V, the attention output, FC1's output and the SwiGLU output (split over TP) -- Korthikanti et al.'s
 accounting for a GQA/SwiGLU layer. Attention without a fused kernel (megatron's local layers) also keeps the
@@ -58,6 +60,7 @@ class Layout:
     ep: int = 1  # expert parallelism of a mixture-of-experts LM
     etp: int | None = None  # expert tensor parallelism (None: tp)
     pp_layers: tuple[int, ...] | None = None
+    vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank: the interleaved schedule
     micro_batch_size: int = 1
     grad_accum: int = 1
     seq_length: int = 2048  # positions of one micro batch row the language model sees (packed: the pack)
@@ -71,12 +74,14 @@ class Layout:
     trained: tuple[bool, bool, bool] = (False, True, True)  # vision encoder, projector, language model
 
     @classmethod
-    def of_config(cls, cfg, fused_attention: bool | None = None) -> "Layout":
+    def of_config(cls, cfg, fused_attention: bool | None = None, spec=None) -> "Layout":
+        """The run's layout (``spec``: the model, which the number of virtual pipeline stages depends on)."""
         parts = cfg.trained_parts
         if fused_attention is None:
             fused_attention = cfg.device != "cpu" and cfg.transformer_impl != "local"
+        vpp = cfg.vpp_size(spec) if spec is not None and getattr(cfg, "virtual_pipeline", False) else 1
         return cls(tp=cfg.tp, pp=cfg.pp, dp=max(cfg.dp, 1), cp=cfg.cp, ep=cfg.ep, etp=cfg.etp,
-                   pp_layers=tuple(cfg.pp_layers) if cfg.pp_layers else None,
+                   pp_layers=tuple(cfg.pp_layers) if cfg.pp_layers else None, vpp=vpp,
                    micro_batch_size=cfg.micro_batch_size or 1, grad_accum=max(cfg.grad_accum, 1),
                    seq_length=cfg.lm_seq_length, precision=cfg.precision or "bf16", dist_optim=bool(cfg.dist_optim),
                    sequence_parallel=bool(cfg.sequence_parallel), recompute_granularity=cfg.recompute_granularity,
@@ -165,10 +170,11 @@ def language_layer_params(spec, tp: int, moe: bool = False, ep: int = 1, etp: in
 
 
 def stage_layers(spec, layout: Layout, stage: int) -> list[int]:
-    """The language layers (global indices) of pipeline stage ``stage``."""
-    counts = layers_per_stage(spec, layout)
-    start = sum(counts[:stage])
-    return list(range(start, start + counts[stage]))
+    """The language layers (global indices) of pipeline stage ``stage`` (with virtual pipeline stages, those of all
+    its model chunks: not contiguous)."""
+    from megatron_vlm.pipeline_layout import chunk_layer_ranges
+
+    return [i for a, b in chunk_layer_ranges(layers_per_stage(spec, layout), layout.vpp)[stage] for i in range(a, b)]
 
 
 def vision_params(spec, tp: int) -> int:
@@ -261,7 +267,6 @@ def _layer_activation_bytes(spec, layout: Layout, s: int, b: int, moe: bool = Fa
 def _activation_bytes(spec, layout: Layout, stage: int) -> tuple[int, str]:
     s, b, t, e = layout.seq_length, layout.micro_batch_size, layout.tp, layout.dtype_bytes
     n_layers = layers_per_stage(spec, layout)[stage]
-    in_flight = min(layout.pp - stage, layout.grad_accum) if layout.pp > 1 else 1
     moe = set(spec.moe_layers)
     kinds = [i in moe for i in stage_layers(spec, layout, stage)] or [False]
     layer = sum(_layer_activation_bytes(spec, layout, s, b, k) for k in kinds) // len(kinds)  # a mean layer
@@ -269,27 +274,80 @@ def _activation_bytes(spec, layout: Layout, stage: int) -> tuple[int, str]:
     layer_input = mine * b * spec.hidden_size * e // (t if layout.sequence_parallel else 1)
     vision_trains = layout.trained[0]  # a frozen language model still keeps its activations: stage 1's gradient
     # reaches the projector through it
-    if layout.recompute_granularity == "full":
-        k = min(layout.recompute_num_layers or 1, n_layers)
-        if (layout.recompute_method or "uniform") == "uniform":
-            per_mb = n_layers * layer_input + k * layer  # chunks of k layers keep their input; one chunk is redone
-        else:  # block: the first k layers keep their inputs, the rest everything
-            per_mb = k * layer_input + (n_layers - k) * layer + (layer if k else 0)
-        what = f"full recompute ({layout.recompute_method or 'uniform'}, {k} layer(s))"
-    else:
-        per_mb = n_layers * layer
-        what = "selective recompute" if layout.recompute_granularity == "selective" else "no recompute"
-    per_mb += mine * b * spec.hidden_size * e  # the embedding output / the stage's input
-    if stage == layout.pp - 1:
-        per_mb += 2 * 4 * mine * b * spec.padded_vocab_size // t  # fp32 logits and their softmax
-    if stage == 0:  # the projector and the vision encoder run on every image before the CP split
-        per_mb += s * b * (spec.vision_hidden_size + 2 * spec.hidden_size) * e  # projector input, FC1, GELU
-        if vision_trains:
-            vlayer = s * b * (4 * spec.vision_hidden_size + 3 * spec.vision_hidden_size + 2 * spec.vision_ffn_hidden_size
-                              // t) * e
-            per_mb += spec.vit_num_layers * vlayer
+
+    def layers_part(n: int) -> tuple[int, str]:
+        """What ``n`` layers keep for one micro batch (recomputation per pipeline stage or model chunk)."""
+        if layout.recompute_granularity == "full":
+            k = min(layout.recompute_num_layers or 1, n)
+            if (layout.recompute_method or "uniform") == "uniform":
+                kept = n * layer_input + k * layer  # chunks of k layers keep their input; one chunk is redone
+            else:  # block: the first k layers keep their inputs, the rest everything
+                kept = k * layer_input + (n - k) * layer + (layer if k else 0)
+            return kept, f"full recompute ({layout.recompute_method or 'uniform'}, {k} layer(s))"
+        return n * layer, "selective recompute" if layout.recompute_granularity == "selective" else "no recompute"
+
+    logits = 2 * 4 * mine * b * spec.padded_vocab_size // t  # fp32 logits and their softmax
+    # the projector and the vision encoder run on every image before the CP split
+    first = s * b * (spec.vision_hidden_size + 2 * spec.hidden_size) * e  # projector input, FC1, GELU
+    if vision_trains:
+        vlayer = s * b * (4 * spec.vision_hidden_size + 3 * spec.vision_hidden_size + 2 * spec.vision_ffn_hidden_size
+                          // t) * e
+        first += spec.vit_num_layers * vlayer
+    stage_input = mine * b * spec.hidden_size * e  # the embedding output / the stage's input
     split = f" ({mine} on this rank, CP={layout.cp})" if layout.cp > 1 else ""
+    if layout.vpp > 1 and layout.pp > 1:
+        vpp = layout.vpp
+        kept, what = layers_part(n_layers // vpp)
+        chunk = [kept + stage_input + (first if stage == 0 and c == 0 else 0)
+                 + (logits if stage == layout.pp - 1 and c == vpp - 1 else 0) for c in range(vpp)]
+        peak, passes = interleaved_peak(layout.pp, vpp, layout.grad_accum, stage, chunk)
+        return int(peak), (f"micro batch {b} x {s} positions{split}, up to {passes} chunk passes in flight "
+                           f"({vpp} chunks of {n_layers // vpp} layer(s): the interleaved schedule), {what}")
+    in_flight = min(layout.pp - stage, layout.grad_accum) if layout.pp > 1 else 1
+    per_mb, what = layers_part(n_layers)
+    per_mb += stage_input
+    if stage == layout.pp - 1:
+        per_mb += logits
+    if stage == 0:
+        per_mb += first
     return int(per_mb * in_flight), f"micro batch {b} x {s} positions{split}, {in_flight} in flight, {what}"
+
+
+def interleaved_order(pp: int, vpp: int, micro_batches: int, rank: int) -> list[tuple[str, int, int]]:
+    """The passes pipeline rank ``rank`` runs in one step of megatron-core's interleaved 1F1B schedule, in order:
+    ``("F" or "B", micro batch, chunk)``. Micro batches go in groups of ``pp`` (megatron-core's default
+    ``microbatch_group_size_per_vp_stage``), through every chunk in turn; backward passes take the chunks in reverse;
+    a rank runs ``2 (pp - rank - 1) + (vpp - 1) pp`` forward passes before its first backward (the warm-up), then
+    alternates one forward and one backward, then finishes the backward passes."""
+    table = []
+    for start in range(0, micro_batches, pp):
+        group = range(start, micro_batches if start + pp >= micro_batches else start + pp)
+        table += [(mb, c) for c in range(vpp) for mb in group]
+    total = len(table)
+    warmup = min(total, 2 * (pp - rank - 1) + (vpp - 1) * pp)
+    order = [("F", *table[k]) for k in range(warmup)]
+    for k in range(total - warmup):
+        order.append(("F", *table[warmup + k]))
+        order.append(("B", table[k][0], vpp - 1 - table[k][1]))
+    order += [("B", table[k][0], vpp - 1 - table[k][1]) for k in range(total - warmup, total)]
+    return order
+
+
+def interleaved_peak(pp: int, vpp: int, micro_batches: int, rank: int, chunk_bytes: list[int]) -> tuple[int, int]:
+    """(bytes, passes): the most activation memory rank ``rank`` holds at once in :func:`interleaved_order`, each
+    forward pass of chunk ``c`` keeping ``chunk_bytes[c]`` until its backward pass, and the passes then in flight."""
+    held = peak = passes = 0
+    live: set = set()
+    for kind, mb, c in interleaved_order(pp, vpp, micro_batches, rank):
+        if kind == "F":
+            live.add((mb, c))
+            held += chunk_bytes[c]
+            if held > peak:
+                peak, passes = held, len(live)
+        else:
+            live.discard((mb, c))
+            held -= chunk_bytes[c]
+    return peak, passes
 
 
 def estimate(spec, layout: Layout) -> list[StageEstimate]:
@@ -331,7 +389,8 @@ def format_estimate(stages: list[StageEstimate], layout: Layout, limit_gib: floa
     dtype = layout.precision
     lines = [
         f"memory per GPU (estimate; pipeline stage {worst.stage} of {layout.pp} needs the most; TP={layout.tp} "
-        f"PP={layout.pp}" + (f" CP={layout.cp}" if layout.cp > 1 else "") + f" DP={layout.dp}"
+        f"PP={layout.pp}" + (f" VPP={layout.vpp}" if layout.vpp > 1 else "")
+        + (f" CP={layout.cp}" if layout.cp > 1 else "") + f" DP={layout.dp}"
         + (f" EP={layout.ep} ETP={layout.expert_tp}" if worst.params.experts else "")
         + ")",
         f"  weights          {gib(worst.weights)}  ({count(worst.params.total)} parameters on this rank, {dtype})",

@@ -58,10 +58,11 @@ Activation recomputation re-runs a router's forward inside the backward: the sta
 forward only, and the recomputed forward takes the micro batch whose backward is running (a hook on the stage's
 output marks it).
 
-One model chunk per rank: :meth:`MoETraining.begin` numbers the micro batches in the order of the forward step's
-calls, and the stage exchange expects one message per micro batch from each other stage. Virtual pipeline stages
-(several chunks per rank) call the forward step once per chunk and micro batch: they need the schedule's micro batch
-id as the key and one message per chunk.
+Virtual pipeline stages (several model chunks per rank) call the forward step once per chunk and micro batch:
+:meth:`MoETraining.begin` numbers each chunk's calls (each chunk takes the micro batches in order), so the chunks of
+a rank add their counts to one record per micro batch, and the record goes to the sequence group and the other
+stages once, after the rank's last chunk's forward of it. Every backward of the micro batch comes after its forward
+through the last virtual stage, which follows every rank's last chunk: the counts of every stage are out by then.
 """
 
 from __future__ import annotations
@@ -414,16 +415,23 @@ class MoETraining:
     Per step: :meth:`step` around the schedule; the forward step calls :meth:`begin` with each micro batch before
     the model and :meth:`forward_done` with the model's output after it; :meth:`collect` gives the numbers."""
 
-    def __init__(self, model, spec, config, objective: str, coeff: float):
+    def __init__(self, models, spec, config, objective: str, coeff: float, wrapped=None):
+        """``models``: this rank's model chunks (a list; one module also); ``wrapped``: the same chunks as the
+        schedule passes them to the forward step (DDP), in chunk order."""
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.moe.router import TopKRouter
 
+        chunks = list(models) if isinstance(models, (list, tuple)) else [models]
+        model = torch.nn.ModuleList(chunks)  # the routers of every chunk
+        self.wrapped = list(wrapped) if wrapped is not None else chunks
         self.spec, self.config, self.objective, self.coeff = spec, config, objective, coeff
         self.stats = RoutingStats(spec, config)
         self.hf = HFLoadBalancing(config, coeff, ps.get_pipeline_model_parallel_world_size()) \
             if objective == "hf" and coeff else None
         self.aux_weight = AuxLossWeight(model, config)  # megatron-core's types and its z-loss
         self.micros: list = []
+        self._calls = [0] * len(chunks)  # forward steps of each chunk in this step
+        self._done: dict[int, int] = {}  # micro batch -> chunks whose forward of it ended
         self._forward = self._backward = None
         for m in model.modules():
             if isinstance(m, TopKRouter):
@@ -464,22 +472,30 @@ class MoETraining:
         """One step of ``micro_batches`` micro batches (over all data-parallel ranks) whose gradients are divided by
         ``loss_tokens`` (megatron-core's per-token loss): the terms' weight for that step."""
         self.micros, self._forward, self._backward = [], None, None
+        self._calls, self._done = [0] * len(self.wrapped), {}
         self.stats.reset()
         if self.hf is not None:
             self.hf.factor = float(loss_tokens) / micro_batches
         with self.aux_weight.step(loss_tokens, micro_batches):
             yield
 
-    def begin(self, batch) -> MicroBatchRouting:
-        """A micro batch's forward starts on this rank (``batch``: what the forward step got, or None)."""
+    def begin(self, batch, chunk=None) -> MicroBatchRouting:
+        """A micro batch's forward starts on this rank (``batch``: what the forward step got, or None; ``chunk``:
+        the model chunk it runs through, as the schedule passed it)."""
         if getattr(batch, "cu_seqlens", None) is not None and self.config.context_parallel_size > 1:
             # a pack's samples are each padded to 2 x CP inside their segments: its samples' positions are no longer
             # the row's first row_tokens (refused before launch too, launch/preflight.py)
             raise NotImplementedError("sequence packing with context parallelism for a mixture-of-experts model: the "
                                       "routed padding cannot be told apart; train it unpacked, or at --cp 1")
-        micro = MicroBatchRouting(len(self.micros), getattr(batch, "row_tokens", None), self.config,
-                                  self.spec.num_moe_experts, _device())
-        self.micros.append(micro)
+        c = next((i for i, w in enumerate(self.wrapped) if w is chunk), 0)
+        index = self._calls[c]
+        self._calls[c] += 1
+        if index == len(self.micros):
+            self.micros.append(MicroBatchRouting(index, getattr(batch, "row_tokens", None), self.config,
+                                                 self.spec.num_moe_experts, _device()))
+        micro = self.micros[index]
+        if micro.row_tokens is None and getattr(batch, "row_tokens", None) is not None:
+            micro.row_tokens = batch.row_tokens.to(device=micro.stats.device, dtype=torch.int64)
         self._forward = micro
         return micro
 
@@ -487,7 +503,8 @@ class MoETraining:
         """This stage's forward of ``micro`` ended with ``output``: the statistics go out, and the output's
         gradient marks the start of the micro batch's backward (collective over the sequence group)."""
         self._forward = None
-        if self.hf is not None:
+        self._done[micro.index] = self._done.get(micro.index, 0) + 1
+        if self.hf is not None and self._done[micro.index] == len(self.wrapped):  # the rank's last chunk
             self.hf.forward_done(micro)
         if torch.is_tensor(output) and output.requires_grad:
             output.register_hook(lambda grad: self._enter_backward(micro))

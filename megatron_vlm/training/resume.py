@@ -225,7 +225,7 @@ def restore(training, p: ResumePlan):
     from megatron_vlm.training.build import weights_changed
 
     try:
-        state = checkpointing.load(p.iter_dir, training.model, training.optimizer, training.scheduler, p.load_optim,
+        state = checkpointing.load(p.iter_dir, training.models, training.optimizer, training.scheduler, p.load_optim,
                                    with_rng=p.load_rng, with_data=p.load_data,
                                    schedule_check=lambda state: _check_schedule(state, p))
     except BaseException as e:  # torch's CheckpointException derives from BaseException

@@ -56,7 +56,7 @@ def forward_step(device, data_iterator, model, moe=None):
     mixture-of-experts model's :class:`~megatron_vlm.training.moe.MoETraining` in training, told where each micro
     batch's forward starts and ends on this rank."""
     b = next(data_iterator)
-    micro = moe.begin(b) if moe is not None else None
+    micro = moe.begin(b, model) if moe is not None else None
     kwargs = {}
     if b is None:
         b = _NO_INPUTS
@@ -77,6 +77,34 @@ def forward_step(device, data_iterator, model, moe=None):
     return out, partial(loss_func, loss_mask)
 
 
+def chunk_batches(batches: list, num_chunks: int) -> list:
+    """What each of this rank's model chunks takes from the micro batches ``batches``: all of them for one chunk;
+    with virtual pipeline stages, the first chunk of the first rank (inputs) and the last chunk of the last rank
+    (labels, loss mask) take the batches, the other chunks run the middle of the model and take what a middle
+    pipeline stage takes (:func:`_middle`). One iterator per chunk, as
+    megatron-core's interleaved schedule wants them."""
+    from megatron.core import parallel_state as ps
+
+    if num_chunks == 1:
+        return [iter(batches)]
+    first, last = ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
+    middle = [_middle(b) for b in batches]
+    return [iter(batches if (first and c == 0) or (last and c == num_chunks - 1) else middle)
+            for c in range(num_chunks)]
+
+
+def _middle(batch):
+    """A micro batch as a middle stage sees it: None, or only the packed boundaries and each row's positions of
+    samples (a mixture-of-experts model's routers leave the padding out)."""
+    cu, rows = getattr(batch, "cu_seqlens", None), getattr(batch, "row_tokens", None)
+    if batch is None or (cu is None and rows is None):
+        return None
+    from megatron_vlm.training.batch_feed import MicroBatch
+
+    return MicroBatch(None, None, None, None, None, row_tokens=rows, cu_seqlens=cu,
+                      max_seqlen=batch.max_seqlen if cu is not None else None)
+
+
 def _reduce_losses(losses, device) -> torch.Tensor:
     """[loss sum, token count] of the global batch on the last pipeline stage (zeros elsewhere); a context-parallel
     rank holds the loss of its part of each sequence, so the sum runs over data- and context-parallel ranks."""
@@ -90,13 +118,20 @@ def _reduce_losses(losses, device) -> torch.Tensor:
     return total
 
 
+def _iterators(batches: list, ddps: list):
+    """The schedule's data iterator: one, or one per model chunk (:func:`chunk_batches`)."""
+    its = chunk_batches(batches, len(ddps))
+    return its[0] if len(its) == 1 else its
+
+
 def train_step(training, batches: list, cfg, device) -> StepResult:
     """Forward/backward over this rank's micro batches of one global batch, then the optimizer step."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp, optimizer = training.ddp, training.optimizer
-    ddp.zero_grad_buffer()
+    ddps, optimizer = training.ddps, training.optimizer
+    for ddp in ddps:
+        ddp.zero_grad_buffer()
     optimizer.zero_grad()
     # fp16's dynamic loss scale (read before the step changes it); other precisions have none, and reading the
     # scale tensor would be one more host-device sync per step
@@ -109,7 +144,8 @@ def train_step(training, batches: list, cfg, device) -> StepResult:
             micro_batches = len(batches) * ps.get_data_parallel_world_size()
             stack.enter_context(moe.step(global_loss_tokens(batches, device), micro_batches))
         losses = get_forward_backward_func()(
-            forward_step_func=partial(forward_step, device, moe=moe), data_iterator=iter(batches), model=[ddp],
+            forward_step_func=partial(forward_step, device, moe=moe), data_iterator=_iterators(batches, ddps),
+            model=ddps,
             num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
             forward_only=False)
     routing = moe.collect(len(batches), device) if moe is not None else None
@@ -164,25 +200,31 @@ def evaluate(training, batches: list, cfg, device) -> float | None:
     """Mean loss per loss token over ``batches`` (this rank's share of the validation set); None if empty."""
     n = torch.tensor([len(batches)], device=device)
     torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
-    batches = [pad_micro_batch(b, cfg.micro_batch_size, training.spec.media_token_ids)
-               for b in batches[: int(n.item())]]
+    n = int(n.item())
+    if len(training.models) > 1:  # the interleaved schedule runs micro batches in groups of PP (a short split: fewer)
+        from megatron.core import parallel_state as ps
+
+        n -= n % ps.get_pipeline_model_parallel_world_size()
+    batches = [pad_micro_batch(b, cfg.micro_batch_size, training.spec.media_token_ids) for b in batches[:n]]
     if not batches:
         return None
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp = training.ddp
+    ddps = training.ddps
     overlap = training.overlapping_param_gather()
     if overlap:  # parameters must be current before a forward outside the training step
-        ddp.disable_forward_pre_hook(param_sync=True)
-    ddp.eval()
+        training.disable_forward_pre_hook()
+    for ddp in ddps:
+        ddp.eval()
     with torch.no_grad():
         losses = get_forward_backward_func()(
-            forward_step_func=partial(forward_step, device), data_iterator=iter(batches), model=[ddp],
+            forward_step_func=partial(forward_step, device), data_iterator=_iterators(batches, ddps), model=ddps,
             num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
             forward_only=True)
-    ddp.train()
+    for ddp in ddps:
+        ddp.train()
     if overlap:
-        ddp.enable_forward_pre_hook()
+        training.enable_forward_pre_hook()
     from megatron.core import parallel_state as ps
 
     total = _reduce_losses(losses, device)

@@ -174,6 +174,12 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
             log.info("context parallelism: each sequence split over %d ranks (2 x %d load-balanced chunks, lengths "
                      "padded to a multiple of %d); attention: %s", cfg.cp, cfg.cp, pad_multiple(cfg),
                      describe(training.impl == "transformer_engine", cfg.cp_comm_type))
+        if cfg.pp > 1:
+            from megatron_vlm.pipeline_layout import describe
+
+            vpp = len(training.models)
+            log.info("pipeline: %s%s", describe(spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers), vpp),
+                     f" ({vpp} virtual stages per rank: megatron-core's interleaved 1F1B schedule)" if vpp > 1 else "")
         log.info("data: read on TP rank 0 of the first and last pipeline stage, broadcast to the other TP ranks%s",
                  f"; sequence packing into {cfg.packed_seq_length} positions from buffers of "
                  f"{cfg.packing_buffer_size} samples" if cfg.packing else "")
@@ -227,20 +233,21 @@ def save(cfg, run: Run, iteration: int) -> None:
     training = run.training
     overlap = training.overlapping_param_gather()
     if overlap:  # the model's parameters must be current (gathered) when they are written
-        training.ddp.disable_forward_pre_hook(param_sync=True)
+        training.disable_forward_pre_hook()
     meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, run.spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers),
-                               dtype=str(training.dtype).replace("torch.", ""), ep=cfg.ep, etp=cfg.etp)
+                               dtype=str(training.dtype).replace("torch.", ""), ep=cfg.ep, etp=cfg.etp,
+                               vpp=len(training.models))
     from megatron_vlm.training.resume import layout_extra
 
     meta.extra.update(layout_extra(cfg, run.rt.dp, iteration * cfg.global_batch_size, training.scheduler))
     # the data position: from the ranks that own a loader (TP rank 0 of the first stage is the saved replica)
     loader_state = run.loader.save_state_rank() if run.loader is not None else None
-    checkpointing.save(cfg.checkpoint_dir, iteration, training.model, training.optimizer, training.scheduler,
+    checkpointing.save(cfg.checkpoint_dir, iteration, training.models, training.optimizer, training.scheduler,
                        loader_state, spec=run.spec, meta=meta, side_src=run.side_src, with_optim=cfg.save_optim,
                        total_limit=cfg.save_total_limit, config_yaml=cfg.to_yaml(),
                        verify_integrity=cfg.verify_integrity)
     if overlap:
-        training.ddp.enable_forward_pre_hook()
+        training.enable_forward_pre_hook()
 
 
 def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
@@ -256,12 +263,13 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
                             flops=StepFlops(run.spec, *training.trained_parts), world_size=rt.world_size,
                             peak_flops=peak_flops(rt.device, cfg.fp8))
     if rt.rank == 0:
-        trainable = sum(p.numel() for p in training.model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in training.model.parameters())
-        log.info("model: %.2fM parameters on this rank, %.2fM trainable (stage %d); tp=%d pp=%d%s dp=%d, "
+        trainable = sum(p.numel() for _, p in training.named_parameters() if p.requires_grad)
+        total = sum(p.numel() for _, p in training.named_parameters())
+        vpp = len(training.models)
+        log.info("model: %.2fM parameters on this rank, %.2fM trainable (stage %d); tp=%d pp=%d%s%s dp=%d, "
                  "micro batch %d x %d accumulation -> global batch %d", total / 1e6, trainable / 1e6, cfg.stage,
-                 cfg.tp, cfg.pp, f" cp={cfg.cp}" if cfg.cp > 1 else "", rt.dp, cfg.micro_batch_size, cfg.grad_accum,
-                 cfg.global_batch_size)
+                 cfg.tp, cfg.pp, f" vpp={vpp}" if vpp > 1 else "", f" cp={cfg.cp}" if cfg.cp > 1 else "", rt.dp,
+                 cfg.micro_batch_size, cfg.grad_accum, cfg.global_batch_size)
     _progress(rt, t_launch, "first iteration (the data loader's workers start)")
     data = iter(run.loader) if run.loader is not None else None
     first_iter_time = None
@@ -313,7 +321,9 @@ def train(cfg) -> dict:
     t_launch = time.time()
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    rt = distributed.setup(cfg.tp, cfg.pp, device=cfg.device, seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp)
+    vpp = cfg.vpp_size(_source(cfg)[0]) if cfg.virtual_pipeline else 1  # the model's layers decide the chunks
+    rt = distributed.setup(cfg.tp, cfg.pp, device=cfg.device, seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp,
+                             vpp=vpp)
     stop = _StopFlag()
     run = start(cfg, rt, t_launch)
     freeze_long_lived()  # the model, optimizer, loader and imports live until exit: no collection walks them again

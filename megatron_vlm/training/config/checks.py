@@ -28,7 +28,8 @@ def check_types_and_ranges(cfg: ConfigFields) -> list[str]:
     positive = ["gpus", "nodes", "tp", "pp", "cp", "ep", "etp", "micro_batch_size", "global_batch_size", "train_iters",
                 "seq_length", "save_interval", "save_total_limit", "log_interval", "eval_interval",
                 "gpus_per_node", "cpus_per_task", "ddp_bucket_size", "recompute_num_layers",
-                "max_consecutive_skipped_samples", "packing_buffer_size", "packed_seq_length", "video_frames"]
+                "max_consecutive_skipped_samples", "packing_buffer_size", "packed_seq_length", "video_frames",
+                "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"]
     for name in positive:
         v = getattr(cfg, name)
         if v is not None and v < 1:
@@ -108,6 +109,7 @@ def check_consistency(cfg: ConfigFields) -> list[str]:
     if cfg.pp_layers is not None and (len(cfg.pp_layers) != cfg.pp or min(cfg.pp_layers) < 1):
         p.append(f"--pp-layers {','.join(map(str, cfg.pp_layers))}: give {cfg.pp} positive layer counts, "
                  f"one per pipeline stage of --pp {cfg.pp}")
+    p += _check_virtual_pipeline(cfg)
     if cfg.lr is not None and cfg.min_lr > cfg.lr:
         p.append(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}")
     if cfg.fp8:
@@ -220,6 +222,41 @@ def _check_context_parallel(cfg: ConfigFields) -> list[str]:
     if cfg.seq_length % m:
         p.append(f"--seq-length {cfg.seq_length} does not split over the context-parallel ranks: it must be a "
                  f"multiple of {m} ({why}); use --seq-length {round_up(cfg.seq_length, m)}")
+    return p
+
+
+def _check_virtual_pipeline(cfg: ConfigFields) -> list[str]:
+    """Virtual pipeline parallelism against the run (the layers of each chunk are checked against the model's spec
+    before launch, :meth:`ConfigFields.vpp_size`): megatron-core's interleaved schedule runs the micro batches of a
+    step in groups of PP (its default ``microbatch_group_size_per_vp_stage``), so their number must be a multiple of
+    PP, in training and in evaluation."""
+    from megatron_vlm.pipeline_layout import LAYERS_FLAG, STAGES_FLAG
+
+    if not cfg.virtual_pipeline:
+        return []
+    p: list[str] = []
+    given = [f for f, v in ((LAYERS_FLAG, cfg.num_layers_per_virtual_pipeline_stage),
+                            (STAGES_FLAG, cfg.num_virtual_stages_per_pipeline_rank)) if v is not None]
+    if len(given) == 2:
+        p.append(f"{LAYERS_FLAG} and {STAGES_FLAG} both given; give one of them (Megatron-LM takes one)")
+    if cfg.pp < 2:
+        p.append(f"{given[0]} needs pipeline parallelism: virtual stages interleave the model chunks of several "
+                 "pipeline ranks; use --pp 2 or more, or drop it")
+        return p
+    if cfg.world_size % (cfg.tp * cfg.pp) or cfg.global_batch_size % (cfg.micro_batch_size * cfg.dp):
+        return p  # the batch arithmetic is refused on its own
+    m = cfg.grad_accum
+    if m % cfg.pp:
+        unit = cfg.micro_batch_size * cfg.dp * cfg.pp
+        lo, hi = cfg.global_batch_size // unit * unit, (cfg.global_batch_size // unit + 1) * unit
+        p.append(f"{given[0]} with --pp {cfg.pp}: megatron-core's interleaved schedule runs micro batches in groups of "
+                 f"--pp, but a step has {m} (global batch {cfg.global_batch_size} / (micro batch "
+                 f"{cfg.micro_batch_size} x data-parallel {cfg.dp})), not a multiple of {cfg.pp}; pass "
+                 f"--global-batch-size {lo or hi}" + (f" or {hi}" if lo else "") + " (or drop the virtual stages)")
+    if cfg.eval_iters and cfg.eval_iters % cfg.pp:
+        up = -(-cfg.eval_iters // cfg.pp) * cfg.pp
+        p.append(f"--eval-iters {cfg.eval_iters} with {given[0]}: the interleaved schedule evaluates micro batches in "
+                 f"groups of --pp {cfg.pp}; use --eval-iters {up}")
     return p
 
 

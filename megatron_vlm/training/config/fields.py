@@ -125,6 +125,17 @@ class ConfigFields:
     pp_layers: list[int] | None = _f(
         ("--pp-layers",), "Uneven pipeline split: language layers per stage, e.g. 3,1 for --pp 2. "
         "Default: an even split.", "intlist", None, "parallel", metavar="N,N,...")
+    num_layers_per_virtual_pipeline_stage: int | None = _f(
+        ("--num-layers-per-virtual-pipeline-stage",), "Virtual pipeline parallelism (megatron-core's interleaved "
+        "1F1B schedule): language layers per model chunk; each pipeline rank then holds (its layers / N) chunks, "
+        "which divides the pipeline bubble by that number. Needs --pp 2 or more, an even split, and micro batches "
+        "per step (global batch / (micro batch x data-parallel size)) a multiple of --pp. Default: off.", "int", None,
+        "parallel", metavar="N")
+    num_virtual_stages_per_pipeline_rank: int | None = _f(
+        ("--num-virtual-stages-per-pipeline-rank",), "Virtual pipeline parallelism: model chunks per pipeline rank "
+        "(the other way to say it; works with --pp-layers when every stage's layers divide by N). The vision encoder "
+        "and projector stay on the first chunk of the first rank. Default: off.", "int", None, "parallel",
+        metavar="N")
     micro_batch_size: int | None = _f(
         ("--micro-batch-size", "--mbs"), "Samples per GPU per forward pass. Default: 16 (stage 1), "
         "1 (stage 2).", "int", None, "parallel")
@@ -446,6 +457,22 @@ class ConfigFields:
     def model_parallel(self) -> int:
         """Ranks that hold one replica of the model and share its micro batches: TP x PP x CP."""
         return self.tp * self.pp * self.cp
+
+    @property
+    def virtual_pipeline(self) -> bool:
+        """Virtual pipeline parallelism was asked for (the number of chunks needs the model's layers:
+        :meth:`vpp_size`)."""
+        return self.num_layers_per_virtual_pipeline_stage is not None or \
+            self.num_virtual_stages_per_pipeline_rank is not None
+
+    def vpp_size(self, spec) -> int:
+        """Virtual pipeline stages (model chunks) per pipeline rank for ``spec``'s language model: 1 without virtual
+        pipeline parallelism (:func:`megatron_vlm.pipeline_layout.vpp_size`, which refuses an impossible layout)."""
+        from megatron_vlm.pipeline_layout import vpp_size
+
+        layers = spec.check_parallelism(self.tp, self.pp, self.pp_layers, self.ep, self.etp)
+        return vpp_size(layers, self.num_layers_per_virtual_pipeline_stage, self.num_virtual_stages_per_pipeline_rank,
+                        uneven=self.pp_layers is not None)
 
     @property
     def expert_tp(self) -> int:

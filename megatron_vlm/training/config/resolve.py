@@ -58,7 +58,8 @@ def resolve(config: ConfigFields, env_defaults: dict[str, Any] | None = None) ->
         if getattr(cfg, key) is None:
             setattr(cfg, key, value)
     if cfg.smoke_test:
-        forced = dict(tp=1, pp=1, cp=1, pp_layers=None, micro_batch_size=1, log_interval=1)
+        forced = dict(tp=1, pp=1, cp=1, pp_layers=None, micro_batch_size=1, log_interval=1,
+                      num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None)
         changed = {k: v for k, v in forced.items() if getattr(cfg, k) != v}
         for k, v in forced.items():
             setattr(cfg, k, v)
