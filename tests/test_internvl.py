@@ -1,0 +1,166 @@
+"""InternVL3 / InternVL3.5 (HF ``InternVLForConditionalGeneration``) through every command, held against HF.
+
+Models: the published ``-HF`` checkpoints' configs shrunk in size only around Qwen's real tokenizer with InternVL's
+tokens (:mod:`megatron_vlm.testing.internvl_models`): InternVL3.5-1B (Qwen3, tied), -8B (Qwen3, untied: the
+checkpoint's own ``lm_head`` under a config whose top-level ``tie_word_embeddings`` defaults to True), -30B-A3B
+(Qwen3-MoE), InternVL3-2B (Qwen2: q/k/v biases, 151,674 rows) and InternVL3.5-38B's InternViT-6B (RMSNorm, q/k
+norms over all heads, no q/k/v bias).
+
+- **Logits**: fp32 against HF's own model, ``hf_to_megatron --verify`` at TP1 (1e-5); a reference whose layer scales
+  are swapped, and one whose 6B q/k norms normalise each head alone, must not match (the controls).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from megatron_vlm.convert.hf_io import HFReader
+from megatron_vlm.spec import VLMSpec
+
+from .conftest import script
+
+TOL = 1e-5  # fp32 logits
+NAMES = ("InternVL3_5-1B-HF", "InternVL3_5-8B-HF", "InternVL3_5-30B-A3B-HF", "InternVL3-2B-HF", "InternVL3_5-38B-HF")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from megatron_vlm.testing.internvl_models import internvl_hf_model
+
+    root = tmp_path_factory.mktemp("internvl")
+    return {name: internvl_hf_model(root / name, name, seed=i) for i, name in enumerate(NAMES)}
+
+
+@pytest.fixture(scope="module")
+def converted(models, tmp_path_factory):
+    """Each model through ``hf_to_megatron --verify --tolerance 1e-5`` (TP1, torch_dist: it loads at any layout);
+    {name: (checkpoint dir, the logit difference it printed)}."""
+    from megatron_vlm.cli import run_cli
+
+    root = tmp_path_factory.mktemp("internvl_meg")
+    out = {}
+    for name, src in models.items():
+        import contextlib
+        import io
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = run_cli(script("convert/hf_to_megatron.py").main,
+                         ["--hf-dir", str(src), "--megatron-dir", str(root / name), "--verify", "--tolerance", str(TOL)])
+        assert rc == 0, buf.getvalue()
+        diff = float(re.search(r"verify: max \|logit diff\| .* = (\S+) <=", buf.getvalue()).group(1))
+        out[name] = (root / name, diff)
+    return out
+
+
+@pytest.mark.slow
+def test_specs_of_the_published_configs(models):
+    """What the spec reads from each config: the InternViT variant, the pixel-shuffled tokens per tile, the image
+    token of each tokenizer layout, and the tie that transformers 5 applies."""
+    from transformers import AutoTokenizer
+
+    s = {n: VLMSpec.from_hf_dir(models[n]) for n in NAMES}
+    one = s["InternVL3_5-1B-HF"]
+    assert (one.arch, one.vision_family, one.text_family, one.num_image_tokens, one.downsample_ratio) == \
+        ("internvl", "internvit", "qwen3", 4, 0.5)
+    assert (one.image_token, one.image_token_id, one.vocab_size, one.tie_word_embeddings) == \
+        ("<IMG_CONTEXT>", 151671, 151936, True)
+    assert (one.vision_normalization, one.vision_qkv_bias, one.vision_qk_layernorm, one.vision_norm_epsilon) == \
+        ("LayerNorm", True, False, 1e-6)
+    assert not s["InternVL3_5-8B-HF"].tie_word_embeddings  # top-level default True, text config False
+    assert json.loads((models["InternVL3_5-8B-HF"] / "config.json").read_text()).get("tie_word_embeddings") is None
+    assert "language_model.lm_head.weight" in HFReader(models["InternVL3_5-8B-HF"]).names()
+    moe = s["InternVL3_5-30B-A3B-HF"]
+    assert (moe.text_family, moe.num_moe_experts, moe.moe_router_topk, moe.moe_norm_topk_prob) == \
+        ("qwen3_moe", 8, 2, True)
+    v3 = s["InternVL3-2B-HF"]
+    assert (v3.text_family, v3.qkv_bias, v3.image_token_id, v3.vocab_size, v3.tie_word_embeddings) == \
+        ("qwen2", True, 151667, 151674, True)
+    assert len(AutoTokenizer.from_pretrained(str(models["InternVL3-2B-HF"]))) == 151674
+    six = s["InternVL3_5-38B-HF"]
+    assert (six.vision_normalization, six.vision_qkv_bias, six.vision_qk_layernorm) == ("RMSNorm", False, True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_verify_at_tp1(name, converted):
+    """``hf_to_megatron --verify`` (fp32 logits of HF's own model against megatron-core's, TP1) within 1e-5."""
+    diff = converted[name][1]
+    print(f"\n{name}: --verify max |logit diff| at TP1 {diff:.2g}")
+    assert diff < TOL
+
+
+def _reference_logits(hf_dir, spec, patch=None):
+    from megatron_vlm.convert.verify import hf_logits, reference_batch
+
+    batch = reference_batch(spec)
+    with patch or _nothing():
+        return batch, hf_logits(hf_dir, batch)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+@pytest.mark.slow
+def test_controls_layer_scales_and_cross_head_qk_norm(models, converted, tmp_path, monkeypatch):
+    """The comparison sees InternViT's details: the converted 6B-ViT model against HF with lambda_1 and lambda_2
+    swapped, and against HF whose q/k norms normalise each head alone (megatron-core's own ``qk_layernorm``), differs
+    far beyond the tolerance."""
+    from safetensors.torch import load_file, save_file
+    from transformers.models.internvl import modeling_internvl
+
+    from megatron_vlm.convert.verify import max_logit_diff, megatron_forward_logits
+    from megatron_vlm.runtime.session import single_process_world
+    from megatron_vlm.testing.worlds import _model_for
+
+    name = "InternVL3_5-38B-HF"
+    src, meg = models[name], converted[name][0]
+    spec = VLMSpec.from_hf_dir(src)
+    swapped = tmp_path / "swapped"
+    shutil.copytree(src, swapped)
+    w = load_file(str(swapped / "model.safetensors"))
+    for k in [k for k in w if k.endswith("lambda_1")]:
+        w[k], w[k.replace("lambda_1", "lambda_2")] = w[k.replace("lambda_1", "lambda_2")], w[k]
+    save_file(w, str(swapped / "model.safetensors"), metadata={"format": "pt"})
+    batch, ref = _reference_logits(src, spec)
+    _, ref_swapped = _reference_logits(swapped, spec)
+    real = modeling_internvl.InternVLVisionRMSNorm.forward
+    heads = spec.vision_num_attention_heads
+
+    def per_head(self, x):
+        if not hasattr(self, "qk"):
+            return real(self, x)
+        h = x.reshape(*x.shape[:-1], heads, -1).float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.reshape(x.shape).to(x.dtype)
+
+    monkeypatch.setattr(modeling_internvl.InternVLVisionRMSNorm, "forward", per_head)
+    orig_init = modeling_internvl.InternVLVisionAttention.__init__
+
+    def mark(self, config):
+        orig_init(self, config)
+        for n in (self.q_norm, self.k_norm):
+            n.qk = True
+
+    monkeypatch.setattr(modeling_internvl.InternVLVisionAttention, "__init__", mark)
+    _, ref_per_head = _reference_logits(src, spec)
+    monkeypatch.undo()
+    with single_process_world():
+        from megatron_vlm import checkpoint as ckpt
+
+        model = _model_for(ckpt.resolve_iteration_dir(meg), 1, 1, batch.combined_length)
+        got = megatron_forward_logits(model, batch)
+    diffs = [max_logit_diff(r, got[:, :r.shape[1]], spec.vocab_size, batch) for r in (ref, ref_swapped, ref_per_head)]
+    print(f"\n6B ViT: max |logit diff| vs HF {diffs[0]:.2g}; lambdas swapped {diffs[1]:.2g}; per-head q/k norm "
+          f"{diffs[2]:.2g}")
+    assert diffs[0] < TOL and diffs[1] > 100 * TOL and diffs[2] > 100 * TOL
