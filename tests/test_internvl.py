@@ -6,8 +6,11 @@ checkpoint's own ``lm_head`` under a config whose top-level ``tie_word_embedding
 (Qwen3-MoE), InternVL3-2B (Qwen2: q/k/v biases, 151,674 rows) and InternVL3.5-38B's InternViT-6B (RMSNorm, q/k
 norms over all heads, no q/k/v bias).
 
-- **Logits**: fp32 against HF's own model, ``hf_to_megatron --verify`` at TP1 (1e-5); a reference whose layer scales
-  are swapped, and one whose 6B q/k norms normalise each head alone, must not match (the controls).
+- **Logits**: fp32 against HF's own model, ``hf_to_megatron --verify`` at TP1 (1e-5); TP2, PP2 and TP2 x PP2, and
+  EP2 and TP2 x EP2 for the MoE model, in one 4-process world (1e-5); a reference whose layer scales are swapped,
+  and one whose 6B q/k norms normalise each head alone, must not match (the controls).
+- **Round trips**: HF -> Megatron -> HF byte for byte with dtypes (torch_dist for every model; legacy rank files at
+  TP2 x PP2 x EP2 for the MoE model and at TP2 for the 6B ViT, whose q/k norms are split with the heads).
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ from megatron_vlm.spec import VLMSpec
 from .conftest import script
 
 TOL = 1e-5  # fp32 logits
+#: (tp, pp, ep) of the logits world per model (TP1 is --verify's)
+LAYOUTS = {n: [(2, 1, 1), (1, 2, 1)] for n in ("InternVL3_5-1B-HF", "InternVL3_5-8B-HF", "InternVL3-2B-HF",
+                                             "InternVL3_5-38B-HF")}
+LAYOUTS["InternVL3_5-8B-HF"].append((2, 2, 1))
+LAYOUTS["InternVL3_5-30B-A3B-HF"] = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)]
 NAMES = ("InternVL3_5-1B-HF", "InternVL3_5-8B-HF", "InternVL3_5-30B-A3B-HF", "InternVL3-2B-HF", "InternVL3_5-38B-HF")
 
 
@@ -164,3 +172,66 @@ def test_controls_layer_scales_and_cross_head_qk_norm(models, converted, tmp_pat
     print(f"\n6B ViT: max |logit diff| vs HF {diffs[0]:.2g}; lambdas swapped {diffs[1]:.2g}; per-head q/k norm "
           f"{diffs[2]:.2g}")
     assert diffs[0] < TOL and diffs[1] > 100 * TOL and diffs[2] > 100 * TOL
+
+
+@pytest.fixture(scope="module")
+def world(models, converted, tmp_path_factory):
+    """One 4-process world: every model at its :data:`LAYOUTS`; {(name, tp, pp, ep): max |logit diff| vs HF}."""
+    from megatron_vlm.convert.verify import hf_logits, reference_batch
+    from megatron_vlm.runtime.spawn import run_world
+    from megatron_vlm.testing import family_jobs
+
+    root = tmp_path_factory.mktemp("internvl_refs")
+    jobs, keys = [], []
+    for name, layouts in LAYOUTS.items():
+        spec = VLMSpec.from_hf_dir(models[name])
+        batch = reference_batch(spec)
+        ref = root / f"{name}.pt"
+        torch.save(hf_logits(models[name], batch), ref)
+        for tp, pp, ep in layouts:
+            jobs.append({"megatron_dir": str(converted[name][0]), "tp": tp, "pp": pp, "ep": ep, "batch": batch,
+                         "ref_file": str(ref), "vocab": spec.vocab_size})
+            keys.append((name, tp, pp, ep))
+    return dict(zip(keys, run_world(family_jobs.logit_diffs, 4, jobs)[0]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_logits_match_hf_at_every_layout(name, world):
+    diffs = {k[1:]: v for k, v in world.items() if k[0] == name}
+    print(f"\n{name}: max |logit diff| vs HF per (TP, PP, EP): " + ", ".join(f"{k}: {v:.2g}" for k, v in diffs.items()))
+    assert len(diffs) == len(LAYOUTS[name]) and max(diffs.values()) < TOL, diffs
+
+
+def _assert_same_bytes(src, out):
+    a, b = HFReader(src), HFReader(out)
+    assert a.names() == b.names()
+    for n in a.names():
+        ta, tb = a.get(n), b.get(n)
+        assert ta.dtype == tb.dtype and torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_round_trip_is_byte_identical(name, models, converted, tmp_path):
+    """HF -> Megatron (TP1 torch_dist, as converted with --verify) -> HF: every tensor byte for byte and its dtype; the
+    config keeps the published fields that decide the model (the tie, the tile, the image token); the processor files
+    travel. The MoE model also at TP2 x PP2 x EP2 and the 6B ViT at TP2, in legacy rank files."""
+    from megatron_vlm.convert.to_hf import convert_megatron_to_hf
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+
+    src = models[name]
+    out = convert_megatron_to_hf(converted[name][0], tmp_path / "hf")
+    _assert_same_bytes(src, out)
+    a, b = (json.loads((d / "config.json").read_text()) for d in (src, out))
+    for k in ("image_token_id", "image_seq_length", "downsample_ratio", "vision_feature_layer"):
+        assert a[k] == b[k], k
+    assert a["text_config"]["tie_word_embeddings"] == b["text_config"]["tie_word_embeddings"]
+    assert VLMSpec.from_hf_dir(out).tie_word_embeddings == VLMSpec.from_hf_dir(src).tie_word_embeddings
+    for f in ("tokenizer_config.json", "preprocessor_config.json", "processor_config.json", "chat_template.jinja",
+              "video_preprocessor_config.json"):
+        assert (out / f).read_bytes() == (src / f).read_bytes(), f
+    layout = {"InternVL3_5-30B-A3B-HF": dict(tp=2, pp=2, ep=2), "InternVL3_5-38B-HF": dict(tp=2)}.get(name)
+    if layout:
+        meg = convert_hf_to_megatron(src, tmp_path / "legacy", ckpt_format="torch", **layout)
+        _assert_same_bytes(src, convert_megatron_to_hf(meg, tmp_path / "hf_legacy"))
