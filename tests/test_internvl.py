@@ -9,6 +9,11 @@ norms over all heads, no q/k/v bias).
 - **Logits**: fp32 against HF's own model, ``hf_to_megatron --verify`` at TP1 (1e-5); TP2, PP2 and TP2 x PP2, and
   EP2 and TP2 x EP2 for the MoE model, in one 4-process world (1e-5); a reference whose layer scales are swapped,
   and one whose 6B q/k norms normalise each head alone, must not match (the controls).
+- **Data as InternVL's processor makes it**: GotOcr2's dynamic tiles and their pixels equal HF's image processor's
+  (PIL backend; both lanes); the expanded input ids of images (both tokenizer layouts) and of a video
+  (``FrameN: <img>...</img>``) equal ``AutoProcessor``'s token for token, frame pixels its video processor's (where
+  torchvision loads: the 3.12 lane); ``make_wds``'s three formats load packed, and ``stats.py`` counts the tokens the
+  encoder makes.
 - **Round trips**: HF -> Megatron -> HF byte for byte with dtypes (torch_dist for every model; legacy rank files at
   TP2 x PP2 x EP2 for the MoE model and at TP2 for the 6B ViT, whose q/k norms are split with the heads).
 """
@@ -25,7 +30,8 @@ import torch
 from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.spec import VLMSpec
 
-from .conftest import script
+from .conftest import not_here, script
+from .data_fixtures import chat_dataset, chat_inputs, llava_dataset, llava_inputs, vqa_dataset, vqa_inputs  # noqa: F401
 
 TOL = 1e-5  # fp32 logits
 #: (tp, pp, ep) of the logits world per model (TP1 is --verify's)
@@ -235,3 +241,129 @@ def test_round_trip_is_byte_identical(name, models, converted, tmp_path):
     if layout:
         meg = convert_hf_to_megatron(src, tmp_path / "legacy", ckpt_format="torch", **layout)
         _assert_same_bytes(src, convert_megatron_to_hf(meg, tmp_path / "hf_legacy"))
+
+
+#: images (h, w) of the data tests: 3 x 4 tiles + thumbnail, 5 x 2 + thumbnail, one tile, 3 x 2 + thumbnail
+SIZES = [(40, 30), (20, 52), (64, 64), (12, 18)]
+TWO_IMAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is in"}, {"type": "image"},
+                                            {"type": "text", "text": " these?"}]},
+              {"role": "assistant", "content": [{"type": "text", "text": "two pictures"}]}]
+VIDEO = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what happens?"}]},
+         {"role": "assistant", "content": [{"type": "text", "text": "the colours change"}]}]
+
+
+def _images(sizes):
+    from PIL import Image
+
+    from megatron_vlm.data.synthetic import image_array
+
+    return [Image.fromarray(image_array((h, w), i)) for i, (h, w) in enumerate(sizes)]
+
+
+def _expanded(sample: dict, spec) -> list[int]:
+    """The encoder's ids with each image token expanded to its tiles' tokens (HF's processor's ids)."""
+    x = torch.cat([sample["tokens"], sample["labels"][-1:]]).tolist()
+    tiles, out = iter(sample["num_image_tiles"].tolist()), []
+    for t in x:
+        out += [t] * (next(tiles) * spec.num_image_tokens) if t == spec.image_token_id else [t]
+    return out
+
+
+@pytest.mark.slow
+def test_tiles_and_pixels_are_hf_image_processors(models):
+    """Tiles per image as GotOcr2 chooses them (closest grid of 1..12 tiles, then a thumbnail) and their pixels equal
+    HF's image processor's with ``crop_to_patches`` (PIL backend), in token order; frame pixels equal its resize of
+    the decoded frames to one tile."""
+    from transformers import GotOcr2ImageProcessorPil
+
+    from megatron_vlm.data import videos as vid
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+    from megatron_vlm.testing.videos import make_video
+
+    src = models["InternVL3_5-1B-HF"]
+    spec = VLMSpec.from_hf_dir(src)
+    enc = task_encoder_for(spec, src, 4096)
+    ip = GotOcr2ImageProcessorPil.from_pretrained(str(src))
+    images = _images(SIZES[:2])
+    out = enc.encode_conversation(TWO_IMAGES, images)
+    ref = ip(images=images, crop_to_patches=True, return_tensors="pt")
+    assert out["num_image_tiles"].tolist() == ref["num_patches"].tolist() == [13, 11]
+    assert torch.equal(out["images"], ref["pixel_values"])
+    assert out["num_tokens"] == len(_expanded(out, spec)) - 1
+    assert [enc.image_tiles(h, w) for h, w in SIZES] == [13, 11, 1, 7]
+    video = make_video(12, 48, 32, fps=4)
+    got = enc.encode_conversation(VIDEO, [], "v", [video])
+    frames = vid.decode_frames(video, enc.frame_indices(video))
+    assert got["num_image_tiles"].tolist() == [1] * frames.shape[0] == [1, 1, 1]
+    want = torch.stack([ip(images=[f.permute(1, 2, 0).numpy()], return_tensors="pt")["pixel_values"][0]
+                        for f in frames])
+    assert torch.equal(got["images"], want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["InternVL3_5-1B-HF", "InternVL3-2B-HF"])
+def test_input_ids_equal_autoprocessors(name, models):
+    """The encoder's ids, each image (frame) token expanded to its tokens, equal ``AutoProcessor``'s for two tiled
+    images (the PIL pixels of its image processor equal too; its default torchvision backend within a level), and
+    for a video: ``Frame1: <img>...</img>`` per frame, pixels within 1e-6 of its video processor's."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        not_here("HF's InternVLProcessor loads its video processor, which needs torchvision: the 3.11 lane's CPU "
+                 "torch has none (tiles and pixels are checked in both lanes)")
+    from transformers import AutoProcessor, GotOcr2ImageProcessorPil
+
+    from megatron_vlm.data import videos as vid
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+    from megatron_vlm.testing.videos import make_video
+
+    src = models[name]
+    spec = VLMSpec.from_hf_dir(src)
+    enc = task_encoder_for(spec, src, 4096)
+    proc = AutoProcessor.from_pretrained(str(src))
+    images = _images(SIZES[:2])
+    text = proc.apply_chat_template(TWO_IMAGES, tokenize=False)
+    auto = proc(images=images, text=text, return_tensors="pt")
+    proc.image_processor = GotOcr2ImageProcessorPil.from_pretrained(str(src))
+    pil = proc(images=images, text=text, return_tensors="pt")
+    out = enc.encode_conversation(TWO_IMAGES, images)
+    assert _expanded(out, spec) == pil["input_ids"][0].tolist() == auto["input_ids"][0].tolist()
+    assert torch.equal(out["images"], pil["pixel_values"])
+    assert (out["images"] - auto["pixel_values"]).abs().max() < 0.05  # torchvision's resize: a level or so
+    if enc.chat.video != "<video>":
+        return  # InternVL3's tokenizer names Qwen2.5's <|video_pad|>, which its chat template does not write
+    video = make_video(12, 48, 32, fps=4)
+    got = enc.encode_conversation(VIDEO, [], "v", [video])
+    frames = vid.decode_frames(video, enc.frame_indices(video)).permute(0, 2, 3, 1).numpy()
+    hf = proc(videos=[frames], text=proc.apply_chat_template(VIDEO, tokenize=False), return_tensors="pt")
+    assert _expanded(got, spec) == hf["input_ids"][0].tolist()
+    assert proc.decode(hf["input_ids"][0]).count("Frame") == 3
+    assert (got["images"] - hf["pixel_values"]).abs().max() < 1e-6
+
+
+@pytest.mark.slow
+def test_make_wds_formats_load_packed_and_stats_count_the_encoders_tokens(models, vqa_dataset, llava_dataset,
+                                                                          chat_dataset):  # noqa: F811
+    """Datasets written by ``make_wds`` in its three formats load through energon with InternVL's packing encoder
+    (tiles in token order, ``cu_seqlens`` at the image-expanded sample boundaries), and ``stats.py``'s token count of
+    each equals what the encoder makes of its samples."""
+    from megatron_vlm.data.loader import build_eval_loader
+    from megatron_vlm.data.packing import packing_task_encoder_for
+    from megatron_vlm.data.sample import conversation_of
+    from megatron_vlm.data.stats import dataset_stats
+
+    src = models["InternVL3_5-1B-HF"]
+    spec = VLMSpec.from_hf_dir(src)
+    for ds in (vqa_dataset, llava_dataset, chat_dataset):
+        enc = packing_task_encoder_for(spec, src, 512, 1024)
+        stats = dataset_stats(ds.output, enc)["train"]
+        packs = list(build_eval_loader(ds.output, enc, 1, 0, 1, 0, split="train", packing_buffer_size=8))
+        samples = sum(int(b.num_samples) for b in packs)
+        tokens = sum(int(b.num_tokens) for b in packs)
+        for b in packs:
+            assert b.images.shape[0] == int(b.num_image_tiles.sum())
+            assert int(b.cu_seqlens[-1]) == 1024 and b.tokens.shape[1] - int((b.tokens == spec.image_token_id).sum()) \
+                + int(b.num_image_tiles.sum()) * spec.num_image_tokens == 1024
+        assert samples == stats["samples"] > 0, (ds.output, samples, stats)
+        assert tokens + samples == stats["tokens"], (ds.output, tokens, stats)  # stats count each last token too
+        assert stats["image_tokens"] % spec.num_image_tokens == 0 and stats["images"] > 0

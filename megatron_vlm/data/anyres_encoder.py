@@ -238,4 +238,9 @@ def task_encoder_for(spec, hf_dir, seq_length: int, video_fps: float = vid.DEFAU
     if spec.is_anyres:
         return AnyresTaskEncoder(hf_dir, seq_length, spec=spec, video_fps=video_fps, video_frames=video_frames,
                                  **kwargs)
+    if spec.is_internvl:
+        from megatron_vlm.data.internvl_encoder import InternVLTaskEncoder
+
+        return InternVLTaskEncoder(hf_dir, seq_length, spec=spec, video_fps=video_fps, video_frames=video_frames,
+                                   **kwargs)
     return VLMTaskEncoder(hf_dir, seq_length, spec=spec, **kwargs)

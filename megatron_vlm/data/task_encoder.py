@@ -92,10 +92,10 @@ class VideoNotSupportedError(FatalSampleError):
 def refuse_videos(spec, key: str, has_video_token: bool = False) -> None:
     """Stop the run for a sample with a video unless the model is a OneVision with a video token (not a skip:
     every video sample would fail the same way)."""
-    if spec.arch == "llava_onevision" and has_video_token:
+    if spec.arch in ("llava_onevision", "internvl") and has_video_token:
         return
-    why = ("its tokenizer has no '<video>' token" if spec.arch == "llava_onevision" else
-           f"the model is {spec.arch}, and only llava_onevision models take videos")
+    why = ("its tokenizer has no '<video>' token" if spec.arch in ("llava_onevision", "internvl") else
+           f"the model is {spec.arch}, and only llava_onevision and internvl models take videos")
     raise VideoNotSupportedError(
         f"sample {key} has a video, but {why}; build the model with convert/build_llava.py --arch "
         "llava_onevision (it adds '<video>'), or leave the video samples out of --data-path")
@@ -160,7 +160,7 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         self.image_token_id = int(image_token_id if image_token_id is not None else ids.image)
         self.pad_token_id = int(pad_token_id if pad_token_id is not None else ids.pad)
         template = getattr(self.processor, "chat_template", None) or self.tokenizer.chat_template
-        self.chat = ChatTokenizer(self.tokenizer, template)
+        self.chat = self._make_chat(template)
         #: pixel shape and image tokens per image, from the spec (never from optional processor fields)
         self.geometry = ImageGeometry.from_spec(self.spec)
         self.tokens_per_image = self.geometry.tokens_per_image
@@ -183,6 +183,10 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         from transformers import AutoProcessor
 
         return AutoProcessor.from_pretrained(self.hf_dir, backend="pil")
+
+    def _make_chat(self, template) -> ChatTokenizer:
+        """The conversation tokenizer (InternVL's renders media as its processor writes them)."""
+        return ChatTokenizer(self.tokenizer, template)
 
     def _check_image_processor(self) -> None:
         check_image_processor(self.image_processor, self.geometry, self.hf_dir)
