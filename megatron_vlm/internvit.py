@@ -11,7 +11,10 @@ class token, absolute position embeddings for the checkpoint's grid, no pre/post
 - :class:`CrossHeadRMSNorm`: the 6B variant's q/k norms (HF ``use_qk_norm``): one RMSNorm over ALL heads of the
   query (key), where megatron-core's ``qk_layernorm`` normalises each head. Under tensor parallelism each rank holds
   some heads, so the sum of squares is all-reduced over the TP group (forward and backward) and the weight is split
-  with the heads;
+  with the heads. The weights are parameters of the attention as ``q_norm_weight``/``k_norm_weight``, not of its
+  ``q_layernorm``/``k_layernorm`` modules: megatron-core's ``finalize_model_grads`` sums over TP ranks the gradient of
+  every parameter named ``*q_layernorm*`` whenever the language model has q/k norms (megatron's per-head norms hold
+  the whole weight on every rank), which would add up different heads' shards here;
 - :class:`LayerNormColumnParallelLinear`: the projector's ``LayerNorm -> Linear`` for local layers, saved under
   Transformer Engine's ``TELayerNormColumnParallelLinear`` names (``layer_norm_weight``/``layer_norm_bias``), which
   the Transformer Engine spec uses directly.
@@ -62,6 +65,25 @@ def _layer_class():
                                                                             dtype=config.params_dtype)))
             self.self_attn_bda = _layer_scaled(self.self_attn_bda, self, "ls1")
             self.mlp_bda = _layer_scaled(self.mlp_bda, self, "ls2")
+            attention = self.self_attention
+            self.qk_norms = [x for x in "qk" if isinstance(getattr(attention, f"{x}_layernorm", None), CrossHeadRMSNorm)]
+            for x in self.qk_norms:  # see the module docstring: not under the q/k_layernorm modules' names
+                attention.register_parameter(f"{x}_norm_weight", getattr(attention, f"{x}_layernorm").weight)
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+            """megatron's, with the q/k norm weights split along dim 0 over TP ranks (with the heads)."""
+            out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            if self.qk_norms:
+                from megatron.core import parallel_state as ps
+                from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+                names = [f"{x}_norm_weight" for x in self.qk_norms]
+                state = {n: getattr(self.self_attention, n) for n in names}
+                dp_cp = (metadata or {}).get("dp_cp_group") or ps.get_data_parallel_group(with_context_parallel=True)
+                out.update(make_sharded_tensors_for_checkpoint(
+                    state, f"{prefix}self_attention.", {n: 0 for n in names}, sharded_offsets,
+                    tp_group=ps.get_tensor_model_parallel_group(), dp_cp_group=dp_cp))
+            return out
 
     return InternViTLayer
 
@@ -107,8 +129,9 @@ class CrossHeadRMSNorm(torch.nn.Module):
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
         self.full_size = config.hidden_size  # InternViT: heads x head dim == hidden size
-        self.weight = torch.nn.Parameter(torch.ones(self.full_size // self.tp, dtype=config.params_dtype))
-        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+        weight = torch.nn.Parameter(torch.ones(self.full_size // self.tp, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=0, stride=1)
+        object.__setattr__(self, "weight", weight)  # held, not registered: the attention registers it
         self.eps = QK_NORM_EPS
 
     def forward(self, x):
@@ -119,16 +142,6 @@ class CrossHeadRMSNorm(torch.nn.Module):
             squares = _SumOverTP.apply(squares, self.group)
         y = x32 * torch.rsqrt(squares / self.full_size + self.eps)
         return (self.weight * y.to(dtype)).reshape(shape)
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        """The weight split along dim 0 over TP ranks (with the heads), as megatron's column-parallel weights."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-        state = self.state_dict(prefix="", keep_vars=True)
-        dp_cp = (metadata or {}).get("dp_cp_group") or ps.get_data_parallel_group(with_context_parallel=True)
-        return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets,
-                                                   tp_group=ps.get_tensor_model_parallel_group(), dp_cp_group=dp_cp)
 
 
 def _layer_norm_linear_class():

@@ -154,7 +154,7 @@ def _internvit_rules(spec: VLMSpec) -> list[Rule]:
             rules.append(Rule(m + f"self_attention.linear_qkv.{p}",
                               tuple(h + f"attention.{x}_proj.{p}" for x in "qkv"), "qkv", "column", **qkv))
         if spec.vision_qk_layernorm:
-            rules += [Rule(m + f"self_attention.{x}_layernorm.weight", (h + f"attention.{x}_norm.weight",),
+            rules += [Rule(m + f"self_attention.{x}_norm_weight", (h + f"attention.{x}_norm.weight",),
                            split="column") for x in "qk"]
         for p in ("weight", "bias"):
             row = "row" if p == "weight" else "replicated"
