@@ -20,6 +20,9 @@ norms over all heads, no q/k/v bias).
   (rel 1e-5; the second step's gradient norm 5e-5): the
   ViT-6B model at TP2 x DP2 and at PP2 x DP2, InternVL3.5-1B at TP2 x DP2 with a video sample in each batch, the MoE
   model at EP2 x DP2 (load-balancing loss off).
+- **Build**: ``build_llava.py --arch internvl`` takes an InternVL checkpoint's InternViT (and its projector when the
+  LM's width matches, else HF's initialisation) and any supported LM; the result converts with ``--verify`` and
+  round-trips; stage 1 trains the projector only, stage 2 the LM too, ``--unfreeze-vit`` the ViT too.
 - **Round trips**: HF -> Megatron -> HF byte for byte with dtypes (torch_dist for every model; legacy rank files at
   TP2 x PP2 x EP2 for the MoE model and at TP2 for the 6B ViT, whose q/k norms are split with the heads).
 """
@@ -400,6 +403,10 @@ def trained(models, converted):
     names = {key: f"{key[0]}{'-video' if key[1] else ''}" for key in sets}
     jobs = [dict(name=job, steps=2, grads=True, megatron_dir=str(converted[m][0]), hf_dir=str(models[m]),
                  batches=names[(m, video)], **TRAIN, **layout) for job, (m, layout, video) in TRAIN_JOBS.items()]
+    one = "InternVL3_5-1B-HF"
+    jobs += [dict(name=f"stage{st}", stage=st, freeze_vit=None, freeze_lm=None, steps=1, grads=True,
+                  megatron_dir=str(converted[one][0]), hf_dir=str(models[one]), batches=names[(one, True)],
+                  micro_batch_size=2) for st in (1, 2)]  # each stage's own freezing
     out = {r["name"]: r for r in run_world(train_jobs, 4, jobs, None, None,
                                            {names[k]: v for k, v in sets.items()})[0]}
     for key, batches in sets.items():
@@ -448,3 +455,61 @@ def test_trainer_equals_hf(job, trained, models):
         assert any(n.endswith("attention.q_norm.weight") for n in diffs)
     if spec.is_moe:
         assert any(".mlp.experts.7.down_proj." in n for n in diffs)
+
+
+@pytest.mark.slow
+def test_stages_train_what_they_say(trained):
+    """Stage 1 trains the projector only (its LayerNorm included), stage 2 also the language model, and
+    ``--unfreeze-vit`` (the jobs above) also InternViT: the parameters with gradients of each."""
+    def parts(run):
+        names = {n for _, g in run["grads"] for n in g}
+        return {n.split(".")[0] for n in names}, names
+
+    one, names = parts(trained["stage1"])
+    assert one == {"vision_projection"} and any("layer_norm_weight" in n for n in names), one
+    assert parts(trained["stage2"])[0] == {"vision_projection", "language_model"}
+    assert parts(trained["1b-video-tp2dp2"])[0] == {"vision_projection", "language_model", "vision_model"}
+
+
+@pytest.mark.slow
+def test_build_llava_arch_internvl(models, tmp_path, capsys):
+    """``build_llava.py --arch internvl`` with InternVL3.5-1B's vision side: a Qwen3 LM of its width gets its
+    InternViT and projector as they are; a wider one (hidden 96) its InternViT and a projector initialised as HF
+    initialises it; InternVL's tokens are the tokenizer's named ones and the chat template renders them as
+    InternVL's does. The wider one converts with ``--verify`` (1e-5) and round-trips byte for byte."""
+    from transformers import AutoTokenizer
+
+    from megatron_vlm.cli import run_cli
+    from megatron_vlm.convert.to_hf import convert_megatron_to_hf
+    from megatron_vlm.testing import hub_models
+
+    src = models["InternVL3_5-1B-HF"]
+    a = HFReader(src)
+    for name, lm in (("same", hub_models.qwen3_text_model(tmp_path / "lm", tie_word_embeddings=False)),
+                     ("wide", hub_models.qwen3_text_model(tmp_path / "lm96", hidden_size=96))):
+        out = tmp_path / name
+        assert run_cli(script("convert/build_llava.py").main, ["--arch", "internvl", "--text-model", str(lm),
+                                                               "--vision-model", str(src), "--save-dir", str(out)]) == 0
+        b, spec = HFReader(out), VLMSpec.from_hf_dir(out)
+        assert (spec.arch, spec.image_token, spec.image_token_id, spec.num_image_tokens, spec.vision_feature_layer) \
+            == ("internvl", "<IMG_CONTEXT>", 151671, 4, -1)
+        assert all(torch.equal(a.get(n), b.get(n)) for n in a.names() if n.startswith("vision_tower."))
+        proj = [n for n in a.names() if n.startswith("multi_modal_projector.")]
+        tok = AutoTokenizer.from_pretrained(str(out))
+        assert (tok.context_image_token, tok.start_image_token, tok.end_image_token, tok.video_token) == \
+            ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
+        text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "video"},
+                                                                     {"type": "text", "text": "hi"}]}], tokenize=False)
+        assert "<IMG_CONTEXT>\n<video>\nhi" in text, text
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["tie_word_embeddings"] == cfg["text_config"]["tie_word_embeddings"] == (name == "wide")
+        if name == "same":
+            assert all(torch.equal(a.get(n), b.get(n)) for n in proj)
+            continue
+        assert b.get("multi_modal_projector.linear_1.weight").shape == (96, 128)
+        assert torch.equal(b.get("multi_modal_projector.layer_norm.weight"), torch.ones(128))  # HF's initialisation
+        assert run_cli(script("convert/hf_to_megatron.py").main, ["--hf-dir", str(out), "--megatron-dir",
+                                                                  str(tmp_path / "meg"), "--verify", "--tolerance",
+                                                                  str(TOL)]) == 0
+        assert "verify: max |logit diff|" in capsys.readouterr().out
+        _assert_same_bytes(out, convert_megatron_to_hf(tmp_path / "meg", tmp_path / "back"))

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_vlm.convert.build_internvl import NAMED_TOKENS, default_image_processor, save_processor_files
 from megatron_vlm.testing import hub
 from megatron_vlm.testing.hub_models import QWEN3_30B_A3B, copy_token_files
 from megatron_vlm.testing.tiny import _randomize_norms
@@ -37,7 +38,6 @@ from megatron_vlm.testing.tiny import _randomize_norms
 #: InternVL's tokens, in the order InternVL's tokenizers hold them after the LM's own (<IMG_CONTEXT> is the image
 #: token: 151667 after Qwen2.5's 151,665 tokens, 151671 after Qwen3's 151,669)
 INTERNVL_TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>")
-NAMED_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>"}
 #: the -HF chat template (OpenGVLab's conversion script): images as <IMG_CONTEXT>, videos as <video>, each + newline
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"
@@ -122,32 +122,6 @@ def _save(tok, out: Path) -> str:
     return str(out)
 
 
-def image_processor(tile: int):
-    """GotOcr2's image processor as InternVL's conversion writes it, at a ``tile``-px tile (PIL backend)."""
-    from transformers import GotOcr2ImageProcessorPil
-
-    return GotOcr2ImageProcessorPil(size={"height": tile, "width": tile}, image_mean=[0.485, 0.456, 0.406],
-                                    image_std=[0.229, 0.224, 0.225], do_convert_rgb=True, crop_to_patches=False,
-                                    min_patches=1, max_patches=12)
-
-
-def save_processor_files(out: Path, tok, tile: int, image_seq_length: int) -> None:
-    """The processor files of an InternVL ``-HF`` directory: the image processor, the tokenizer with its chat
-    template, ``processor_config.json`` (``InternVLProcessor``, ``image_seq_length``) and the video processor's
-    config (frames at the tile size, BICUBIC, ImageNet mean / std), written by hand as HF's video processor class
-    needs torchvision."""
-    ip = image_processor(tile)
-    ip.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    (out / "processor_config.json").write_text(json.dumps(
-        {"processor_class": "InternVLProcessor", "image_seq_length": image_seq_length}, indent=2) + "\n")
-    (out / "video_preprocessor_config.json").write_text(json.dumps({
-        "video_processor_type": "InternVLVideoProcessor", "do_convert_rgb": True, "do_resize": True,
-        "size": {"height": tile, "width": tile}, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
-        "do_normalize": True, "image_mean": list(ip.image_mean), "image_std": list(ip.image_std),
-        "do_sample_frames": False, "initial_shift": True}, indent=2) + "\n")
-
-
 def randomize_internvl(model, seed: int) -> None:
     """Non-trivial values where HF initialises constants (InternViT's layer scales 0.1, position embeddings and class
     token zeros; norms and biases), so that a mapping mistake on them changes logits; and InternViT's weights at a
@@ -192,7 +166,7 @@ def internvl_hf_model(out_dir, name: str = "InternVL3_5-1B-HF", seed: int = 0, *
     randomize_internvl(model, seed)
     model.save_pretrained(str(out))  # HF's on-disk names (experts one by one)
     (out / "config.json").write_text(json.dumps(fields, indent=2))  # as published, not as transformers re-writes it
-    save_processor_files(out, tok, tile, fields["image_seq_length"])
+    save_processor_files(out, default_image_processor(tile), tok, fields["image_seq_length"])
     gen = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out
