@@ -144,6 +144,12 @@ class VLMSpec:
         return self.has_class_token and self.vision_feature_select_strategy == "default"
 
     @property
+    def projector_input_size(self) -> int:
+        """Width of the projector's input: the ViT's hidden size (InternVL: x4 after its 2 x 2 pixel shuffle)."""
+        return int(self.vision_hidden_size / (self.downsample_ratio ** 2)) if self.downsample_ratio else \
+            self.vision_hidden_size
+
+    @property
     def is_anyres(self) -> bool:
         return self.arch in ("llava_next", "llava_onevision")
 

@@ -23,6 +23,9 @@ norms over all heads, no q/k/v bias).
 - **Build**: ``build_llava.py --arch internvl`` takes an InternVL checkpoint's InternViT (and its projector when the
   LM's width matches, else HF's initialisation) and any supported LM; the result converts with ``--verify`` and
   round-trips; stage 1 trains the projector only, stage 2 the LM too, ``--unfreeze-vit`` the ViT too.
+- **End to end**: ``build_llava`` -> ``hf_to_megatron --tp 2`` -> ``make_wds`` (llava json, multi-tile images) ->
+  ``stats.py`` -> ``train/run.py`` at TP2 in bf16, packed (stage 2) -> ``megatron_to_hf`` -> ``eval/generate.py`` and
+  HF ``generate``, whose input ids and greedy tokens equal those of ``AutoProcessor``'s prompt (3.12 lane).
 - **Round trips**: HF -> Megatron -> HF byte for byte with dtypes (torch_dist for every model; legacy rank files at
   TP2 x PP2 x EP2 for the MoE model and at TP2 for the 6B ViT, whose q/k norms are split with the heads).
 """
@@ -513,3 +516,87 @@ def test_build_llava_arch_internvl(models, tmp_path, capsys):
                                                                   str(TOL)]) == 0
         assert "verify: max |logit diff|" in capsys.readouterr().out
         _assert_same_bytes(out, convert_megatron_to_hf(tmp_path / "meg", tmp_path / "back"))
+
+
+# ---- the user's commands -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_build_convert_train_export_generate(models, tmp_path, capsys):
+    """An InternVL3.5 built from the 1B checkpoint's vision side and a Qwen3 LM goes through the user's commands: the
+    loss of a packed bf16 TP2 run is logged and falls below its start, the export holds every tensor of the build
+    (trained ones changed), and generation from it with the project's prompt equals HF's ``AutoProcessor`` prompt."""
+    import sys
+
+    from PIL import Image
+
+    from megatron_vlm.cli import run_cli
+    from megatron_vlm.convert.verify import load_hf_model
+    from megatron_vlm.data.synthetic import image_array
+    from megatron_vlm.testing import forked_cli, hub_models
+
+    from .conftest import ROOT
+
+    lm = hub_models.qwen3_text_model(tmp_path / "lm", tie_word_embeddings=False)
+    hf, meg, runs = tmp_path / "hf", tmp_path / "meg", tmp_path / "runs"
+    assert run_cli(script("convert/build_llava.py").main, ["--arch", "internvl", "--text-model", str(lm),
+                                                           "--vision-model", str(models["InternVL3_5-1B-HF"]),
+                                                           "--save-dir", str(hf)]) == 0
+    assert run_cli(script("convert/hf_to_megatron.py").main, ["--hf-dir", str(hf), "--megatron-dir", str(meg),
+                                                              "--tp", "2"]) == 0
+    (tmp_path / "img").mkdir()
+    colours, rows = ("red", "green", "blue", "yellow"), []
+    for i in range(16):
+        Image.fromarray(image_array(SIZES[i % 4], i)).save(tmp_path / "img" / f"{i}.png")
+        rows.append({"id": str(i), "image": f"{i}.png", "conversations": [
+            {"from": "human", "value": "<image>\nwhat colour is it ?"}, {"from": "gpt", "value": colours[i % 4]}]})
+    (tmp_path / "data.json").write_text(json.dumps(rows))
+    data = tmp_path / "wds"
+    assert run_cli(script("data_prep/make_wds.py").main, ["--format", "llava", "--input", str(tmp_path / "data.json"),
+                                                          "--image-root", str(tmp_path / "img"), "--output", str(data),
+                                                          "--shard-size", "8", "--split", "1,0,0", "--no-progress"]) == 0
+    assert run_cli(script("data_prep/stats.py").main, [str(data), "--tokenizer", str(hf), "--seq-length", "96"]) == 0
+    stats = json.loads((data / "stats.json").read_text())["datasets"][str(data)]["train"]
+    assert stats["images"] == 16 and stats["image_tokens"] == 4 * 4 * (13 + 11 + 1 + 7), stats
+    argv = ["--device", "cpu", "-g", "2", "--tp", "2", "--precision", "bf16", "--stage", "2", "--megatron-load-dir",
+            str(meg), "--tokenizer-load-dir", str(hf), "--data-path", str(data), "--save-dir", str(runs), "--name",
+            "ivl", "--seq-length", "96", "--packing-buffer-size", "8", "--packed-seq-length", "192",
+            "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "4", "--log-interval", "1",
+            "--num-workers", "1", "--lr", "5e-3"]
+    p = forked_cli.run([sys.executable, "train/run.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    steps = [json.loads(x) for x in (runs / "ivl" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in steps if "loss" in r]
+    print(f"\nInternVL TP2 bf16 packed: losses {losses}")
+    assert len(losses) == 4 and min(losses[1:]) < losses[0], losses
+    export = tmp_path / "export"
+    assert run_cli(script("convert/megatron_to_hf.py").main, ["--megatron-dir", str(runs / "ivl"), "--hf-dir",
+                                                              str(export)]) == 0
+    a, b = HFReader(hf), HFReader(export)
+    assert a.names() == b.names() and not torch.equal(a.get("multi_modal_projector.linear_1.weight").float(),
+                                                      b.get("multi_modal_projector.linear_1.weight").float())
+    frozen = b.get("vision_tower.encoder.layer.0.lambda_1")  # stage 2: the ViT stays as built (in the run's dtype)
+    assert torch.equal(a.get("vision_tower.encoder.layer.0.lambda_1").to(frozen.dtype), frozen)
+    image = tmp_path / "img" / "0.png"
+    assert run_cli(script("eval/generate.py").main, ["--model", str(export), "--prompt", "what colour is it ?",
+                                                     "--image", str(image), "--max-new-tokens", "4"]) == 0
+    from megatron_vlm.eval.prompts import PromptEncoder, collate, user_message
+
+    spec = VLMSpec.from_hf_dir(export)
+    enc = PromptEncoder(export, spec)
+    messages = [user_message("what colour is it ?", images=1)]
+    ours = collate([enc.encode(messages, [Image.open(image).convert("RGB")])], enc.pad_token_id, spec.arch)
+    model = load_hf_model(export)
+    gen = model.generate(**ours, max_new_tokens=4, do_sample=False)
+    assert gen.shape[1] == ours["input_ids"].shape[1] + 4
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return  # HF's InternVL processor needs torchvision (the 3.12 lane compares with it)
+    from transformers import AutoProcessor, GotOcr2ImageProcessorPil
+
+    proc = AutoProcessor.from_pretrained(str(export))
+    proc.image_processor = GotOcr2ImageProcessorPil.from_pretrained(str(export))
+    theirs = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    theirs = proc(images=[Image.open(image).convert("RGB")], text=theirs, return_tensors="pt")
+    assert torch.equal(theirs["input_ids"], ours["input_ids"]) and torch.equal(theirs["pixel_values"],
+                                                                              ours["pixel_values"])
+    assert torch.equal(model.generate(**theirs, max_new_tokens=4, do_sample=False), gen)

@@ -149,6 +149,43 @@ class InternVLTaskEncoder(VLMTaskEncoder):
         """Frames chosen from a video of ``info`` (for statistics, without decoding)."""
         return len(vid.frame_indices(info.frames, info.fps, self.video_fps, self.video_frames))
 
+    def media_items(self, kinds: list[str]) -> list[tuple]:
+        """One item per ``<IMG_CONTEXT>`` of a conversation whose media are ``kinds`` (:meth:`InternVLChat.kinds`,
+        the frames of each video in ``self.chat.frames``), in token order: ``("image", image index)`` or
+        ``("frame", video index, frame)``."""
+        items, n_img, n_vid = [], 0, 0
+        for kind in kinds:
+            if kind == "image":
+                items.append(("image", n_img))
+                n_img += 1
+            else:
+                items += [("frame", n_vid, f) for f in range(self.chat.frames[n_vid])]
+                n_vid += 1
+        return items
+
+    def item_pixels(self, items: list[tuple], pixels, tiles: list[int], videos: list, plans: list,
+                    key: str = "?") -> tuple[list[torch.Tensor], list[int]]:
+        """The tiles (an image's, from :meth:`tile_pixels`) or the frame of each item, and its tile count."""
+        starts = [0]
+        for t in tiles:
+            starts.append(starts[-1] + t)
+        frames, parts, counts = {}, [], []
+        for it in items:
+            if it[0] == "image":
+                parts.append(pixels[starts[it[1]]:starts[it[1] + 1]])
+                counts.append(tiles[it[1]])
+                continue
+            v = it[1]
+            if v not in frames:
+                try:
+                    frames[v] = vid.frame_pixels(vid.decode_frames(videos[v], plans[v]), self.image_processor,
+                                                 self.tile)
+                except Exception as e:  # noqa: BLE001 - any PyAV failure on a stored video: the sample is skipped
+                    self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
+            parts.append(frames[v][it[2]:it[2] + 1])
+            counts.append(1)
+        return parts, counts
+
     # -- per sample ---------------------------------------------------------------------------------
     def encode_conversation(self, messages: list[dict], images: list, key: str = "?", videos=()) -> dict:
         videos = list(videos)
@@ -168,15 +205,7 @@ class InternVLTaskEncoder(VLMTaskEncoder):
         conv = self.chat(messages)
         x, assistant = conv.ids, conv.assistant
         pixels, tiles = self.tile_pixels(images)
-        # one item per <IMG_CONTEXT>, in token order: ("image", image index) or ("frame", video index, frame)
-        items, i_img = [], 0
-        for kind in kinds:
-            if kind == "image":
-                items.append(("image", i_img))
-                i_img += 1
-            else:
-                v = len({it[1] for it in items if it[0] == "frame"})
-                items += [("frame", v, f) for f in range(self.chat.frames[v])]
+        items = self.media_items(kinds)
         image_id = self.tokenizer_image_token_id
         if x.count(image_id) != len(items):
             self.skips.skip(key, "image_tokens", f"{x.count(image_id)} image tokens for {len(items)} images and frames")
@@ -195,24 +224,7 @@ class InternVLTaskEncoder(VLMTaskEncoder):
         loss_mask = torch.tensor(assistant[1:m + 1], dtype=torch.float32)
         if loss_mask.sum() == 0:
             self.skips.skip(key, "no_answer", "no answer token left within seq_length")
-        starts = [0]
-        for t in tiles:
-            starts.append(starts[-1] + t)
-        frames, parts, counts = {}, [], []
-        for it in items[:n]:
-            if it[0] == "image":
-                parts.append(pixels[starts[it[1]]:starts[it[1] + 1]])
-                counts.append(tiles[it[1]])
-                continue
-            v = it[1]
-            if v not in frames:
-                try:
-                    frames[v] = vid.frame_pixels(vid.decode_frames(videos[v], plans[v]), self.image_processor,
-                                                 self.tile)
-                except Exception as e:  # noqa: BLE001 - as above
-                    self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
-            parts.append(frames[v][it[2]:it[2] + 1])
-            counts.append(1)
+        parts, counts = self.item_pixels(items[:n], pixels, tiles, videos, plans, key)
         self.skips.kept()
         ids = [self.image_token_id if t == image_id else t for t in x]
         return dict(images=torch.cat(parts) if parts else torch.zeros(0, 3, self.tile, self.tile),
