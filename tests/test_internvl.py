@@ -86,6 +86,37 @@ def converted(models, tmp_path_factory):
     return out
 
 
+def _config(text=None, **top):
+    from transformers import InternVLConfig
+
+    from megatron_vlm.testing.internvl_models import QWEN3_06B, TEXT_SMALL, VIT_300M, VIT_SMALL
+
+    vision = {**VIT_300M, **VIT_SMALL, **top.pop("vision", {})}
+    return InternVLConfig(text_config=text or dict(QWEN3_06B, **TEXT_SMALL, head_dim=32), vision_config=vision,
+                          image_token_id=151671, image_seq_length=top.pop("image_seq_length", 4), **top)
+
+
+@pytest.mark.parametrize("edit,expect", [
+    (dict(text=dict(model_type="gpt_oss", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=4, intermediate_size=64)),
+     "language model type 'gpt_oss' is not supported; supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral"),
+    (dict(downsample_ratio=0.25, image_seq_length=1), "downsample_ratio=0.25 is not supported"),
+    (dict(vision_feature_select_strategy="full"), "vision_feature_select_strategy must be 'default'"),
+    (dict(vision=dict(use_mean_pooling=False)), "use_mean_pooling=false puts a final LayerNorm on the last layer"),
+    (dict(image_seq_length=256), "image_seq_length=256 but 4 x 4 patches pixel-shuffled give 4 tokens per tile"),
+    (dict(vision=dict(image_size=[56, 42])), "vision image_size [56, 42] is not square"),
+])
+def test_what_megatron_cannot_build_is_refused_in_one_line(edit, expect):
+    """InternVL3.5's GPT-OSS variant (its LM is not in the rule tables: attention sinks, biased MoE), other pixel
+    shuffles, the CLS kept, a final ViT LayerNorm, a wrong token count and non-square tiles: one line each."""
+    from megatron_vlm.spec import UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        VLMSpec.from_hf(_config(**edit))
+    assert "\n" not in str(e.value) and expect in str(e.value), str(e.value)
+    assert VLMSpec.from_hf(_config()).arch == "internvl"  # the unedited config builds
+
+
 @pytest.mark.slow
 def test_specs_of_the_published_configs(models):
     """What the spec reads from each config: the InternViT variant, the pixel-shuffled tokens per tile, the image
@@ -516,6 +547,11 @@ def test_build_llava_arch_internvl(models, tmp_path, capsys):
                                                                   str(TOL)]) == 0
         assert "verify: max |logit diff|" in capsys.readouterr().out
         _assert_same_bytes(out, convert_megatron_to_hf(tmp_path / "meg", tmp_path / "back"))
+    rc = run_cli(script("convert/build_llava.py").main, ["--arch", "internvl", "--text-model", str(lm),
+                                                         "--vision-model", str(lm), "--save-dir", str(tmp_path / "bad")])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and "--arch internvl takes its vision side from an InternVL checkpoint" in line, line
+    assert not (tmp_path / "bad").exists()
 
 
 # ---- the user's commands -----------------------------------------------------------------------------------------
