@@ -9,13 +9,15 @@
 #   train    stage 2, bf16, local layers, train/run.py: tokens/s, model TFLOP/s, MFU     (180 s)
 #   hf       HF + SDPA plain PyTorch loop on the same batches, and the ratio             (150 s)
 #   moe      an MoE LLaVA (8 experts, top 2) at EP1: tokens/s, MFU                        (240 s)
+#   internvl the InternVL family's logits against HF (multi-tile images, 448-px tiles)   (150 s)
 #   pytest   the gpu-marked tests that need no Transformer Engine                        (120 s)
 #
 # With --te (a kit made with tools/gpu_kit.py --te: Transformer Engine for sm_90 in <kit>/te) the steps are, in this
 # order, within a 560 s budget (a step with too little time left is skipped):
 #   env, install (+ TE), setup, logits (TE and local layers), train (local, TE, FP8 delayed and tensorwise: curves
 #   within 1% of bf16 over 30 iterations, tokens/s, MFU; 300 s), packing (packed vs unpacked forward with TE, and a
-#   packed training row against the padded one, 150 s), moe (TE grouped GEMM), hf, pytest (all gpu-marked tests)
+#   packed training row against the padded one, 150 s), moe (TE grouped GEMM), hf, internvl (TE and local layers),
+#   pytest (all gpu-marked tests)
 #
 # and prints the table (bench/gpu.py --report). Files in $OUT (at most 8 come back from the GPU machine):
 #   gpu_quick.log  every step's output, appended as it runs     gpu_bench.json  the results, merged after each step
@@ -160,6 +162,7 @@ if [ "$TE" = 1 ]; then
   step packing 150 $GPU --only packing,train --impls transformer_engine --recipes "" "${SIZE[@]}"
   step moe 240 $GPU --only moe --impls transformer_engine "${SIZE[@]}"
   step hf 150 $GPU --only hf "${SIZE[@]}"
+  step internvl 150 $GPU --only internvl --impls transformer_engine,local "${SIZE[@]}"
   step pytest 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_bench_gpu.py tests/test_transformer_impl.py \
     tests/test_packing.py
 else
@@ -167,6 +170,7 @@ else
   step train 180 $GPU --only train --impls local --recipes "" "${SIZE[@]}"
   step hf 150 $GPU --only hf "${SIZE[@]}"
   step moe 240 $GPU --only moe --impls local "${SIZE[@]}"
+  step internvl 150 $GPU --only internvl --impls local "${SIZE[@]}"
   # The gpu-marked tests; those that build Transformer Engine layers are left out here (they run with --te). Until
   # they carry the `te` marker themselves, they are named here.
   TE_TESTS=(tests/test_transformer_impl.py::test_te_and_local_layers_agree_with_hf

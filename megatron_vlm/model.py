@@ -7,7 +7,9 @@ TE is installed; TE layers get ``--deterministic``'s environment and, on CPU, th
 by :mod:`megatron_vlm.fp8`), the pipeline stage placement (vision encoder
 and projector on the first stage) and the fixes that make megatron's LLaVA numerically equal to HF LLaVA
 (bidirectional ViT attention, ViT cut at ``vision_feature_layer``, no SigLIP post-layernorm, model_type
-for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get :class:`~megatron_vlm.anyres_model.AnyresLLaVAModel`.
+for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get :class:`~megatron_vlm.anyres_model.AnyresLLaVAModel`;
+InternVL gets megatron-core's ``LLaVAModel`` with its pixel shuffle and InternViT's layers and projector
+(:mod:`megatron_vlm.internvit`).
 """
 
 from __future__ import annotations

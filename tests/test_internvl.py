@@ -414,6 +414,30 @@ def test_make_wds_formats_load_packed_and_stats_count_the_encoders_tokens(models
         assert stats["image_tokens"] % spec.num_image_tokens == 0 and stats["images"] > 0
 
 
+@pytest.mark.te
+@pytest.mark.slow
+def test_transformer_engine_layers_load_the_converted_checkpoints(converted):
+    """The GPU path's layers (Transformer Engine, built on CPU through the construction shim; no forward) at TP2:
+    InternViT (300M and 6B: its q/k norm weights on the attention) and the projector's fused LayerNorm + linear load
+    every tensor from the converted checkpoint, equal to the local layers' under the same sharded key."""
+    from megatron_vlm.runtime.spawn import run_world
+    from megatron_vlm.testing import te_jobs
+
+    from .conftest import require_te
+
+    require_te()
+    jobs = [{"name": n, "megatron_dir": str(converted[n][0]), "tp": 2, "pp": 1}
+            for n in ("InternVL3_5-1B-HF", "InternVL3_5-38B-HF")]
+    one = converted["InternVL3_5-1B-HF"][0]
+    reports = run_world(te_jobs.run, 2, jobs, [], str(one), str(one))[0]
+    for name in reports["layouts"]:
+        for r in reports["layouts"][name]:
+            c = r["compare"]
+            assert c["tensors"] > 0 and (c["te_only_tensors"], c["local_only_tensors"], c["different"],
+                                         c["dtypes_differ"], c["uncovered_params"]) == ([], [], [], [], []), (name, c)
+            assert all(k.endswith("_extra_state") for k in r["keys_absent_from_checkpoint"]), (name, r)
+
+
 # ---- the trainer against HF --------------------------------------------------------------------------------------
 TRAIN = dict(stage=2, freeze_lm=False, freeze_vit=False, moe_aux_loss_coeff=0.0)
 #: job -> (model, layout, batches with a video sample)

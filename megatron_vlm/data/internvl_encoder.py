@@ -33,7 +33,8 @@ from megatron.energon.task_encoder.base import stateless
 from megatron_vlm.data import videos as vid
 from megatron_vlm.data.chat_tokens import ChatTokenizer
 from megatron_vlm.data.sample import conversation_of, videos_of
-from megatron_vlm.data.task_encoder import VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, refuse_videos
+from megatron_vlm.data.task_encoder import (VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, kept_tokens,
+                                            refuse_videos)
 
 START, END = "<img>", "</img>"  # InternVL's defaults when the tokenizer names none
 
@@ -214,13 +215,8 @@ class InternVLTaskEncoder(VLMTaskEncoder):
         if sum(costs) > self.seq_length:
             self.skips.skip(key, "too_long", f"{len(images)} images and {len(videos)} videos need {sum(costs)} > "
                                              f"seq_length {self.seq_length} tokens")
-        m, used, n = 0, 0, 0  # keep x[:m]: text + image tokens <= seq_length, media whole
-        for i in range(len(x) - 1):
-            cost = costs[n] if x[i] == image_id else 1
-            if used + cost > self.seq_length:
-                break
-            used, m = used + cost, i + 1
-            n += x[i] == image_id
+        m = kept_tokens(x, {image_id: costs}, self.seq_length)  # media whole; past the cut, with their pixels
+        n = x[:m].count(image_id)
         loss_mask = torch.tensor(assistant[1:m + 1], dtype=torch.float32)
         if loss_mask.sum() == 0:
             self.skips.skip(key, "no_answer", "no answer token left within seq_length")

@@ -4,7 +4,8 @@ Per sample (:meth:`VLMTaskEncoder.encode_sample`):
 - conversation from a :class:`~megatron_vlm.data.sample.ConversationSample` or an energon ``VQASample``
   (crude samples are cooked by :func:`megatron_vlm.data.sample.cook`);
 - tokens from the model's chat template (:mod:`megatron_vlm.data.chat_tokens`), ONE image token per image
-  (LLaVAModel expands it into the image's embeddings);
+  (LLaVAModel expands it into the image's embeddings; InternVL's encoder, :mod:`megatron_vlm.data.internvl_encoder`,
+  writes ``<img>``/``</img>`` around it);
 - Megatron convention: the conversation x[0..n] gives tokens = x[:-1], labels = x[1:], loss_mask = 1
   where the label is assistant content (answer tokens and the eos closing the turn);
 - truncation to ``seq_length`` counted with images expanded; it removes text from the end and never
@@ -114,6 +115,22 @@ def padded_text_length(text_lengths: list[int], image_extra: list[int], multiple
         return columns
     combined = columns + max(image_extra)
     return columns + (-combined) % multiple
+
+
+def kept_tokens(x: list[int], costs: dict[int, list[int]], seq_length: int) -> int:
+    """How many tokens of the conversation ``x`` a sample keeps (tokens ``x[:m]``, labels ``x[1:m + 1]``) within
+    ``seq_length`` positions, media expanded: ``costs[t]`` lists the positions of each media token ``t`` in the order
+    they come (an image's tiles' tokens, a video's); text is cut from the end, never inside an image or a video."""
+    m, used, seen = 0, 0, {t: 0 for t in costs}
+    for i in range(len(x) - 1):
+        t = x[i]
+        cost = costs[t][seen[t]] if t in costs else 1
+        if used + cost > seq_length:
+            break
+        used, m = used + cost, i + 1
+        if t in costs:
+            seen[t] += 1
+    return m
 
 
 class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):

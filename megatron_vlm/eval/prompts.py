@@ -9,7 +9,9 @@ takes pixels from the training task encoder itself (:mod:`megatron_vlm.data.task
 uses), anyres tiles and token counts from :mod:`megatron_vlm.anyres`, OneVision's multi-image rule, and video
 frames chosen by ``--video-fps``/``--video-frames``. Each image or video token is then repeated as many times
 as the model expands it, which is what HF's processors give its ``generate`` (``input_ids`` with the media
-tokens expanded, ``pixel_values`` [+ ``image_sizes``, ``batch_num_images``], ``pixel_values_videos``).
+tokens expanded, ``pixel_values`` [+ ``image_sizes``, ``batch_num_images``], ``pixel_values_videos``). InternVL
+prompts are rendered as its processor writes them (``<img><IMG_CONTEXT></img>``, ``FrameN:`` lines), every tile and
+frame in ``pixel_values``.
 
 :func:`collate` left-pads several prompts into one batch for ``generate``.
 """
