@@ -19,7 +19,8 @@ norms over all heads, no q/k/v bias).
   first step equal HF's own ``InternVLForConditionalGeneration`` on the same global batches of multi-tile images
   (rel 1e-5; the second step's gradient norm 5e-5): the
   ViT-6B model at TP2 x DP2 and at PP2 x DP2, InternVL3.5-1B at TP2 x DP2 with a video sample in each batch, the MoE
-  model at EP2 x DP2 (load-balancing loss off).
+  model at EP2 x DP2 (load-balancing loss off); with the distributed optimizer at TP2 x DP2 (losses and norms), resumed
+  bit for bit from its checkpoint.
 - **Build**: ``build_llava.py --arch internvl`` takes an InternVL checkpoint's InternViT (and its projector when the
   LM's width matches, else HF's initialisation) and any supported LM; the result converts with ``--verify`` and
   round-trips; stage 1 trains the projector only, stage 2 the LM too, ``--unfreeze-vit`` the ViT too.
@@ -462,9 +463,14 @@ def trained(models, converted):
     jobs = [dict(name=job, steps=2, grads=True, megatron_dir=str(converted[m][0]), hf_dir=str(models[m]),
                  batches=names[(m, video)], **TRAIN, **layout) for job, (m, layout, video) in TRAIN_JOBS.items()]
     one = "InternVL3_5-1B-HF"
-    jobs += [dict(name=f"stage{st}", stage=st, freeze_vit=None, freeze_lm=None, steps=1, grads=True,
-                  megatron_dir=str(converted[one][0]), hf_dir=str(models[one]), batches=names[(one, True)],
-                  micro_batch_size=2) for st in (1, 2)]  # each stage's own freezing
+    own = dict(megatron_dir=str(converted[one][0]), hf_dir=str(models[one]), batches=names[(one, True)],
+               micro_batch_size=2)
+    jobs += [dict(name=f"stage{st}", stage=st, freeze_vit=None, freeze_lm=None, steps=1, grads=True, **own)
+             for st in (1, 2)]  # each stage's own freezing
+    saved = converted[one][0].parent / "ivl-saved"
+    jobs += [dict(name="distopt-save", steps=2, dist_optim=True, tp=2, save=str(saved), save_after=1, **TRAIN, **own),
+             dict(name="distopt-resume", start=1, steps=1, dist_optim=True, tp=2, resume=str(saved / "iter_0000001"),
+                  reset_data_position=True, **TRAIN, **own)]
     out = {r["name"]: r for r in run_world(train_jobs, 4, jobs, None, None,
                                            {names[k]: v for k, v in sets.items()})[0]}
     for key, batches in sets.items():
@@ -513,6 +519,19 @@ def test_trainer_equals_hf(job, trained, models):
         assert any(n.endswith("attention.q_norm.weight") for n in diffs)
     if spec.is_moe:
         assert any(".mlp.experts.7.down_proj." in n for n in diffs)
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_equals_hf_and_resumes_bit_exactly(trained):
+    """InternVL3.5-1B at TP2 x DP2 with the distributed optimizer: the losses and gradient norms of HF's AdamW steps on
+    the same batches, and a resume from its iteration-1 checkpoint continues bit for bit."""
+    r, ref = trained["distopt-save"], trained[trained["names"][("InternVL3_5-1B-HF", True)]]
+    assert all(_rel(a, b) <= RTOL for a, b in zip(r["loss"], ref["loss"], strict=True)), (r["loss"], ref["loss"])
+    norms = [_rel(a, b) for a, b in zip(r["grad_norm"], ref["grad_norm"], strict=True)]
+    assert norms[0] <= RTOL and max(norms) <= NORM_RTOL, (r["grad_norm"], ref["grad_norm"])
+    resumed = trained["distopt-resume"]
+    assert resumed["loss"] == r["loss"][1:] and resumed["grad_norm"] == r["grad_norm"][1:], (resumed, r)
+    assert resumed["weights"] == r["weights"]
 
 
 @pytest.mark.slow
@@ -636,8 +655,13 @@ def test_build_convert_train_export_generate(models, tmp_path, capsys):
     frozen = b.get("vision_tower.encoder.layer.0.lambda_1")  # stage 2: the ViT stays as built (in the run's dtype)
     assert torch.equal(a.get("vision_tower.encoder.layer.0.lambda_1").to(frozen.dtype), frozen)
     image = tmp_path / "img" / "0.png"
-    assert run_cli(script("eval/generate.py").main, ["--model", str(export), "--prompt", "what colour is it ?",
-                                                     "--image", str(image), "--max-new-tokens", "4"]) == 0
+    answers = []
+    for source in (["--model", str(export)], ["--megatron-dir", str(runs / "ivl")]):  # the export; the run, in memory
+        capsys.readouterr()
+        assert run_cli(script("eval/generate.py").main, [*source, "--prompt", "what colour is it ?", "--image",
+                                                         str(image), "--max-new-tokens", "4"]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1], answers
     from megatron_vlm.eval.prompts import PromptEncoder, collate, user_message
 
     spec = VLMSpec.from_hf_dir(export)
