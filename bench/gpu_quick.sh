@@ -11,6 +11,7 @@
 #   moe      an MoE LLaVA (8 experts, top 2) at EP1: tokens/s, MFU                        (240 s)
 #   cp       one ~4k-position sample at CP1 and CP2 (CP2 needs 2 GPUs): loss, memory/rank (150 s)
 #   vpp      PP2 x VPP2 against PP2 (needs 2 GPUs): equal losses, tokens/s                (180 s)
+#   internvl the InternVL family's logits against HF (multi-tile images, 448-px tiles)   (150 s)
 #   pytest   the gpu-marked tests that need no Transformer Engine                        (120 s)
 #
 # With --te (a kit made with tools/gpu_kit.py --te: Transformer Engine for sm_90 in <kit>/te) the steps are, in this
@@ -19,7 +20,7 @@
 #   within 1% of bf16 over 30 iterations, tokens/s, MFU; 300 s), packing (packed vs unpacked forward with TE, and a
 #   packed training row against the padded one, 150 s), moe (TE grouped GEMM), hf, cp (CP1 and CP2 with TE's p2p
 #   attention, where two GPUs are visible), vpp (PP2 x VPP2 against PP2 with TE layers, where two GPUs are
-#   visible), pytest (all gpu-marked tests)
+#   visible), internvl (TE and local layers), pytest (all gpu-marked tests)
 #
 # and prints the table (bench/gpu.py --report). Files in $OUT (at most 8 come back from the GPU machine):
 #   gpu_quick.log  every step's output, appended as it runs     gpu_bench.json  the results, merged after each step
@@ -166,6 +167,7 @@ if [ "$TE" = 1 ]; then
   step hf 150 $GPU --only hf "${SIZE[@]}"
   step cp 150 $GPU --only cp --impls transformer_engine "${SIZE[@]}"
   step vpp 180 $GPU --only vpp --impls transformer_engine "${SIZE[@]}"
+  step internvl 150 $GPU --only internvl --impls transformer_engine,local "${SIZE[@]}"
   step pytest 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_bench_gpu.py tests/test_transformer_impl.py \
     tests/test_packing.py
 else
@@ -175,6 +177,7 @@ else
   step moe 240 $GPU --only moe --impls local "${SIZE[@]}"
   step cp 150 $GPU --only cp --impls local "${SIZE[@]}"
   step vpp 180 $GPU --only vpp --impls local "${SIZE[@]}"
+  step internvl 150 $GPU --only internvl --impls local "${SIZE[@]}"
   # The gpu-marked tests; those that build Transformer Engine layers are left out here (they run with --te). Until
   # they carry the `te` marker themselves, they are named here.
   TE_TESTS=(tests/test_transformer_impl.py::test_te_and_local_layers_agree_with_hf

@@ -4,7 +4,10 @@
 --arch llava_onevision (or llava_next) builds the anyres model instead: image grid pinpoints, image_newline and
 (OneVision) anyres_max_N downsampling; e.g. a OneVision-style model from Qwen2/Qwen3 + SigLIP so400m as published
 (27 layers; LLaVA-OneVision reads the output of its 26th layer):
-  --arch llava_onevision --vision-feature-layer -2"""
+  --arch llava_onevision --vision-feature-layer -2
+
+--arch internvl builds an InternVL3/3.5 model: --vision-model is an InternVL -HF checkpoint, whose InternViT (and
+projector, when its width is the LM's) the new model takes, e.g. OpenGVLab/InternVL3_5-1B-HF with another Qwen3 LM."""
 
 import argparse
 import os
@@ -22,7 +25,9 @@ def main(argv=None):
     p.add_argument("--text-model", required=True,
                    help=f"HF causal LM directory ({', '.join(SUPPORTED_TEXT)})")
     p.add_argument("--vision-model", required=True,
-                   help=f"HF {'/'.join(SUPPORTED_VISION)} directory (vision-only or the full dual encoder)")
+                   help=f"HF {'/'.join(SUPPORTED_VISION)} directory (vision-only or the full dual encoder); --arch "
+                        "internvl: an InternVL -HF checkpoint (its InternViT, and its projector when its width is the "
+                        "LM's) or a vision-only InternViT")
     p.add_argument("--save-dir", required=True, help="output LLaVA directory (must not exist unless --overwrite)")
     p.add_argument("--vocab-size-padding", type=positive_int, default=None,
                    help="embedding rows: by default the LM's, or the next multiple of 64 when the added <image>/<pad> "
@@ -32,8 +37,9 @@ def main(argv=None):
                    help="keep (default): the text model's own chat template, with image parts rendered as the image "
                         "token (LLaVA-1.5's if it has none); llava: LLaVA-1.5's 'USER: ... ASSISTANT:'; or a Jinja "
                         "file")
-    p.add_argument("--vision-feature-layer", type=int, default=-2,
-                   help="vision hidden state the projector reads (HF index; -2 = second to last layer)")
+    p.add_argument("--vision-feature-layer", type=int, default=None,
+                   help="vision hidden state the projector reads (HF index; -2 = second to last layer). Default: -2; "
+                        "--arch internvl: the InternVL checkpoint's (-1)")
     p.add_argument("--vision-feature-select-strategy", choices=["default", "full"], default=None,
                    help="'default' drops the CLS token (CLIP), 'full' keeps all tokens (default: default for "
                         "CLIP, full for SigLIP)")
@@ -41,8 +47,9 @@ def main(argv=None):
     p.add_argument("--no-projector-bias", action="store_true", help="projector linear layers without bias")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="weight dtype of the saved model (auto: the text model's)")
-    p.add_argument("--arch", choices=["llava", "llava_next", "llava_onevision"], default="llava",
-                   help="llava: one tile per image; llava_next / llava_onevision: anyres tiles with image_newline")
+    p.add_argument("--arch", choices=["llava", "llava_next", "llava_onevision", "internvl"], default="llava",
+                   help="llava: one tile per image; llava_next / llava_onevision: anyres tiles with image_newline; "
+                        "internvl: InternVL3/3.5 (InternViT, pixel shuffle, GotOcr2's dynamic tiles)")
     p.add_argument("--image-grid-pinpoints", default=None,
                    help="anyres resolutions as HxW,HxW,... (multiples of the vision image size; default: every "
                         "grid up to --max-grid x --max-grid tiles)")

@@ -7,7 +7,9 @@ TE is installed; TE layers get ``--deterministic``'s environment and, on CPU, th
 by :mod:`megatron_vlm.fp8`), the pipeline stage placement (vision encoder
 and projector on the first stage) and the fixes that make megatron's LLaVA numerically equal to HF LLaVA
 (bidirectional ViT attention, ViT cut at ``vision_feature_layer``, no SigLIP post-layernorm, model_type
-for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get :class:`~megatron_vlm.anyres_model.AnyresLLaVAModel`.
+for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get :class:`~megatron_vlm.anyres_model.AnyresLLaVAModel`;
+InternVL gets megatron-core's ``LLaVAModel`` with its pixel shuffle and InternViT's layers and projector
+(:mod:`megatron_vlm.internvit`).
 """
 
 from __future__ import annotations
@@ -234,10 +236,11 @@ def vision_config(spec: VLMSpec, opts: ModelOptions):
         num_attention_heads=spec.vision_num_attention_heads,
         num_query_groups=spec.vision_num_attention_heads,
         kv_channels=spec.vision_hidden_size // spec.vision_num_attention_heads,
-        normalization="LayerNorm",
+        normalization=spec.vision_normalization,
         layernorm_epsilon=spec.vision_norm_epsilon,
         add_bias_linear=True,
-        add_qkv_bias=True,
+        add_qkv_bias=spec.vision_qkv_bias,
+        qk_layernorm=spec.vision_qk_layernorm,
         gated_linear_unit=False,
         activation_func=_activation(spec.vision_activation),
         # The ViT lives entirely on the first pipeline stage: with pp>1 here it would build only a part.
@@ -481,12 +484,16 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
 
         cp_attention.enable()
     lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te, spec.qk_layernorm, opts.cp)
+    if spec.is_internvl:
+        vit_spec, proj_spec = _internvit_specs(spec, vit_spec, opts.use_te)
     lang_cfg = language_config(spec, opts)
     if not opts.use_te or spec.is_moe:
         lang_spec = _language_block(spec, lang_cfg, lang_spec, opts.use_te, vp_stage)
     local_sp = (opts.sequence_parallel or opts.cp > 1) and not opts.use_te
     core_attention = lang_spec.submodules.self_attention.submodules.core_attention
     cls, extra = LLaVAModel, {}
+    if spec.is_internvl:  # megatron-core's InternVL pixel shuffle (2 x 2 patches) before the projector
+        extra = dict(pixel_shuffle=True)
     if spec.is_anyres:
         from megatron_vlm.anyres_model import AnyresLLaVAModel
 
@@ -506,6 +513,19 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         model._language_is_pipeline_parallel = True
     model.model_type = ModelType.encoder_or_decoder
     return model
+
+
+def _internvit_specs(spec: VLMSpec, vit_spec, use_te: bool):
+    """InternVL's ViT layer (layer scales, the 6B variant's q/k norms; with local layers, torch's LayerNorm or
+    RMSNorm as the spec's ``vision_normalization`` says) and its LayerNorm-first projector
+    (:mod:`megatron_vlm.internvit`)."""
+    from megatron_vlm import internvit
+
+    vit_spec = internvit.vision_layer_spec(vit_spec, spec.vision_qk_layernorm, spec.vision_qkv_bias)
+    if not use_te:
+        vit_spec.submodules.input_layernorm = LocalNorm
+        vit_spec.submodules.pre_mlp_layernorm = LocalNorm
+    return vit_spec, internvit.projector_spec(use_te)
 
 
 def _build_llava(cls, spec: VLMSpec, opts: ModelOptions, lang_cfg, lang_spec, vit_spec, proj_spec, pre_process: bool,

@@ -21,6 +21,8 @@ SUPPORTED_TEXT = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 #: mixture-of-experts LM families (routed experts, no shared expert) -> how their HF config names the expert settings
 MOE_TEXT = ("qwen3_moe", "mixtral")
 SUPPORTED_VISION = ("clip", "siglip")  # SigLIP2 fixed-resolution checkpoints are model_type 'siglip'
+#: InternVL's own vision encoder (HF model_type 'internvl_vision'): only inside an InternVL model
+INTERNVIT = "internvit"
 NAFLEX_REFUSAL = ("{where} has model_type 'siglip2' (SigLIP2 NaFlex: patches at each image's own resolution and "
                   "aspect ratio, with a position-embedding resize per image), which LLaVA's fixed-size tiles cannot "
                   "feed; use a fixed-resolution SigLIP2 checkpoint (model_type 'siglip', e.g. "
@@ -30,6 +32,7 @@ ARCHS = {
     "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
     "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration"),
     "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration"),
+    "internvl": ("InternVLConfig", "InternVLForConditionalGeneration"),
 }
 # Llama-3 rope scaling parameters that megatron-core's RotaryEmbedding hard-codes (only `factor` is free).
 _MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -82,7 +85,12 @@ class VLMSpec:
     patch_size: int = 14
     vision_feature_layer: int = -2
     vision_feature_select_strategy: str = "default"
+    # InternViT (vision_family 'internvit'): its norm, q/k bias, the 6B variant's q/k RMSNorm over all heads
+    vision_normalization: str = "LayerNorm"  # or "RMSNorm" (HF norm_type rms_norm)
+    vision_qkv_bias: bool = True  # HF attention_bias (CLIP / SigLIP always have it)
+    vision_qk_layernorm: bool = False  # HF use_qk_norm
     # projector
+    downsample_ratio: float | None = None  # InternVL: pixel shuffle (0.5) before a LayerNorm-first MLP
     projector_bias: bool = True
     projector_activation: str = "gelu"
     # tokens
@@ -129,15 +137,26 @@ class VLMSpec:
 
     @property
     def has_class_token(self) -> bool:
-        return self.vision_family == "clip"
+        return self.vision_family in ("clip", INTERNVIT)
 
     @property
     def drop_class_token(self) -> bool:
         return self.has_class_token and self.vision_feature_select_strategy == "default"
 
     @property
+    def projector_input_size(self) -> int:
+        """Width of the projector's input: the ViT's hidden size (InternVL: x4 after its 2 x 2 pixel shuffle)."""
+        return int(self.vision_hidden_size / (self.downsample_ratio ** 2)) if self.downsample_ratio else \
+            self.vision_hidden_size
+
+    @property
     def is_anyres(self) -> bool:
-        return self.arch != "llava"
+        return self.arch in ("llava_next", "llava_onevision")
+
+    @property
+    def is_internvl(self) -> bool:
+        """InternVL: dynamic tiles of one size per image (``num_image_tiles``), pixel shuffle, InternViT."""
+        return self.arch == "internvl"
 
     @property
     def anyres(self):
@@ -163,8 +182,11 @@ class VLMSpec:
 
     @property
     def num_image_tokens(self) -> int:
-        """Image tokens of one tile (plain LLaVA: of one image); anyres counts per image come from ``anyres``."""
+        """Image tokens of one tile (plain LLaVA: of one image; InternVL: after the pixel shuffle, HF's
+        ``image_seq_length``); anyres counts per image come from ``anyres``."""
         n = (self.image_size // self.patch_size) ** 2
+        if self.downsample_ratio:
+            return int(n * self.downsample_ratio ** 2)
         return n + (1 if self.has_class_token and not self.drop_class_token else 0)
 
     # ---- construction -----------------------------------------------------------------------------
@@ -190,7 +212,10 @@ class VLMSpec:
         vfam = v.model_type.replace("_vision_model", "")
         if vfam == "siglip2":
             raise UnsupportedArchitectureError(NAFLEX_REFUSAL.format(where="the vision model"))
-        if vfam not in SUPPORTED_VISION:
+        internvit = _internvit_settings(cfg, v) if arch == "internvl" else {}
+        if internvit:
+            vfam = INTERNVIT
+        elif vfam not in SUPPORTED_VISION:
             raise UnsupportedArchitectureError(
                 f"vision model type {v.model_type!r} is not supported; supported: {', '.join(SUPPORTED_VISION)}"
             )
@@ -229,7 +254,9 @@ class VLMSpec:
         if vfam == "siglip" and strategy != "full":
             raise UnsupportedArchitectureError("SigLIP has no CLS token: vision_feature_select_strategy must be 'full'")
         anyres = {}
-        if arch != "llava":
+        if arch == "internvl":
+            anyres = dict(arch=arch)
+        elif arch != "llava":
             from megatron_vlm.anyres import AnyresGeometry
 
             AnyresGeometry.from_hf(cfg)  # checks pinpoints and vision_aspect_ratio
@@ -252,7 +279,7 @@ class VLMSpec:
             vocab_size=t.vocab_size,
             qkv_bias=t.model_type == "qwen2",
             qk_layernorm=t.model_type in ("qwen3", "qwen3_moe"),
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False) or getattr(t, "tie_word_embeddings", False)),
+            tie_word_embeddings=_tied(arch, cfg, t),
             rope_scaling_factor=rope_factor,
             sliding_window=sliding,
             vision_family=vfam,
@@ -262,8 +289,8 @@ class VLMSpec:
             vision_num_attention_heads=v.num_attention_heads,
             vision_norm_epsilon=v.layer_norm_eps,
             vision_activation=vact,
-            image_size=v.image_size,
-            patch_size=v.patch_size,
+            image_size=_square(v.image_size, "vision image_size"),
+            patch_size=_square(v.patch_size, "vision patch_size"),
             vision_feature_layer=cfg.vision_feature_layer,
             vision_feature_select_strategy=strategy,
             projector_bias=bool(getattr(cfg, "multimodal_projector_bias", True)),
@@ -272,6 +299,7 @@ class VLMSpec:
             hf_config={k: v for k, v in cfg.to_dict().items() if k != "_name_or_path"},
             **moe,
             **anyres,
+            **internvit,
         )
         video_index = getattr(cfg, "video_token_index", None) if arch == "llava_onevision" else None
         if video_index is not None and 0 <= int(video_index) < spec.vocab_size:
@@ -457,6 +485,64 @@ def _moe_settings(t) -> dict:
         return {}
     return dict(num_moe_experts=experts, moe_ffn_hidden_size=ffn, moe_router_topk=topk, moe_norm_topk_prob=norm_topk,
                 moe_layer_pattern=pattern, moe_aux_loss_coeff=float(getattr(t, "router_aux_loss_coef", 0.0) or 0.0))
+
+
+def _tied(arch: str, cfg, text_config) -> bool:
+    """Whether the HF model ties ``lm_head`` to the embedding. LLaVA configs: either config's flag. InternVL: the
+    top-level ``tie_word_embeddings`` defaults to True (transformers 5 ties by it) while the published -HF
+    checkpoints were written by transformers 4.5x, which tied by the text config's flag and saved no top-level one;
+    an untied text config's checkpoint carries its own ``lm_head`` (which transformers 5 then loads untied, the two
+    tensors differing). So InternVL ties only where both flags say so."""
+    top = bool(getattr(cfg, "tie_word_embeddings", False))
+    text = bool(getattr(text_config, "tie_word_embeddings", False))
+    return (top and text) if arch == "internvl" else (top or text)
+
+
+def _square(value, what: str) -> int:
+    """An image / patch size given as an int or an (h, w) pair (InternViT's) of a square."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2 or value[0] != value[1]:
+            raise UnsupportedArchitectureError(f"{what} {list(value)} is not square; megatron-core's ViT takes "
+                                               "square tiles: use an equal height and width")
+        value = value[0]
+    return int(value)
+
+
+def _internvit_settings(cfg, v) -> dict:
+    """The VLMSpec fields of an InternVL config's InternViT and projector; what megatron-core's ViT cannot build
+    (or HF's InternVL cannot run) is refused in one line naming the setting."""
+    if v.model_type != "internvl_vision":
+        raise UnsupportedArchitectureError(f"an InternVL model's vision model type {v.model_type!r} is not "
+                                           "supported; InternVL takes its InternViT (model_type internvl_vision)")
+    ratio = float(cfg.downsample_ratio)
+    if ratio != 0.5:
+        raise UnsupportedArchitectureError(f"downsample_ratio={ratio} is not supported: megatron-core's pixel "
+                                           "shuffle merges 2 x 2 patches (downsample_ratio 0.5)")
+    if cfg.vision_feature_select_strategy != "default":
+        raise UnsupportedArchitectureError("InternVL drops the CLS token before its pixel shuffle: "
+                                           "vision_feature_select_strategy must be 'default'")
+    if not getattr(v, "use_absolute_position_embeddings", True):
+        raise UnsupportedArchitectureError("InternViT without absolute position embeddings is not supported; set "
+                                           "use_absolute_position_embeddings to true")
+    if cfg.vision_feature_layer == -1 and not getattr(v, "use_mean_pooling", True):
+        raise UnsupportedArchitectureError("InternViT with use_mean_pooling=false puts a final LayerNorm on the last "
+                                           "layer, which megatron-core's ViT does not have; use "
+                                           "vision_feature_layer -2 or use_mean_pooling true")
+    norm = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm"}.get(v.norm_type)
+    if norm is None:
+        raise UnsupportedArchitectureError(f"InternViT norm_type {v.norm_type!r} is not supported (layer_norm, "
+                                           "rms_norm)")
+    side = _square(v.image_size, "vision image_size") // _square(v.patch_size, "vision patch_size")
+    if side % 2:
+        raise UnsupportedArchitectureError(f"InternViT's {side} x {side} patches do not pair up for the pixel "
+                                           "shuffle; use an image_size of an even number of patches")
+    seq = getattr(cfg, "image_seq_length", None)
+    if seq is not None and int(seq) != side * side // 4:
+        raise UnsupportedArchitectureError(f"image_seq_length={seq} but {side} x {side} patches pixel-shuffled give "
+                                           f"{side * side // 4} tokens per tile; set image_seq_length to "
+                                           f"{side * side // 4}")
+    return dict(vision_normalization=norm, vision_qkv_bias=bool(v.attention_bias),
+                vision_qk_layernorm=bool(v.use_qk_norm), downsample_ratio=ratio)
 
 
 def _config_image_token_id(cfg) -> int:

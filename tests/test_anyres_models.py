@@ -204,7 +204,7 @@ def test_task_encoder_tiles_and_counts_equal_hf_processor(models):
              {"role": "assistant", "content": [{"type": "text", "text": "no"}]}]
     nxt = task_encoder_for(VLMSpec.from_hf_dir(models["llava_next"]), models["llava_next"], SEQ)
     with pytest.raises(VideoNotSupportedError, match="has a video, but the model is llava_next, and only "
-                                                     "llava_onevision models take videos"):
+                                                     "llava_onevision and internvl models take videos"):
         nxt.encode_conversation(video, [])  # OneVision takes videos (tests/test_video_data.py), LLaVA-NeXT not
 
 

@@ -27,8 +27,8 @@ pytestmark = pytest.mark.one_lane(
 def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     """Every step of the GPU command, in its own process: install from a kit (a hand-made wheel, with pip --no-index),
     set-up, HF vs Megatron logits (fp32, bf16), our training, the HF + SDPA loop on the same batches, the MoE row,
-    the context-parallel rows, PP2 x VPP2 against PP2, the gpu tests (skipped here), the report; results merged into
-    one JSON as they come."""
+    the context-parallel rows, PP2 x VPP2 against PP2, the InternVL row, the gpu tests (skipped here), the report;
+    results merged into one JSON as they come."""
     kit = tmp_path / "kit"
     fake_wheel(kit / "wheels", "mvlm-kit-probe", "1.0")
     out = tmp_path / "out"
@@ -38,7 +38,8 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert [(s["step"], s["rc"]) for s in steps] == [(n, 0) for n in ("env", "install", "setup", "logits", "train",
-                                                                        "hf", "moe", "cp", "vpp", "pytest")]
+                                                                        "hf", "moe", "cp", "vpp", "internvl",
+                                                                        "pytest")]
     assert "all checks passed" in res.stdout and "step(s) failed" not in res.stdout
     rows = {(r["part"], r["impl"], r["dtype"]): r for r in json.loads((out / "gpu_bench.json").read_text())["rows"]}
     fp32, bf16 = rows[("logits", "local", "fp32")], rows[("logits", "local", "bf16")]
@@ -79,6 +80,11 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     assert "--pp-layers 2,2, 2 chunks per rank of 1, 1 layers (interleaved 1F1B)" in inter["note"]
     assert inter["tokens_per_s"] > 0 and inter["speedup"] > 0
     assert "==== vpp2_local: " in (out / "train_runs.log").read_text()
+    # the InternVL row: build_llava --arch internvl's model against HF's InternVLForConditionalGeneration, multi-tile
+    ivl = {r["dtype"]: r for r in json.loads((out / "gpu_bench.json").read_text())["rows"] if r["part"] == "internvl"
+           and r["impl"] == "local"}
+    assert ivl["fp32"]["ok"] and ivl["fp32"]["diff"] <= 1e-5 and ivl["bf16"]["ok"], ivl
+    assert "tiles per image [3, 1, 2]" in rows[("internvl", "HF transformers", "bf16")]["note"]
     log = (out / "gpu_quick.log").read_text()
     assert "== install: rc 0" in log and "skipped" in log  # pytest: the gpu tests skip without a GPU
     assert bench.curve_diff([1.0, 2.02], [1.0, 2.0]) == pytest.approx(0.01)

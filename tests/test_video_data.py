@@ -294,7 +294,7 @@ def test_a_video_for_a_model_that_is_not_onevision_stops_with_the_arch_named(mod
         with pytest.raises(FatalSampleError) as e:
             _encoded(hf, root / "chat")
         assert skip_error_line(e.value) == (
-            f"sample 000000000 has a video, but the model is {arch}, and only llava_onevision models take videos; "
+            f"sample 000000000 has a video, but the model is {arch}, and only llava_onevision and internvl models take videos; "
             "build the model with convert/build_llava.py --arch llava_onevision (it adds '<video>'), or leave the "
             "video samples out of --data-path")
 

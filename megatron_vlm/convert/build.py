@@ -1,4 +1,5 @@
-"""Build an HF ``LlavaForConditionalGeneration`` directory from an HF causal LM and an HF vision encoder.
+"""Build an HF ``LlavaForConditionalGeneration`` directory from an HF causal LM and an HF vision encoder (InternVL:
+:mod:`megatron_vlm.convert.build_internvl`).
 
 The result loads with ``LlavaForConditionalGeneration.from_pretrained`` and ``AutoProcessor.from_pretrained``:
 safetensors weights, a tokenizer with the image token (and a pad token), the vision encoder's image
@@ -73,7 +74,7 @@ def build_llava(
     vision_model,
     save_dir,
     vocab_size_padding: int | None = None,
-    vision_feature_layer: int = -2,
+    vision_feature_layer: int | None = None,
     vision_feature_select_strategy: str | None = None,
     image_token: str = DEFAULT_IMAGE_TOKEN,
     projector_bias: bool = True,
@@ -88,6 +89,8 @@ def build_llava(
 ) -> Path:
     """Assemble and save the LLaVA directory; returns ``save_dir``.
 
+    ``vision_feature_layer`` defaults to -2 (InternVL: the vision checkpoint's). ``arch='internvl'`` builds an
+    InternVL directory from an InternVL checkpoint's vision side (:mod:`megatron_vlm.convert.build_internvl`).
     ``vision_feature_select_strategy`` defaults to 'default' (drop CLS) for CLIP and 'full' for SigLIP.
     ``arch`` llava_next / llava_onevision: ``grid_pinpoints`` default to every rows x cols tiling up to
     ``max_grid`` x ``max_grid`` tiles of the vision encoder's image size. ``chat_template``: ``keep`` (the LM's
@@ -116,12 +119,23 @@ def build_llava(
         raise UnsupportedArchitectureError(
             f"text model {text_dir} has model_type {text_cfg.model_type!r}; supported: {', '.join(SUPPORTED_TEXT)}"
         )
+    torch_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    if arch == "internvl":
+        from megatron_vlm.convert.build_internvl import build_internvl, read_vision_source
+
+        read_vision_source(vision_dir)  # an InternVL checkpoint, before the LM is loaded
+        log.info("loading text model %s", text_dir)
+        lm = AutoModelForCausalLM.from_pretrained(str(text_dir), dtype=torch_dtype or "auto")
+        return build_internvl(lm, text_dir, vision_dir, save_dir, vocab_size_padding=vocab_size_padding,
+                              vision_feature_layer=vision_feature_layer, chat_template=chat_template, seed=seed,
+                              overwrite=overwrite)
+    if vision_feature_layer is None:
+        vision_feature_layer = -2
     family = _vision_family(vision_dir)
     if vision_feature_select_strategy is None:
         vision_feature_select_strategy = "default" if family == "clip" else "full"
     if family == "siglip" and vision_feature_select_strategy == "default":
         raise ValueError("SigLIP has no CLS token: use --vision-feature-select-strategy full")
-    torch_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 
     log.info("loading text model %s", text_dir)
     lm = AutoModelForCausalLM.from_pretrained(str(text_dir), dtype=torch_dtype or "auto")

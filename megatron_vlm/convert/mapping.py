@@ -6,7 +6,8 @@ result is split across tensor-parallel ranks (``split``):
 
 - ``copy``: the same tensor; ``qkv``: q/k/v fused per query group ``[q heads of g; k_g; v_g]`` for each g;
   ``gated``: SwiGLU ``[gate; up]``; ``vocab``: embedding/output rows padded to the padded vocab
-  (trimmed on export); ``class_token``: ``[h] <-> [1, 1, h]``.
+  (trimmed on export); ``class_token``: ``[h] <-> [1, 1, h]``; ``unbatch``: ``[1, n, h] <-> [n, h]`` (InternViT's
+  position embeddings).
 - ``column`` (dim 0), ``row`` (dim 1), ``replicated``; ``gated`` tensors are split as
   ``cat(gate.chunk(tp)[r], up.chunk(tp)[r])`` per rank.
 
@@ -36,7 +37,7 @@ from megatron_vlm.spec import VLMSpec
 class Rule:
     mcore: str
     hf: tuple[str, ...]
-    kind: str = "copy"  # copy | qkv | gated | vocab | class_token
+    kind: str = "copy"  # copy | qkv | gated | vocab | class_token | unbatch
     split: str = "replicated"  # column | row | replicated | gated
     placement: str = "first"  # first | last | layer
     layer: int | None = None  # global language layer (placement == "layer")
@@ -130,7 +131,44 @@ def _language_rules(spec: VLMSpec) -> list[Rule]:
     return rules
 
 
+def _internvit_rules(spec: VLMSpec) -> list[Rule]:
+    """InternViT (HF ``InternVLVisionModel``) -> megatron-core's ``CLIPViTModel(model_subtype='internvit')`` with
+    :class:`~megatron_vlm.internvit.InternViTLayer` layers: layer scales ``lambda_1``/``lambda_2`` -> ``ls1``/``ls2``
+    (replicated), the 6B variant's q/k norms over all heads split with the heads (column)."""
+    e, v = VT + "embeddings.", "vision_model."
+    rules = [
+        Rule(v + "conv1.weight", (e + "patch_embeddings.projection.weight",)),
+        Rule(v + "conv1.bias", (e + "patch_embeddings.projection.bias",)),
+        Rule(v + "class_token", (e + "cls_token",)),
+        Rule(v + "position_embeddings.weight", (e + "position_embeddings",), "unbatch"),
+    ]
+    heads = spec.vision_num_attention_heads
+    qkv = dict(heads=heads, groups=heads, head_dim=spec.vision_hidden_size // heads)
+    norms = ("weight", "bias") if spec.vision_normalization == "LayerNorm" else ("weight",)
+    for i in range(spec.vit_num_layers):
+        m, h = f"{v}decoder.layers.{i}.", f"{VT}encoder.layer.{i}."
+        rules += [Rule(m + "ls1", (h + "lambda_1",)), Rule(m + "ls2", (h + "lambda_2",))]
+        rules += [Rule(m + f"input_layernorm.{p}", (h + f"layernorm_before.{p}",)) for p in norms]
+        rules += [Rule(m + f"pre_mlp_layernorm.{p}", (h + f"layernorm_after.{p}",)) for p in norms]
+        for p in ("weight", "bias") if spec.vision_qkv_bias else ("weight",):
+            rules.append(Rule(m + f"self_attention.linear_qkv.{p}",
+                              tuple(h + f"attention.{x}_proj.{p}" for x in "qkv"), "qkv", "column", **qkv))
+        if spec.vision_qk_layernorm:
+            rules += [Rule(m + f"self_attention.{x}_norm_weight", (h + f"attention.{x}_norm.weight",),
+                           split="column") for x in "qk"]
+        for p in ("weight", "bias"):
+            row = "row" if p == "weight" else "replicated"
+            rules += [
+                Rule(m + f"self_attention.linear_proj.{p}", (h + f"attention.projection_layer.{p}",), split=row),
+                Rule(m + f"mlp.linear_fc1.{p}", (h + f"mlp.fc1.{p}",), split="column"),
+                Rule(m + f"mlp.linear_fc2.{p}", (h + f"mlp.fc2.{p}",), split=row),
+            ]
+    return rules
+
+
 def _vision_rules(spec: VLMSpec) -> list[Rule]:
+    if spec.vision_family == "internvit":
+        return _internvit_rules(spec)
     e, v = VT + "embeddings.", "vision_model."
     rules = [
         Rule(v + "conv1.weight", (e + "patch_embedding.weight",)),
@@ -173,6 +211,8 @@ def _projector_rules(spec: VLMSpec) -> list[Rule]:
             Rule(m + "linear_fc1.bias", (PROJ + "linear_1.bias",), split="column"),
             Rule(m + "linear_fc2.bias", (PROJ + "linear_2.bias",)),
         ]
+    if spec.is_internvl:  # InternVL: a LayerNorm of the pixel-shuffled features first, fused into linear_fc1
+        rules += [Rule(m + f"linear_fc1.layer_norm_{p}", (PROJ + f"layer_norm.{p}",)) for p in ("weight", "bias")]
     return rules
 
 
@@ -200,6 +240,8 @@ def to_mcore(rule: Rule, hf: list[torch.Tensor], spec: VLMSpec) -> torch.Tensor:
         return hf[0]
     if rule.kind == "class_token":
         return hf[0].reshape(1, 1, -1)
+    if rule.kind == "unbatch":
+        return hf[0].reshape(hf[0].shape[1:])
     if rule.kind == "vocab":
         t = hf[0]
         pad = spec.padded_vocab_size - t.shape[0]
@@ -223,6 +265,8 @@ def to_hf(rule: Rule, full: torch.Tensor, spec: VLMSpec) -> list[torch.Tensor]:
         return [full]
     if rule.kind == "class_token":
         return [full.reshape(-1)]
+    if rule.kind == "unbatch":
+        return [full.reshape(1, *full.shape)]
     if rule.kind == "vocab":
         return [full[: spec.vocab_size]]
     if rule.kind == "gated":

@@ -48,15 +48,22 @@ class ReferenceBatch:
     num_image_tokens: torch.Tensor | None = None  # [items]
     image_token_id: int | None = None  # anyres: which tokens are images, and which videos
     video_token_id: int | None = None
+    # InternVL: several tiles of one size per image (``num_image_tiles``), no image sizes; samples differ in length
+
+    @property
+    def variable_length(self) -> bool:
+        """Whether samples differ in length (anyres and InternVL: tokens per image vary); HF then runs each alone."""
+        return self.num_image_tokens is not None
 
     @property
     def combined_length(self) -> int:
         return self.hf_input_ids.shape[1]
 
     def model_kwargs(self) -> dict:
-        """Extra keyword arguments of the Megatron model's forward (none for plain LLaVA)."""
+        """Extra keyword arguments of the Megatron model's forward (none for plain LLaVA; InternVL: its tiles per
+        image)."""
         if self.image_sizes is None:
-            return {}
+            return {} if self.num_image_tiles is None else dict(num_image_tiles=self.num_image_tiles)
         return dict(image_sizes=self.image_sizes, num_image_tiles=self.num_image_tiles,
                     num_image_tokens=self.num_image_tokens)
 
@@ -83,7 +90,7 @@ class ReferenceBatch:
 
     def sample(self, b: int) -> "ReferenceBatch":
         """Sample ``b`` alone, as a batch of one (HF input trimmed to its length)."""
-        if self.image_sizes is None:
+        if not self.variable_length:
             return replace(self, tokens=self.tokens[b:b + 1], hf_input_ids=self.hf_input_ids[b:b + 1],
                            images=self.images[b:b + 1])
         first, kinds = self.items(b)
@@ -92,12 +99,13 @@ class ReferenceBatch:
         return replace(self, tokens=self.tokens[b:b + 1],
                        hf_input_ids=self.hf_input_ids[b:b + 1, :self.valid_length(b)],
                        images=self.images[int(starts[first]):int(starts[last])],
-                       image_sizes=self.image_sizes[first:last], num_image_tiles=self.num_image_tiles[first:last],
+                       image_sizes=None if self.image_sizes is None else self.image_sizes[first:last],
+                       num_image_tiles=self.num_image_tiles[first:last],
                        num_image_tokens=self.num_image_tokens[first:last])
 
     def hf_inputs(self, b: int) -> dict:
         """HF forward inputs of sample ``b`` alone."""
-        if self.image_sizes is None:
+        if not self.variable_length:
             return dict(input_ids=self.hf_input_ids[b:b + 1], pixel_values=self.images[b:b + 1])
         return self.hf_sample(b)
 
@@ -106,6 +114,9 @@ class ReferenceBatch:
         first, kinds = self.items(b)
         starts = [0] + self.num_image_tiles.cumsum(0).tolist()
         out = dict(input_ids=self.hf_input_ids[b:b + 1, :self.length(b)])
+        if self.image_sizes is None:  # InternVL: every tile of the sample's images, in token order
+            out["pixel_values"] = self.images[starts[first]:starts[first + len(kinds)]]
+            return out
         for j, video in enumerate(kinds, start=first):
             rows = self.images[starts[j]:starts[j + 1]][None]
             if video:
@@ -120,6 +131,8 @@ class ReferenceBatch:
 ANYRES_SIZES = ((1.0, 1.6), (2.3, 0.9), (3.0, 3.0), (0.5, 0.7))
 # OneVision with a video token adds two samples: [(item, position)] with an item an image size or a frame count
 VIDEO_SAMPLES = ([(3, 5)], [((1.2, 0.8), 2), (2, 8)])
+# InternVL: [(tiles, position)] per sample: an image of 2 tiles + thumbnail, and a sample of two images (1 and 2 tiles)
+INTERNVL_SAMPLES = ([(3, 1)], [(1, 2), (2, 8)])
 
 
 def reference_batch(spec: VLMSpec, text_len: int = 12, positions=(1, 7), seed: int = 0) -> ReferenceBatch:
@@ -127,6 +140,8 @@ def reference_batch(spec: VLMSpec, text_len: int = 12, positions=(1, 7), seed: i
     samples with images of different sizes)."""
     if spec.is_anyres:
         return _anyres_reference_batch(spec, text_len, seed)
+    if spec.is_internvl:
+        return internvl_reference_batch(spec, INTERNVL_SAMPLES, text_len, seed)
     g = torch.Generator().manual_seed(seed)
     vocab = spec.vocab_size
     rows, hf_rows = [], []
@@ -138,6 +153,30 @@ def reference_batch(spec: VLMSpec, text_len: int = 12, positions=(1, 7), seed: i
         hf_rows.append(torch.cat([ids[:pos], ids.new_full((spec.num_image_tokens,), spec.image_token_id), ids[pos + 1:]]))
     images = torch.randn(len(positions), 3, spec.image_size, spec.image_size, generator=g)
     return ReferenceBatch(torch.stack(rows), torch.stack(hf_rows), images)
+
+
+def internvl_reference_batch(spec: VLMSpec, samples, text_len: int = 12, seed: int = 0) -> ReferenceBatch:
+    """InternVL samples ``[[(tiles, position)]]``: each image token at its position stands for ``tiles`` tiles of
+    the tile size (HF: ``image_seq_length`` x tiles image tokens, every tile in ``pixel_values``)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, image = spec.vocab_size, spec.image_token_id
+    tiles, rows, expanded = [], [], []
+    for sample in samples:
+        ids = torch.randint(0, vocab, (text_len,), generator=g)
+        ids[ids == image] = (image + 1) % vocab
+        counts = {}
+        for n, pos in sample:
+            ids[pos] = image
+            counts[pos] = n * spec.num_image_tokens
+            tiles.append(n)
+        rows.append(ids)
+        expanded.append([t for i, t in enumerate(ids.tolist()) for _ in range(counts.get(i, 1))])
+    width = max(len(e) for e in expanded)
+    hf_rows = torch.tensor([e + [0] * (width - len(e)) for e in expanded])
+    images = torch.randn(sum(tiles), 3, spec.image_size, spec.image_size, generator=g)
+    tiles = torch.tensor(tiles)
+    return ReferenceBatch(torch.stack(rows), hf_rows, images, None, tiles.to(torch.int32),
+                          (tiles * spec.num_image_tokens).to(torch.int32), image)
 
 
 def _anyres_reference_batch(spec: VLMSpec, text_len: int, seed: int) -> ReferenceBatch:
@@ -198,7 +237,7 @@ def hf_logits(hf_dir, batch: ReferenceBatch) -> torch.Tensor:
     """HF fp32 logits ``[B, S, vocab]`` (anyres: each sample alone, zero beyond its length)."""
     model = load_hf_model(hf_dir)
     with torch.no_grad():
-        if batch.image_sizes is None:
+        if not batch.variable_length:
             return model(input_ids=batch.hf_input_ids, pixel_values=batch.images).logits
         out = torch.zeros(*batch.hf_input_ids.shape, model.config.text_config.vocab_size)
         for b in range(batch.tokens.shape[0]):

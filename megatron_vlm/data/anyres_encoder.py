@@ -30,7 +30,8 @@ from megatron.energon.task_encoder.base import stateless
 from megatron_vlm.data import videos as vid
 from megatron_vlm.data.sample import conversation_of, videos_of
 from megatron_vlm.data.task_encoder import VideoNotSupportedError  # noqa: F401 - re-exported (its old home)
-from megatron_vlm.data.task_encoder import VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, refuse_videos
+from megatron_vlm.data.task_encoder import (VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, kept_tokens,
+                                            refuse_videos)
 
 IMAGE_PROCESSORS = {"llava_next": "LlavaNextImageProcessorPil", "llava_onevision": "LlavaOnevisionImageProcessorPil"}
 
@@ -182,14 +183,9 @@ class AnyresTaskEncoder(VLMTaskEncoder):
             self.skips.skip(key, "too_long", f"{len(images)} images and {len(videos)} videos need {total} > "
                                              f"seq_length {self.seq_length} tokens")
         # keep x[:m] with text + image/video tokens <= seq_length; media past the cut go with their pixels
-        m, used, n_img, n_vid = 0, 0, 0, 0
-        for i in range(len(x) - 1):
-            cost = (image_costs[n_img] if x[i] == image_id else video_costs[n_vid] if x[i] == video_id else 1)
-            if used + cost > self.seq_length:
-                break
-            used, m = used + cost, i + 1
-            n_img += x[i] == image_id
-            n_vid += x[i] == video_id
+        costs = {image_id: image_costs, **({video_id: video_costs} if video_id is not None else {})}
+        m = kept_tokens(x, costs, self.seq_length)
+        n_img = x[:m].count(image_id)
         loss_mask = torch.tensor(assistant[1:m + 1], dtype=torch.float32)
         if loss_mask.sum() == 0:
             self.skips.skip(key, "no_answer", "no answer token left within seq_length")
@@ -238,4 +234,9 @@ def task_encoder_for(spec, hf_dir, seq_length: int, video_fps: float = vid.DEFAU
     if spec.is_anyres:
         return AnyresTaskEncoder(hf_dir, seq_length, spec=spec, video_fps=video_fps, video_frames=video_frames,
                                  **kwargs)
+    if spec.is_internvl:
+        from megatron_vlm.data.internvl_encoder import InternVLTaskEncoder
+
+        return InternVLTaskEncoder(hf_dir, seq_length, spec=spec, video_fps=video_fps, video_frames=video_frames,
+                                   **kwargs)
     return VLMTaskEncoder(hf_dir, seq_length, spec=spec, **kwargs)

@@ -29,7 +29,8 @@ Packing runs with every layer implementation: Transformer Engine's fused 'thd' a
 local attention taught the 'thd' format by :func:`megatron_vlm.runtime.cpu_compat.packed_local_attention` (the same
 causal attention, once per ``cu_seqlens`` segment) on CPU or with ``--transformer-impl local``; the data path, the
 ``PackedSeqParams`` and megatron-core's per-segment RoPE are the same on both. Anyres models (LLaVA-NeXT,
-OneVision: tiles, videos) pack with :class:`AnyresPackingTaskEncoder`; :func:`packing_task_encoder_for` picks.
+OneVision: tiles, videos) pack with :class:`AnyresPackingTaskEncoder`, InternVL with
+:class:`InternVLPackingTaskEncoder`; :func:`packing_task_encoder_for` picks.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.task_encoder.base import stateless
 
 from megatron_vlm.data.anyres_encoder import AnyresBatch, AnyresSample, AnyresTaskEncoder
+from megatron_vlm.data.internvl_encoder import InternVLSample, InternVLTaskEncoder
 from megatron_vlm.data.task_encoder import VLMBatch, VLMSample, VLMTaskEncoder
 
 log = logging.getLogger("megatron_vlm.data")
@@ -111,6 +113,13 @@ class VLMPackedSample(VLMSample):
 @edataclass
 class AnyresPackedSample(AnyresSample):
     """Several encoded anyres samples concatenated (images / videos, their tiles and counts in token order)."""
+
+    seq_lengths: list
+
+
+@edataclass
+class InternVLPackedSample(InternVLSample):
+    """Several encoded InternVL samples concatenated (tiles and frames, and their counts, in token order)."""
 
     seq_lengths: list
 
@@ -257,11 +266,35 @@ class AnyresPackingTaskEncoder(_PackingHooks, AnyresTaskEncoder):
                                               image_sizes=s.image_sizes, num_image_tokens=s.num_image_tokens, **row)
 
 
+class InternVLPackingTaskEncoder(_PackingHooks, InternVLTaskEncoder):
+    """:class:`~megatron_vlm.data.internvl_encoder.InternVLTaskEncoder` with energon's packing hooks: a pack keeps each
+    image's tiles (and each video's frames) and their counts in token order."""
+
+    item_fields = ("images", "num_image_tiles")
+
+    def __init__(self, *args, packed_seq_length: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_packing(packed_seq_length)
+
+    @stateless
+    def pack_selected_samples(self, samples: list[InternVLSample]) -> InternVLPackedSample:
+        return InternVLPackedSample.derive_from(samples[0], **self._packed_fields(samples))
+
+    @stateless
+    def batch(self, samples: list[InternVLPackedSample]) -> VLMPackedBatch:
+        row = self._packed_row(samples)
+        return VLMPackedBatch.from_samples(samples, images=samples[0].images,
+                                           num_image_tiles=samples[0].num_image_tiles, **row)
+
+
 def packing_task_encoder_for(spec, hf_dir, seq_length: int, packed_seq_length: int, video_fps: float | None = None,
                              video_frames: int | None = None, **kwargs):
-    """The packing task encoder of ``spec``'s architecture (anyres or plain LLaVA)."""
+    """The packing task encoder of ``spec``'s architecture (anyres, InternVL or plain LLaVA)."""
+    extra = {k: v for k, v in dict(video_fps=video_fps, video_frames=video_frames).items() if v is not None}
     if spec.is_anyres:
-        extra = {k: v for k, v in dict(video_fps=video_fps, video_frames=video_frames).items() if v is not None}
         return AnyresPackingTaskEncoder(hf_dir, seq_length, spec=spec, packed_seq_length=packed_seq_length,
                                         **extra, **kwargs)
+    if spec.is_internvl:
+        return InternVLPackingTaskEncoder(hf_dir, seq_length, spec=spec, packed_seq_length=packed_seq_length,
+                                          **extra, **kwargs)
     return PackingTaskEncoder(hf_dir, seq_length, spec=spec, packed_seq_length=packed_seq_length, **kwargs)

@@ -2,9 +2,11 @@
 
 Counts are per split (energon's ``.nv-meta/split.yaml``): samples, images, text tokens (the model's chat
 template, image tokens not counted), image tokens (images x tokens per image; for anyres models each image's
-own count from its size, read from its header), videos, their chosen frames and video tokens (OneVision: the
+own count from its size, read from its header; InternVL: its tiles from its size, times the tokens of a tile),
+videos, their chosen frames and video tokens (OneVision: the
 frame count and rate read from each video's container, the frames chosen by the task encoder's
-``video_fps``/``video_frames`` rule, ``frames * ceil(side/2)**2 + 1`` tokens), and how many samples
+``video_fps``/``video_frames`` rule, ``frames * ceil(side/2)**2 + 1`` tokens; InternVL: a tile's tokens per frame,
+the ``FrameN:`` lines counted as text), and how many samples
 exceed ``seq_length`` once images and videos are expanded (the task encoder truncates those). The tars are read
 directly (images and videos are not decoded), with the same conversation rules the task encoder uses.
 
@@ -146,6 +148,7 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
     seq_length = seq_length or task_encoder.seq_length
     k = task_encoder.tokens_per_image
     geo = getattr(getattr(task_encoder, "spec", None), "anyres", None)  # anyres: tokens depend on image size
+    ivl = hasattr(task_encoder, "image_tiles")  # InternVL: tiles depend on image size, frames are images
     result = {}
     bar = None
     if progress:
@@ -156,7 +159,7 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
         s = dict(samples=0, images=0, text_tokens=0, image_tokens=0, videos=0, video_frames=0, video_tokens=0,
                  tokens=0, max_tokens=0, over_seq_length=0, too_long_to_count=0)
         for shard in meta.shards:
-            for key, raw in _checked_samples(path / shard.name, max_text_bytes, image_sizes=geo is not None):
+            for key, raw in _checked_samples(path / shard.name, max_text_bytes, image_sizes=geo is not None or ivl):
                 if f"{shard.name}/{key}" in meta.sample_excludes:
                     continue
                 if OVERSIZED in raw:
@@ -168,16 +171,23 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
                     continue
                 messages, n_img = conversation_of_raw(raw)
                 names = raw_videos(raw)
-                if names and geo is None:  # plain LLaVA: no video token, nothing probed
+                if names and geo is None and not (ivl and task_encoder.chat.video):  # no video token, nothing probed
                     _video_tokens(task_encoder, None, f"{shard.name}/{key}")
                 videos = [raw[VIDEOS][n] for n in names]
+                if ivl:  # each video's frames are lines of the text, each frame an image of one tile
+                    task_encoder.chat.frames = [task_encoder.frame_count(info) for info in videos]
                 ids = task_encoder.chat(messages).ids
-                text = len(ids) - n_img - len(videos)
+                text = len(ids) - n_img - (sum(task_encoder.chat.frames) if ivl else len(videos))
                 image_tokens = n_img * k
                 frames = video_tokens = 0
                 for info in videos:
-                    f, t = _video_tokens(task_encoder, info, f"{shard.name}/{key}")
-                    frames, video_tokens = frames + f, video_tokens + t
+                    f, t = (task_encoder.frame_count(info), None) if ivl else \
+                        _video_tokens(task_encoder, info, f"{shard.name}/{key}")
+                    frames, video_tokens = frames + f, video_tokens + (f * k if ivl else t)
+                if ivl:
+                    sizes = raw[IMAGE_SIZES]
+                    names = image_parts(raw) or [n for n in ("jpg", "png") if n in sizes]
+                    image_tokens = sum(task_encoder.image_tiles(sizes[n][1], sizes[n][0]) * k for n in names[:n_img])
                 if geo is not None:
                     sizes = raw[IMAGE_SIZES]
                     names = image_parts(raw) or [n for n in ("jpg", "png") if n in sizes]

@@ -4,7 +4,8 @@ Per sample (:meth:`VLMTaskEncoder.encode_sample`):
 - conversation from a :class:`~megatron_vlm.data.sample.ConversationSample` or an energon ``VQASample``
   (crude samples are cooked by :func:`megatron_vlm.data.sample.cook`);
 - tokens from the model's chat template (:mod:`megatron_vlm.data.chat_tokens`), ONE image token per image
-  (LLaVAModel expands it into the image's embeddings);
+  (LLaVAModel expands it into the image's embeddings; InternVL's encoder, :mod:`megatron_vlm.data.internvl_encoder`,
+  writes ``<img>``/``</img>`` around it);
 - Megatron convention: the conversation x[0..n] gives tokens = x[:-1], labels = x[1:], loss_mask = 1
   where the label is assistant content (answer tokens and the eos closing the turn);
 - truncation to ``seq_length`` counted with images expanded; it removes text from the end and never
@@ -95,10 +96,10 @@ class VideoNotSupportedError(FatalSampleError):
 def refuse_videos(spec, key: str, has_video_token: bool = False) -> None:
     """Stop the run for a sample with a video unless the model is a OneVision with a video token (not a skip:
     every video sample would fail the same way)."""
-    if spec.arch == "llava_onevision" and has_video_token:
+    if spec.arch in ("llava_onevision", "internvl") and has_video_token:
         return
-    why = ("its tokenizer has no '<video>' token" if spec.arch == "llava_onevision" else
-           f"the model is {spec.arch}, and only llava_onevision models take videos")
+    why = ("its tokenizer has no '<video>' token" if spec.arch in ("llava_onevision", "internvl") else
+           f"the model is {spec.arch}, and only llava_onevision and internvl models take videos")
     raise VideoNotSupportedError(
         f"sample {key} has a video, but {why}; build the model with convert/build_llava.py --arch "
         "llava_onevision (it adds '<video>'), or leave the video samples out of --data-path")
@@ -117,6 +118,22 @@ def padded_text_length(text_lengths: list[int], image_extra: list[int], multiple
         return columns
     combined = columns + max(image_extra)
     return columns + (-combined) % multiple
+
+
+def kept_tokens(x: list[int], costs: dict[int, list[int]], seq_length: int) -> int:
+    """How many tokens of the conversation ``x`` a sample keeps (tokens ``x[:m]``, labels ``x[1:m + 1]``) within
+    ``seq_length`` positions, media expanded: ``costs[t]`` lists the positions of each media token ``t`` in the order
+    they come (an image's tiles' tokens, a video's); text is cut from the end, never inside an image or a video."""
+    m, used, seen = 0, 0, {t: 0 for t in costs}
+    for i in range(len(x) - 1):
+        t = x[i]
+        cost = costs[t][seen[t]] if t in costs else 1
+        if used + cost > seq_length:
+            break
+        used, m = used + cost, i + 1
+        if t in costs:
+            seen[t] += 1
+    return m
 
 
 class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
@@ -163,7 +180,7 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         self.image_token_id = int(image_token_id if image_token_id is not None else ids.image)
         self.pad_token_id = int(pad_token_id if pad_token_id is not None else ids.pad)
         template = getattr(self.processor, "chat_template", None) or self.tokenizer.chat_template
-        self.chat = ChatTokenizer(self.tokenizer, template)
+        self.chat = self._make_chat(template)
         #: pixel shape and image tokens per image, from the spec (never from optional processor fields)
         self.geometry = ImageGeometry.from_spec(self.spec)
         self.tokens_per_image = self.geometry.tokens_per_image
@@ -186,6 +203,10 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         from transformers import AutoProcessor
 
         return AutoProcessor.from_pretrained(self.hf_dir, backend="pil")
+
+    def _make_chat(self, template) -> ChatTokenizer:
+        """The conversation tokenizer (InternVL's renders media as its processor writes them)."""
+        return ChatTokenizer(self.tokenizer, template)
 
     def _check_image_processor(self) -> None:
         check_image_processor(self.image_processor, self.geometry, self.hf_dir)

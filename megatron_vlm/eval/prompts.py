@@ -9,7 +9,9 @@ takes pixels from the training task encoder itself (:mod:`megatron_vlm.data.task
 uses), anyres tiles and token counts from :mod:`megatron_vlm.anyres`, OneVision's multi-image rule, and video
 frames chosen by ``--video-fps``/``--video-frames``. Each image or video token is then repeated as many times
 as the model expands it, which is what HF's processors give its ``generate`` (``input_ids`` with the media
-tokens expanded, ``pixel_values`` [+ ``image_sizes``, ``batch_num_images``], ``pixel_values_videos``).
+tokens expanded, ``pixel_values`` [+ ``image_sizes``, ``batch_num_images``], ``pixel_values_videos``). InternVL
+prompts are rendered as its processor writes them (``<img><IMG_CONTEXT></img>``, ``FrameN:`` lines), every tile and
+frame in ``pixel_values``.
 
 :func:`collate` left-pads several prompts into one batch for ``generate``.
 """
@@ -68,6 +70,8 @@ class PromptEncoder:
 
     def encode(self, messages: list[dict], images: list = (), videos: list = ()) -> Prompt:
         images, videos = list(images), list(videos)
+        if self.spec.is_internvl:
+            return self._encode_internvl(messages, images, videos)
         ids = self.prompt_ids(messages)
         enc = self.enc
         if videos:
@@ -126,6 +130,35 @@ class PromptEncoder:
                 expanded.append(t)
         out.input_ids = expanded
         return out
+
+
+    def _encode_internvl(self, messages: list[dict], images: list, videos: list) -> Prompt:
+        """InternVL: the prompt rendered as its processor writes it (``<img><IMG_CONTEXT></img>``, ``FrameN:``
+        lines), each ``<IMG_CONTEXT>`` repeated by its tiles' tokens; ``pixel_values`` every tile and frame in token
+        order ``[sum tiles, 3, s, s]``, as HF's processor gives them."""
+        from megatron_vlm.data.chat_tokens import ChatTokenizer
+        from megatron_vlm.data.task_encoder import refuse_videos
+
+        enc = self.enc
+        if videos and enc.chat.video is None:
+            refuse_videos(self.spec, "the prompt", has_video_token=False)
+        plans = [enc.frame_indices(v) for v in videos]
+        enc.chat.frames = [len(p) for p in plans]
+        ids = self.prompt_ids(messages)
+        kinds = enc.chat.kinds(ChatTokenizer.render(enc.chat, messages, add_generation_prompt=True))
+        if kinds.count("image") != len(images) or kinds.count("video") != len(videos):
+            raise ValueError(f"the chat template rendered {kinds.count('image')} image and {kinds.count('video')} "
+                             f"video part(s) for {len(images)} image(s) and {len(videos)} video(s); check the chat "
+                             f"template of {enc.hf_dir}")
+        pixels, tiles = enc.tile_pixels(images)
+        parts, counts = enc.item_pixels(enc.media_items(kinds), pixels, tiles, videos, plans)
+        image_id, counts = enc.tokenizer_image_token_id, iter(counts)
+        expanded = []
+        for t in ids:
+            expanded += [self.spec.image_token_id] * (next(counts) * self.spec.num_image_tokens) if t == image_id \
+                else [t]
+        return Prompt(expanded, pixel_values=torch.cat(parts) if parts else None, num_images=len(images),
+                      num_videos=len(videos))
 
 
 def collate(prompts: list[Prompt], pad_token_id: int, arch: str = "llava") -> dict:

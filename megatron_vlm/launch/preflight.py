@@ -299,7 +299,8 @@ def _expected_shapes(spec: VLMSpec) -> dict[str, tuple[tuple[int, ...], str]]:
              "num_layers, hidden_size, num_attention_heads x kv_channels"),
         "vision_model.decoder.layers.self_attention.linear_proj.weight":
             ((spec.vit_num_layers, vh, vh), "vision layers up to vision_feature_layer, vision_hidden_size"),
-        "vision_projection.encoder.linear_fc1.weight": ((h, vh), "hidden_size, vision_hidden_size"),
+        "vision_projection.encoder.linear_fc1.weight":
+            ((h, spec.projector_input_size), "hidden_size, vision_hidden_size (x4 after InternVL's pixel shuffle)"),
     }
 
 

@@ -31,7 +31,7 @@ def logit_diffs(jobs: list[dict]) -> list[float] | None:
         if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
             ref = torch.load(job["ref_file"], mmap=True)
             mine = max_logit_diff(ref, logits[:, : ref.shape[1]], job["vocab"],
-                                  batch if batch.image_sizes is not None else None)
+                                  batch if batch.variable_length else None)
         del model, logits
         gathered: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, mine)

@@ -44,6 +44,8 @@ def hf_inputs(sample, spec: VLMSpec) -> dict:
     media = {spec.image_token_id, *([spec.video_token_id] if spec.video_token_id is not None else [])}
     anyres = hasattr(sample, "num_image_tokens")
     counts = sample.num_image_tokens.tolist() if anyres else [spec.num_image_tokens] * x.count(spec.image_token_id)
+    if hasattr(sample, "num_image_tiles") and not anyres:  # InternVL: a tile's tokens x the image's (frame's) tiles
+        counts = [spec.num_image_tokens * int(n) for n in sample.num_image_tiles]
     ids, start, k = [], [], 0  # start[i]: HF position of x[i]
     for t in x:
         start.append(len(ids))

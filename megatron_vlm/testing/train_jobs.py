@@ -62,7 +62,7 @@ def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BAS
     from megatron_vlm.data.synthetic import image_array
 
     enc = encoder_for(hf_dir, seq_length)
-    sizes = IMAGE_SIZES if enc.spec.is_anyres else IMAGE_SIZES[:1]
+    sizes = IMAGE_SIZES if enc.spec.is_anyres or enc.spec.is_internvl else IMAGE_SIZES[:1]
     meta = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
     clips = _clips() if videos else []
     out = []

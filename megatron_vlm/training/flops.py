@@ -90,7 +90,7 @@ class StepFlops:
     def projector(self, images: float) -> PartFlops:
         s = self.spec
         tokens = images * s.num_image_tokens
-        fc1 = 2 * tokens * s.vision_hidden_size * s.hidden_size
+        fc1 = 2 * tokens * s.projector_input_size * s.hidden_size
         return PartFlops(fc1 + 2 * tokens * s.hidden_size * s.hidden_size, 0.0, entry=fc1)
 
     def language(self, samples: float, tokens: float) -> PartFlops:

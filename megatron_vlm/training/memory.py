@@ -180,23 +180,27 @@ def stage_layers(spec, layout: Layout, stage: int) -> list[int]:
 def vision_params(spec, tp: int) -> int:
     """The ViT as megatron builds it (``vision_feature_layer`` layers) on one TP rank."""
     vh, vf = spec.vision_hidden_size, spec.vision_ffn_hidden_size
-    layer = 3 * vh * vh // tp + 3 * vh // tp + vh * vh // tp + vh  # QKV (+ bias), proj (+ bias)
+    qkv_bias = 3 * vh // tp if spec.vision_qkv_bias else 0
+    layer = 3 * vh * vh // tp + qkv_bias + vh * vh // tp + vh  # QKV (+ bias), proj (+ bias)
     layer += vh * vf // tp + vf // tp + vf * vh // tp + vh  # FC1 (+ bias), FC2 (+ bias)
-    layer += 4 * vh  # two LayerNorms (weight, bias)
+    layer += 2 * (2 if spec.vision_normalization == "LayerNorm" else 1) * vh  # two norms (weight, LayerNorm's bias)
+    if spec.vision_family == "internvit":
+        layer += 2 * vh + (2 * vh // tp if spec.vision_qk_layernorm else 0)  # layer scales; the 6B's q/k norms
     patches = (spec.image_size // spec.patch_size) ** 2
     clip = spec.vision_family == "clip"
     n = spec.vit_num_layers * layer
-    n += 3 * spec.patch_size ** 2 * vh + (0 if clip else vh)  # patch convolution (SigLIP's has a bias)
-    n += (patches + (1 if clip else 0)) * vh  # position embedding
-    if clip:
-        n += vh + 2 * vh  # class token, ln_pre
+    n += 3 * spec.patch_size ** 2 * vh + (0 if clip else vh)  # patch convolution (SigLIP's, InternViT's: a bias)
+    n += (patches + (1 if spec.has_class_token else 0)) * vh  # position embedding
+    if spec.has_class_token:
+        n += vh + (2 * vh if clip else 0)  # class token, CLIP's ln_pre
     return n  # (SigLIP's post_layernorm is not in megatron's ViT: LLaVA reads features before it)
 
 
 def projector_params(spec, tp: int) -> int:
-    vh, h = spec.vision_hidden_size, spec.hidden_size
+    vh, h = spec.projector_input_size, spec.hidden_size
     bias = spec.projector_bias
     n = vh * h // tp + (h // tp if bias else 0) + h * h // tp + (h if bias else 0)
+    n += 2 * vh if spec.is_internvl else 0  # InternVL's LayerNorm before linear_fc1
     return n + (h if spec.is_anyres else 0)  # image_newline
 
 
