@@ -446,6 +446,8 @@ TRAIN_JOBS = {
     "6b-tp2dp2": ("InternVL3_5-38B-HF", dict(tp=2, micro_batch_size=2), False),
     "6b-pp2dp2": ("InternVL3_5-38B-HF", dict(pp=2, micro_batch_size=2), False),
     "1b-video-tp2dp2": ("InternVL3_5-1B-HF", dict(tp=2, micro_batch_size=2), True),
+    # context parallelism (issue 49): each sequence, tiles and video frames expanded, split over two ranks
+    "1b-video-cp2dp2": ("InternVL3_5-1B-HF", dict(cp=2, micro_batch_size=2), True),
     "moe-ep2dp2": ("InternVL3_5-30B-A3B-HF", dict(ep=2, micro_batch_size=2), False),
 }
 

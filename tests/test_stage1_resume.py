@@ -69,7 +69,7 @@ VPP_STAGE2 = dict(stage=2, freeze_lm=False, freeze_vit=True, weight_decay=1.0)
 RTOL = 1e-5
 
 
-def _vpp_jobs(root, four: dict, grads: dict) -> list[dict]:
+def _vpp_jobs(root, four: dict) -> list[dict]:
     """PP2 x VPP2 jobs of the 4-layer model (its own checkpoint and batches) for the 2-process world: stage 1 saved
     and resumed; stage 2 against HF, saved after step 1 and resumed at PP2, and the other way; a legacy checkpoint
     with model0/model1 entries as the start."""
@@ -77,7 +77,7 @@ def _vpp_jobs(root, four: dict, grads: dict) -> list[dict]:
     s2 = dict(VPP_STAGE2, **model)
     return _jobs(root, VPP_CASES, VPP_STAGE1, **model) + [
         # evaluation: three micro batches asked, two taken at VPP (groups of PP), the same two at PP2
-        dict(name="vpp-s2", steps=2, save=str(root / "vpp-s2"), save_after=1, reference_grads=grads, evaluate=3,
+        dict(name="vpp-s2", steps=2, save=str(root / "vpp-s2"), save_after=1, grads=True, evaluate=3,
              **VPP, **s2),
         dict(name="pp2-s2", steps=2, save=str(root / "pp2-s2"), save_after=1, evaluate=2, pp=2, micro_batch_size=2,
              **s2),
@@ -113,7 +113,7 @@ def worlds(hf_models, four_layers, tmp_path_factory):
     meg = convert_hf_to_megatron(hf, root / "meg", tp=1)
     gbs = variable_length_batches(hf, 4)
     two = [dict(j, batches="two") for j in _jobs(root / "pp2", {**CASES, **FP16})]
-    two += _vpp_jobs(root / "vpp", four_layers, four_layers["hf_s2"]["grads"])
+    two += _vpp_jobs(root / "vpp", four_layers)
     pp2 = run_world(train_jobs, 2, two, meg, hf, {"two": gbs, "four": four_layers["recipe"]})[0]
     pp2dp2 = run_world(train_jobs, 4, _jobs(root / "pp2dp2", CASES), meg, hf, gbs)[0]
     return {"pp2": {r["name"]: r for r in pp2}, "pp2dp2": {r["name"]: r for r in pp2dp2}, "root": root}
@@ -154,13 +154,18 @@ def _rel(a, b):
 def test_virtual_pipeline_equals_hf_loss_and_every_gradient(worlds, four_layers):
     """PP2 x VPP2, stage 2, fp32: two AdamW steps give HF's losses and grad norms, and the first step's gradient of
     every trained tensor (each chunk's, under its own layer numbers, against HF's tensor) HF's, all to 1e-5."""
+    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.testing import grad_reference
+
     r, ref = worlds["pp2"]["vpp-s2"], four_layers["hf_s2"]
-    worst = max(r["grad_rel"], key=r["grad_rel"].get)
-    print(f"\nPP2 x VPP2 vs HF: losses {r['loss']} / {ref['loss']}, worst tensor {worst} {r['grad_rel'][worst]:.2e}")
+    mine = grad_reference.assemble(r["grads"], VLMSpec.from_hf_dir(four_layers["hf"]), **r["layout"])
+    rel = grad_reference.compare(mine, ref["grads"])
+    worst = max(rel, key=rel.get)
+    print(f"\nPP2 x VPP2 vs HF: losses {r['loss']} / {ref['loss']}, worst tensor {worst} {rel[worst]:.2e}")
     assert all(_rel(a, b) <= RTOL for a, b in zip(r["loss"] + r["grad_norm"], ref["loss"] + ref["grad_norm"]))
-    layers = {int(k.split(".")[3]) for k in r["grad_rel"] if k.startswith("language_model.decoder.layers.")}
-    assert layers == {0, 1, 2, 3} and any(k.startswith("vision_projection.") for k in r["grad_rel"])
-    assert r["grad_rel"][worst] <= RTOL
+    layers = {int(k.split(".layers.")[1].split(".")[0]) for k in rel if k.startswith("language_model.") and ".layers." in k}
+    assert layers == {0, 1, 2, 3} and any(k.startswith("multi_modal_projector.") for k in rel)
+    assert rel[worst] <= RTOL
 
 
 @pytest.mark.parametrize("job,straight", [("vpp-to-pp2", "vpp-s2"), ("pp2-to-vpp", "pp2-s2")])

@@ -272,9 +272,9 @@ class InternVLPackingTaskEncoder(_PackingHooks, InternVLTaskEncoder):
 
     item_fields = ("images", "num_image_tiles")
 
-    def __init__(self, *args, packed_seq_length: int, **kwargs):
+    def __init__(self, *args, packed_seq_length: int, sample_multiple: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._init_packing(packed_seq_length)
+        self._init_packing(packed_seq_length, sample_multiple)
 
     @stateless
     def pack_selected_samples(self, samples: list[InternVLSample]) -> InternVLPackedSample:

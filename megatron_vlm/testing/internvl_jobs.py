@@ -4,8 +4,8 @@
   train_jobs.variable_length_batches`: multi-tile images of four sizes), with a video sample (``Frame1: ...`` lines,
   one tile per frame) in each batch when asked;
 - :func:`hf_numbers`: HF's own model on the same batches: losses and gradient norms of AdamW steps
-  (:func:`megatron_vlm.testing.hf_reference.train`) and the first step's gradient of every tensor in HF's on-disk
-  names (:func:`megatron_vlm.testing.grad_reference.hf_gradients`);
+  and the first step's gradient of every tensor in HF's on-disk names
+  (:func:`megatron_vlm.testing.hf_reference.train`);
 - :func:`trainer_gradients`: a trained job's gradient shards assembled into HF tensors
   (:func:`megatron_vlm.testing.grad_reference.assemble`).
 
@@ -45,19 +45,16 @@ def global_batches(hf_dir, n: int, video: bool = False) -> list[list]:
 def hf_numbers(hf_dir, batches: list[list], cfg) -> dict:
     """HF on the trainer's batches: {"loss": [...], "grad_norm": [...]} of AdamW steps over ``batches`` and
     "grads": {HF on-disk name: the first batch's gradient}."""
-    from megatron_vlm.testing import grad_reference, hf_reference
+    from megatron_vlm.testing import hf_reference
 
-    out = hf_reference.train(hf_dir, batches, cfg)
-    out["grads"] = grad_reference.hf_gradients(hf_dir, batches[0], cfg)["grads"]
-    return out
+    return hf_reference.train(hf_dir, batches, cfg, grads=True)
 
 
 def trainer_gradients(run: dict, spec, job: dict) -> dict:
     """HF-named full gradients of a ``train_jobs`` run with ``grads=True`` at ``job``'s layout."""
     from megatron_vlm.testing import grad_reference
 
-    return grad_reference.assemble(run["grads"], spec, job.get("tp", 1), job.get("pp", 1), run["layers"],
-                                   job.get("ep", 1), job.get("etp"))
+    return grad_reference.assemble(run["grads"], spec, **run["layout"])
 
 
 def compare(trainer: dict, hf: dict) -> dict[str, float]:
