@@ -44,6 +44,58 @@ log = logging.getLogger(__name__)
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def _state_at_buffer_offsets() -> None:
+    """Make the distributed optimizer's 'fully_reshardable' state correct when a gradient buffer has several buckets
+    (installed once per process, on megatron-core's class).
+
+    megatron-core 0.16 and 0.19 build that state from :meth:`DistributedOptimizer.get_parameter_state_dp_zero`,
+    whose tensors hold each bucket's values with the bucket's end padding left out, one bucket after the other, and
+    read each parameter at its ``param_index_map`` offset, which counts that padding. With one bucket (no
+    ``--overlap-grad-reduce``) the two agree; with more, every parameter past the first bucket was saved with
+    another's values and its tail zero-padded ("param range exceeds unpadded buffer"), and a resume trained from
+    them (measured: the resumed loss 5.75 where the straight run's was 5.28). Fixed upstream by
+    NVIDIA/Megatron-LM#5077; until a lane has it, the save reads tensors laid out at the buffer's own offsets. The
+    load path reads the model-space tensors by each parameter's own range and needs nothing."""
+    import functools
+    import inspect
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as cls
+
+    original = getattr(cls, "sharded_param_state_fully_reshardable", None)
+    if original is None or getattr(original, "at_buffer_offsets", False):
+        return
+    if "param range exceeds" not in inspect.getsource(original):  # a megatron-core with the upstream fix
+        return
+
+    def relaid(self, state):
+        for gbuf_idx, buffer in enumerate(self.buffers):
+            buckets = buffer.buckets
+            size = buckets[-1].offset + buckets[-1].grad_data.numel()
+            for world in state[gbuf_idx].values():
+                for key, packed in list(world.items()):
+                    if not torch.is_tensor(packed) or packed.dim() != 1 or len(buckets) == 1:
+                        continue
+                    out, at = packed.new_zeros(size), 0
+                    for b in buckets:
+                        out[b.offset:b.offset + b.numel_unpadded] = packed[at:at + b.numel_unpadded]
+                        at += b.numel_unpadded
+                    world[key] = out
+        return state
+
+    @functools.wraps(original)
+    def fixed(self, *args, **kwargs):
+        gather = self.get_parameter_state_dp_zero
+        self.get_parameter_state_dp_zero = lambda *a, **k: (lambda s: None if s is None else relaid(self, s))(
+            gather(*a, **k))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del self.get_parameter_state_dp_zero
+
+    fixed.at_buffer_offsets = True
+    setattr(cls, "sharded_param_state_fully_reshardable", fixed)
+
+
 def _rank_objects(loader_state, rng_state, with_rng: bool = True, with_data: bool = True):
     """Per-rank objects as megatron ShardedObjects (RNG: one per rank; loader: one per data-parallel rank).
 
@@ -137,6 +189,7 @@ def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim
         # and DP peers, who share its parameters) does the same, so the collectives of a save still match.
         if trains_here(model):
             # 'fully_reshardable': the distributed optimizer's state resumes at any TP/PP/DP
+            _state_at_buffer_offsets()
             sd["optimizer"] = optimizer.sharded_state_dict(model_sd if len(chunks) > 1 else model_sd["model"],
                                                            is_loading=loading, metadata=OPTIM_METADATA)
         sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
