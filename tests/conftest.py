@@ -127,17 +127,18 @@ def pytest_collection_modifyitems(config, items):
     _heavy_modules_first(items)
 
 
-#: The longest modules, longest first: their CPU time in one process (3.11 lane, 2026-11-25: test_train ~390 s,
-#: test_demo ~220 s, test_real_models ~120 s, ... test_data_convert ~12 s; test_te, ~50 s, is the 3.12 lane's;
-#: 2026-11-27, wall on a busy machine: test_fault_drill ~230 s, test_stage1_resume ~110 s). A scheduling hint only: a
-#: module not listed comes after these, by its count of slow tests.
-LONGEST_MODULES = ("test_moe", "test_qwen3_train", "test_lm_families", "test_train", "test_train_reference",
-                   "test_bench_gpu", "test_demo", "test_real_models", "test_bad_inputs", "test_convert",
-                   "test_packing_equivalence", "test_stage1_resume", "test_train_parallel", "test_anyres_run",
-                   "test_packing_resume", "test_fault_drill", "test_remote_storage", "test_newcomer",
-                   "test_video_run", "test_te", "test_anyres_models", "test_megatron_lm_interop", "test_data_guard",
-                   "test_launch_run", "test_eval", "test_data_loader", "test_data_convert", "test_cross_version",
-                   "test_memory")
+#: The longest modules, longest first: each module's wall time in a whole-suite run, the larger of the two lanes'
+#: (`.suite-times/py3XX.json`, 2026-11-28: test_moe ~430 s, test_internvl ~320 s, test_lm_families ~320 s, ...,
+#: test_launch_dryrun ~7 s). A scheduling hint only: a module not listed comes after these, by its count of slow
+#: tests.
+LONGEST_MODULES = ("test_moe", "test_internvl", "test_lm_families", "test_bench_gpu", "test_train_reference",
+                   "test_qwen3_train", "test_real_models", "test_train", "test_demo", "test_stage1_resume",
+                   "test_train_parallel", "test_packing_resume", "test_convert", "test_convert_streaming",
+                   "test_fault_drill", "test_memory", "test_te", "test_anyres_run", "test_remote_storage",
+                   "test_packing_equivalence", "test_megatron_lm_interop", "test_anyres_models", "test_newcomer",
+                   "test_eval", "test_bad_inputs", "test_video_run", "test_data_loader", "test_video_data",
+                   "test_data_convert", "test_tokens", "test_verify", "test_launch_run", "test_data_guard",
+                   "test_dcp_index", "test_launch_dryrun")
 
 
 def _heavy_modules_first(items) -> None:
