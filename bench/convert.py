@@ -20,8 +20,9 @@ than the time itself.
 The printed table gives, per step, the peak at each size and, between the two sizes, the extra peak memory per
 extra model byte (target <= 0.10), the extra time per extra byte relative to ``cp``'s (target <= 1.5, aim 1.2) and
 the extra CPU time per extra byte relative to ``cp``'s: fixed costs (Python start-up, imports, the tiny tensors)
-cancel out. The load average is printed with every run and in the results; the time ratios are a measurement only
-on an idle machine (load below 1 for the whole run): ``python bench/convert.py --repeat 3``.
+cancel out. With every run it prints the cores other work kept busy meanwhile (the machine's busy CPU time from
+/proc/stat less the run's own; a load average counts the run's processes too); the time ratios are a measurement
+only where that stays under a quarter of a core in every run: ``python bench/convert.py --repeat 3``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+#: a run counts as a measurement of time only while other work kept fewer cores than this busy
+IDLE_CORES = 0.25
 
 
 def make_model(out: Path, layers: int, hidden: int, vision_layers: int) -> int:
@@ -102,18 +106,26 @@ def tree_anon(root: int) -> int:
     return total
 
 
+def _busy_cpu() -> float:
+    """CPU seconds the whole machine has been busy (every process: user, nice, system, irq, softirq, steal)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")
+
+
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
 
-def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int, float]:
-    """(seconds until ``output`` is on disk, peak Pss_Anon of the process tree, CPU seconds of the tree) of
-    ``cmd``."""
+def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int, float, float]:
+    """(seconds until ``output`` is on disk, peak Pss_Anon of the process tree, CPU seconds of the tree, cores that
+    other work kept busy meanwhile) of ``cmd``. The last is the machine's busy CPU time over the run less the tree's
+    (and this script's sampler), per second: what a load average cannot tell, since it counts the tree itself."""
     from megatron_vlm.atomic import fsync_tree
 
     os.sync()
-    cpu = _children_cpu()
+    cpu, busy = _children_cpu(), _busy_cpu()
     t = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak = [0]
@@ -134,7 +146,8 @@ def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int,
     if proc.returncode:
         sys.stderr.write(out[-4000:])
         raise SystemExit(f"failed: {' '.join(cmd)}")
-    return secs, peak[0], _children_cpu() - cpu
+    tree = _children_cpu() - cpu
+    return secs, peak[0], tree, max(0.0, _busy_cpu() - busy - tree) / secs
 
 
 def main(argv=None):
@@ -195,13 +208,13 @@ def main(argv=None):
             for _ in range(a.repeat):
                 for size in ("small", "large"):
                     shutil.rmtree(work / size / out, ignore_errors=True)  # each run writes a fresh output
-                    secs, peak, cpu = measured(cmd(work / size), a.interval, work / size / out)
+                    secs, peak, cpu, others = measured(cmd(work / size), a.interval, work / size / out)
                     best = rows.setdefault(name, {}).get(size, (float("inf"), 0, float("inf")))
                     rows[name][size] = (min(secs, best[0]), max(peak, best[1]), min(cpu, best[2]))
                     runs.append({"step": name, "size": size, "seconds": secs, "cpu_seconds": cpu, "peak": peak,
-                                 "load": os.getloadavg()[0]})
+                                 "load": os.getloadavg()[0], "other_cores": others})
                     print(f"  {name:36s} {size:5s} {secs:7.1f} s  cpu {cpu:6.1f} s  peak {peak / 1e9:6.3f} GB  "
-                          f"(load {os.getloadavg()[0]:.1f})", flush=True)
+                          f"(other work: {others:.2f} cores; load {os.getloadavg()[0]:.1f})", flush=True)
             if name.startswith("cp"):  # the copy's output is not needed again
                 for size in ("small", "large"):
                     shutil.rmtree(work / size / out, ignore_errors=True)
@@ -214,13 +227,16 @@ def main(argv=None):
     cp_marginal = (cp["large"][0] - cp["small"][0]) / extra
     cp_cpu = (cp["large"][2] - cp["small"][2]) / extra
     busiest = max(r["load"] for r in runs)
+    others = max(r["other_cores"] for r in runs)
     print(f"\nmodels: {sizes['small'] / 1e9:.2f} GB and {sizes['large'] / 1e9:.2f} GB (+{extra / 1e9:.2f} GB); cp: "
           f"{cp_marginal * 1e9:.2f} s and {cp_cpu * 1e9:.2f} CPU-s per extra GB; load average {load[0][0]:.1f} at "
-          f"the start, {load[-1][0]:.1f} at the end, at most {busiest:.1f} after a run (1 min)"
-          + ("" if busiest < 1.0 else ": NOT an idle machine, the time ratios are no measurement"))
+          f"the start, {load[-1][0]:.1f} at the end, at most {busiest:.1f} after a run (1 min, the runs' own "
+          f"processes included); other work kept at most {others:.2f} cores busy during a run"
+          + ("" if others < IDLE_CORES else ": NOT an idle machine, the time ratios are no measurement"))
     print(f"{'step':36s} {'peak small':>11s} {'peak large':>11s} {'x model (large)':>16s} "
           f"{'extra mem / extra byte':>23s} {'extra time / extra byte, x cp':>30s} {'extra CPU, x cp':>16s}")
-    results = {"model_bytes": sizes, "load_average": load, "max_load_after_a_run": busiest, "runs": runs, "rows": {}}
+    results = {"model_bytes": sizes, "load_average": load, "max_load_after_a_run": busiest,
+               "max_other_cores": others, "runs": runs, "rows": {}}
     for name, r in rows.items():
         (ts, ps, cs), (tl, pl, cl) = r["small"], r["large"]
         mem = (pl - ps) / extra
