@@ -28,7 +28,6 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.task_encoder.base import stateless
 
 from megatron_vlm.data import videos as vid
-from megatron_vlm.data.sample import conversation_of, videos_of
 from megatron_vlm.data.task_encoder import VideoNotSupportedError  # noqa: F401 - re-exported (its old home)
 from megatron_vlm.data.task_encoder import (VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, kept_tokens,
                                             refuse_videos)
@@ -68,6 +67,8 @@ class AnyresTaskEncoder(VLMTaskEncoder):
     """Energon task encoder for LLaVA-NeXT / OneVision training; see the module docstring.
 
     ``video_fps`` / ``video_frames``: LLaVA-NeXT's frame choice (``--video-fps``, ``--video-frames``)."""
+
+    sample_type = AnyresSample
 
     def __init__(self, *args, video_fps: float = vid.DEFAULT_VIDEO_FPS,
                  video_frames: int = vid.DEFAULT_VIDEO_FRAMES, **kwargs):
@@ -210,14 +211,6 @@ class AnyresTaskEncoder(VLMTaskEncoder):
                     loss_mask=loss_mask, num_tokens=m - len(items) + int(inputs["num_image_tokens"].sum()),
                     **inputs)
 
-    @stateless
-    def encode_sample(self, sample) -> AnyresSample:
-        try:
-            messages, images = conversation_of(sample)
-        except ValueError as e:
-            self.skips.skip(sample.__key__, "conversation", str(e))
-        return AnyresSample.derive_from(sample, **self.encode_conversation(messages, images, sample.__key__,
-                                                                           videos_of(sample)))
 
     @stateless
     def batch(self, samples: list[AnyresSample]) -> AnyresBatch:

@@ -32,7 +32,6 @@ from megatron.energon.task_encoder.base import stateless
 
 from megatron_vlm.data import videos as vid
 from megatron_vlm.data.chat_tokens import ChatTokenizer
-from megatron_vlm.data.sample import conversation_of, videos_of
 from megatron_vlm.data.task_encoder import (VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, kept_tokens,
                                             refuse_videos)
 
@@ -93,6 +92,8 @@ class InternVLChat(ChatTokenizer):
 
 class InternVLTaskEncoder(VLMTaskEncoder):
     """Energon task encoder for InternVL training; see the module docstring."""
+
+    sample_type = InternVLSample
 
     def __init__(self, *args, video_fps: float = vid.DEFAULT_VIDEO_FPS,
                  video_frames: int = vid.DEFAULT_VIDEO_FRAMES, **kwargs):
@@ -229,14 +230,6 @@ class InternVLTaskEncoder(VLMTaskEncoder):
                     labels=torch.tensor(ids[1:m + 1], dtype=torch.int64), loss_mask=loss_mask,
                     num_tokens=m - n + sum(costs[:n]))
 
-    @stateless
-    def encode_sample(self, sample) -> InternVLSample:
-        try:
-            messages, images = conversation_of(sample)
-        except ValueError as e:
-            self.skips.skip(sample.__key__, "conversation", str(e))
-        return InternVLSample.derive_from(sample, **self.encode_conversation(messages, images, sample.__key__,
-                                                                             videos_of(sample)))
 
     # -- per batch ----------------------------------------------------------------------------------
     @stateless

@@ -155,12 +155,16 @@ def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, context_paralle
 
 
 class _PackingHooks:
-    """energon's packing hooks over a task encoder's encoded samples (mixed into the plain and anyres encoders)."""
+    """energon's packing hooks over a task encoder's encoded samples (mixed in before the plain, anyres and InternVL
+    encoders, whose ``__init__`` it extends)."""
 
     #: per-sample tensors concatenated into a pack besides tokens, labels and loss mask
     item_fields: tuple = ("images",)
 
-    def _init_packing(self, packed_seq_length: int, sample_multiple: int | None = None) -> None:
+    def __init__(self, *args, packed_seq_length: int, sample_multiple: int | None = None, **kwargs):
+        """The task encoder's arguments, and ``packed_seq_length`` (each pack's positions) and ``sample_multiple``
+        (each sample's positions in a pack are a multiple of it: context parallelism's 2 x CP)."""
+        super().__init__(*args, **kwargs)
         self.packed_seq_length = int(packed_seq_length)
         self.sample_multiple = int(sample_multiple or 1)
         if self.packed_seq_length < self.seq_length:
@@ -228,10 +232,6 @@ class _PackingHooks:
 class PackingTaskEncoder(_PackingHooks, VLMTaskEncoder):
     """:class:`VLMTaskEncoder` with energon's packing hooks; use with ``packing_buffer_size`` in the loader."""
 
-    def __init__(self, *args, packed_seq_length: int, sample_multiple: int | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._init_packing(packed_seq_length, sample_multiple)
-
     @stateless
     def pack_selected_samples(self, samples: list[VLMSample]) -> VLMPackedSample:
         return VLMPackedSample.derive_from(samples[0], **self._packed_fields(samples))
@@ -250,10 +250,6 @@ class AnyresPackingTaskEncoder(_PackingHooks, AnyresTaskEncoder):
 
     item_fields = ("images", "image_sizes", "num_image_tiles", "num_image_tokens")
 
-    def __init__(self, *args, packed_seq_length: int, sample_multiple: int | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._init_packing(packed_seq_length, sample_multiple)
-
     @stateless
     def pack_selected_samples(self, samples: list[AnyresSample]) -> AnyresPackedSample:
         return AnyresPackedSample.derive_from(samples[0], **self._packed_fields(samples))
@@ -271,10 +267,6 @@ class InternVLPackingTaskEncoder(_PackingHooks, InternVLTaskEncoder):
     image's tiles (and each video's frames) and their counts in token order."""
 
     item_fields = ("images", "num_image_tiles")
-
-    def __init__(self, *args, packed_seq_length: int, sample_multiple: int | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._init_packing(packed_seq_length, sample_multiple)
 
     @stateless
     def pack_selected_samples(self, samples: list[InternVLSample]) -> InternVLPackedSample:

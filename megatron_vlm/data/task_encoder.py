@@ -141,6 +141,8 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
 
     decoder = SampleDecoder(image_decode="pilrgb")
     cookers = [Cooker(cook)]
+    #: what :meth:`encode_sample` makes of a record
+    sample_type = VLMSample
 
     def __init__(self, hf_dir, seq_length: int, image_token_id: int | None = None, pad_token_id: int | None = None,
                  *, spec=None, max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
@@ -224,8 +226,11 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         out = self.image_processor(images=[_as_pil(im) for im in images], return_tensors="pt")["pixel_values"]
         return out.to(torch.float32)
 
-    def encode_conversation(self, messages: list[dict], images: list, key: str = "?") -> dict:
-        """Tokens / labels / loss mask / pixel values for one conversation (see the module docstring)."""
+    def encode_conversation(self, messages: list[dict], images: list, key: str = "?", videos=()) -> dict:
+        """Tokens / labels / loss mask / pixel values for one conversation (see the module docstring); a model
+        without video input refuses ``videos``."""
+        if videos:
+            refuse_videos(self.spec, key)
         conv = self.chat(messages)
         x, assistant = conv.ids, conv.assistant
         if self.image_token_id != self.tokenizer_image_token_id:
@@ -264,13 +269,14 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
 
     @stateless
     def encode_sample(self, sample: Sample) -> VLMSample:
+        """One record's conversation, images and videos as :attr:`sample_type` (each encoder's
+        :meth:`encode_conversation` says what it takes)."""
         try:
             messages, images = conversation_of(sample)
         except ValueError as e:
             self.skips.skip(sample.__key__, "conversation", str(e))
-        if videos_of(sample):
-            refuse_videos(self.spec, sample.__key__)
-        return VLMSample.derive_from(sample, **self.encode_conversation(messages, images, sample.__key__))
+        return self.sample_type.derive_from(sample, **self.encode_conversation(messages, images, sample.__key__,
+                                                                               videos_of(sample)))
 
     # -- per batch --------------------------------------------------------------------------------
     def padded_text(self, samples: list) -> dict:
