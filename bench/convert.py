@@ -20,7 +20,11 @@ than the time itself.
 The printed table gives, per step, the peak at each size and, between the two sizes, the extra peak memory per
 extra model byte (target <= 0.10), the extra time per extra byte relative to ``cp``'s (target <= 1.5, aim 1.2) and
 the extra CPU time per extra byte relative to ``cp``'s: fixed costs (Python start-up, imports, the tiny tensors)
-cancel out. With every run it prints the cores other work kept busy meanwhile (the machine's busy CPU time from
+cancel out. The page cache is set the same way before every run of every step (``--cache``): ``warm`` (the
+default) reads the step's input files once, so every step copies from memory; ``cold`` drops the kernel's page
+cache (root: /proc/sys/vm/drop_caches), so every step reads its input from the disk. Left to itself, what the cache
+holds depends on which step ran before (the bench's files, ~17 GB, about fill a 24 GB machine's cache), and a
+time ratio against ``cp`` then measures that. With every run it prints the cores other work kept busy meanwhile (the machine's busy CPU time from
 /proc/stat less the run's own; a load average counts the run's processes too); the time ratios are a measurement
 only where that stays under half a core in every run: ``python bench/convert.py --repeat 3``.
 """
@@ -81,6 +85,25 @@ def make_model(out: Path, layers: int, hidden: int, vision_layers: int) -> int:
         writer.write(name, (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16))
     writer.close()
     return writer.total
+
+
+def set_cache(how: str, inputs: Path) -> None:
+    """Put the page cache in the state ``how`` names before a run: ``warm`` reads every file under ``inputs``
+    (16 MiB at a time into one buffer), ``cold`` syncs and drops the kernel's clean page cache."""
+    if how == "cold":
+        os.sync()
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        except OSError as e:
+            raise SystemExit(f"--cache cold drops the page cache through /proc/sys/vm/drop_caches, which this user "
+                             f"cannot write ({e.strerror}): run as root, or use --cache warm") from None
+        return
+    buf = bytearray(16 << 20)
+    for f in sorted(p for p in inputs.rglob("*") if p.is_file()):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
 
 
 def _children(pid: int) -> list[int]:
@@ -162,6 +185,9 @@ def main(argv=None):
     p.add_argument("--interval", type=float, default=0.05, help="seconds between memory samples")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of each step at each size; the fastest counts (a shared machine's load comes in spikes)")
+    p.add_argument("--cache", choices=("warm", "cold"), default="warm",
+                   help="the page cache before every run: warm (the step's inputs read once: copies from memory) or "
+                        "cold (dropped, root only: every step reads its input from the disk)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--reuse-models", action="store_true",
                    help="use the models an earlier run left in --work with --keep (building them takes minutes)")
@@ -190,25 +216,26 @@ def main(argv=None):
             sizes[size] = make_model(work / size / "hf", layers, a.hidden, a.vision_layers)
             print(f"{size} model: {sizes[size] / 1e9:.2f} GB of bf16 weights ({layers} LM layers), built in "
                   f"{time.time() - t:.0f} s", flush=True)
-        steps = [  # (name, output, command)
-            ("cp -r (reference)", "hf_copy", lambda d: ["cp", "-r", str(d / "hf"), str(d / "hf_copy")]),
-            ("HF->Megatron torch_dist tp2 pp2", "meg_dist", lambda d: [
+        steps = [  # (name, input, output, command)
+            ("cp -r (reference)", "hf", "hf_copy", lambda d: ["cp", "-r", str(d / "hf"), str(d / "hf_copy")]),
+            ("HF->Megatron torch_dist tp2 pp2", "hf", "meg_dist", lambda d: [
                 py, "convert/hf_to_megatron.py", "--hf-dir", str(d / "hf"), "--megatron-dir", str(d / "meg_dist"),
                 "--tp", "2", "--pp", "2"]),
-            ("HF->Megatron legacy torch tp2 pp2", "meg_legacy", lambda d: [
+            ("HF->Megatron legacy torch tp2 pp2", "hf", "meg_legacy", lambda d: [
                 py, "convert/hf_to_megatron.py", "--hf-dir", str(d / "hf"), "--megatron-dir", str(d / "meg_legacy"),
                 "--tp", "2", "--pp", "2", "--ckpt-format", "torch"]),
-            ("Megatron->HF from torch_dist", "hf_dist", lambda d: [
+            ("Megatron->HF from torch_dist", "meg_dist", "hf_dist", lambda d: [
                 py, "convert/megatron_to_hf.py", "--megatron-dir", str(d / "meg_dist"), "--hf-dir",
                 str(d / "hf_dist")]),
-            ("Megatron->HF from legacy torch", "hf_legacy", lambda d: [
+            ("Megatron->HF from legacy torch", "meg_legacy", "hf_legacy", lambda d: [
                 py, "convert/megatron_to_hf.py", "--megatron-dir", str(d / "meg_legacy"), "--hf-dir",
                 str(d / "hf_legacy")]),
         ]
-        for name, out, cmd in steps:
+        for name, inp, out, cmd in steps:
             for _ in range(a.repeat):
                 for size in ("small", "large"):
                     shutil.rmtree(work / size / out, ignore_errors=True)  # each run writes a fresh output
+                    set_cache(a.cache, work / size / inp)
                     secs, peak, cpu, others = measured(cmd(work / size), a.interval, work / size / out)
                     best = rows.setdefault(name, {}).get(size, (float("inf"), 0, float("inf")))
                     rows[name][size] = (min(secs, best[0]), max(peak, best[1]), min(cpu, best[2]))
@@ -230,13 +257,14 @@ def main(argv=None):
     busiest = max(r["load"] for r in runs)
     others = max(r["other_cores"] for r in runs)
     print(f"\nmodels: {sizes['small'] / 1e9:.2f} GB and {sizes['large'] / 1e9:.2f} GB (+{extra / 1e9:.2f} GB); cp: "
-          f"{cp_marginal * 1e9:.2f} s and {cp_cpu * 1e9:.2f} CPU-s per extra GB; load average {load[0][0]:.1f} at "
+          f"{cp_marginal * 1e9:.2f} s and {cp_cpu * 1e9:.2f} CPU-s per extra GB, page cache {a.cache} before "
+          f"every run; load average {load[0][0]:.1f} at "
           f"the start, {load[-1][0]:.1f} at the end, at most {busiest:.1f} after a run (1 min, the runs' own "
           f"processes included); other work kept at most {others:.2f} cores busy during a run"
           + ("" if others < IDLE_CORES else ": NOT an idle machine, the time ratios are no measurement"))
     print(f"{'step':36s} {'peak small':>11s} {'peak large':>11s} {'x model (large)':>16s} "
           f"{'extra mem / extra byte':>23s} {'extra time / extra byte, x cp':>30s} {'extra CPU, x cp':>16s}")
-    results = {"model_bytes": sizes, "load_average": load, "max_load_after_a_run": busiest,
+    results = {"model_bytes": sizes, "cache": a.cache, "load_average": load, "max_load_after_a_run": busiest,
                "max_other_cores": others, "runs": runs, "rows": {}}
     for name, r in rows.items():
         (ts, ps, cs), (tl, pl, cl) = r["small"], r["large"]
