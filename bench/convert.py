@@ -24,9 +24,10 @@ cancel out. The page cache is set the same way before every run of every step (`
 default) reads the step's input files once, so every step copies from memory; ``cold`` drops the kernel's page
 cache (root: /proc/sys/vm/drop_caches), so every step reads its input from the disk. Left to itself, what the cache
 holds depends on which step ran before (the bench's files, ~17 GB, about fill a 24 GB machine's cache), and a
-time ratio against ``cp`` then measures that. With every run it prints the cores other work kept busy meanwhile (the machine's busy CPU time from
-/proc/stat less the run's own; a load average counts the run's processes too); the time ratios are a measurement
-only where that stays under half a core in every run: ``python bench/convert.py --repeat 3``.
+time ratio against ``cp`` then measures that. With every run it prints the cores other work kept busy meanwhile
+(the machine's busy CPU time from /proc/stat less the run's own; a load average counts the run's processes too);
+the time ratios are a measurement only where that stays under half a core in every run:
+``python bench/convert.py --repeat 3`` (add ``--cache cold`` as root).
 """
 
 from __future__ import annotations

@@ -211,7 +211,6 @@ class AnyresTaskEncoder(VLMTaskEncoder):
                     loss_mask=loss_mask, num_tokens=m - len(items) + int(inputs["num_image_tokens"].sum()),
                     **inputs)
 
-
     @stateless
     def batch(self, samples: list[AnyresSample]) -> AnyresBatch:
         return AnyresBatch.from_samples(

@@ -230,7 +230,6 @@ class InternVLTaskEncoder(VLMTaskEncoder):
                     labels=torch.tensor(ids[1:m + 1], dtype=torch.int64), loss_mask=loss_mask,
                     num_tokens=m - n + sum(costs[:n]))
 
-
     # -- per batch ----------------------------------------------------------------------------------
     @stateless
     def batch(self, samples: list[InternVLSample]) -> VLMBatch:
