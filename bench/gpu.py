@@ -785,7 +785,8 @@ def report(results: Path, steps: Path | None = None) -> int:
             st = json.loads(line)
             timed_out = st["rc"] in (124, 137)
             print(f"{st['step']:10s} {st['rc']:4d} {st['seconds']:8d} {st['limit']:6d}"
-                  + ("  TIMED OUT" if timed_out else "  failed" if st["rc"] else ""))
+                  + ("  TIMED OUT" if timed_out else "  skipped: no time left" if st["rc"] == 125
+                     else "  skipped: set-up failed" if st["rc"] == 126 else "  failed" if st["rc"] else ""))
             if st["rc"]:
                 bad_steps.append(st["step"])
     failed = [r for r in data["rows"] if r.get("ok") is False]

@@ -100,11 +100,19 @@ reap() {
 }
 
 # step NAME LIMIT CMD...: run CMD under min(LIMIT, time left) seconds, append its output to the log (and stdout)
-# and one line to steps.jsonl. A step with under 15 s left is skipped (rc 125).
+# and one line to steps.jsonl. A step with under 15 s left is skipped (rc 125), and after a failed set-up every
+# step but pytest (rc 126).
 step() {
   local name=$1 limit=$2; shift 2
   local now left t0 rc
   limit=$((limit * SCALE))
+  if [ "${SETUP_RC:-0}" != 0 ] && [ "$name" != pytest ]; then
+    # every measuring step starts from set-up's model, data and checkpoint: without them each would rebuild (and
+    # fail on the half-made inputs), spending the budget on the same error
+    echo "== $name: skipped, set-up failed (rc $SETUP_RC)" | tee -a "$LOG"
+    printf '{"step": "%s", "rc": 126, "seconds": 0, "limit": %d}\n' "$name" "$limit" >> "$STEPS"
+    return 126
+  fi
   now=$(date +%s); left=$((DEADLINE - now))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 15 ]; then
@@ -158,6 +166,7 @@ else
   step install 90 bash -c "$(declare -f install_kit); install_kit" && export PYTHONPATH="$SITE:$PYTHONPATH"
 fi
 step setup 240 $GPU --setup-only "${SIZE[@]}"
+SETUP_RC=$?
 if [ "$TE" = 1 ]; then
   step logits 150 $GPU --only logits --impls transformer_engine,local "${SIZE[@]}"
   step train 300 $GPU --only train --impls local,transformer_engine --recipes delayed,tensorwise --loss-tolerance 0.01 \

@@ -262,6 +262,23 @@ def test_negative_control_wrong_layout_fails_verification(broken, hf_models, tmp
         verify_checkpoint(hf_models["llama_clip"], meg, tp=1, pp=1)
 
 
+def test_meta_model_holds_no_storage_where_cuda_is(hf_models, monkeypatch):
+    """Where CUDA is, megatron-core's layers name ``torch.cuda.current_device()`` (``use_cpu_initialization`` is off)
+    and its CLIP ViT calls ``.cuda()`` on a buffer: the converters' meta build must still make no tensor with data
+    (the first H200 run, 2026-11-28, failed there: "Cannot copy out of meta tensor")."""
+    from megatron_vlm.convert import mcore_io
+    from megatron_vlm.runtime.session import single_process_world
+
+    spec = VLMSpec.from_hf_dir(hf_models["llama_clip"])
+    with single_process_world("cpu"):
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_available", lambda: True)
+            model = mcore_io.meta_model(spec, torch.float32)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert tensors
+    assert not [n for n, t in tensors.items() if not t.is_meta], "tensors with storage in the meta build"
+
+
 def test_spec_json_round_trip(hf_models, converted):
     spec = VLMSpec.from_hf_dir(hf_models["llama_clip"])
     saved = VLMSpec.load(converted[("llama_clip", "torch_dist")])

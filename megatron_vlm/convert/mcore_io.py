@@ -45,13 +45,30 @@ log = logging.getLogger(__name__)
 
 
 # ---- megatron-core's view of the model ------------------------------------------------------------------------
+class _MetaOnly(torch.overrides.TorchFunctionMode):
+    """Keeps a model build on the meta device on a machine with CUDA too: megatron-core's layers name their device
+    (``torch.cuda.current_device()`` unless ``use_cpu_initialization``, which is off where CUDA is) and its CLIP ViT
+    moves a buffer with ``.cuda()``, which a meta tensor refuses ("Cannot copy out of meta tensor"). Every device
+    a factory function or ``Tensor.to`` names becomes ``meta``, and ``.cuda()`` of a meta tensor is the tensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda and args and args[0].is_meta:
+            return args[0]
+        if "device" in kwargs and kwargs["device"] is not None:
+            kwargs["device"] = "meta"
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, int, torch.device)):
+            args = (args[0], "meta", *args[2:])
+        return func(*args, **kwargs)
+
+
 def meta_model(spec, dtype: torch.dtype):
     """The TP=1/PP=1 LLaVAModel on the meta device (a one-process world must be up): shapes and megatron-core's
     checkpoint keys, no weights. Every parameter gets ``dtype`` (megatron-core makes local norms and the ViT's
     conv1 fp32 whatever ``params_dtype`` says; a converted checkpoint keeps one dtype)."""
     from megatron_vlm.model import ModelOptions, build_model
 
-    with torch.device("meta"):
+    with torch.device("meta"), _MetaOnly():
         model = build_model(spec, ModelOptions(params_dtype=dtype, perform_initialization=False, seq_length=64))
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
