@@ -8,10 +8,12 @@ safetensors, like hub models, then runs on each, in one go:
   cp -r of the HF files (the reference) | HF->Megatron TP=2 PP=2 torch_dist | the same, legacy torch |
   Megatron->HF from the torch_dist checkpoint | Megatron->HF from the legacy one
 
-Each step runs as its own process tree, --repeat times at each size (the fastest run counts; the peak is the
-highest of them). Its peak memory is the sum over the tree of each process's anonymous
+Each step runs as its own process tree at each size once for its memory, then --repeat times for its time (the
+fastest run counts). Its peak memory is the sum over the tree of each process's anonymous
 memory with shared pages counted in proportion (``Pss_Anon`` of /proc/PID/smaps_rollup), sampled every
---interval seconds: not ``ru_maxrss`` of one child, and not the memory-mapped input files or the page cache. Its
+--interval seconds: not ``ru_maxrss`` of one child, and not the memory-mapped input files or the page cache. The
+sampling run is not timed (reading smaps_rollup walks the process's page tables: 3.4-5.9 s of a core during one
+export of the large model, on a 2-core machine). Its
 time runs until its output is on disk: the machine is synced before the step, and its output files are flushed
 (fsync) before the clock stops (the converters flush their own; a copy is not done while its pages are dirty).
 Its CPU time is the user + system time of the tree (``RUSAGE_CHILDREN``), which a busy machine inflates far less
@@ -21,7 +23,8 @@ The printed table gives, per step, the peak at each size and, between the two si
 extra model byte (target <= 0.10), the extra time per extra byte relative to ``cp``'s (target <= 1.5, aim 1.2) and
 the extra CPU time per extra byte relative to ``cp``'s: fixed costs (Python start-up, imports, the tiny tensors)
 cancel out. The page cache is set the same way before every run of every step (``--cache``): ``warm`` (the
-default) reads the step's input files once, so every step copies from memory; ``cold`` drops the kernel's page
+default) evicts the bench's other files from the cache and reads the step's input files once, so every step
+copies from memory and finds free memory for its output; ``cold`` drops the kernel's page
 cache (root: /proc/sys/vm/drop_caches), so every step reads its input from the disk. Left to itself, what the cache
 holds depends on which step ran before (the bench's files, ~17 GB, about fill a 24 GB machine's cache), and a
 time ratio against ``cp`` then measures that. With every run it prints the cores other work kept busy meanwhile
@@ -88,9 +91,27 @@ def make_model(out: Path, layers: int, hidden: int, vision_layers: int) -> int:
     return writer.total
 
 
-def set_cache(how: str, inputs: Path) -> None:
-    """Put the page cache in the state ``how`` names before a run: ``warm`` reads every file under ``inputs``
-    (16 MiB at a time into one buffer), ``cold`` syncs and drops the kernel's clean page cache."""
+def _evict(paths) -> None:
+    """Drop the clean page-cache pages of ``paths`` (``POSIX_FADV_DONTNEED``: any user, only these files)."""
+    os.sync()  # dirty pages are not dropped
+    for f in paths:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def set_cache(how: str, inputs: Path, work: Path) -> None:
+    """Put the page cache in the state ``how`` names before a run: ``cold`` syncs and drops the kernel's clean page
+    cache; ``warm`` evicts the bench's other files under ``work`` from the cache, then reads every file under
+    ``inputs`` (16 MiB at a time into one buffer). The eviction matters: with the bench's ~17 GB of files filling a
+    24 GB machine's cache, a run's output pages otherwise come from reclaiming the cache, in the run's own time and
+    as much as the free memory left by the runs before says (the same export of the large model measured 2.9 to
+    7.9 s of system time, the whole bench's torch_dist export 1.0x to 6.6x `cp`)."""
     if how == "cold":
         os.sync()
         try:
@@ -100,6 +121,7 @@ def set_cache(how: str, inputs: Path) -> None:
             raise SystemExit(f"--cache cold drops the page cache through /proc/sys/vm/drop_caches, which this user "
                              f"cannot write ({e.strerror}): run as root, or use --cache warm") from None
         return
+    _evict(p for p in work.rglob("*") if p.is_file() and inputs not in p.parents)
     buf = bytearray(16 << 20)
     for f in sorted(p for p in inputs.rglob("*") if p.is_file()):
         with open(f, "rb", buffering=0) as fh:
@@ -162,10 +184,12 @@ def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int,
             done.wait(interval)
 
     sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    if interval:
+        sampler.start()
     out = proc.communicate()[0]
     done.set()
-    sampler.join()
+    if interval:
+        sampler.join()
     fsync_tree(output)  # (the converters flushed their own files already: a metadata check each)
     secs = time.time() - t
     if proc.returncode:
@@ -187,7 +211,8 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of each step at each size; the fastest counts (a shared machine's load comes in spikes)")
     p.add_argument("--cache", choices=("warm", "cold"), default="warm",
-                   help="the page cache before every run: warm (the step's inputs read once: copies from memory) or "
+                   help="the page cache before every run: warm (the bench's other files evicted, the step's inputs read "
+                        "once: copies from memory) or "
                         "cold (dropped, root only: every step reads its input from the disk)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--reuse-models", action="store_true",
@@ -233,17 +258,23 @@ def main(argv=None):
                 str(d / "hf_legacy")]),
         ]
         for name, inp, out, cmd in steps:
-            for _ in range(a.repeat):
+            # one run samples the memory, --repeat runs are timed: the sampler's reads of smaps_rollup walk the
+            # process's page tables (mapped checkpoints: 3.4-5.9 s of a core during one export here), which on a
+            # small machine slowed the run it measured
+            for timed in [False] + [True] * a.repeat:
                 for size in ("small", "large"):
                     shutil.rmtree(work / size / out, ignore_errors=True)  # each run writes a fresh output
-                    set_cache(a.cache, work / size / inp)
-                    secs, peak, cpu, others = measured(cmd(work / size), a.interval, work / size / out)
+                    set_cache(a.cache, work / size / inp, work)
+                    secs, peak, cpu, others = measured(cmd(work / size), None if timed else a.interval,
+                                                       work / size / out)
                     best = rows.setdefault(name, {}).get(size, (float("inf"), 0, float("inf")))
-                    rows[name][size] = (min(secs, best[0]), max(peak, best[1]), min(cpu, best[2]))
-                    runs.append({"step": name, "size": size, "seconds": secs, "cpu_seconds": cpu, "peak": peak,
-                                 "load": os.getloadavg()[0], "other_cores": others})
-                    print(f"  {name:36s} {size:5s} {secs:7.1f} s  cpu {cpu:6.1f} s  peak {peak / 1e9:6.3f} GB  "
-                          f"(other work: {others:.2f} cores; load {os.getloadavg()[0]:.1f})", flush=True)
+                    rows[name][size] = ((min(secs, best[0]), best[1], min(cpu, best[2])) if timed
+                                        else (best[0], max(peak, best[1]), best[2]))
+                    runs.append({"step": name, "size": size, "timed": timed, "seconds": secs, "cpu_seconds": cpu,
+                                 "peak": peak, "load": os.getloadavg()[0], "other_cores": others})
+                    what = (f"{secs:7.1f} s  cpu {cpu:6.1f} s" if timed else f"peak {peak / 1e9:6.3f} GB (memory run)")
+                    print(f"  {name:36s} {size:5s} {what}  (other work: {others:.2f} cores; load "
+                          f"{os.getloadavg()[0]:.1f})", flush=True)
             if name.startswith("cp"):  # the copy's output is not needed again
                 for size in ("small", "large"):
                     shutil.rmtree(work / size / out, ignore_errors=True)
@@ -256,7 +287,7 @@ def main(argv=None):
     cp_marginal = (cp["large"][0] - cp["small"][0]) / extra
     cp_cpu = (cp["large"][2] - cp["small"][2]) / extra
     busiest = max(r["load"] for r in runs)
-    others = max(r["other_cores"] for r in runs)
+    others = max(r["other_cores"] for r in runs if r["timed"])  # the memory runs count the sampler
     print(f"\nmodels: {sizes['small'] / 1e9:.2f} GB and {sizes['large'] / 1e9:.2f} GB (+{extra / 1e9:.2f} GB); cp: "
           f"{cp_marginal * 1e9:.2f} s and {cp_cpu * 1e9:.2f} CPU-s per extra GB, page cache {a.cache} before "
           f"every run; load average {load[0][0]:.1f} at "
