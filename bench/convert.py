@@ -13,8 +13,7 @@ fastest run counts). Its peak memory is the sum over the tree of each process's 
 memory with shared pages counted in proportion (``Pss_Anon`` of /proc/PID/smaps_rollup), sampled every
 --interval seconds: not ``ru_maxrss`` of one child, and not the memory-mapped input files or the page cache. The
 sampling run is not timed (reading smaps_rollup walks the process's page tables: 3.4-5.9 s of a core during one
-export of the large model, on a 2-core machine). Its
-time runs until its output is on disk: the machine is synced before the step, and its output files are flushed
+export of the large model, on a 2-core machine). Its time runs until its output is on disk: the machine is synced before the step, and its output files are flushed
 (fsync) before the clock stops (the converters flush their own; a copy is not done while its pages are dirty).
 Its CPU time is the user + system time of the tree (``RUSAGE_CHILDREN``), which a busy machine inflates far less
 than the time itself.
