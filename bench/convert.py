@@ -13,8 +13,9 @@ fastest run counts). Its peak memory is the sum over the tree of each process's 
 memory with shared pages counted in proportion (``Pss_Anon`` of /proc/PID/smaps_rollup), sampled every
 --interval seconds: not ``ru_maxrss`` of one child, and not the memory-mapped input files or the page cache. The
 sampling run is not timed (reading smaps_rollup walks the process's page tables: 3.4-5.9 s of a core during one
-export of the large model, on a 2-core machine). Its time runs until its output is on disk: the machine is synced before the step, and its output files are flushed
-(fsync) before the clock stops (the converters flush their own; a copy is not done while its pages are dirty).
+export of the large model, on a 2-core machine). Its time runs until its output is on disk: the machine is synced
+before the step, and its output files are flushed (fsync) before the clock stops (the converters flush their own;
+a copy is not done while its pages are dirty).
 Its CPU time is the user + system time of the tree (``RUSAGE_CHILDREN``), which a busy machine inflates far less
 than the time itself.
 
@@ -182,12 +183,12 @@ def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int,
             peak[0] = max(peak[0], tree_anon(proc.pid))
             done.wait(interval)
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    if interval:
+    sampler = threading.Thread(target=sample, daemon=True) if interval else None
+    if sampler:
         sampler.start()
     out = proc.communicate()[0]
     done.set()
-    if interval:
+    if sampler:
         sampler.join()
     fsync_tree(output)  # (the converters flushed their own files already: a metadata check each)
     secs = time.time() - t
@@ -210,9 +211,9 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of each step at each size; the fastest counts (a shared machine's load comes in spikes)")
     p.add_argument("--cache", choices=("warm", "cold"), default="warm",
-                   help="the page cache before every run: warm (the bench's other files evicted, the step's inputs read "
-                        "once: copies from memory) or "
-                        "cold (dropped, root only: every step reads its input from the disk)")
+                   help="the page cache before every run: warm (the bench's other files evicted, the step's inputs "
+                        "read once: copies from memory) or cold (dropped, root only: every step reads its input from "
+                        "the disk)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--reuse-models", action="store_true",
                    help="use the models an earlier run left in --work with --keep (building them takes minutes)")

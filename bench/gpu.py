@@ -770,6 +770,10 @@ def print_table(rows: list[dict], info: dict) -> None:
               f"{_fmt(r.get('speedup'), '8.2f'):>8s} {_fmt(r.get('vs_hf'), '5.2f'):>5s}  {r.get('note', '')}")
 
 
+#: what bench/gpu_quick.sh's own exit codes of a step mean (timeout's 124 and 137, its skips 125 and 126)
+STEP_LABELS = {124: "  TIMED OUT", 137: "  TIMED OUT", 125: "  skipped: no time left", 126: "  skipped: set-up failed"}
+
+
 def report(results: Path, steps: Path | None = None) -> int:
     """Print the table of a results file (and the steps of bench/gpu_quick.sh); 1 if a check failed or a step did."""
     if not results.is_file():
@@ -783,10 +787,8 @@ def report(results: Path, steps: Path | None = None) -> int:
         print(f"\n{'step':10s} {'rc':>4s} {'seconds':>8s} {'limit':>6s}")
         for line in steps.read_text().splitlines():
             st = json.loads(line)
-            timed_out = st["rc"] in (124, 137)
-            print(f"{st['step']:10s} {st['rc']:4d} {st['seconds']:8d} {st['limit']:6d}"
-                  + ("  TIMED OUT" if timed_out else "  skipped: no time left" if st["rc"] == 125
-                     else "  skipped: set-up failed" if st["rc"] == 126 else "  failed" if st["rc"] else ""))
+            label = STEP_LABELS.get(st["rc"], "  failed" if st["rc"] else "")
+            print(f"{st['step']:10s} {st['rc']:4d} {st['seconds']:8d} {st['limit']:6d}{label}")
             if st["rc"]:
                 bad_steps.append(st["step"])
     failed = [r for r in data["rows"] if r.get("ok") is False]
