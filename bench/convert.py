@@ -214,6 +214,9 @@ def main(argv=None):
                    help="the page cache before every run: warm (the bench's other files evicted, the step's inputs "
                         "read once: copies from memory) or cold (dropped, root only: every step reads its input from "
                         "the disk)")
+    p.add_argument("--steps", default=None,
+                   help="comma-separated substrings of the names of the steps to run (e.g. 'torch_dist': its import and "
+                        "export); cp, the reference, always runs; an export needs the import that writes its input")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--reuse-models", action="store_true",
                    help="use the models an earlier run left in --work with --keep (building them takes minutes)")
@@ -257,6 +260,13 @@ def main(argv=None):
                 py, "convert/megatron_to_hf.py", "--megatron-dir", str(d / "meg_legacy"), "--hf-dir",
                 str(d / "hf_legacy")]),
         ]
+        if a.steps:
+            wanted = [w.strip() for w in a.steps.split(",") if w.strip()]
+            chosen = [s for s in steps if s[0].startswith("cp") or any(w in s[0] for w in wanted)]
+            if len(chosen) == 1:
+                raise SystemExit(f"--steps {a.steps!r} names no step; the steps are: "
+                                 + ", ".join(repr(s[0]) for s in steps[1:]))
+            steps = chosen
         for name, inp, out, cmd in steps:
             # one run samples the memory, --repeat runs are timed: the sampler's reads of smaps_rollup walk the
             # process's page tables (mapped checkpoints: 3.4-5.9 s of a core during one export here), which on a

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from megatron_vlm.convert import copyplan
+from megatron_vlm.convert import copyplan, hf_io
 from megatron_vlm.convert import streaming as st
 from megatron_vlm.convert.file_tensors import Located
 from megatron_vlm.convert.hf_io import HFReader, SafetensorsWriter
@@ -89,16 +89,24 @@ def test_kernel_copies_equal_computed_tensors(name, hf_models, tmp_path, monkeyp
             copied["export"].add(rule.mcore)
         return runs
 
+    hinted = []  # (file name, offset, length) given to start_writeback by the exports' writer
+
+    def writeback(fd, offset, n):
+        hinted.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, n))
+
     monkeypatch.setattr(tm._Plan, "task", task)
     monkeypatch.setattr(to_hf, "_copy_plan", plan)
-    out = {}
+    monkeypatch.setattr(hf_io, "start_writeback", writeback)
+    out, exported = {}, []
     for how in ("copy", "compute"):
         with monkeypatch.context() as m:
             (_all_copies if how == "copy" else _no_copies)(m)
             for fmt in ("torch", "torch_dist"):
                 meg = convert_hf_to_megatron(src, tmp_path / f"{how}-{fmt}", ckpt_format=fmt, **layout)
                 out[(how, fmt)] = meg
+                hinted.clear()
                 convert_megatron_to_hf(meg, tmp_path / f"{how}-{fmt}-hf")
+                exported.append((tmp_path / f"{how}-{fmt}-hf", sorted(hinted)))
         if how == "copy":
             for way, names in copied.items():
                 assert any(".linear_proj." in n for n in names), (way, sorted(names))  # row-parallel shards
@@ -121,6 +129,69 @@ def test_kernel_copies_equal_computed_tensors(name, hf_models, tmp_path, monkeyp
     assert orig.names() == back.names()
     for n in orig.names():
         assert torch.equal(orig.get(n), back.get(n)), n
+    for hf, ranges in exported:  # every tensor's bytes were handed to the disk once they were in place
+        assert ranges == sorted(_tensor_ranges(hf)), hf.name
+
+
+def _tensor_ranges(hf_dir):
+    """``(file name, offset, length)`` of every tensor's bytes in the safetensors files of ``hf_dir``."""
+    import json
+    import struct
+
+    out = []
+    for f in hf_dir.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        out += [(f.name, 8 + n + a, b - a) for k, (a, b) in
+                ((k, v["data_offsets"]) for k, v in header.items() if k != "__metadata__")]
+    return out
+
+
+def test_readahead_follows_the_tasks_and_stays_bounded(tmp_path, monkeypatch):
+    """The read-ahead thread asks for the tasks' spans in their order, a device's read-ahead at a time, never more
+    than ``ahead`` (plus one step) beyond the finished tasks, and ends when its run does, even while it waits."""
+    import time
+
+    paths = []
+    for k in range(2):
+        paths.append(str(tmp_path / f"src{k}"))
+        with open(paths[-1], "wb") as f:
+            f.write(os.urandom(64 << 10))
+    asked = []
+    lock = threading.Lock()
+
+    def fadvise(fd, offset, n, advice):
+        assert advice == os.POSIX_FADV_WILLNEED
+        with lock:
+            asked.append((os.readlink(f"/proc/self/fd/{fd}"), offset, n))
+
+    def settled():
+        while True:  # until the thread has stopped asking (it waits for finished tasks)
+            with lock:
+                n = len(asked)
+            time.sleep(0.2)
+            with lock:
+                if len(asked) == n:
+                    return n
+
+    monkeypatch.setattr(st.os, "posix_fadvise", fadvise)
+    monkeypatch.setattr(st, "device_readahead", lambda path: 4096)
+    spans = [[(paths[0], 100, 10000)], [], [(paths[1], 0, 8192), (paths[0], 20000, 5000)], [(paths[1], 9000, 3000)]]
+    with st.Readahead(spans, ahead=6000) as ra:
+        assert settled() == 2  # 8192 of the first task's 10000: past 6000 by less than a step
+        ra.finished(0)
+        ra.finished(1)
+        assert settled() == 5 and sum(n for *_, n in asked) == 10000 + 8192  # up to 6000 past the 10000 finished
+        for k in (2, 3):
+            ra.finished(k)
+        settled()
+    assert asked == [(paths[0], 100, 4096), (paths[0], 4196, 4096), (paths[0], 8292, 1808),
+                     (paths[1], 0, 4096), (paths[1], 4096, 4096),
+                     (paths[0], 20000, 4096), (paths[0], 24096, 904), (paths[1], 9000, 3000)]
+    with st.Readahead(spans, ahead=0):  # leaves while its thread waits for the first task
+        settled()
+    assert not [t for t in threading.enumerate() if t.name == "readahead"]
 
 
 def test_row_runs_follow_only_row_moves():

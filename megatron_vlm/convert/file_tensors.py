@@ -3,9 +3,10 @@
 A reader names where a source tensor's bytes are (:class:`Located`: a file and a byte offset, plus a memory-mapped
 view for when the tensor must be computed from); a writer names where an output tensor's bytes go (:class:`Target`:
 an open file, preallocated, and a byte offset). :mod:`megatron_vlm.convert.copyplan` moves bytes from the one to the
-other; :func:`write_all` writes a computed tensor's bytes (:func:`tensor_bytes`) to a target. Nothing here knows a
-file format: :mod:`~megatron_vlm.convert.hf_io` (safetensors) and :mod:`~megatron_vlm.convert.mcore_io` (Megatron
-checkpoints) build on it, and it imports neither.
+other; :func:`write_all` writes a computed tensor's bytes (:func:`tensor_bytes`) to a target, and
+:func:`start_writeback` hands a finished target's bytes to the disk. Nothing here knows a file format:
+:mod:`~megatron_vlm.convert.hf_io` (safetensors) and :mod:`~megatron_vlm.convert.mcore_io` (Megatron checkpoints)
+build on it, and it imports neither.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class Located:
     shape: tuple[int, ...]
     view: Callable[[], torch.Tensor]
 
+    @property
+    def span(self) -> tuple[str, int, int]:
+        """``(path, offset, length)``: the bytes of the file it is (what a task declares it reads)."""
+        return self.path, self.offset, math.prod(self.shape) * itemsize(self.dtype)
+
 
 @dataclass(frozen=True)
 class Target:
@@ -57,6 +63,29 @@ def write_all(fd: int, data, offset: int) -> None:
         if n <= 0:
             raise OSError(f"short write at offset {offset}")
         view, offset = view[n:], offset + n
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start write-out of the range's dirty pages, do not wait
+_sync_file_range: list = []  # [the C function, or None where the C library has none]
+
+
+def start_writeback(fd: int, offset: int, n: int) -> None:
+    """Start writing ``n`` bytes at ``offset`` of ``fd`` to the disk, without waiting (Linux's
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; nothing elsewhere). A writer calls it on each finished part, so the
+    disk writes while the next parts are copied, and the final ``fsync`` finds little left to do (on this machine:
+    a 1 GiB misaligned kernel copy with its fsync took 0.55-0.76 s with it, 0.86-1.08 s without)."""
+    if not _sync_file_range:
+        import ctypes
+
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        except (AttributeError, OSError):
+            fn = None
+        _sync_file_range.append(fn)
+    fn = _sync_file_range[0]
+    if fn is not None and n > 0:
+        fn(fd, offset, n, _SYNC_FILE_RANGE_WRITE)  # a hint: a failure shows at the fsync that follows
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -11,6 +11,8 @@ write the bytes. This module owns how those tasks run:
 - :class:`Runner`: worker threads (torch's kernels, kernel copies, reads and writes release the GIL) that run the
   tasks in any order, each writing its own bytes in place. A failure or Ctrl-C stops every worker after its
   current task, before the caller removes its half-written output;
+- :class:`Readahead`: the tasks' source bytes asked of the disk ahead of the workers, in the tasks' order
+  (:attr:`Task.reads`), so that a conversion of files not in memory reads them as fast as ``cat`` would;
 - :class:`Progress`: bytes done, throughput and time left: tqdm on a terminal, a log line every 10 s otherwise;
 - :func:`anon_bytes`: a process's proportional anonymous memory (what ``bench/convert.py`` samples).
 """
@@ -112,13 +114,15 @@ def default_workers() -> int:
 @dataclass
 class Task:
     """One tensor's work. ``cost``: the bytes it holds at its peak; ``nbytes``: the bytes it writes (progress);
-    ``after``: called once it is done (e.g. to drop its sources' pages from the process)."""
+    ``after``: called once it is done (e.g. to drop its sources' pages from the process); ``reads``: the
+    ``(path, offset, length)`` spans of files it reads, for :class:`Readahead`."""
 
     name: str
     cost: int
     nbytes: int
     run: Callable[[], object] | None
     after: Callable[[], None] | None = None
+    reads: tuple = ()
 
 
 class Budget:
@@ -145,6 +149,93 @@ class Budget:
         with self._cond:
             self.used -= n
             self._cond.notify_all()
+
+
+#: how far (bytes of sources) :class:`Readahead` may run ahead of the finished copies: what it adds to the page
+#: cache at most, beyond what the workers are copying
+READ_AHEAD_BYTES = 256 << 20
+
+
+def device_readahead(path: str) -> int:
+    """Bytes the kernel reads ahead for ``path``'s device (its backing device's ``read_ahead_kb``; 128 KiB, the
+    kernel's default, where sysfs does not say): one ``POSIX_FADV_WILLNEED`` reads at most this much."""
+    dev = os.stat(path).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    for f in (f"/sys/class/bdi/{major}:{minor}/read_ahead_kb",  # disks, network file systems
+              f"/sys/dev/block/{major}:{minor}/../queue/read_ahead_kb"):  # a partition: its disk's
+        try:
+            with open(f) as fh:
+                return max(128, int(fh.read())) << 10
+        except (OSError, ValueError):
+            continue
+    return 128 << 10
+
+
+class Readahead:
+    """Asks the kernel to read the tasks' source bytes into the page cache ahead of the workers, in the order
+    the tasks run, from its own thread, at most ``ahead`` bytes beyond the tasks that have finished.
+
+    The workers read their sources in large pieces at two places of a file at once, which the kernel's own
+    readahead serves a few pages at a time when the file is not in memory: the export of a 3.2 GB
+    torch_dist checkpoint from the disk ran its tasks for 5.4-7.5 s, 3.6-4.2 s with its sources read ahead
+    (``cat`` of the file: 1.9 s). ``POSIX_FADV_WILLNEED`` starts reads without waiting and without copying (one
+    call reads at most :func:`device_readahead` bytes, so it is asked that much at a time); where the pages are in
+    memory already it finds them there. A hint only: a failure leaves the tasks to read for themselves.
+
+    ``spans``: per task, in the tasks' order, the ``(path, offset, length)`` it reads (:attr:`Task.reads`).
+    :class:`Runner` uses it as a context manager around a run, and calls :meth:`finished` with a task's index when
+    it is done."""
+
+    def __init__(self, spans: list[list[tuple[str, int, int]]], ahead: int = READ_AHEAD_BYTES):
+        self._spans, self._ahead = spans, ahead
+        self._finished = 0  # source bytes of the finished tasks
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self):
+        if hasattr(os, "posix_fadvise") and any(self._spans):
+            self._thread = threading.Thread(target=self._run, name="readahead", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        return False
+
+    def finished(self, task: int) -> None:
+        with self._cond:
+            self._finished += sum(n for _, _, n in self._spans[task])
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        fds: dict[str, tuple[int, int]] = {}
+        asked = 0
+        try:
+            for spans in self._spans:
+                for path, offset, n in spans:
+                    if path not in fds:
+                        fds[path] = (os.open(path, os.O_RDONLY), device_readahead(path))
+                    fd, step = fds[path]
+                    end = offset + n
+                    while offset < end:
+                        with self._cond:
+                            while not self._stop and asked - self._finished > self._ahead:
+                                self._cond.wait()
+                            if self._stop:
+                                return
+                        k = min(step, end - offset)
+                        os.posix_fadvise(fd, offset, k, os.POSIX_FADV_WILLNEED)
+                        offset, asked = offset + k, asked + k
+        except OSError:
+            return  # a hint: the tasks read what is not in memory themselves
+        finally:
+            for fd, _ in fds.values():
+                os.close(fd)
 
 
 class Runner:
@@ -185,12 +276,12 @@ class Runner:
             except KeyboardInterrupt:
                 continue
 
-    def _work(self) -> None:
+    def _work(self, readahead: Readahead) -> None:
         while not self._cancel.is_set():
             with self._claim:
                 if self._next >= len(self._tasks):
                     return
-                task = self._tasks[self._next]
+                index, task = self._next, self._tasks[self._next]
                 self._next += 1
                 if not self.budget.acquire(task.cost, self._cancel):
                     return
@@ -199,6 +290,7 @@ class Runner:
                     task.run()
                     if task.after is not None:
                         task.after()
+                    readahead.finished(index)
                     if self.progress is not None:
                         self.progress.update(task.nbytes)
             except BaseException as e:  # noqa: BLE001 (handed to the calling thread)
@@ -213,15 +305,16 @@ class Runner:
         if self._error is not None:
             raise self._error
         self._tasks, self._next = list(tasks), 0
-        for i in range(min(self.workers, len(self._tasks))):
-            t = threading.Thread(target=self._work, name=f"convert-{i}", daemon=True)
-            t.start()
-            self._threads.append(t)
-        try:
-            self._join()
-        except BaseException:
-            self._stop()
-            raise
+        with Readahead([list(t.reads) for t in self._tasks]) as readahead:
+            for i in range(min(self.workers, len(self._tasks))):
+                t = threading.Thread(target=self._work, args=(readahead,), name=f"convert-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+            try:
+                self._join()
+            except BaseException:
+                self._stop()
+                raise
         if self._error is not None:
             raise self._error
 

@@ -173,7 +173,7 @@ def _export_tensors(source, rules, spec: VLMSpec, extra, hf_dir, dtype: torch.dt
         nbytes = sum(o.numel() * torch.empty((), dtype=d).element_size() for o, d in zip(outs, out_dtypes))
         runs = _copy_plan(source, rule, spec, outs, out_dtypes, plans_made)
         if runs is not None:
-            tasks.append(st.Task(rule.mcore, cost=0, nbytes=nbytes, run=None))
+            tasks.append(st.Task(rule.mcore, cost=0, nbytes=nbytes, run=None, reads=tuple(s.span for s in runs[0])))
             makers.append(functools.partial(_copy_run, files, rule, runs))
             continue
         stored = full.numel() * full.element_size()
@@ -186,7 +186,8 @@ def _export_tensors(source, rules, spec: VLMSpec, extra, hf_dir, dtype: torch.dt
         out = _out_dtype(edtype, dtype)
         nbytes = math.prod(shape) * torch.empty((), dtype=out).element_size()
         entries.append((name, out, tuple(shape)))
-        tasks.append(st.Task(name, cost=nbytes if out != edtype else 0, nbytes=nbytes, run=None))
+        tasks.append(st.Task(name, cost=nbytes if out != edtype else 0, nbytes=nbytes, run=None,
+                             reads=(located.span,) if located is not None else ()))
         makers.append(functools.partial(_extra_run, files, name, get, located, dtype))
     budget = st.memory_budget(tasks, max_memory, workers)
     try:
@@ -247,6 +248,7 @@ def _copy_run(files, rule, runs, writer: SafetensorsWriter):
     def run():
         for name, r in plans:
             copyplan.fill(writer.target(name), None, sources, files, runs=r)
+            writer.written(name)
 
     return run
 
@@ -267,6 +269,7 @@ def _extra_run(files, name: str, get, located, dtype: torch.dtype, writer: Safet
             copyplan.fill(target, lambda xs: _cast(xs[0], dtype), [located], files)
         else:
             write_all(target.fd, tensor_bytes(_cast(get(), dtype)), target.offset)
+        writer.written(name)
 
     return run
 

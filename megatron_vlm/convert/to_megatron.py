@@ -29,7 +29,7 @@ from megatron_vlm import checkpoint as ckpt
 from megatron_vlm.atomic import atomic_dir
 from megatron_vlm.convert import copyplan, mapping
 from megatron_vlm.convert import streaming as st
-from megatron_vlm.convert.file_tensors import Target, itemsize, tensor_bytes, write_all
+from megatron_vlm.convert.file_tensors import Target, itemsize, start_writeback, tensor_bytes, write_all
 from megatron_vlm.convert.hf_io import HFReader, SafetensorsWriter
 from megatron_vlm.spec import VLMSpec
 
@@ -93,22 +93,27 @@ class _Plan:
                 else None for part, _, shape, _ in outs]
         runs = self.plans_made[key]
         nbytes = sum(math.prod(shape) for _, _, shape, _ in outs) * itemsize(dtype)
+        reads = tuple(s.span for s in sources)  # copied, or computed from their mapped views
         if all(r is not None for r in runs):
             def copy():
                 for (_, _, _, target), r in zip(outs, runs):
-                    copyplan.fill(target(), None, sources, files, runs=r)
+                    t = target()
+                    copyplan.fill(t, None, sources, files, runs=r)
+                    start_writeback(t.fd, t.offset, t.nbytes)
 
-            return st.Task(rule.mcore, cost=0, nbytes=nbytes, run=copy, after=lambda: self.release(rule))
+            return st.Task(rule.mcore, cost=0, nbytes=nbytes, run=copy, after=lambda: self.release(rule),
+                           reads=reads)
 
         def compute():
             full = self.make_full(rule)
             for part, _, _, target in outs:
                 t = target()
                 write_all(t.fd, tensor_bytes(part(full)), t.offset)
+                start_writeback(t.fd, t.offset, t.nbytes)
 
         largest = max(math.prod(shape) for _, _, shape, _ in outs) * itemsize(dtype)  # a block made contiguous
         return st.Task(rule.mcore, cost=self.made_bytes(rule) + largest, nbytes=nbytes, run=compute,
-                       after=lambda: self.release(rule))
+                       after=lambda: self.release(rule), reads=reads)
 
     def release(self, rule) -> None:
         for h in rule.hf:
@@ -318,12 +323,13 @@ class _Extra:
             self.entries.append((n, out, info.shape))
             nbytes = math.prod(info.shape) * itemsize(out)
             self.tasks.append(st.Task(n, cost=nbytes if out != info.dtype else 0, nbytes=nbytes, run=self._run(n),
-                                      after=lambda n=n: reader.release(n)))
+                                      after=lambda n=n: reader.release(n), reads=(reader.located(n).span,)))
 
     def _run(self, name: str):
         def run():
             target = self.writer.target(name)
             copyplan.fill(target, lambda xs: _cast(xs[0], self.dtype), [self.reader.located(name)], self.files)
+            self.writer.written(name)
 
         return run
 
