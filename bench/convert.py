@@ -215,8 +215,8 @@ def main(argv=None):
                         "read once: copies from memory) or cold (dropped, root only: every step reads its input from "
                         "the disk)")
     p.add_argument("--steps", default=None,
-                   help="comma-separated substrings of the names of the steps to run (e.g. 'torch_dist': its import and "
-                        "export); cp, the reference, always runs; an export needs the import that writes its input")
+                   help="comma-separated substrings of the names of the steps to run (e.g. 'torch_dist': its import "
+                        "and export); cp, the reference, always runs; an export needs the import that writes its input")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--reuse-models", action="store_true",
                    help="use the models an earlier run left in --work with --keep (building them takes minutes)")
