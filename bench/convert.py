@@ -221,6 +221,29 @@ def main(argv=None):
     p.add_argument("--reuse-models", action="store_true",
                    help="use the models an earlier run left in --work with --keep (building them takes minutes)")
     a = p.parse_args(argv)
+    py = sys.executable
+    steps = [  # (name, input, output, command)
+        ("cp -r (reference)", "hf", "hf_copy", lambda d: ["cp", "-r", str(d / "hf"), str(d / "hf_copy")]),
+        ("HF->Megatron torch_dist tp2 pp2", "hf", "meg_dist", lambda d: [
+            py, "convert/hf_to_megatron.py", "--hf-dir", str(d / "hf"), "--megatron-dir", str(d / "meg_dist"),
+            "--tp", "2", "--pp", "2"]),
+        ("HF->Megatron legacy torch tp2 pp2", "hf", "meg_legacy", lambda d: [
+            py, "convert/hf_to_megatron.py", "--hf-dir", str(d / "hf"), "--megatron-dir", str(d / "meg_legacy"),
+            "--tp", "2", "--pp", "2", "--ckpt-format", "torch"]),
+        ("Megatron->HF from torch_dist", "meg_dist", "hf_dist", lambda d: [
+            py, "convert/megatron_to_hf.py", "--megatron-dir", str(d / "meg_dist"), "--hf-dir",
+            str(d / "hf_dist")]),
+        ("Megatron->HF from legacy torch", "meg_legacy", "hf_legacy", lambda d: [
+            py, "convert/megatron_to_hf.py", "--megatron-dir", str(d / "meg_legacy"), "--hf-dir",
+            str(d / "hf_legacy")]),
+    ]
+    if a.steps:
+        wanted = [w.strip() for w in a.steps.split(",") if w.strip()]
+        chosen = [s for s in steps if s[0].startswith("cp") or any(w in s[0] for w in wanted)]
+        if len(chosen) == 1:
+            raise SystemExit(f"--steps {a.steps!r} names no step; the steps are: "
+                             + ", ".join(repr(s[0]) for s in steps[1:]))
+        steps = chosen
     work = Path(a.work)
     if a.reuse_models:
         for size in ("small", "large"):
@@ -229,7 +252,6 @@ def main(argv=None):
                     shutil.rmtree(d)
     else:
         shutil.rmtree(work, ignore_errors=True)
-    py = sys.executable
     sizes, rows, runs = {}, {}, []
     load = [os.getloadavg()]
     try:
@@ -245,28 +267,6 @@ def main(argv=None):
             sizes[size] = make_model(work / size / "hf", layers, a.hidden, a.vision_layers)
             print(f"{size} model: {sizes[size] / 1e9:.2f} GB of bf16 weights ({layers} LM layers), built in "
                   f"{time.time() - t:.0f} s", flush=True)
-        steps = [  # (name, input, output, command)
-            ("cp -r (reference)", "hf", "hf_copy", lambda d: ["cp", "-r", str(d / "hf"), str(d / "hf_copy")]),
-            ("HF->Megatron torch_dist tp2 pp2", "hf", "meg_dist", lambda d: [
-                py, "convert/hf_to_megatron.py", "--hf-dir", str(d / "hf"), "--megatron-dir", str(d / "meg_dist"),
-                "--tp", "2", "--pp", "2"]),
-            ("HF->Megatron legacy torch tp2 pp2", "hf", "meg_legacy", lambda d: [
-                py, "convert/hf_to_megatron.py", "--hf-dir", str(d / "hf"), "--megatron-dir", str(d / "meg_legacy"),
-                "--tp", "2", "--pp", "2", "--ckpt-format", "torch"]),
-            ("Megatron->HF from torch_dist", "meg_dist", "hf_dist", lambda d: [
-                py, "convert/megatron_to_hf.py", "--megatron-dir", str(d / "meg_dist"), "--hf-dir",
-                str(d / "hf_dist")]),
-            ("Megatron->HF from legacy torch", "meg_legacy", "hf_legacy", lambda d: [
-                py, "convert/megatron_to_hf.py", "--megatron-dir", str(d / "meg_legacy"), "--hf-dir",
-                str(d / "hf_legacy")]),
-        ]
-        if a.steps:
-            wanted = [w.strip() for w in a.steps.split(",") if w.strip()]
-            chosen = [s for s in steps if s[0].startswith("cp") or any(w in s[0] for w in wanted)]
-            if len(chosen) == 1:
-                raise SystemExit(f"--steps {a.steps!r} names no step; the steps are: "
-                                 + ", ".join(repr(s[0]) for s in steps[1:]))
-            steps = chosen
         for name, inp, out, cmd in steps:
             # one run samples the memory, --repeat runs are timed: the sampler's reads of smaps_rollup walk the
             # process's page tables (mapped checkpoints: 3.4-5.9 s of a core during one export here), which on a
