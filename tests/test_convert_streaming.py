@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from megatron_vlm.convert import copyplan, hf_io
+from megatron_vlm.convert import copyplan, file_tensors
 from megatron_vlm.convert import streaming as st
 from megatron_vlm.convert.file_tensors import Located
 from megatron_vlm.convert.hf_io import HFReader, SafetensorsWriter
@@ -89,14 +89,15 @@ def test_kernel_copies_equal_computed_tensors(name, hf_models, tmp_path, monkeyp
             copied["export"].add(rule.mcore)
         return runs
 
-    hinted = []  # (file name, offset, length) given to start_writeback by the exports' writer
+    hinted = []  # (file name, offset, length) given to start_writeback during an export
 
     def writeback(fd, offset, n):
         hinted.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, n))
 
     monkeypatch.setattr(tm._Plan, "task", task)
     monkeypatch.setattr(to_hf, "_copy_plan", plan)
-    monkeypatch.setattr(hf_io, "start_writeback", writeback)
+    for module in (copyplan, file_tensors):  # the two ways a target is filled: copied, or a tensor written
+        monkeypatch.setattr(module, "start_writeback", writeback)
     out, exported = {}, []
     for how in ("copy", "compute"):
         with monkeypatch.context() as m:

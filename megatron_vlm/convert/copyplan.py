@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from megatron_vlm.convert.file_tensors import Located, Target, itemsize, tensor_bytes, write_all
+from megatron_vlm.convert.file_tensors import Located, Target, itemsize, start_writeback, write_all, write_tensor
 
 _SRC_SHIFT = 40  # label = (source + 1) << 40 | (row * blocks + block)
 #: outputs smaller than this are computed: a copy plan saves nothing there
@@ -221,7 +221,7 @@ def fill(target: Target, fn: Callable[[list[torch.Tensor]], torch.Tensor], sourc
         out = fn([s.view() for s in sources])
         if out.dtype != target.dtype or tuple(out.shape) != tuple(target.shape):
             raise ValueError(f"made {out.dtype} {tuple(out.shape)}, planned {target.dtype} {tuple(target.shape)}")
-        write_all(target.fd, tensor_bytes(out), target.offset)
+        write_tensor(target, out)
         return
     gather: list = []
     for s, src_off, out_off, n in runs:
@@ -234,6 +234,7 @@ def fill(target: Target, fn: Callable[[list[torch.Tensor]], torch.Tensor], sourc
         gather.append((out_off, n, s, src_off))
     if gather:
         _gathered(target, gather, files, sources)
+    start_writeback(target.fd, target.offset, target.nbytes)
 
 
 def _gathered(target: Target, pieces: list, files: Files, sources: list[Located]) -> None:

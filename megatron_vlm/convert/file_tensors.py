@@ -3,8 +3,8 @@
 A reader names where a source tensor's bytes are (:class:`Located`: a file and a byte offset, plus a memory-mapped
 view for when the tensor must be computed from); a writer names where an output tensor's bytes go (:class:`Target`:
 an open file, preallocated, and a byte offset). :mod:`megatron_vlm.convert.copyplan` moves bytes from the one to the
-other; :func:`write_all` writes a computed tensor's bytes (:func:`tensor_bytes`) to a target, and
-:func:`start_writeback` hands a finished target's bytes to the disk. Nothing here knows a file format:
+other; :func:`write_tensor` writes a computed tensor's bytes to a target, and :func:`start_writeback` hands a
+finished target's bytes to the disk (both ways of filling a target end with it). Nothing here knows a file format:
 :mod:`~megatron_vlm.convert.hf_io` (safetensors) and :mod:`~megatron_vlm.convert.mcore_io` (Megatron checkpoints)
 build on it, and it imports neither.
 """
@@ -86,6 +86,12 @@ def start_writeback(fd: int, offset: int, n: int) -> None:
     fn = _sync_file_range[0]
     if fn is not None and n > 0:
         fn(fd, offset, n, _SYNC_FILE_RANGE_WRITE)  # a hint: a failure shows at the fsync that follows
+
+
+def write_tensor(target: Target, t: torch.Tensor) -> None:
+    """``t``'s bytes (a CPU tensor of the target's dtype and shape) written to ``target``, handed to the disk."""
+    write_all(target.fd, tensor_bytes(t), target.offset)
+    start_writeback(target.fd, target.offset, target.nbytes)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_vlm.convert.file_tensors import Located, Target, start_writeback, tensor_bytes, write_all
+from megatron_vlm.convert.file_tensors import Located, Target, write_all, write_tensor
 from megatron_vlm.convert.mapping import canonical_hf_name
 
 INDEX = "model.safetensors.index.json"
@@ -275,13 +275,7 @@ class SafetensorsWriter:
         t = self.target(name)
         if tensor.dtype != t.dtype or tuple(tensor.shape) != t.shape:
             raise ValueError(f"{name}: made {tensor.dtype} {tuple(tensor.shape)}, planned {t.dtype} {t.shape}")
-        write_all(t.fd, tensor_bytes(tensor), t.offset)
-        self.written(name)
-
-    def written(self, name: str) -> None:
-        """``name``'s bytes are all in place (:meth:`target`'s caller says so): the disk may start on them."""
-        k, offset, n, _, _ = self._slots[name]
-        start_writeback(self._files[k][1], offset, n)
+        write_tensor(t, tensor)
 
     def close(self) -> None:
         if self._left:

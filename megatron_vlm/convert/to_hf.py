@@ -27,7 +27,7 @@ from megatron_vlm import checkpoint as ckpt
 from megatron_vlm.atomic import atomic_dir
 from megatron_vlm.convert import copyplan, mapping, mcore_io
 from megatron_vlm.convert import streaming as st
-from megatron_vlm.convert.file_tensors import tensor_bytes, write_all
+from megatron_vlm.convert.file_tensors import write_tensor
 from megatron_vlm.convert.hf_io import SafetensorsFile, SafetensorsWriter
 from megatron_vlm.spec import VLMSpec
 
@@ -248,7 +248,6 @@ def _copy_run(files, rule, runs, writer: SafetensorsWriter):
     def run():
         for name, r in plans:
             copyplan.fill(writer.target(name), None, sources, files, runs=r)
-            writer.written(name)
 
     return run
 
@@ -268,8 +267,7 @@ def _extra_run(files, name: str, get, located, dtype: torch.dtype, writer: Safet
         if located is not None:
             copyplan.fill(target, lambda xs: _cast(xs[0], dtype), [located], files)
         else:
-            write_all(target.fd, tensor_bytes(_cast(get(), dtype)), target.offset)
-        writer.written(name)
+            write_tensor(target, _cast(get(), dtype))
 
     return run
 

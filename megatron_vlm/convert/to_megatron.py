@@ -29,7 +29,7 @@ from megatron_vlm import checkpoint as ckpt
 from megatron_vlm.atomic import atomic_dir
 from megatron_vlm.convert import copyplan, mapping
 from megatron_vlm.convert import streaming as st
-from megatron_vlm.convert.file_tensors import Target, itemsize, start_writeback, tensor_bytes, write_all
+from megatron_vlm.convert.file_tensors import Target, itemsize, write_tensor
 from megatron_vlm.convert.hf_io import HFReader, SafetensorsWriter
 from megatron_vlm.spec import VLMSpec
 
@@ -97,9 +97,7 @@ class _Plan:
         if all(r is not None for r in runs):
             def copy():
                 for (_, _, _, target), r in zip(outs, runs):
-                    t = target()
-                    copyplan.fill(t, None, sources, files, runs=r)
-                    start_writeback(t.fd, t.offset, t.nbytes)
+                    copyplan.fill(target(), None, sources, files, runs=r)
 
             return st.Task(rule.mcore, cost=0, nbytes=nbytes, run=copy, after=lambda: self.release(rule),
                            reads=reads)
@@ -107,9 +105,7 @@ class _Plan:
         def compute():
             full = self.make_full(rule)
             for part, _, _, target in outs:
-                t = target()
-                write_all(t.fd, tensor_bytes(part(full)), t.offset)
-                start_writeback(t.fd, t.offset, t.nbytes)
+                write_tensor(target(), part(full))
 
         largest = max(math.prod(shape) for _, _, shape, _ in outs) * itemsize(dtype)  # a block made contiguous
         return st.Task(rule.mcore, cost=self.made_bytes(rule) + largest, nbytes=nbytes, run=compute,
@@ -329,7 +325,6 @@ class _Extra:
         def run():
             target = self.writer.target(name)
             copyplan.fill(target, lambda xs: _cast(xs[0], self.dtype), [self.reader.located(name)], self.files)
-            self.writer.written(name)
 
         return run
 
