@@ -22,9 +22,12 @@ than the time itself.
 The printed table gives, per step, the peak at each size and, between the two sizes, the extra peak memory per
 extra model byte (target <= 0.10), the extra time per extra byte relative to ``cp``'s (target <= 1.5, aim 1.2) and
 the extra CPU time per extra byte relative to ``cp``'s: fixed costs (Python start-up, imports, the tiny tensors)
-cancel out. The page cache is set the same way before every run of every step (``--cache``): ``warm`` (the
-default) evicts the bench's other files from the cache and reads the step's input files once, so every step
-copies from memory and finds free memory for its output; ``cold`` drops the kernel's page
+cancel out. Beside the time ratio, "per repeat" gives the range of the same ratio taken from each timed repeat's
+own pair of runs: a converter's process pays 7-10 s of fixed costs whose time moves by a second or more between
+identical runs on a shared machine, against a marginal of 1-3 s between the default sizes, and that range shows how
+far one run of the bench can be trusted. The page cache is set the same way before every run of every step
+(``--cache``): ``warm`` (the default) evicts the bench's other files from the cache and reads the step's input files
+once, so every step copies from memory and finds free memory for its output; ``cold`` drops the kernel's page
 cache (root: /proc/sys/vm/drop_caches), so every step reads its input from the disk. Left to itself, what the cache
 holds depends on which step ran before (the bench's files, ~17 GB, about fill a 24 GB machine's cache), and a
 time ratio against ``cp`` then measures that. With every run it prints the cores other work kept busy meanwhile
@@ -199,6 +202,15 @@ def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int,
     return secs, peak[0], tree, max(0.0, _busy_cpu() - busy - tree) / secs
 
 
+def per_repeat(runs: list[dict], step: str, extra: int, cp_marginal: float) -> list[float]:
+    """The extra time per extra byte, x ``cp``'s (the fastest runs' marginal), from each timed repeat's own pair of
+    runs of ``step`` (small, then large, consecutive): the spread of one bench run's ratio."""
+    timed = [r for r in runs if r["step"] == step and r["timed"]]
+    pairs = zip(timed[0::2], timed[1::2])
+    return [(lg["seconds"] - sm["seconds"]) / extra / cp_marginal for sm, lg in pairs
+            if sm["size"] == "small" and lg["size"] == "large"]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(allow_abbrev=False,
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -305,7 +317,8 @@ def main(argv=None):
           f"processes included); other work kept at most {others:.2f} cores busy during a run"
           + ("" if others < IDLE_CORES else ": NOT an idle machine, the time ratios are no measurement"))
     print(f"{'step':36s} {'peak small':>11s} {'peak large':>11s} {'x model (large)':>16s} "
-          f"{'extra mem / extra byte':>23s} {'extra time / extra byte, x cp':>30s} {'extra CPU, x cp':>16s}")
+          f"{'extra mem / extra byte':>23s} {'extra time / extra byte, x cp':>30s} {'per repeat':>12s} "
+          f"{'extra CPU, x cp':>16s}")
     results = {"model_bytes": sizes, "cache": a.cache, "load_average": load, "max_load_after_a_run": busiest,
                "max_other_cores": others, "runs": runs, "rows": {}}
     for name, r in rows.items():
@@ -313,10 +326,15 @@ def main(argv=None):
         mem = (pl - ps) / extra
         tim = (tl - ts) / extra / cp_marginal
         cpu = (cl - cs) / extra / cp_cpu if cp_cpu > 0 else float("nan")
+        spread = per_repeat(runs, name, extra, cp_marginal)
+        span = f"{min(spread):.2f}-{max(spread):.2f}" if spread else "-"
         print(f"{name:36s} {ps / 1e9:9.3f} GB {pl / 1e9:8.3f} GB {pl / sizes['large']:16.2f} {mem:23.3f} "
-              f"{tim:30.2f} {cpu:16.2f}")
+              f"{tim:30.2f} {span:>12s} {cpu:16.2f}")
         results["rows"][name] = {"seconds": [ts, tl], "cpu_seconds": [cs, cl], "peak_pss_anon": [ps, pl],
-                                 "marginal_memory": mem, "marginal_time_x_cp": tim, "marginal_cpu_x_cp": cpu}
+                                 "marginal_memory": mem, "marginal_time_x_cp": tim, "marginal_cpu_x_cp": cpu,
+                                 "marginal_time_x_cp_per_repeat": spread}
+    print("(per repeat: the same ratio from each timed repeat's own pair of runs, small then large, one after the "
+          "other: how far one run's fixed costs, which do not cancel within a pair, move it)")
     print(json.dumps(results))
 
 

@@ -10,7 +10,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_vlm.cli import (add_debug_flag, parse_pp_layers, positive_float, positive_int, run_cli,  # noqa: E402
                               setup_logging)
 from megatron_vlm.convert.streaming import memory_size  # noqa: E402
-from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
+from megatron_vlm.runtime.gc_freeze import exit_process, preload  # noqa: E402
+from megatron_vlm.runtime.lean_imports import WANDB, mark_not_installed  # noqa: E402
 
 
 def main(argv=None):
@@ -52,6 +53,8 @@ def main(argv=None):
     add_debug_flag(p)
     a = p.parse_args(argv)
     setup_logging(a.verbose)
+    mark_not_installed([WANDB])  # a conversion never logs: megatron-core's eager import of wandb is skipped
+    preload(["torch", "transformers"])  # what every conversion imports (megatron-core: where it starts using it)
     from megatron_vlm.cli.inputs import check_hf_dir
     from megatron_vlm.cli.overlap import check_output_apart
 

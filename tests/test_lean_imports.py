@@ -80,3 +80,14 @@ def test_the_rank_entry_marks_them_before_anything_imports_megatron_core(tmp_pat
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"megatron.core": False,
                                                                  "marked": [TRANSFORMER_ENGINE, WANDB]}
+
+
+def test_a_converter_marks_wandb_alone(before_megatron_core):
+    from megatron_vlm.runtime.lean_imports import mark_not_installed
+
+    assert mark_not_installed([WANDB]) == [WANDB]
+    assert sys.modules[WANDB] is None and TRANSFORMER_ENGINE not in sys.modules
+    with pytest.raises(ImportError):
+        importlib.import_module(WANDB)
+    sys.modules["megatron.core"] = type(sys)("megatron.core")
+    assert mark_not_installed([TRANSFORMER_ENGINE]) == []

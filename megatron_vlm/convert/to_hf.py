@@ -29,6 +29,7 @@ from megatron_vlm.convert import copyplan, mapping, mcore_io
 from megatron_vlm.convert import streaming as st
 from megatron_vlm.convert.file_tensors import write_tensor
 from megatron_vlm.convert.hf_io import SafetensorsFile, SafetensorsWriter
+from megatron_vlm.runtime.gc_freeze import preload
 from megatron_vlm.spec import VLMSpec
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ def _export(iter_dir, spec: VLMSpec, meta: ckpt.CheckpointMeta, extra, hf_dir, t
     dtype_name = DTYPES[out_dtype] if out_dtype else meta.dtype
     dtype = getattr(torch, dtype_name)
     workers = workers or st.default_workers()
+    preload(["megatron.core"])  # both readers use it (its keys; its types in rank files): imported collector-paused
     with open_source(iter_dir, spec, meta) as source:
         _export_tensors(source, mapping.rules(spec), spec, extra, hf_dir, dtype, dtype_name, tok_dir, overwrite,
                         max_shard_bytes, max_memory, workers)

@@ -31,6 +31,7 @@ from megatron_vlm.convert import copyplan, mapping
 from megatron_vlm.convert import streaming as st
 from megatron_vlm.convert.file_tensors import Target, itemsize, write_tensor
 from megatron_vlm.convert.hf_io import HFReader, SafetensorsWriter
+from megatron_vlm.runtime.gc_freeze import preload
 from megatron_vlm.spec import VLMSpec
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,7 @@ def convert_hf_to_megatron(
         else:
             from megatron_vlm.runtime.session import single_process_world
 
+            preload(["megatron.core"])  # megatron-core writes torch_dist: imported with the collector paused
             with single_process_world():
                 _convert(plan, files, hf_dir, megatron_dir, overwrite, check, max_memory, workers, before_write,
                          meta, _DistOutput(plan, files))

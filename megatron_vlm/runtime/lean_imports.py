@@ -15,9 +15,10 @@ without them:
   local layers there whether it is installed or not;
 - wandb when the run does not log to it (no ``--wandb``; ``megatron_vlm.training.metrics`` imports it only then).
 
-It does nothing once megatron-core is imported (a process that already paid for them keeps them), and the rank
-entry point (``train/pretrain_vlm.py``) is its only caller: a GPU rank, or a run with ``--wandb``, imports both
-exactly as before.
+It does nothing once megatron-core is imported (a process that already paid for them keeps them). The rank entry
+point (``train/pretrain_vlm.py``) calls it: a GPU rank, or a run with ``--wandb``, imports both exactly as before.
+The converters (``convert/hf_to_megatron.py``, ``convert/megatron_to_hf.py``), which never log, mark wandb alone
+(:func:`mark_not_installed`): Transformer Engine stays importable there, as a checkpoint's layers may be its.
 """
 
 from __future__ import annotations
@@ -36,9 +37,15 @@ def unused(device: str, wandb: bool) -> list[str]:
 def skip_unused(device: str, wandb: bool) -> list[str]:
     """Mark :func:`unused` libraries as not installed for this process; returns the ones marked (none once
     megatron-core is imported, or for a library already imported)."""
+    return mark_not_installed(unused(device, wandb))
+
+
+def mark_not_installed(names: list[str]) -> list[str]:
+    """Mark the optional libraries ``names`` as not installed for this process, unless megatron-core (which
+    imports them) or the library itself is imported already; returns the ones marked."""
     if "megatron.core" in sys.modules:
         return []
-    marked = [name for name in unused(device, wandb) if name not in sys.modules]
+    marked = [name for name in names if name not in sys.modules]
     for name in marked:
         sys.modules[name] = None
     return marked
