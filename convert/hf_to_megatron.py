@@ -54,12 +54,13 @@ def main(argv=None):
     a = p.parse_args(argv)
     setup_logging(a.verbose)
     mark_not_installed([WANDB])  # a conversion never logs: megatron-core's eager import of wandb is skipped
-    preload(["torch", "transformers"])  # what every conversion imports (megatron-core: where it starts using it)
     from megatron_vlm.cli.inputs import check_hf_dir
     from megatron_vlm.cli.overlap import check_output_apart
 
     check_hf_dir(a.hf_dir, "--hf-dir")
     check_output_apart("--megatron-dir", a.megatron_dir, [("--hf-dir", a.hf_dir)])
+    preload(["torch", "transformers"])  # after the input checks: what every conversion imports (megatron-core: where
+    # it starts using it), with the collector paused
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 
     existed = os.path.exists(a.megatron_dir)

@@ -54,7 +54,6 @@ def main(argv=None):
                 "would be split into thousands of files")
     setup_logging(a.verbose)
     mark_not_installed([WANDB])  # a conversion never logs: megatron-core's eager import of wandb is skipped
-    preload(["torch", "transformers"])  # what every conversion imports (megatron-core: where it starts using it)
     from megatron_vlm import storage
     from megatron_vlm.cli.inputs import ITERATION_DIR_RE, check_checkpoint, check_tokenizer_dir
     from megatron_vlm.cli.overlap import check_output_apart
@@ -78,6 +77,8 @@ def main(argv=None):
         ("--megatron-dir", a.megatron_dir), ("the checkpoint directory of --megatron-dir", run if run != a.megatron_dir
                                              else None),
         ("--tokenizer-dir", a.tokenizer_dir), ("--hf-config", hf_config)])
+    preload(["torch", "transformers"])  # after the input checks: what every conversion imports (megatron-core: where
+    # it starts using it), with the collector paused
     from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 
     convert_megatron_to_hf(a.megatron_dir, a.hf_dir, iteration=a.iteration, tokenizer_dir=a.tokenizer_dir, tp=a.tp,
