@@ -7,8 +7,8 @@ only imports ``megatron.core`` takes ~1.5-2 s longer to exit than to import (py-
 ``gc.freeze()`` moves what is alive now into the permanent generation, which no later collection visits; what is
 created afterwards is collected as usual. So:
 
-- :func:`preload` at a command's start, for the libraries it is about to import anyway: the imports run with the
-  collector paused (it would otherwise run dozens of times over their growing object graph: ~1.2-1.4 s of the
+- :func:`preload` where a command starts on the libraries it needs anyway (the converters: torch and transformers
+  once their inputs are checked, megatron-core where they first use it): the imports run with the collector paused (it would otherwise run dozens of times over their growing object graph: ~1.2-1.4 s of the
   ~6 s of CPU that ``import megatron.core, transformers`` takes on this machine), and what they made is frozen;
 - :func:`freeze_long_lived` once the long-lived state exists (a training rank after its model, optimizer and
   loader are built);
