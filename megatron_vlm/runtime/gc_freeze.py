@@ -9,7 +9,8 @@ created afterwards is collected as usual. So:
 
 - :func:`preload` where a command starts on the libraries it needs anyway (the converters: torch and transformers
   once their inputs are checked, megatron-core where they first use it): the imports run with the collector paused
-  (it would otherwise run dozens of times over their growing object graph: ~1.2-1.4 s of the ~6 s of CPU that ``import megatron.core, transformers`` takes on this machine), and what they made is frozen;
+  (it would otherwise run dozens of times over their growing object graph: ~1.2-1.4 s of the ~6 s of CPU that
+  ``import megatron.core, transformers`` takes on this machine), and what they made is frozen;
 - :func:`freeze_long_lived` once the long-lived state exists (a training rank after its model, optimizer and
   loader are built);
 - :func:`exit_process` instead of ``sys.exit`` at the end of a command's ``__main__``, the spawned ranks of
