@@ -155,6 +155,22 @@ def test_verify_at_tp1(name, converted):
     assert diff < TOL
 
 
+def test_logits_checks_hand_the_model_every_input_on_its_device(models):
+    """The logits checks (``--verify``, ``bench/gpu.py``) give megatron-core's model its tile counts on the model's
+    device, as the trainer does: megatron-core's LLaVA combines them with the embeddings there, and tile counts left
+    on the CPU failed the InternVL row on an H200 ("found at least two devices, cuda:0 and cpu"). The meta device
+    stands in for a GPU here."""
+    from megatron_vlm.convert.verify import reference_batch
+
+    batch = reference_batch(VLMSpec.from_hf_dir(models[NAMES[0]]))
+    tensors = {k: v for k, v in batch.forward_inputs("meta").items() if isinstance(v, torch.Tensor)}
+    assert {"images", "input_ids", "num_image_tiles"} <= tensors.keys()
+    assert {k: v.device.type for k, v in tensors.items()} == dict.fromkeys(tensors, "meta")
+    for b in range(batch.num_samples):  # each sample alone, as the bounded-memory --verify runs them
+        one = {k: v for k, v in batch.sample(b).forward_inputs("meta").items() if isinstance(v, torch.Tensor)}
+        assert {k: v.device.type for k, v in one.items()} == dict.fromkeys(one, "meta")
+
+
 def _reference_logits(hf_dir, spec, patch=None):
     from megatron_vlm.convert.verify import hf_logits, reference_batch
 

@@ -59,13 +59,19 @@ class ReferenceBatch:
     def combined_length(self) -> int:
         return self.hf_input_ids.shape[1]
 
-    def model_kwargs(self) -> dict:
-        """Extra keyword arguments of the Megatron model's forward (none for plain LLaVA; InternVL: its tiles per
-        image)."""
-        if self.image_sizes is None:
-            return {} if self.num_image_tiles is None else dict(num_image_tiles=self.num_image_tiles)
-        return dict(image_sizes=self.image_sizes, num_image_tiles=self.num_image_tiles,
-                    num_image_tokens=self.num_image_tokens)
+    def forward_inputs(self, device) -> dict:
+        """The Megatron model's forward arguments, every tensor on ``device``: images and tokens, and the extra ones
+        of the family (none for plain LLaVA; InternVL: its tiles per image; anyres: sizes, tiles and tokens per
+        item). megatron-core's LLaVA combines the tile counts with the embeddings on the model's device, as the
+        trainer's batches (``training/step.py``) have them."""
+        extra = {}
+        if self.image_sizes is not None:
+            extra = dict(image_sizes=self.image_sizes, num_image_tiles=self.num_image_tiles,
+                         num_image_tokens=self.num_image_tokens)
+        elif self.num_image_tiles is not None:
+            extra = dict(num_image_tiles=self.num_image_tiles)
+        return dict(images=self.images.to(device), input_ids=self.tokens.to(device), position_ids=None,
+                    attention_mask=None, **{k: v.to(device) for k, v in extra.items()})
 
     def items(self, b: int) -> tuple[int, list[bool]]:
         """Index of sample ``b``'s first image/video item, and for each of its items whether it is a video."""
@@ -263,8 +269,7 @@ def megatron_forward_logits(model, batch: ReferenceBatch) -> torch.Tensor | None
 
     def step(data_iterator, chunk):
         b = next(data_iterator)
-        out, _ = chunk(images=b.images.to(device), input_ids=b.tokens.to(device), position_ids=None,
-                       attention_mask=None, **b.model_kwargs())
+        out, _ = chunk(**b.forward_inputs(device))
 
         def loss_func(output, non_loss_data=False):
             return tensor_parallel.gather_from_tensor_model_parallel_region(output)
@@ -409,8 +414,7 @@ def megatron_max_diffs(model, batch: ReferenceBatch, reference_file, vocab: int,
 
     def step(data_iterator, chunk):
         b, sb = next(data_iterator)
-        out, _ = chunk(images=sb.images.to(device), input_ids=sb.tokens.to(device), position_ids=None,
-                       attention_mask=None, **sb.model_kwargs())
+        out, _ = chunk(**sb.forward_inputs(device))
 
         def compare(output, non_loss_data=False):
             left[b] -= 1
