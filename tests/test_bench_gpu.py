@@ -37,9 +37,9 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
                          text=True, timeout=1500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
-    assert [(s["step"], s["rc"]) for s in steps] == [(n, 0) for n in ("env", "install", "setup", "logits", "train",
-                                                                        "hf", "moe", "cp", "vpp", "internvl",
-                                                                        "pytest")]
+    assert [(s["step"], s["rc"]) for s in steps] == [(n, 0) for n in ("env", "install", "setup", "logits", "internvl",
+                                                                        "pytest", "train", "hf", "cp", "vpp",
+                                                                        "moe")]
     assert "all checks passed" in res.stdout and "step(s) failed" not in res.stdout
     rows = {(r["part"], r["impl"], r["dtype"]): r for r in json.loads((out / "gpu_bench.json").read_text())["rows"]}
     fp32, bf16 = rows[("logits", "local", "fp32")], rows[("logits", "local", "bf16")]
