@@ -33,7 +33,9 @@ holds depends on which step ran before (the bench's files, ~17 GB, about fill a 
 time ratio against ``cp`` then measures that. With every run it prints the cores other work kept busy meanwhile
 (the machine's busy CPU time from /proc/stat less the run's own; a load average counts the run's processes too);
 the time ratios are a measurement only where that stays under half a core in every run:
-``python bench/convert.py --repeat 3`` (add ``--cache cold`` as root).
+``python bench/convert.py --repeat 3`` (add ``--cache cold`` as root). On a virtual machine that hands free pages
+back to its host, first writes wait for the host; the bench prints their cost at its start and end, and with every
+run the memory handed back meanwhile, since that moves ``cp``'s time as much as a converter's.
 """
 
 from __future__ import annotations
@@ -55,6 +57,36 @@ sys.path.insert(0, str(ROOT))
 #: a run counts as a measurement of time only while other work kept fewer cores than this busy (the kernel's
 #: writeback of the run's own output counts as other work: ~0.2 cores measured with nothing else running)
 IDLE_CORES = 0.5
+#: a virtual machine's free page reporting: what its kernel has handed back to the host, whose next write to such a
+#: page waits for the host to back it again (absent on physical machines and kernels without it)
+REPORTED_KIB = Path("/sys/module/page_reporting/parameters/reported_kib")
+#: seconds per GB of first writes above which the bench says the host's backing is in its time ratios
+SLOW_FRESH_MEMORY = 1.0
+
+
+def _reported_kib() -> int | None:
+    try:
+        return int(REPORTED_KIB.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def fresh_memory_cost(nbytes: int = 256 << 20) -> float:
+    """Seconds per GB to write pages nothing has touched yet (one byte per page of a fresh anonymous mapping; a
+    second write of the same pages took 0.13-0.22 s per GB here). A virtual machine whose free pages go back to its
+    host waits for the host at each first write: 0.7-1.6 s per GB by this probe on 2026-11-28, and `cp` into such
+    pages 4-7 s per GB at times. Every run's output and working memory pay it, cp's included, so the bench prints it:
+    it moves every time ratio (docs/performance.md)."""
+    import mmap
+
+    m = mmap.mmap(-1, nbytes)
+    try:
+        t = time.perf_counter()
+        for off in range(0, nbytes, mmap.PAGESIZE):
+            m[off] = 1
+        return (time.perf_counter() - t) / nbytes * 1e9
+    finally:
+        m.close()
 
 
 def make_model(out: Path, layers: int, hidden: int, vision_layers: int) -> int:
@@ -168,13 +200,15 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int, float, float]:
+def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int, float, float, float | None]:
     """(seconds until ``output`` is on disk, peak Pss_Anon of the process tree, CPU seconds of the tree, cores that
-    other work kept busy meanwhile) of ``cmd``. The last is the machine's busy CPU time over the run less the tree's
-    (and this script's sampler), per second: what a load average cannot tell, since it counts the tree itself."""
+    other work kept busy meanwhile, GB the kernel handed back to a virtual machine's host meanwhile) of ``cmd``. The
+    fourth is the machine's busy CPU time over the run less the tree's (and this script's sampler), per second: what
+    a load average cannot tell, since it counts the tree itself."""
     from megatron_vlm.atomic import fsync_tree
 
     os.sync()
+    reported = _reported_kib()
     cpu, busy = _children_cpu(), _busy_cpu()
     t = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -199,7 +233,9 @@ def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int,
         sys.stderr.write(out[-4000:])
         raise SystemExit(f"failed: {' '.join(cmd)}")
     tree = _children_cpu() - cpu
-    return secs, peak[0], tree, max(0.0, _busy_cpu() - busy - tree) / secs
+    after = _reported_kib()
+    to_host = None if reported is None or after is None else (after - reported) * 1024 / 1e9
+    return secs, peak[0], tree, max(0.0, _busy_cpu() - busy - tree) / secs, to_host
 
 
 def per_repeat(runs: list[dict], step: str, extra: int, cp_marginal: float) -> list[float]:
@@ -266,6 +302,7 @@ def main(argv=None):
         shutil.rmtree(work, ignore_errors=True)
     sizes, rows, runs = {}, {}, []
     load = [os.getloadavg()]
+    fresh = [fresh_memory_cost()]
     try:
         for size, layers in (("small", a.small_layers), ("large", a.large_layers)):
             t = time.time()
@@ -287,20 +324,23 @@ def main(argv=None):
                 for size in ("small", "large"):
                     shutil.rmtree(work / size / out, ignore_errors=True)  # each run writes a fresh output
                     set_cache(a.cache, work / size / inp, work)
-                    secs, peak, cpu, others = measured(cmd(work / size), None if timed else a.interval,
-                                                       work / size / out)
+                    secs, peak, cpu, others, to_host = measured(cmd(work / size), None if timed else a.interval,
+                                                                work / size / out)
                     best = rows.setdefault(name, {}).get(size, (float("inf"), 0, float("inf")))
                     rows[name][size] = ((min(secs, best[0]), best[1], min(cpu, best[2])) if timed
                                         else (best[0], max(peak, best[1]), best[2]))
                     runs.append({"step": name, "size": size, "timed": timed, "seconds": secs, "cpu_seconds": cpu,
-                                 "peak": peak, "load": os.getloadavg()[0], "other_cores": others})
+                                 "peak": peak, "load": os.getloadavg()[0], "other_cores": others,
+                                 "to_host_gb": to_host})
                     what = (f"{secs:7.1f} s  cpu {cpu:6.1f} s" if timed else f"peak {peak / 1e9:6.3f} GB (memory run)")
+                    host = "" if to_host is None else f"; {to_host:.1f} GB handed to the host"
                     print(f"  {name:36s} {size:5s} {what}  (other work: {others:.2f} cores; load "
-                          f"{os.getloadavg()[0]:.1f})", flush=True)
+                          f"{os.getloadavg()[0]:.1f}{host})", flush=True)
             if name.startswith("cp"):  # the copy's output is not needed again
                 for size in ("small", "large"):
                     shutil.rmtree(work / size / out, ignore_errors=True)
         load.append(os.getloadavg())
+        fresh.append(fresh_memory_cost())
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -316,11 +356,15 @@ def main(argv=None):
           f"the start, {load[-1][0]:.1f} at the end, at most {busiest:.1f} after a run (1 min, the runs' own "
           f"processes included); other work kept at most {others:.2f} cores busy during a run"
           + ("" if others < IDLE_CORES else ": NOT an idle machine, the time ratios are no measurement"))
+    print(f"first writes to fresh memory: {fresh[0]:.2f} s per GB at the start, {fresh[-1]:.2f} at the end"
+          + (f" (above {SLOW_FRESH_MEMORY} s: this machine hands free pages back to its host, and every run waits "
+             f"for them again at its first writes, cp's included: the time ratios compare those waits too)"
+             if max(fresh) > SLOW_FRESH_MEMORY else ""))
     print(f"{'step':36s} {'peak small':>11s} {'peak large':>11s} {'x model (large)':>16s} "
           f"{'extra mem / extra byte':>23s} {'extra time / extra byte, x cp':>30s} {'per repeat':>12s} "
           f"{'extra CPU, x cp':>16s}")
     results = {"model_bytes": sizes, "cache": a.cache, "load_average": load, "max_load_after_a_run": busiest,
-               "max_other_cores": others, "runs": runs, "rows": {}}
+               "max_other_cores": others, "fresh_memory_s_per_gb": fresh, "runs": runs, "rows": {}}
     for name, r in rows.items():
         (ts, ps, cs), (tl, pl, cl) = r["small"], r["large"]
         mem = (pl - ps) / extra
