@@ -162,13 +162,14 @@ def test_logits_checks_hand_the_model_every_input_on_its_device(models):
     stands in for a GPU here."""
     from megatron_vlm.convert.verify import reference_batch
 
+    def devices(b):
+        return {k: v.device.type for k, v in b.forward_inputs("meta").items() if isinstance(v, torch.Tensor)}
+
     batch = reference_batch(VLMSpec.from_hf_dir(models[NAMES[0]]))
-    tensors = {k: v for k, v in batch.forward_inputs("meta").items() if isinstance(v, torch.Tensor)}
-    assert {"images", "input_ids", "num_image_tiles"} <= tensors.keys()
-    assert {k: v.device.type for k, v in tensors.items()} == dict.fromkeys(tensors, "meta")
-    for b in range(batch.num_samples):  # each sample alone, as the bounded-memory --verify runs them
-        one = {k: v for k, v in batch.sample(b).forward_inputs("meta").items() if isinstance(v, torch.Tensor)}
-        assert {k: v.device.type for k, v in one.items()} == dict.fromkeys(one, "meta")
+    # the whole batch, then each sample alone (as the bounded-memory --verify runs them)
+    for where in [devices(batch)] + [devices(batch.sample(b)) for b in range(batch.num_samples)]:
+        assert {"images", "input_ids", "num_image_tiles"} <= where.keys()
+        assert where == dict.fromkeys(where, "meta")
 
 
 def _reference_logits(hf_dir, spec, patch=None):
