@@ -195,6 +195,62 @@ def test_readahead_follows_the_tasks_and_stays_bounded(tmp_path, monkeypatch):
     assert not [t for t in threading.enumerate() if t.name == "readahead"]
 
 
+def test_copies_take_the_kernel_only_page_aligned_and_writes_go_in_small_pieces(tmp_path, monkeypatch):
+    """``copy_range`` copies in the kernel where source and output sit at one place of a page, through its buffer
+    elsewhere; no write (a tensor's, a buffered copy's, a gathered one of short runs) hands the kernel more than
+    ``WRITE_PIECE`` bytes (larger ones cost ~15x on a VM that hands free memory to its host, file_tensors); every
+    way gives the source's bytes."""
+    piece = file_tensors.WRITE_PIECE
+    data = os.urandom(3 * piece + 12345)
+    (tmp_path / "src").write_bytes(data)
+    kernel, writes = [], []
+    real_copy, real_pwrite, real_pwritev = os.copy_file_range, os.pwrite, os.pwritev
+    monkeypatch.setattr(copyplan, "_KERNEL_COPY", [True])
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: kernel.append(a[2]) or real_copy(*a))
+    monkeypatch.setattr(os, "pwrite", lambda fd, b, at: writes.append(memoryview(b).nbytes) or real_pwrite(fd, b, at))
+    monkeypatch.setattr(os, "pwritev", lambda fd, bs, at: writes.append(sum(memoryview(b).nbytes for b in bs))
+                        or real_pwritev(fd, bs, at))
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    try:
+        for so, do, aligned in ((0, 0, True), (4096, 8192 + 4096 * 3, True), (64, 0, False), (0, 2, False)):
+            n = len(data) - so
+            out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+            try:
+                kernel.clear()
+                writes.clear()
+                copyplan.copy_range(src, so, out, do, n)
+                assert os.pread(out, n + 1, do) == data[so:], (so, do)
+            finally:
+                os.close(out)
+            if aligned and not copyplan._KERNEL_COPY[0]:
+                pytest.skip(f"{tmp_path}'s file system refuses copy_file_range: the kernel copy is not checked")
+            assert (sum(kernel) == n and not writes) if aligned else (not kernel and max(writes) <= piece), (so, do)
+        out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        try:
+            writes.clear()
+            file_tensors.write_all(out, data, 5)  # a computed tensor's bytes
+            assert os.pread(out, len(data) + 1, 5) == data and max(writes) == piece
+            # short runs (row-parallel shards' rows, gathered from the mapped source) covering 3 pieces and more
+            row, rows = 1000, len(data) // 1000
+            source = Located(str(tmp_path / "src"), 0, torch.uint8, (rows, row), lambda: None)
+            target = file_tensors.Target(out, 0, torch.uint8, (rows, row))
+            runs = [(0, (rows - 1 - k) * row, k * row, row) for k in range(rows)]  # the rows reversed
+            writes.clear()
+            files = copyplan.Files()
+            try:
+                copyplan.fill(target, None, [source], files, runs=runs)
+            finally:
+                files.close()
+            got = os.pread(out, rows * row, 0)
+            assert [got[k * row:(k + 1) * row] for k in range(rows)] == \
+                [data[(rows - 1 - k) * row:(rows - k) * row] for k in range(rows)]
+            assert len(writes) > 3 and max(writes) <= piece
+        finally:
+            os.close(out)
+    finally:
+        os.close(src)
+
+
 def test_row_runs_follow_only_row_moves():
     """A proxy step that moves whole rows (or column blocks) gets a plan; one that mixes inside rows, casts or
     changes the row size does not."""
