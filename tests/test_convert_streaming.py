@@ -251,6 +251,22 @@ def test_copies_take_the_kernel_only_page_aligned_and_writes_go_in_small_pieces(
         os.close(src)
 
 
+def test_write_pieces_bench_measures_every_way(tmp_path, capsys):
+    """``bench/write_pieces.py`` (why WRITE_PIECE is 1 MiB) runs each way and prints it against the aligned kernel
+    copy (1.00 for that copy itself)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "write_pieces.py"
+    spec = importlib.util.spec_from_file_location("write_pieces", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--size-mib", "3", "--rounds", "1", "--idle", "0", "--dir", str(tmp_path)])
+    rows = {line[:36].strip(): line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert len(rows) == 7 and rows["copy_file_range, aligned"][-1] == "1.00", rows
+    assert not list(tmp_path.iterdir())  # its files are gone
+
+
 def test_row_runs_follow_only_row_moves():
     """A proxy step that moves whole rows (or column blocks) gets a plan; one that mixes inside rows, casts or
     changes the row size does not."""
