@@ -55,11 +55,11 @@ class Target:
         return math.prod(self.shape) * itemsize(self.dtype)
 
 
-#: the most bytes one write hands the kernel. Linux (6.x) caches a file written in large pieces in large folios,
-#: and on a VM that hands free memory back to its host (free page reporting) a 2 MiB folio comes from memory the
-#: host must fault back in: on this project's 2-core VM, 1 GiB written to a new file in 2 MiB or 8 MiB pieces took
-#: 11.8-13.1 s with its fsync, in 64 KiB or 1 MiB pieces 0.64-0.77 s (``cp``'s kernel copy 0.79-0.90 s). Pieces this
-#: size cost nothing measurable elsewhere (one system call per MiB).
+#: the most bytes one write hands the kernel. On this project's 2-core VM (one that hands free memory back to its
+#: host: free page reporting), 1 GiB written to a new file in 2 MiB or 8 MiB pieces took 11.8-13.1 s with its fsync,
+#: in 64 KiB or 1 MiB pieces 0.64-0.77 s (``cp``'s kernel copy 0.79-0.90 s; ``bench/write_pieces.py``), most likely
+#: because Linux (6.x) caches a file written in large pieces in 2 MiB folios, taken from the blocks the host must
+#: back again. Elsewhere a piece this size costs one system call per MiB.
 WRITE_PIECE = 1 << 20
 
 
