@@ -6,9 +6,9 @@ interleaved, --idle seconds of rest before each, so that memory freed by the las
 memory goes): ``os.pwrite`` from memory in pieces of 64 KiB, 1 MiB, 2 MiB and 8 MiB; ``os.copy_file_range`` (``cp``'s
 kernel copy) with source and output offsets at one place of a page, and 64 bytes apart; and the converters' own
 ``copyplan.copy_range`` on offsets 64 bytes apart. It prints each way's seconds and CPU seconds and, per way, its
-fastest time over the fastest page-aligned ``copy_file_range``'s: where a write of 2 MiB or more costs many times
-a 1 MiB one (a VM that hands free memory back to its host), ``file_tensors.WRITE_PIECE`` is why the converters
-write in pieces of 1 MiB.
+fastest time over the fastest page-aligned ``copy_file_range``'s (each way's output is checked byte for byte
+after its clock stops): where a write of 2 MiB or more costs many times a 1 MiB one (a VM that hands free memory
+back to its host), ``file_tensors.WRITE_PIECE`` is why the converters write in pieces of 1 MiB.
 """
 
 import argparse
@@ -24,20 +24,27 @@ from megatron_vlm.convert import copyplan  # noqa: E402
 MIS = 64  # bytes between the source's and the output's place in a page, for the misaligned ways
 
 
-def _timed(out_path: str, size: int, fill) -> tuple[float, float]:
-    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def _timed(out_path: str, size: int, fill, expected: memoryview) -> tuple[float, float]:
+    """Seconds and CPU seconds of ``fill`` with the fsync; then (untimed) the file must hold ``expected``."""
+    fd = os.open(out_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, size + MIS)
         t, c = time.perf_counter(), time.process_time()
         fill(fd)
         os.fsync(fd)
-        return time.perf_counter() - t, time.process_time() - c
+        took = time.perf_counter() - t, time.process_time() - c
+        for off in range(0, len(expected), 1 << 20):
+            if os.pread(fd, min(1 << 20, len(expected) - off), off) != expected[off:off + (1 << 20)]:
+                raise SystemExit(f"{out_path}: wrong bytes at offset {off} or after: this way of writing is broken")
+        return took
     finally:
         os.close(fd)
         os.unlink(out_path)
 
 
 def ways(src_fd: int, data: memoryview, size: int) -> dict:
+    """Name -> ``(fill(fd), the source offset it copies from)``: each way writes the source's bytes from that offset
+    on to offset 0 of ``fd``."""
     def pieces(k):
         def fill(fd):
             for off in range(0, size, k):
@@ -52,10 +59,10 @@ def ways(src_fd: int, data: memoryview, size: int) -> dict:
                 s, d, n = s + k, d + k, n - k
         return fill
 
-    out = {f"pwrite, {k >> 10} KiB pieces": pieces(k) for k in (64 << 10, 1 << 20, 2 << 20, 8 << 20)}
-    out["copy_file_range, aligned"] = kernel(0)
-    out[f"copy_file_range, {MIS} B apart"] = kernel(MIS)
-    out[f"copyplan.copy_range, {MIS} B apart"] = lambda fd: copyplan.copy_range(src_fd, MIS, fd, 0, size - MIS)
+    out = {f"pwrite, {k >> 10} KiB pieces": (pieces(k), 0) for k in (64 << 10, 1 << 20, 2 << 20, 8 << 20)}
+    out["copy_file_range, aligned"] = kernel(0), 0
+    out[f"copy_file_range, {MIS} B apart"] = kernel(MIS), MIS
+    out[f"copyplan.copy_range, {MIS} B apart"] = (lambda fd: copyplan.copy_range(src_fd, MIS, fd, 0, size - MIS)), MIS
     return out
 
 
@@ -71,16 +78,17 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="write-pieces-") as d:
         src = os.path.join(d, "src")
         with open(src, "wb") as f:
-            for _ in range(0, size, 64 << 20):
-                f.write(os.urandom(min(64 << 20, size)))
+            for off in range(0, size, 1 << 20):
+                f.write(os.urandom(min(1 << 20, size - off)))
         src_fd = os.open(src, os.O_RDONLY)
         try:
             data = memoryview(bytearray(os.pread(src_fd, size, 0)))  # in memory, and the file in the page cache
-            measured = {name: [] for name in ways(src_fd, data, size)}
+            todo = ways(src_fd, data, size)
+            measured = {name: [] for name in todo}
             for r in range(a.rounds):
-                for name, fill in ways(src_fd, data, size).items():
+                for name, (fill, shift) in todo.items():
                     time.sleep(a.idle)
-                    measured[name].append(_timed(os.path.join(d, "out"), size, fill))
+                    measured[name].append(_timed(os.path.join(d, "out"), size, fill, data[shift:]))
                     print(f"round {r + 1}: {name}: {measured[name][-1][0]:.2f} s", file=sys.stderr, flush=True)
         finally:
             os.close(src_fd)

@@ -251,9 +251,9 @@ def test_copies_take_the_kernel_only_page_aligned_and_writes_go_in_small_pieces(
         os.close(src)
 
 
-def test_write_pieces_bench_measures_every_way(tmp_path, capsys):
-    """``bench/write_pieces.py`` (why WRITE_PIECE is 1 MiB) runs each way and prints it against the aligned kernel
-    copy (1.00 for that copy itself)."""
+def test_write_pieces_bench_measures_every_way(tmp_path, capsys, monkeypatch):
+    """``bench/write_pieces.py`` (why WRITE_PIECE is 1 MiB) runs each way, checks its bytes (a broken copy stops
+    it) and prints it against the aligned kernel copy (1.00 for that copy itself)."""
     import importlib.util
     from pathlib import Path
 
@@ -265,6 +265,11 @@ def test_write_pieces_bench_measures_every_way(tmp_path, capsys):
     rows = {line[:36].strip(): line.split() for line in capsys.readouterr().out.splitlines()[2:]}
     assert len(rows) == 7 and rows["copy_file_range, aligned"][-1] == "1.00", rows
     assert not list(tmp_path.iterdir())  # its files are gone
+    real = copyplan.copy_range
+    monkeypatch.setattr(copyplan, "copy_range", lambda s, so, d, do, n: real(s, so + 1, d, do, n - 1))  # off by one
+    with pytest.raises(SystemExit, match="wrong bytes at offset 0"):
+        bench.main(["--size-mib", "2", "--rounds", "1", "--idle", "0", "--dir", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
 
 
 def test_row_runs_follow_only_row_moves():
