@@ -26,7 +26,7 @@ SIZES = [(384, 384), (640, 480), (480, 640), (1024, 768), (1280, 720), (1920, 10
 
 
 def build_model(root: Path) -> Path:
-    from megatron_vlm.testing.tiny import make_tiny_onevision
+    from tests.support.tiny import make_tiny_onevision
 
     return make_tiny_onevision(root / "ov384", vision_overrides={"image_size": 384, "patch_size": 14,
                                                                   "num_hidden_layers": 1},
@@ -69,7 +69,7 @@ def bench_loader(hf: Path, wds: Path, samples: int) -> dict:
 
     from megatron_vlm.data.anyres_encoder import task_encoder_for
     from megatron_vlm.data.loader import build_train_loader
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     torch.set_num_threads(1)
     enc = task_encoder_for(VLMSpec.from_hf_dir(hf), hf, seq_length=8192)
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     import logging
 
     logging.disable(logging.WARNING)
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     root = Path(tempfile.mkdtemp(prefix="bench_anyres_", dir=args.work_dir))
     try:

@@ -9,7 +9,7 @@ world of CP ranks (gloo), one step (stage 2, fp32) of the same sample from the s
 peak resident memory during the step (Linux VmHWM, reset when the step begins) above what it held when the step began
 (model, optimizer, libraries): what the step itself needs, activations first. Printed per CP: the step's loss (the
 same at every CP: one model, one sample), the peak per rank above the start, its ratio to CP1's, the seconds of the
-step, and the ``--dry-run`` estimate's activations for the same layout (megatron_vlm.training.memory).
+step, and the ``--dry-run`` estimate's activations for the same layout (megatron_vlm.model.memory).
 
   python bench/context_parallel.py [--frames 40] [--cp 1,2,4] [--out results.json]
 """
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def build_model(root: Path, layers: int, heads: int) -> Path:
     """A OneVision at 384 px / patch 14 (one ViT layer), the tiny Qwen2 LM with ``layers`` layers of ``heads``
     heads (one KV head)."""
-    from megatron_vlm.testing.tiny import make_tiny_onevision
+    from tests.support.tiny import make_tiny_onevision
 
     return make_tiny_onevision(root / "ov384", vision_overrides={"image_size": 384, "patch_size": 14,
                                                                   "num_hidden_layers": 1},
@@ -52,10 +52,10 @@ def main(argv=None) -> int:
 
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
     from megatron_vlm.runtime.spawn import run_world
-    from megatron_vlm.spec import VLMSpec
-    from megatron_vlm.testing.memory_jobs import step_peak_jobs
-    from megatron_vlm.testing.train_jobs import long_video_batch
-    from megatron_vlm.training import memory
+    from megatron_vlm.model.spec import VLMSpec
+    from tests.support.memory_jobs import step_peak_jobs
+    from tests.support.train_jobs import long_video_batch
+    from megatron_vlm.model import memory
     from megatron_vlm.training.config import TrainConfig
 
     with tempfile.TemporaryDirectory(prefix="bench_cp_", dir=a.work_dir) as tmp:

@@ -94,11 +94,11 @@ def make_model(out: Path, layers: int, hidden: int, vision_layers: int) -> int:
     import torch
     from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    from megatron_vlm.chat_template import llava_chat_template
+    from megatron_vlm.data.chat_template import llava_chat_template
     from megatron_vlm.convert.hf_io import SafetensorsWriter
     from megatron_vlm.convert.mapping import canonical_hf_name
-    from megatron_vlm.testing.tiny import text_config, train_tokenizer
-    from megatron_vlm.tokenizer import add_vlm_tokens
+    from tests.support.tiny import text_config, train_tokenizer
+    from megatron_vlm.model.tokenizer import add_vlm_tokens
 
     out.mkdir(parents=True)
     tok = train_tokenizer(out, family="llama")
@@ -205,7 +205,7 @@ def measured(cmd: list[str], interval: float, output: Path) -> tuple[float, int,
     other work kept busy meanwhile, GB the kernel handed back to a virtual machine's host meanwhile) of ``cmd``. The
     fourth is the machine's busy CPU time over the run less the tree's (and this script's sampler), per second: what
     a load average cannot tell, since it counts the tree itself."""
-    from megatron_vlm.atomic import fsync_tree
+    from megatron_vlm.files.atomic import fsync_tree
 
     os.sync()
     reported = _reported_kib()

@@ -103,7 +103,7 @@ def bench_make_wds(root: Path, n: int) -> dict:
 def bench_loader(root: Path, samples: int) -> dict:
     from megatron_vlm.data.loader import build_train_loader
     from megatron_vlm.data.task_encoder import VLMTaskEncoder
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     hf = make_tiny_llava(root / "llava336", vision_overrides={"image_size": 336, "patch_size": 14})
     enc = VLMTaskEncoder(hf, seq_length=1024)

@@ -20,7 +20,7 @@ What it measures, in one run (each part can be picked with ``--only``):
 ``fusions`` (with ``train``) the Transformer Engine bf16 run again with every fusion off (Megatron-LM's ``--no-*``
             flags): the same loss curve within ``--loss-tolerance``, and the speed-up the fusions give.
 ``packing`` packed vs unpacked forward of the same samples with TE layers in bf16 (``thd`` with image-expanded
-            ``cu_seqlens``; megatron_vlm.testing.packing_check): logits within the bf16 yardstick, per-sample losses
+            ``cu_seqlens``; tests.support.packing_check): logits within the bf16 yardstick, per-sample losses
             within 1%; with ``train`` also a packed training row (``--packing-buffer-size 64 --packed-seq-length``
             ``--pack-factor`` x ``--seq-length``): tokens/s, MFU and speed-up vs the unpacked TE run.
 
@@ -85,7 +85,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: How the set-up's conversion and each training run are started: ``subprocess.run``; the test passes
-#: megatron_vlm.testing.forked_cli.run (main's ``run_command``): the same commands, without importing torch again.
+#: tests.support.forked_cli.run (main's ``run_command``): the same commands, without importing torch again.
 _run_command = subprocess.run
 sys.path.insert(0, str(ROOT))
 
@@ -160,11 +160,11 @@ def megatron_logits(meg_dir, batch, impl: str, dtype, device: str):
 
     import torch
 
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
     from megatron_vlm.convert.verify import megatron_forward_logits
-    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.model.build import ModelOptions, build_model
     from megatron_vlm.runtime.session import single_process_world
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     iter_dir = ckpt.resolve_iteration_dir(meg_dir)
     with single_process_world(device):
@@ -186,7 +186,7 @@ def check_logits(hf, meg, impls, device: str) -> list[dict]:
     import torch
 
     from megatron_vlm.convert.verify import reference_batch
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     _no_tf32()
     spec = VLMSpec.from_hf_dir(hf)
@@ -302,8 +302,8 @@ def mfu(row: dict) -> float | None:
 
 
 def check_packing(hf, meg, a) -> list[dict]:
-    """Packed ('thd') vs unpacked forward, TE layers in bf16 (megatron_vlm.testing.packing_check)."""
-    from megatron_vlm.testing.packing_check import packed_vs_unpacked
+    """Packed ('thd') vs unpacked forward, TE layers in bf16 (tests.support.packing_check)."""
+    from tests.support.packing_check import packed_vs_unpacked
 
     try:
         r = packed_vs_unpacked(meg, hf, seq_length=a.seq_length)
@@ -325,7 +325,7 @@ def runnable_recipes() -> list[str]:
     """FP8 recipes this machine's GPU can run (none without one)."""
     import torch
 
-    from megatron_vlm import fp8
+    from megatron_vlm.model import fp8
 
     if not torch.cuda.is_available():
         return []
@@ -383,7 +383,7 @@ def build_moe_inputs(a, inputs: Path) -> tuple[Path, Path]:
     from megatron_vlm.convert.build import build_llava
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
     from megatron_vlm.data.synthetic import COLOURS
-    from megatron_vlm.testing.tiny import make_text_model
+    from tests.support.tiny import make_text_model
 
     work = inputs / "moe"
     hf, meg = work / "hf", work / "megatron"
@@ -405,7 +405,7 @@ def check_moe(a, work: Path, inputs: Path, data: Path) -> list[dict]:
     trained through train/run.py at EP1 on this GPU, with Transformer Engine's grouped GEMM (TEGroupedMLP,
     ``--moe-grouped-gemm``) when ``--impls`` has transformer_engine, else megatron-core's SequentialMLP (local
     layers: the CPU rehearsal). EP2 needs two GPUs; this is the one-GPU number."""
-    from megatron_vlm.testing import tiny
+    from tests.support import tiny
 
     te = "transformer_engine" in a.impls
     impl = "transformer_engine" if te else "local"
@@ -413,7 +413,7 @@ def check_moe(a, work: Path, inputs: Path, data: Path) -> list[dict]:
     row = dict(part="moe", impl=label, dtype=a.precision)
     if MOE_FAMILY not in tiny.TEXT_FAMILIES:  # a kit made from a tree before MoE support: nothing to measure
         return [dict(row, ok=None, note=f"not measured: this tree has no MoE support (no {MOE_FAMILY} in "
-                                        "megatron_vlm.testing.tiny)")]
+                                        "tests.support.tiny)")]
     try:
         hf, meg = build_moe_inputs(a, inputs)
     except Exception as e:  # report and go on
@@ -440,7 +440,7 @@ def cp_sample(a, hf: Path):
 
     from megatron_vlm.data.synthetic import image_array
     from megatron_vlm.data.task_encoder import VLMSample
-    from megatron_vlm.testing.train_jobs import encoder_for
+    from tests.support.train_jobs import encoder_for
 
     enc = encoder_for(hf, 1 << 20)
     images = [Image.fromarray(image_array(a.image_size, i)) for i in range(a.cp_images)]
@@ -457,7 +457,7 @@ def check_cp(a, hf: Path, meg: Path) -> list[dict]:
     import torch
 
     from megatron_vlm.runtime.spawn import run_world
-    from megatron_vlm.testing.memory_jobs import step_peak_jobs
+    from tests.support.memory_jobs import step_peak_jobs
 
     te = "transformer_engine" in a.impls
     impl = "transformer_engine" if te else "local"
@@ -562,7 +562,7 @@ def build_internvl_inputs(a, inputs: Path) -> tuple[Path, Path]:
     from megatron_vlm.convert.build_internvl import default_image_processor
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
     from megatron_vlm.data.synthetic import COLOURS
-    from megatron_vlm.testing.tiny import make_text_model
+    from tests.support.tiny import make_text_model
 
     work = inputs / "internvl"
     hf, meg = work / "hf", work / "megatron"
@@ -613,7 +613,7 @@ def check_internvl(a, inputs: Path) -> list[dict]:
     import torch
 
     from megatron_vlm.convert.verify import max_logit_diff, reference_batch
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     row = dict(part="internvl")
     try:

@@ -31,9 +31,9 @@ def measure(a, hf: Path, meg: Path, batches: list) -> dict | None:
     """Per-rank job: each layout's step times (rank 0 returns them)."""
     import torch
 
-    from megatron_vlm import checkpoint as ckpt
-    from megatron_vlm.spec import VLMSpec
-    from megatron_vlm.testing.train_jobs import encoder_for, job_config, micro_batches
+    from megatron_vlm.checkpoint import layout as ckpt
+    from megatron_vlm.model.spec import VLMSpec
+    from tests.support.train_jobs import encoder_for, job_config, micro_batches
     from megatron_vlm.training import batch_feed
     from megatron_vlm.training.build import build_training
     from megatron_vlm.training.step import train_step
@@ -70,8 +70,8 @@ def measure(a, hf: Path, meg: Path, batches: list) -> dict | None:
 
 def build(a, work: Path) -> tuple[Path, Path, list]:
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
-    from megatron_vlm.testing.tiny import make_tiny_llava
-    from megatron_vlm.testing.train_jobs import variable_length_batches
+    from tests.support.tiny import make_tiny_llava
+    from tests.support.train_jobs import variable_length_batches
 
     text = dict(hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=max(1, a.hidden // 32),
                 num_key_value_heads=max(1, a.hidden // 64), head_dim=32, num_experts=a.experts,

@@ -97,10 +97,10 @@ def measure(a, hf: Path, meg: Path) -> dict:
     """Per-rank job (a one-process world): both sides' timings."""
     import torch
 
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
     from megatron_vlm.data.packing import packing_task_encoder_for
     from megatron_vlm.runtime import distributed
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
     from megatron_vlm.training.build import build_training
     from megatron_vlm.training.config import TrainConfig
     from megatron_vlm.training.step import train_step
@@ -163,7 +163,7 @@ def measure(a, hf: Path, meg: Path) -> dict:
 
 def build_model(a, work: Path) -> tuple[Path, Path]:
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     hf = make_tiny_llava(work / "hf", "llama", "clip", vision_overrides={"image_size": a.image_size,
                                                                          "patch_size": a.patch_size},

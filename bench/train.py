@@ -45,7 +45,7 @@ def build_inputs(a, work: Path, run_command=subprocess.run) -> tuple[Path, Path,
     from megatron_vlm.convert.build import build_llava
     from megatron_vlm.data.make_wds import make_wds
     from megatron_vlm.data.synthetic import COLOURS, write_image, write_jsonl
-    from megatron_vlm.testing.tiny import make_text_model, make_vision_model
+    from tests.support.tiny import make_text_model, make_vision_model
 
     texts = ["what colour is the square ? " + " ".join(COLOURS)] * 4
     text = make_text_model(work / "parts" / "text", "llama", texts=texts, hidden_size=a.hidden,
@@ -191,7 +191,7 @@ def run_hf(a, work: Path, hf: Path, data: Path, precision: str = "fp32") -> dict
 # ---- numbers ---------------------------------------------------------------------------------------------
 def step_flops(a, hf: Path):
     """Model FLOPs of an iteration (the trainer's own count, ``megatron_vlm.training.flops``), for both sides."""
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
     from megatron_vlm.training.flops import StepFlops
 
     return StepFlops(VLMSpec.from_hf_dir(hf), train_vit=False, train_projector=True, train_lm=a.stage == 2)

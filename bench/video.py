@@ -31,7 +31,7 @@ DURATIONS = [0.5, 5, 32, 60, 600]
 
 
 def build_model(root: Path) -> Path:
-    from megatron_vlm.testing.tiny import make_tiny_onevision
+    from tests.support.tiny import make_tiny_onevision
 
     return make_tiny_onevision(root / "ov384", vision_overrides={"image_size": 384, "patch_size": 14,
                                                                   "num_hidden_layers": 1},
@@ -52,7 +52,7 @@ def token_rows(geo, fps: float = 30.0) -> list[tuple[str, int, int]]:
 
 
 def clip(seconds: float, codec: str) -> bytes:
-    from megatron_vlm.testing.videos import make_video
+    from tests.support.videos import make_video
 
     return make_video(round(seconds * 30), 640, 360, 30, codec=codec)
 
@@ -90,7 +90,7 @@ def bench_loader(hf: Path, root: Path, data: bytes, n: int) -> dict:
     from megatron_vlm.data.anyres_encoder import task_encoder_for
     from megatron_vlm.data.loader import build_train_loader
     from megatron_vlm.data.make_wds import make_wds
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     media = root / "media"
     media.mkdir()
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
 
     logging.disable(logging.WARNING)
     from megatron_vlm.data.anyres_encoder import load_image_processor
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     root = Path(tempfile.mkdtemp(prefix="bench_video_", dir=args.work_dir))
     try:

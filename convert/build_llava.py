@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_vlm.cli import add_debug_flag, nonneg_int, positive_int, run_cli, setup_logging  # noqa: E402
 from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
-from megatron_vlm.spec import SUPPORTED_TEXT, SUPPORTED_VISION  # noqa: E402
+from megatron_vlm.model.spec import SUPPORTED_TEXT, SUPPORTED_VISION  # noqa: E402
 
 
 def main(argv=None):
@@ -76,7 +76,7 @@ def main(argv=None):
         p.error(f"argument --chat-template: {a.chat_template!r} is not keep, llava or a Jinja template file")
     if a.arch != "llava_onevision" and a.vision_aspect_ratio != "anyres_max_9":
         p.error("argument --vision-aspect-ratio: only --arch llava_onevision downsamples")
-    from megatron_vlm.anyres import AnyresConfigError, parse_vision_aspect_ratio
+    from megatron_vlm.model.anyres import AnyresConfigError, parse_vision_aspect_ratio
 
     try:
         parse_vision_aspect_ratio(a.vision_aspect_ratio)

@@ -89,7 +89,7 @@ def main(argv=None):
                            check=verify if a.verify else None, ep=a.ep, etp=a.etp, max_memory=a.max_memory,
                            before_write=verify_fits if a.verify else None, vpp=a.num_virtual_stages_per_pipeline_rank,
                            layers_per_virtual_stage=a.num_layers_per_virtual_pipeline_stage)
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
 
     vpp = ckpt.CheckpointMeta.load(os.path.join(a.megatron_dir, "release")).vpp
     layout = f"tp={a.tp} pp={a.pp}" + (f" vpp={vpp}" if vpp > 1 else "") + (

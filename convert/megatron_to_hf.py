@@ -54,8 +54,9 @@ def main(argv=None):
                 "would be split into thousands of files")
     setup_logging(a.verbose)
     mark_not_installed([WANDB])  # a conversion never logs: megatron-core's eager import of wandb is skipped
-    from megatron_vlm import storage
-    from megatron_vlm.cli.inputs import ITERATION_DIR_RE, check_checkpoint, check_tokenizer_dir
+    from megatron_vlm.files import storage
+    from megatron_vlm.checkpoint.checks import ITERATION_DIR_RE, check_checkpoint
+    from megatron_vlm.cli.inputs import check_tokenizer_dir
     from megatron_vlm.cli.overlap import check_output_apart
 
     run = a.megatron_dir  # the checkpoint directory: a run's iteration directory lies in it

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_vlm import storage  # noqa: E402
+from megatron_vlm.files import storage  # noqa: E402
 from megatron_vlm.cli import add_debug_flag, fraction, positive_int, progress_bars, run_cli  # noqa: E402
 from megatron_vlm.cli.overlap import check_output_apart  # noqa: E402
 from megatron_vlm.data.make_wds import DEFAULT_MAX_TEXT_CHARS, SUMMARY_FILE, make_wds  # noqa: E402

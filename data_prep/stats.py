@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_vlm.atomic import atomic_write_text  # noqa: E402
+from megatron_vlm.files.atomic import atomic_write_text  # noqa: E402
 from megatron_vlm.cli import InputError, add_debug_flag, positive_int, progress_bars, run_cli, weight_list  # noqa: E402
 from megatron_vlm.cli.inputs import check_tokenizer_dir  # noqa: E402
 from megatron_vlm.runtime.gc_freeze import exit_process  # noqa: E402
@@ -75,7 +75,7 @@ def _run(argv) -> int:
 
     from megatron_vlm.data.anyres_encoder import task_encoder_for
     from megatron_vlm.data.stats import metadataset_yaml, summarize
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     if not args.video_fps > 0:
         raise InputError(f"--video-fps {args.video_fps}: must be positive")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "demo"))
 import shapes  # noqa: E402
 
 
-#: How each command runs: ``subprocess.run``; the test passes megatron_vlm.testing.forked_cli.run (main's
+#: How each command runs: ``subprocess.run``; the test passes tests.support.forked_cli.run (main's
 #: ``run_command``), which runs the same command as its own process without importing torch again.
 _run_command = subprocess.run
 
@@ -63,7 +63,7 @@ def parse(argv=None):
 
 
 def build_models(a, out: Path) -> Path:
-    from megatron_vlm.testing.tiny import make_text_model, make_vision_model
+    from tests.support.tiny import make_text_model, make_vision_model
 
     text = make_text_model(out / "parts" / "text", "llama", texts=shapes.corpus(), hidden_size=a.hidden,
                            intermediate_size=a.hidden * 2, num_hidden_layers=a.layers, num_attention_heads=4,

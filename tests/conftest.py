@@ -36,7 +36,7 @@ FAMILIES = {
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
     """name -> path of a tiny HF LLaVA directory made by the real build_llava."""
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     root = tmp_path_factory.mktemp("hf")
     out = {}
@@ -249,7 +249,7 @@ def _fail_skip_under_ci(report, what: str) -> None:
 def require_te() -> None:
     """In the Transformer Engine lane a missing or broken TE is a failure, not a skip: CI must show the TE
     tests ran."""
-    from megatron_vlm.layer_impl import te_status
+    from megatron_vlm.model.layer_impl import te_status
 
     ok, why = te_status()
     if not ok:

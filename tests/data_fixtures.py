@@ -30,7 +30,7 @@ def cached(name, tmp_path_factory, build):
 
 
 def tiny_llava(tmp_path_factory, text_family="llama", vision_family="clip") -> Path:
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     name = f"llava_{text_family}_{vision_family}"
     return cached(name, tmp_path_factory, lambda base: make_tiny_llava(base / name, text_family, vision_family))

@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_vlm.spec import VLMSpec
-from megatron_vlm.testing import forked_cli
+from megatron_vlm.model.spec import VLMSpec
+from tests.support import forked_cli
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_PY = REPO / "train" / "run.py"

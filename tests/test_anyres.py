@@ -1,4 +1,4 @@
-"""Anyres geometry and packing (megatron_vlm/anyres.py) against HF's own ``pack_image_features``, in fp32.
+"""Anyres geometry and packing (megatron_vlm/model/anyres.py) against HF's own ``pack_image_features``, in fp32.
 
 HF's method is called on its model class with only the config it reads, so the reference is HF's code
 itself; sizes sweep wide, tall, square, tiny (one grid tile) and huge images (OneVision downsamples the
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_vlm.anyres import AnyresConfigError, AnyresGeometry, parse_vision_aspect_ratio
+from megatron_vlm.model.anyres import AnyresConfigError, AnyresGeometry, parse_vision_aspect_ratio
 
 pytestmark = pytest.mark.one_lane(
     "3.11",

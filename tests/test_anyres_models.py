@@ -23,8 +23,8 @@ from megatron_vlm.data.anyres_encoder import AnyresTaskEncoder, VideoNotSupporte
 from megatron_vlm.data.conversation import vqa_messages
 from megatron_vlm.data.synthetic import image_array
 from megatron_vlm.runtime.spawn import run_world
-from megatron_vlm.spec import VLMSpec
-from megatron_vlm.testing.anyres_jobs import anyres_jobs
+from megatron_vlm.model.spec import VLMSpec
+from tests.support.anyres_jobs import anyres_jobs
 
 TOL = 1e-4
 SEQ = 96
@@ -36,7 +36,7 @@ ROUND_TRIPS = [("llava_onevision", "torch_dist"), ("llava_onevision", "torch"), 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from megatron_vlm.testing.tiny import make_tiny_onevision
+    from tests.support.tiny import make_tiny_onevision
 
     root = tmp_path_factory.mktemp("anyres_hf")
     return {"llava_onevision": make_tiny_onevision(root / "ov"),
@@ -62,7 +62,7 @@ def _samples(encoder):
 
 def _video_samples(encoder):
     """A 25-frame clip at 10 fps (3 frames chosen), one of 5 frames (1 chosen) with an image, a text-only one."""
-    from megatron_vlm.testing.videos import make_video
+    from tests.support.videos import make_video
 
     long, short = make_video(25, 33, 21, fps=10), make_video(5, 48, 32, fps=7)
     user = [{"type": "video"}, {"type": "text", "text": "what colour is the shape ?"}]

@@ -22,8 +22,8 @@ from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.convert.verify import load_hf_model, reference_batch, verify_checkpoint
-from megatron_vlm.spec import VLMSpec
-from megatron_vlm.testing import forked_cli
+from megatron_vlm.model.spec import VLMSpec
+from tests.support import forked_cli
 
 from .conftest import ROOT
 from .train_helpers import falls, losses, run
@@ -42,7 +42,7 @@ def ov(tmp_path_factory):
     """The tiny OneVision, converted at TP=2, and a make_wds VQA set of coloured images of five sizes."""
     from PIL import Image
 
-    from megatron_vlm.testing.tiny import make_tiny_onevision
+    from tests.support.tiny import make_tiny_onevision
 
     root = tmp_path_factory.mktemp("anyres_cli")
     hf = make_tiny_onevision(root / "hf")

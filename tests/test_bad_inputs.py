@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from megatron_vlm.data.synthetic import write_image, write_jsonl
-from megatron_vlm.testing import forked_cli
+from tests.support import forked_cli
 from tests.data_fixtures import vqa_dataset, vqa_inputs  # noqa: F401
 
 from .conftest import script
@@ -143,7 +143,7 @@ def damaged_checkpoint(env, tmp_path, how: str) -> Path:
     elif how == "legacy_missing_rank":
         rank1.unlink()
     elif how == "manifest_size":  # a checksum manifest (as training saves write): a file of another size
-        from megatron_vlm import manifest
+        from megatron_vlm.checkpoint import manifest
 
         manifest.write(rel, manifest.entries(rel, manifest.files_of(rel)))
         (rel / "vlm_spec.json").write_text((rel / "vlm_spec.json").read_text() + "\n")  # still valid JSON
@@ -496,7 +496,7 @@ def _train_case(env, tmp_path, vqa_ds, how):
             shard = sorted(it10.glob("*.distcp"))[0]
             shard.write_bytes(shard.read_bytes()[:100])
         elif how == "resume_older_manifest":
-            from megatron_vlm import manifest
+            from megatron_vlm.checkpoint import manifest
 
             manifest.write(it10, manifest.entries(it10, manifest.files_of(it10)))
             (it10 / "vlm_spec.json").write_text((it10 / "vlm_spec.json").read_text() + "\n")

@@ -60,7 +60,7 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
                                                      "train_runs.log"]
     # the MoE row: a Qwen3-MoE LLaVA at EP1, local layers on CPU (TE's grouped GEMM on the GPU)
     moe = rows[("moe", "local SequentialMLP, EP1", "fp32")]
-    from megatron_vlm.testing import tiny
+    from tests.support import tiny
 
     if "qwen3_moe" in tiny.TEXT_FAMILIES:
         assert moe["ok"] and len(moe["losses"]) == bench.TINY["iters"] and moe["tokens_per_s"] > 0

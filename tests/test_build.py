@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_vlm.tokenizer import special_token_ids
+from megatron_vlm.model.tokenizer import special_token_ids
 
 pytestmark = pytest.mark.one_lane(
     "3.11",
@@ -36,7 +36,7 @@ def test_full_clip_checkpoint_and_vocab_padding(tmp_path):
     from transformers import LlavaForConditionalGeneration
 
     from megatron_vlm.convert.build import build_llava
-    from megatron_vlm.testing.tiny import make_text_model, make_vision_model
+    from tests.support.tiny import make_text_model, make_vision_model
 
     text = make_text_model(tmp_path / "t", "llama")
     vision = make_vision_model(tmp_path / "v", "clip", full=True)
@@ -56,8 +56,8 @@ def test_rejects_unsupported_text_model(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from megatron_vlm.convert.build import build_llava
-    from megatron_vlm.spec import UnsupportedArchitectureError
-    from megatron_vlm.testing.tiny import make_vision_model
+    from megatron_vlm.model.spec import UnsupportedArchitectureError
+    from tests.support.tiny import make_vision_model
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "g")
     with pytest.raises(UnsupportedArchitectureError, match="'gpt2'; supported: llama, mistral, qwen2"):

@@ -1,6 +1,6 @@
 """The cheap integrity checks of a checkpoint, on files made here (no model, no process): the checksum manifest
-(:mod:`megatron_vlm.manifest`), legacy rank files, and the newest complete iteration a damaged run's message names
-(:mod:`megatron_vlm.cli.inputs`). The trainer's use of them runs in tests/test_fault_drill.py, the launcher's in
+(:mod:`megatron_vlm.checkpoint.manifest`), legacy rank files, and the newest complete iteration a damaged run's message names
+(:mod:`megatron_vlm.checkpoint.checks`). The trainer's use of them runs in tests/test_fault_drill.py, the launcher's in
 tests/test_bad_inputs.py."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_vlm import manifest
+from megatron_vlm.checkpoint import manifest
 from megatron_vlm.cli import InputError
-from megatron_vlm.cli.inputs import (check_iteration_files, check_legacy_ranks, check_torch_file,
+from megatron_vlm.checkpoint.checks import (check_iteration_files, check_legacy_ranks, check_torch_file,
                                      newest_complete_iteration, resume_fix)
 
 
@@ -92,7 +92,7 @@ def test_legacy_rank_files_megatron_lm_writes_at_expert_tp_1(tmp_path):
     data-parallel rank 0): at TP2 x EP2 with ETP1 the files mp_rank_00_000 and mp_rank_01_001, which hold every
     shard between them. Before that fix, at TP2 x EP1 with ETP1 (TP > EP x ETP) it wrote mp_rank_00 alone, and no
     file holds TP rank 1's dense shards: refused, naming it and why."""
-    from megatron_vlm import legacy_ranks
+    from megatron_vlm.checkpoint import legacy_ranks
 
     d = _iteration(tmp_path / "etp1", {f"{n}/model_optim_rng.pt": b"x" for n in ("mp_rank_00_000", "mp_rank_01_001")},
                    meta=False, with_manifest=False)
@@ -171,7 +171,7 @@ def test_a_commit_is_flushed_in_order(tmp_path, monkeypatch):
     loss the tracker never names an iteration whose files are not on disk."""
     import os
 
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
     from megatron_vlm.training.checkpointing import commit_local
 
     run = tmp_path / "run"
@@ -196,7 +196,7 @@ def test_integrity_manifests_of_either_megatron_core(tmp_path):
     """A save's files as each lane records them: megatron-core 0.19 hashes the files it wrote (its integrity.json,
     SHA-256, checked by megatron-core on rank 0) and checksums.json has the rest; with 0.16 checksums.json has all.
     A changed byte in a shard or in a side file is named; --no-verify-integrity reads nothing."""
-    from megatron_vlm import mcore_version
+    from megatron_vlm.runtime import mcore_version
     from megatron_vlm.runtime.session import single_process_world
     from megatron_vlm.training.checkpointing import damaged_files
 

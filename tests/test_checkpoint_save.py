@@ -13,7 +13,7 @@ import pytest
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-from megatron_vlm import checkpoint as ckpt
+from megatron_vlm.checkpoint import layout as ckpt
 from tests.conftest import not_here
 
 pytestmark = pytest.mark.slow  # each test starts the queue's server process

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_vlm import cp_attention
-from megatron_vlm.context_parallel import length_multiple
+from megatron_vlm.model import cp_attention
+from megatron_vlm.model.context_parallel import length_multiple
 
 
 class _Group:

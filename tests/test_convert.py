@@ -17,8 +17,8 @@ from megatron_vlm.convert.verify import (
     verify_checkpoint,
 )
 from megatron_vlm.runtime.spawn import run_world
-from megatron_vlm.spec import VLMSpec
-from megatron_vlm.testing import worlds
+from megatron_vlm.model.spec import VLMSpec
+from tests.support import worlds
 
 from .conftest import FAMILIES, script
 
@@ -225,7 +225,7 @@ def test_padding_is_recorded_and_trimmed(hf_models, converted):
 
 
 def test_extra_tensors_travel(hf_models, converted):
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
 
     extra = ckpt.read_extra(converted[("qwen2_siglip", "torch_dist")] / "release")
     assert any(k.startswith("vision_tower.head.") for k in extra)  # SigLIP pooling head

@@ -137,7 +137,7 @@ def test_filesystem_faults(fault, expect, meg, tmp_path, capsys, monkeypatch):
     import errno
     import os
 
-    import megatron_vlm.atomic
+    import megatron_vlm.files.atomic
     from megatron_vlm.convert import hf_io
 
     def full_disk(fd, data, offset):  # the safetensors writer's write of a tensor's bytes
@@ -147,7 +147,7 @@ def test_filesystem_faults(fault, expect, meg, tmp_path, capsys, monkeypatch):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
 
     if fault == "eacces":
-        monkeypatch.setattr(megatron_vlm.atomic.tempfile, "mkdtemp", read_only)
+        monkeypatch.setattr(megatron_vlm.files.atomic.tempfile, "mkdtemp", read_only)
     else:
         monkeypatch.setattr(hf_io, "write_all", full_disk)
     args = ["--megatron-dir", meg, "--hf-dir", tmp_path / "hf"]

@@ -36,8 +36,8 @@ def _legacy_state(meg, ep: int = 1):
     """Every rank file's model state, by (TP, PP, EP) rank; each file must pass zipfile's CRC check."""
     import zipfile
 
-    from megatron_vlm import checkpoint as ckpt
-    from megatron_vlm import legacy_ranks
+    from megatron_vlm.checkpoint import layout as ckpt
+    from megatron_vlm.checkpoint import legacy_ranks
 
     it = meg / "release"
     ranks = legacy_ranks.present(it, ep > 1)
@@ -70,7 +70,7 @@ def test_kernel_copies_equal_computed_tensors(name, hf_models, tmp_path, monkeyp
     if name in hf_models:
         src = hf_models[name]
     else:
-        from megatron_vlm.testing.tiny import make_tiny_llava
+        from tests.support.tiny import make_tiny_llava
 
         src = make_tiny_llava(tmp_path / "hf", "qwen3_moe", "clip", text_overrides=dict(
             num_hidden_layers=2, mlp_only_layers=[1], num_key_value_heads=4))
@@ -314,7 +314,7 @@ def test_items_stored_through_a_transform_are_read_through_it_or_refused(hf_mode
 
     from torch.distributed.checkpoint import _extension
 
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
 
     class Xor(_extension.StreamTransformExtension):
         @staticmethod

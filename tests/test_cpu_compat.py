@@ -53,7 +53,7 @@ def test_clip_norm_fallback_builds_without_te():
     from megatron.core.models.vision import clip_vit_model
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_vlm.layer_impl import te_status
+    from megatron_vlm.model.layer_impl import te_status
 
     defaults = clip_vit_model.CLIPViTModel.__init__.__defaults__
     assert torch.nn.LayerNorm not in defaults

@@ -1,14 +1,14 @@
 """Checkpoints across the two megatron-core lanes (0.16 on Python 3.11, 0.19 on Python 3.12).
 
 ``tests/fixtures/mcore-0.16`` and ``mcore-0.19`` are tiny training checkpoints (saved after step 1) written by
-each lane with ``python -m megatron_vlm.testing.cross_version``, with the loss and grad norm of steps 2-3 and
+each lane with ``python -m tests.support.cross_version``, with the loss and grad norm of steps 2-3 and
 the digests of the HF export recorded by the lane that wrote them. Every lane resumes each fixture it can read
 and must reproduce those numbers exactly (0.16 -> 0.19 crosses lanes); megatron-core 0.16 cannot read 0.19's
 format, and must say so, naming the writer and what to install.
 
 The grad norms are asked for bit for bit on a machine with the writer's CPU kernels (``cpu_capability``); on
 another (AVX2 against AVX-512) the fp32 norm's summation order differs, so there they must agree to 1e-6
-relative, while the losses and the exported bytes stay exact (see megatron_vlm/testing/cross_version.py).
+relative, while the losses and the exported bytes stay exact (see tests/support/cross_version.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_vlm import checkpoint as ckpt
-from megatron_vlm import mcore_version
-from megatron_vlm.testing import cross_version
+from megatron_vlm.checkpoint import layout as ckpt
+from megatron_vlm.runtime import mcore_version
+from tests.support import cross_version
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WRITERS = {"mcore-0.16": "0.16.1", "mcore-0.19": "0.19.2"}
@@ -107,11 +107,11 @@ def test_lane_requirements_match_setup_cfg():
 
 
 def test_the_version_module_does_not_import_the_checkpoint_layout():
-    """The dependency runs one way: megatron_vlm.checkpoint -> mcore_version (which owns no file of the layout)."""
+    """The dependency runs one way: megatron_vlm.checkpoint.layout -> mcore_version (which owns no file of the layout)."""
     import ast
 
     tree = ast.parse(Path(mcore_version.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert "megatron_vlm.checkpoint" not in imported
+    assert "megatron_vlm.checkpoint.layout" not in imported
     assert not any(n.id == "META" for n in ast.walk(tree) if isinstance(n, ast.Name))

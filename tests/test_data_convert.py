@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageOps
 
-from megatron_vlm.atomic import OutputExistsError
+from megatron_vlm.files.atomic import OutputExistsError
 from megatron_vlm.data.make_wds import TooManyRejectsError, make_wds
 from megatron_vlm.data.prepare import split_shards
 from megatron_vlm.data.stats import iter_tar_samples

@@ -31,8 +31,8 @@ from megatron_vlm.data.loader import build_train_loader
 from megatron_vlm.data.skips import SkipCounter, TooManySkippedSamples, skip_error_line
 from megatron_vlm.data.synthetic import image_array
 from megatron_vlm.data.task_encoder import VLMTaskEncoder
-from megatron_vlm.spec import VLMSpec
-from megatron_vlm.testing import forked_cli
+from megatron_vlm.model.spec import VLMSpec
+from tests.support import forked_cli
 from megatron_vlm.training.config import ConfigError, TrainConfig
 from tests.data_fixtures import tiny_llava, vqa_dataset, vqa_inputs  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""megatron_vlm.dcp_index reads a torch_dist ``.metadata`` index without torch and without running code: the
+"""megatron_vlm.checkpoint.dcp_index reads a torch_dist ``.metadata`` index without torch and without running code: the
 same shard byte ranges and tensor shapes as torch's own reader, on converted checkpoints (three families, fp32
 and bf16) and on both lanes' training checkpoints (model, optimizer state, scheduler, RNG); anything else in the
 pickle is refused."""
@@ -14,7 +14,7 @@ import megatron.core  # noqa: F401 - its first import runs git (megatron-core 0.
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from megatron_vlm.dcp_index import UnreadableIndex, read_index
+from megatron_vlm.checkpoint.dcp_index import UnreadableIndex, read_index
 
 from .conftest import FAMILIES, ROOT
 
@@ -79,8 +79,8 @@ def test_a_damaged_index_is_unreadable(data, tmp_path):
 def test_the_launcher_checks_a_checkpoint_without_importing_torch(iteration_dirs, tmp_path):
     """A CPU launch's launcher reads the index itself (no torch: ~3.5 s of CPU less per launch)."""
     ckpt = iteration_dirs[-1].parent  # llama_clip, converted
-    code = ("import sys; from megatron_vlm.cli.inputs import check_checkpoint; "
-            "from megatron_vlm.launch.preflight import check_spec_against_tensors; from megatron_vlm.spec import "
+    code = ("import sys; from megatron_vlm.checkpoint.checks import check_checkpoint; "
+            "from megatron_vlm.launch.preflight import check_spec_against_tensors; from megatron_vlm.model.spec import "
             f"VLMSpec; it = check_checkpoint({str(ckpt)!r}); "
             "assert check_spec_against_tensors(VLMSpec.load(it), 'spec', it) == []; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_vlm.testing import forked_cli
+from tests.support import forked_cli
 
 from .conftest import script
 

@@ -29,7 +29,7 @@ def models(tmp_path_factory):
     """Tiny LLaVA and OneVision: HF dirs, Megatron checkpoints (TP2 torch_dist; bf16 for LLaVA), and exports."""
     from megatron_vlm.convert.to_hf import convert_megatron_to_hf
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
-    from megatron_vlm.testing.tiny import make_tiny_llava, make_tiny_onevision
+    from tests.support.tiny import make_tiny_llava, make_tiny_onevision
 
     root = tmp_path_factory.mktemp("eval_models")
     out = {}
@@ -207,7 +207,7 @@ def test_exported_onevision_loads_with_autoprocessor(models):
     out = proc(text="<video>hi", videos=[torch.zeros(2, 3, 30, 40, dtype=torch.uint8)], return_tensors="pt")
     assert out["pixel_values_videos"].shape[:2] == (1, 2)
     # its video token count is the model's: 2 frames pooled, and one image_newline
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     spec = VLMSpec.from_hf_dir(models["ov"]["export"])
     assert (out["input_ids"] == spec.video_token_id).sum() == spec.anyres.video_tokens(2)
@@ -256,8 +256,8 @@ def _memorise(hf_dir, data, out_dir, steps=60):
 
     from megatron_vlm.data.task_encoder import VLMTaskEncoder
     from megatron_vlm.eval.evaluate import iterate_split
-    from megatron_vlm.spec import VLMSpec
-    from megatron_vlm.testing.hf_reference import hf_inputs
+    from megatron_vlm.model.spec import VLMSpec
+    from tests.support.hf_reference import hf_inputs
     from megatron_vlm.convert.verify import load_hf_model
 
     spec = VLMSpec.from_hf_dir(hf_dir)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.model.spec import VLMSpec
 from megatron_vlm.training.flops import PartFlops, StepFlops, peak_flops
 
 pytestmark = pytest.mark.one_lane(

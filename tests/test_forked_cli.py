@@ -1,4 +1,4 @@
-"""megatron_vlm.testing.forked_cli: a script forked from the fork server ends like the same script started with
+"""tests.support.forked_cli: a script forked from the fork server ends like the same script started with
 subprocess (exit code, stdout, stderr, environment, working directory, signals, session)."""
 
 import os
@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from megatron_vlm.testing import forked_cli
+from tests.support import forked_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.one_lane(
     "3.11",

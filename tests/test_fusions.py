@@ -1,12 +1,12 @@
-"""Kernel fusions (megatron_vlm.fusions): the defaults resolved per device and layer implementation, the
-Megatron-LM flags, and the values the TransformerConfigs built by megatron_vlm.model receive. The kernels run on
+"""Kernel fusions (megatron_vlm.model.fusions): the defaults resolved per device and layer implementation, the
+Megatron-LM flags, and the values the TransformerConfigs built by megatron_vlm.model.build receive. The kernels run on
 CUDA only; bench/gpu.py measures them on a GPU (fusions on vs off)."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_vlm import fusions
+from megatron_vlm.model import fusions
 from megatron_vlm.training.config import ConfigError, TrainConfig
 
 AUTO = {f.name: None for f in fusions.FUSIONS}
@@ -61,8 +61,8 @@ def test_megatron_lm_flags():
 
 
 def test_transformer_configs_receive_the_resolved_values(hf_models):
-    from megatron_vlm.model import ModelOptions, language_config, projection_config, vision_config
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.build import ModelOptions, language_config, projection_config, vision_config
+    from megatron_vlm.model.spec import VLMSpec
 
     spec = VLMSpec.from_hf_dir(hf_models["llama_clip"])
     resolved = fusions.resolve(AUTO, "cuda", "local", {**EVERYTHING, "te": False})  # all but the rope fusion
@@ -79,7 +79,7 @@ def test_transformer_configs_receive_the_resolved_values(hf_models):
     assert not any(getattr(cpu, f.name) for f in fusions.FUSIONS)
     # the CUDA + Transformer Engine resolution carries apply_rope_fusion into the language config: megatron-core
     # itself then asks for Transformer Engine (installed in the 3.12 lane only)
-    from megatron_vlm.layer_impl import te_status
+    from megatron_vlm.model.layer_impl import te_status
 
     te = fusions.resolve(AUTO, "cuda", "transformer_engine", EVERYTHING)
     if te_status()[0]:

@@ -1,4 +1,4 @@
-"""The per-tensor gradient reference's own rules (megatron_vlm/testing/grad_reference.py), on tensors made here.
+"""The per-tensor gradient reference's own rules (tests/support/grad_reference.py), on tensors made here.
 
 The tensors of a tiny Qwen3-MoE LLaVA (one dense layer among three MoE layers) stand for gradients: every rank's
 shards are cut from them with the conversion's rules at TP2 x PP2 x EP2 (experts split over TP, and unsplit:
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_vlm.spec import VLMSpec
-from megatron_vlm.testing import grad_reference
+from megatron_vlm.model.spec import VLMSpec
+from tests.support import grad_reference
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def model(tmp_path_factory):
     """(spec, {HF name: tensor of every mapping rule})."""
     from megatron_vlm.convert import mapping
     from megatron_vlm.convert.hf_io import HFReader
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     hf = make_tiny_llava(tmp_path_factory.mktemp("gradref") / "hf", "qwen3_moe", "clip",
                          text_overrides=dict(num_hidden_layers=4, mlp_only_layers=[1]))

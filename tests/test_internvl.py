@@ -1,7 +1,7 @@
 """InternVL3 / InternVL3.5 (HF ``InternVLForConditionalGeneration``) through every command, held against HF.
 
 Models: the published ``-HF`` checkpoints' configs shrunk in size only around Qwen's real tokenizer with InternVL's
-tokens (:mod:`megatron_vlm.testing.internvl_models`): InternVL3.5-1B (Qwen3, tied), -8B (Qwen3, untied: the
+tokens (:mod:`tests.support.internvl_models`): InternVL3.5-1B (Qwen3, tied), -8B (Qwen3, untied: the
 checkpoint's own ``lm_head`` under a config whose top-level ``tie_word_embeddings`` defaults to True), -30B-A3B
 (Qwen3-MoE), InternVL3-2B (Qwen2: q/k/v biases, 151,674 rows) and InternVL3.5-38B's InternViT-6B (RMSNorm, q/k
 norms over all heads, no q/k/v bias).
@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from megatron_vlm.convert.hf_io import HFReader
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.model.spec import VLMSpec
 
 from .conftest import not_here, script
 from .data_fixtures import chat_dataset, chat_inputs, llava_dataset, llava_inputs, vqa_dataset, vqa_inputs  # noqa: F401
@@ -59,7 +59,7 @@ NAMES = ("InternVL3_5-1B-HF", "InternVL3_5-8B-HF", "InternVL3_5-30B-A3B-HF", "In
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from megatron_vlm.testing.internvl_models import internvl_hf_model
+    from tests.support.internvl_models import internvl_hf_model
 
     root = tmp_path_factory.mktemp("internvl")
     return {name: internvl_hf_model(root / name, name, seed=i) for i, name in enumerate(NAMES)}
@@ -90,7 +90,7 @@ def converted(models, tmp_path_factory):
 def _config(text=None, **top):
     from transformers import InternVLConfig
 
-    from megatron_vlm.testing.internvl_models import QWEN3_06B, TEXT_SMALL, VIT_300M, VIT_SMALL
+    from tests.support.internvl_models import QWEN3_06B, TEXT_SMALL, VIT_300M, VIT_SMALL
 
     vision = {**VIT_300M, **VIT_SMALL, **top.pop("vision", {})}
     return InternVLConfig(text_config=text or dict(QWEN3_06B, **TEXT_SMALL, head_dim=32), vision_config=vision,
@@ -110,7 +110,7 @@ def _config(text=None, **top):
 def test_what_megatron_cannot_build_is_refused_in_one_line(edit, expect):
     """InternVL3.5's GPT-OSS variant (its LM is not in the rule tables: attention sinks, biased MoE), other pixel
     shuffles, the CLS kept, a final ViT LayerNorm, a wrong token count and non-square tiles: one line each."""
-    from megatron_vlm.spec import UnsupportedArchitectureError
+    from megatron_vlm.model.spec import UnsupportedArchitectureError
 
     with pytest.raises(UnsupportedArchitectureError) as e:
         VLMSpec.from_hf(_config(**edit))
@@ -198,7 +198,7 @@ def test_controls_layer_scales_and_cross_head_qk_norm(models, converted, tmp_pat
 
     from megatron_vlm.convert.verify import max_logit_diff, megatron_forward_logits
     from megatron_vlm.runtime.session import single_process_world
-    from megatron_vlm.testing.worlds import _model_for
+    from tests.support.worlds import _model_for
 
     name = "InternVL3_5-38B-HF"
     src, meg = models[name], converted[name][0]
@@ -233,7 +233,7 @@ def test_controls_layer_scales_and_cross_head_qk_norm(models, converted, tmp_pat
     _, ref_per_head = _reference_logits(src, spec)
     monkeypatch.undo()
     with single_process_world():
-        from megatron_vlm import checkpoint as ckpt
+        from megatron_vlm.checkpoint import layout as ckpt
 
         model = _model_for(ckpt.resolve_iteration_dir(meg), 1, 1, batch.combined_length)
         got = megatron_forward_logits(model, batch)
@@ -248,7 +248,7 @@ def world(models, converted, tmp_path_factory):
     """One 4-process world: every model at its :data:`LAYOUTS`; {(name, tp, pp, ep): max |logit diff| vs HF}."""
     from megatron_vlm.convert.verify import hf_logits, reference_batch
     from megatron_vlm.runtime.spawn import run_world
-    from megatron_vlm.testing import family_jobs
+    from tests.support import family_jobs
 
     root = tmp_path_factory.mktemp("internvl_refs")
     jobs, keys = [], []
@@ -341,7 +341,7 @@ def test_tiles_and_pixels_are_hf_image_processors(models):
 
     from megatron_vlm.data import videos as vid
     from megatron_vlm.data.anyres_encoder import task_encoder_for
-    from megatron_vlm.testing.videos import make_video
+    from tests.support.videos import make_video
 
     src = models["InternVL3_5-1B-HF"]
     spec = VLMSpec.from_hf_dir(src)
@@ -378,7 +378,7 @@ def test_input_ids_equal_autoprocessors(name, models):
 
     from megatron_vlm.data import videos as vid
     from megatron_vlm.data.anyres_encoder import task_encoder_for
-    from megatron_vlm.testing.videos import make_video
+    from tests.support.videos import make_video
 
     src = models[name]
     spec = VLMSpec.from_hf_dir(src)
@@ -439,7 +439,7 @@ def test_transformer_engine_layers_load_the_converted_checkpoints(converted):
     InternViT (300M and 6B: its q/k norm weights on the attention) and the projector's fused LayerNorm + linear load
     every tensor from the converted checkpoint, equal to the local layers' under the same sharded key."""
     from megatron_vlm.runtime.spawn import run_world
-    from megatron_vlm.testing import te_jobs
+    from tests.support import te_jobs
 
     from .conftest import require_te
 
@@ -474,8 +474,8 @@ def trained(models, converted):
     """Every :data:`TRAIN_JOBS` job in one 4-process world (two steps, the first step's gradients captured), and HF's
     numbers on the same batches."""
     from megatron_vlm.runtime.spawn import run_world
-    from megatron_vlm.testing import internvl_jobs
-    from megatron_vlm.testing.train_jobs import job_config, train_jobs
+    from tests.support import internvl_jobs
+    from tests.support.train_jobs import job_config, train_jobs
 
     sets = {(m, video): internvl_jobs.global_batches(models[m], 2, video=video) for m, _, video in TRAIN_JOBS.values()}
     names = {key: f"{key[0]}{'-video' if key[1] else ''}" for key in sets}
@@ -507,7 +507,7 @@ def _rel(a: float, b: float) -> float:
 def test_trainer_equals_hf(job, trained, models):
     """Losses and gradient norms of two AdamW steps, and every trained tensor's gradient (ViT, projector, LM; the
     layer scales, the 6B's q/k norms, the experts) of the first, against HF's on the same batches."""
-    from megatron_vlm.testing import internvl_jobs
+    from tests.support import internvl_jobs
 
     name, layout, video = TRAIN_JOBS[job]
     r, ref = trained[job], trained[trained["names"][(name, video)]]
@@ -577,7 +577,7 @@ def test_build_llava_arch_internvl(models, tmp_path, capsys):
 
     from megatron_vlm.cli import run_cli
     from megatron_vlm.convert.to_hf import convert_megatron_to_hf
-    from megatron_vlm.testing import hub_models
+    from tests.support import hub_models
 
     src = models["InternVL3_5-1B-HF"]
     a = HFReader(src)
@@ -629,7 +629,7 @@ def test_build_convert_train_export_generate(models, tmp_path, capsys):
     from megatron_vlm.cli import run_cli
     from megatron_vlm.convert.verify import load_hf_model
     from megatron_vlm.data.synthetic import image_array
-    from megatron_vlm.testing import forked_cli, hub_models
+    from tests.support import forked_cli, hub_models
 
     from .conftest import ROOT
 

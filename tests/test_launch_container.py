@@ -161,7 +161,7 @@ def test_image_build_installs_the_lane_of_the_images_python(tmp_path):
     lane = "py%d%d.txt" % sys.version_info[:2]
     assert mod.lane_file(str(REPO / "constraints")) == str(REPO / "constraints" / lane)
     pins = dict(line.strip().split("==") for line in open(REPO / "constraints" / lane) if "==" in line)
-    from megatron_vlm import mcore_version
+    from megatron_vlm.runtime import mcore_version
 
     assert pins["megatron-core"] == mcore_version.installed()  # (0.19's megatron.core.__version__ has a +local)
     assert any(line.startswith("megatron-core==0.16.") for line in open(REPO / "constraints" / "py311.txt"))

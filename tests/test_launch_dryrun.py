@@ -221,8 +221,8 @@ def test_device_auto_falls_back_to_cpu(tmp_path, capsys, monkeypatch):
 def test_real_probe_reads_token_ids_from_tokenizer(tmp_path, capsys):
     """The ids come from a real tokenizer and are checked against the spec: a CPU launch on the host reads them in
     the launcher; a CUDA or container launch asks the probe subprocess, which reads the same ids."""
-    from megatron_vlm.testing.tiny import train_tokenizer
-    from megatron_vlm.tokenizer import add_vlm_tokens, special_token_ids
+    from tests.support.tiny import train_tokenizer
+    from megatron_vlm.model.tokenizer import add_vlm_tokens, special_token_ids
 
     tok = train_tokenizer(tmp_path / "tok_real")
     add_vlm_tokens(tok)

@@ -4,7 +4,7 @@ rope scaling of factor 32, checked past position 8,192), a Mistral-NeMo head_dim
 several query groups per rank at TP2; TP larger than the KV heads and SigLIP2 NaFlex refused in one line.
 
 Models are random-weight, built with the real ``build_llava``; the Qwen3 ones from the real hub config and tokenizer
-(``../shared/hub``, shrunk in size only, :func:`megatron_vlm.testing.hub_models.qwen3_text_model`). One 4-process world
+(``../shared/hub``, shrunk in size only, :func:`tests.support.hub_models.qwen3_text_model`). One 4-process world
 computes Megatron's fp32 logits of every model at its TP/PP layouts; each is compared with HF's own model.
 """
 
@@ -20,7 +20,7 @@ from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.convert.verify import hf_logits, reference_batch
-from megatron_vlm.spec import ParallelismError, UnsupportedArchitectureError, VLMSpec
+from megatron_vlm.model.spec import ParallelismError, UnsupportedArchitectureError, VLMSpec
 
 from .conftest import script
 
@@ -36,8 +36,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "h
 
 def _qwen3(root, arch, vision, tied=True):
     from megatron_vlm.convert.build import build_llava
-    from megatron_vlm.testing import hub_models
-    from megatron_vlm.testing.tiny import make_vision_model
+    from tests.support import hub_models
+    from tests.support.tiny import make_vision_model
 
     lm = hub_models.qwen3_text_model(root / "lm", tie_word_embeddings=tied)
     if vision == "siglip":
@@ -49,7 +49,7 @@ def _qwen3(root, arch, vision, tied=True):
 
 
 def _tiny(root, family, **text):
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     return make_tiny_llava(root / "hf", family, "clip", text_overrides=text)
 
@@ -114,7 +114,7 @@ def test_siglip2_naflex_is_refused_in_one_line(tmp_path):
     from transformers import Siglip2VisionConfig, Siglip2VisionModel
 
     from megatron_vlm.convert.build import build_llava
-    from megatron_vlm.testing.tiny import make_text_model
+    from tests.support.tiny import make_text_model
 
     Siglip2VisionModel(Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                            num_attention_heads=4, patch_size=8)).save_pretrained(tmp_path / "v")
@@ -161,7 +161,7 @@ def world(models, tmp_path_factory):
     import shutil
 
     from megatron_vlm.runtime.spawn import run_world
-    from megatron_vlm.testing import family_jobs
+    from tests.support import family_jobs
 
     root = tmp_path_factory.mktemp("families_meg")
     jobs, keys, ckpts = [], [], {}
@@ -255,7 +255,7 @@ def test_qwen3_transformer_engine_layers_load_the_converted_checkpoint(models, w
 
     require_te()
     from megatron_vlm.runtime.spawn import run_world
-    from megatron_vlm.testing import te_jobs
+    from tests.support import te_jobs
 
     _, ckpts = world
     job = {"name": "qwen3", "megatron_dir": str(ckpts["qwen3_onevision"]), "tp": 2, "pp": 1}
@@ -274,7 +274,7 @@ def test_qwen3_megatron_lm_checkpoints_export(models, tmp_path):
     TP2) export with only the HF config, byte for byte; an HF config without q/k norms is refused naming them."""
     from megatron_vlm.convert.megatron_lm import MismatchError
     from megatron_vlm.runtime.spawn import run_world
-    from megatron_vlm.testing import worlds
+    from tests.support import worlds
 
     src = models["qwen3_llava"]
     single = convert_hf_to_megatron(src, tmp_path / "tp1")  # megatron_lm_checkpoints reads it at TP=world size

@@ -20,15 +20,15 @@ import shutil
 import pytest
 import torch
 
-from megatron_vlm import checkpoint as ckpt
+from megatron_vlm.checkpoint import layout as ckpt
 from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.convert.megatron_lm import MismatchError
 from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.convert.verify import hf_logits, max_logit_diff, reference_batch
 from megatron_vlm.runtime.spawn import run_world
-from megatron_vlm.spec import SPEC_FILE, VLMSpec
-from megatron_vlm.testing import worlds
+from megatron_vlm.model.spec import SPEC_FILE, VLMSpec
+from tests.support import worlds
 
 from .conftest import script
 
@@ -45,7 +45,7 @@ VPP_LAYERS = [4, 2]
 def written(hf_models, tmp_path_factory):
     """Megatron-LM-style checkpoints of llama_clip and of qwen2_siglip (tied embeddings, qkv bias, no class
     token), written in one world."""
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     root = tmp_path_factory.mktemp("mlm")
     out = {}
@@ -187,7 +187,7 @@ def test_qwen2_siglip_tied_embeddings_export(fmt, hf_models, written, tmp_path):
 
 
 def test_old_model_prefix_checkpoint_still_loads(hf_models, mlm, tmp_path):
-    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.model.build import ModelOptions, build_model
     from megatron_vlm.runtime.session import single_process_world
 
     old, new = mlm["root"] / "old_prefix" / "release", mlm["converted"] / "release"
@@ -266,7 +266,7 @@ def test_hf_only_tensors_are_initialised_without_hf_weights(hf_models, mlm, tmp_
 def moe_written(tmp_path_factory):
     """A Qwen3-MoE LLaVA (3 MoE layers, 1 dense) as Megatron-LM writes it at TP2 x EP2: torch_dist, and legacy
     rank files with SequentialMLP's and with TEGroupedMLP's expert names."""
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     root = tmp_path_factory.mktemp("mlm_moe")
     hf = make_tiny_llava(root / "hf", "qwen3_moe", "clip", text_overrides=dict(num_hidden_layers=4,
@@ -324,7 +324,7 @@ def test_megatron_lm_moe_checkpoint_without_a_shard_is_refused(moe_written, tmp_
 
 
 def test_megatron_lm_moe_checkpoint_with_other_experts_is_refused(moe_written, tmp_path):
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     hf, mlm = moe_written
     other = make_tiny_llava(tmp_path / "other", "qwen3_moe", "clip",

@@ -4,7 +4,7 @@ output and warning."""
 
 import pytest
 
-from megatron_vlm.training import memory
+from megatron_vlm.model import memory
 
 from .launch_helpers import REPO, base_args, no_slurm_env  # noqa: F401
 
@@ -15,10 +15,10 @@ def _rel(a, b):
 
 @pytest.fixture(scope="module")
 def specs(hf_models, tmp_path_factory):
-    from megatron_vlm.spec import VLMSpec
-    from megatron_vlm.testing.tiny import make_tiny_onevision
+    from megatron_vlm.model.spec import VLMSpec
+    from tests.support.tiny import make_tiny_onevision
 
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     root = tmp_path_factory.mktemp("mem")
     ov = make_tiny_onevision(root / "ov")
@@ -39,8 +39,8 @@ def test_estimate_equals_allocation_one_process(specs, job):
     """At TP=PP=DP=1 the estimate of weights, gradients and optimizer state is exact, byte for byte (with
     --dist-optim megatron-core pads the gradient buffer's buckets: within 1%)."""
     from megatron_vlm.runtime.session import single_process_world
-    from megatron_vlm.testing.memory_jobs import measured_and_estimated
-    from megatron_vlm.testing.train_jobs import BASE
+    from tests.support.memory_jobs import measured_and_estimated
+    from tests.support.train_jobs import BASE
     from megatron_vlm.training.config import TrainConfig
 
     for name, spec in specs.items():
@@ -62,7 +62,7 @@ def test_estimate_matches_allocation_in_parallel_worlds(specs):
     gradient buffer): every rank's weights exactly, its gradient buffer and optimizer shard within megatron's
     padding."""
     from megatron_vlm.runtime.spawn import run_world
-    from megatron_vlm.testing.memory_jobs import memory_jobs
+    from tests.support.memory_jobs import memory_jobs
 
     jobs = [dict(tp=2, precision="bf16", dist_optim=True), dict(pp=2, precision="bf16", dist_optim=True),
             dict(tp=2, pp=2, precision="fp32", stage=1), dict(cp=2, precision="bf16", dist_optim=True)]

@@ -15,7 +15,7 @@ One 4-process world (``world``) runs every multi-rank check, the logits jobs and
   padded to ``--seq-length`` 160 (expert parallelism pads every micro batch to it), every tensor's gradient equals
   HF's ``Qwen3MoeForCausalLM`` objective through ``LlavaForConditionalGeneration`` / ``LlavaOnevision...``: HF's cross
   entropy plus the coefficient times transformers' own ``load_balancing_loss_func`` on HF's routers' logits, per micro
-  batch (``megatron_vlm.testing.hf_reference``), at EP2 x DP2 (distributed optimizer), TP2 x EP2 (sequence parallel,
+  batch (``tests.support.hf_reference``), at EP2 x DP2 (distributed optimizer), TP2 x EP2 (sequence parallel,
   turned on by the trainer) and PP2 x EP2; losses, the logged load-balancing loss and gradient norms equal HF's over
   three AdamW steps; every gradient also at PP4 (two middle stages) and with full activation recomputation; the
   routing numbers count the samples' positions only (once, recomputed or not). megatron-core's own ``aux_loss`` at the same coefficient fails the comparison (the control);
@@ -45,13 +45,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_vlm import mcore_version
+from megatron_vlm.runtime import mcore_version
 from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.convert.verify import hf_logits, reference_batch
 from megatron_vlm.runtime.spawn import run_world
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.model.spec import VLMSpec
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,7 @@ def close(a: list, b: list, rtol: float = RTOL) -> bool:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """{name: (HF dir, converted Megatron dir)} of the tiny models."""
-    from megatron_vlm.testing.tiny import make_tiny_llava, make_tiny_onevision
+    from tests.support.tiny import make_tiny_llava, make_tiny_onevision
 
     root = tmp_path_factory.mktemp("moe_tiny")
     text = dict(num_hidden_layers=4, mlp_only_layers=[1])
@@ -152,8 +152,8 @@ def _train_jobs(tiny, root) -> list[dict]:
     jobs.append(dict(name="tp2etp1", steps=1, grads=True, tp=2, etp=1, micro_batch_size=2, refused=not AT_019,
                      **S2, **llava))
     if AT_019:
-        from megatron_vlm import checkpoint as ckpt
-        from megatron_vlm.testing import cross_version
+        from megatron_vlm.checkpoint import layout as ckpt
+        from tests.support import cross_version
 
         run = FIXTURE / cross_version.RUN
         jobs.append(dict(cross_version.moe_job(run, refused=True, reset_data_position=True), megatron_dir=str(run),
@@ -165,8 +165,8 @@ def _train_jobs(tiny, root) -> list[dict]:
 def world(tiny, tmp_path_factory):
     """{"logits": {(model, tp, pp, ep, etp): max |logit diff| vs HF}, "runs": {job name: result}, "hf": HF's numbers}:
     one 4-process world for every logits and trainer job, then HF's own model on the same batches."""
-    from megatron_vlm.testing import family_jobs, hf_reference, worlds
-    from megatron_vlm.testing.train_jobs import job_config, train_jobs, variable_length_batches
+    from tests.support import family_jobs, hf_reference, worlds
+    from tests.support.train_jobs import job_config, train_jobs, variable_length_batches
 
     root = tmp_path_factory.mktemp("moe_world")
     logit_jobs, keys = _logit_jobs(tiny, root)
@@ -196,14 +196,14 @@ def world(tiny, tmp_path_factory):
 
 
 def _gradients(world, name: str, model: str = "llava") -> dict[str, float]:
-    from megatron_vlm.testing import grad_reference
+    from tests.support import grad_reference
 
     r = world["runs"][name]
     return grad_reference.assemble(r["grads"], world["specs"][model], **r["layout"])
 
 
 def _differences(world, name: str, ref: str, model: str = "llava") -> dict[str, float]:
-    from megatron_vlm.testing import grad_reference
+    from tests.support import grad_reference
 
     return grad_reference.compare(_gradients(world, name, model), world["hf"][ref]["grads"])
 
@@ -226,7 +226,7 @@ def test_wrong_top_k_normalisation_fails_the_comparison(world):
     ("mixtral", "torch", dict(tp=2, pp=2, ep=2, etp=1)),
 ])
 def test_round_trip_is_byte_identical(name, fmt, layout, tiny, tmp_path):
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
 
     src = tiny[name][0]
     experts = VLMSpec.from_hf_dir(src).num_moe_experts
@@ -406,7 +406,7 @@ def test_experts_unsplit_at_tp2_and_ep1(world):
 def coloured_data(tmp_path_factory):
     from PIL import Image
 
-    from megatron_vlm.testing import forked_cli
+    from tests.support import forked_cli
 
     from .conftest import ROOT
 
@@ -427,7 +427,7 @@ def coloured_data(tmp_path_factory):
 
 def test_build_convert_train_export_generate(tiny, coloured_data, tmp_path):
     from megatron_vlm.convert.verify import load_hf_model
-    from megatron_vlm.testing import forked_cli
+    from tests.support import forked_cli
 
     from .conftest import ROOT, script
 
@@ -472,7 +472,7 @@ def test_transformer_engine_grouped_experts_load_and_save_the_converted_checkpoi
     from .conftest import require_te
 
     require_te()
-    from megatron_vlm.testing import te_jobs
+    from tests.support import te_jobs
 
     hf, meg = tiny["mixtral"]
     job = {"name": "moe", "megatron_dir": str(meg), "tp": 1, "pp": 1, "ep": 2,

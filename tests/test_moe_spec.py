@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_vlm.convert import mapping
-from megatron_vlm.spec import ParallelismError, UnsupportedArchitectureError, VLMSpec
-from megatron_vlm.testing.tiny import text_config, vision_config
+from megatron_vlm.model.spec import ParallelismError, UnsupportedArchitectureError, VLMSpec
+from tests.support.tiny import text_config, vision_config
 
 
 def _spec(family="qwen3_moe", **text) -> VLMSpec:
@@ -43,7 +43,7 @@ def test_the_published_qwen3_30b_a3b_routing():
     layers (the models of tests/test_moe.py's predecessors and of bench/): routing, norms, rope and vocabulary."""
     from transformers import LlavaConfig, Qwen3MoeConfig
 
-    from megatron_vlm.testing.hub_models import QWEN3_30B_A3B, QWEN3_MOE_SMALL
+    from tests.support.hub_models import QWEN3_30B_A3B, QWEN3_MOE_SMALL
 
     def spec(**text) -> VLMSpec:
         lm = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **text})
@@ -60,7 +60,7 @@ def test_the_published_qwen3_30b_a3b_routing():
 
 
 def test_moe_settings_megatron_core_receives():
-    from megatron_vlm.model import ModelOptions, MoEOptions, _moe_config
+    from megatron_vlm.model.build import ModelOptions, MoEOptions, _moe_config
 
     s = _spec(num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)
     kw = _moe_config(s, ModelOptions(tp=2, ep=2))
@@ -178,7 +178,7 @@ def test_flops_count_the_active_experts():
 
 
 def test_legacy_rank_files_are_named_as_megatron_lm_names_them(tmp_path):
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
 
     assert ckpt.legacy_rank_dir(1, 0, 1) == "mp_rank_01"
     assert ckpt.legacy_rank_dir(1, 0, 1, ep_rank=3, ep=4) == "mp_rank_01_003"
@@ -219,7 +219,7 @@ def test_tensor_parallel_moe_turns_sequence_parallelism_on():
 def test_the_expert_optimizer_rule_is_each_versions():
     """megatron-core 0.16 keeps the experts' optimizer state apart iff EP > 1; 0.19 iff EP > 1 or ETP != TP. 0.16
     cannot train EP1 with ETP != TP (the experts' gradients miss the other TP ranks' tokens): refused."""
-    from megatron_vlm import mcore_version as mv
+    from megatron_vlm.runtime import mcore_version as mv
 
     for version, apart_at_etp in (("0.16.1", False), ("0.19.2", True)):
         assert mv.experts_optimizer_apart(2, 1, 1, version) and mv.experts_optimizer_apart(2, 2, 2, version)

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from megatron_vlm.testing import forked_cli
+from tests.support import forked_cli
 
 from .conftest import ROOT, script
 
@@ -59,7 +59,7 @@ def test_the_readme_path_with_a_qwen2_instruct_shaped_lm(tmp_path, capsys):
     from PIL import Image
     from transformers import AutoConfig, AutoTokenizer
 
-    from megatron_vlm.testing.tiny import make_text_model, make_vision_model
+    from tests.support.tiny import make_text_model, make_vision_model
 
     # 0. the user's parts: an instruct LM with its own ChatML template and 384 rows for ~300 tokens, SigLIP
     lm = make_text_model(tmp_path / "qwen2-instruct", "qwen2", tokenizer="chatml", vocab_rows=384)

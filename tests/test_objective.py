@@ -48,7 +48,7 @@ def world():
 @pytest.fixture
 def language_model(world):
     """A real LLaVAModel (TP1, random weights) in a one-process world, and its spec."""
-    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.model.build import ModelOptions, build_model
 
     spec = tiny_spec()  # 303 tokens, 384 padded rows
     return build_model(spec, ModelOptions(seq_length=16)), spec
@@ -83,7 +83,7 @@ def test_masked_loss_is_cross_entropy_over_the_true_vocabulary(language_model, f
 def test_masked_fused_loss_on_cuda(impl):
     """The fused cross entropies that run on a GPU only: megatron's 'native' one compiled for CUDA, and Transformer
     Engine's ('te'), under the same mask, against torch's cross entropy over the true vocabulary."""
-    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.model.build import ModelOptions, build_model
     from megatron_vlm.runtime.session import single_process_world
 
     if impl == "te":

@@ -158,9 +158,9 @@ def test_anyres_packs_keep_each_items_tiles_and_counts(tmp_path_factory):
     """OneVision (anyres tiles, videos): a pack concatenates each item's tiles, size, tile and token counts in token
     order, and its cu_seqlens are the image-expanded sample lengths; a sample starting with its video opens a pack."""
     from megatron_vlm.data.packing import AnyresPackedBatch, packing_task_encoder_for
-    from megatron_vlm.spec import VLMSpec
-    from megatron_vlm.testing.packing_check import _as_samples, sample_sets
-    from megatron_vlm.testing.tiny import make_tiny_onevision
+    from megatron_vlm.model.spec import VLMSpec
+    from tests.support.packing_check import _as_samples, sample_sets
+    from tests.support.tiny import make_tiny_onevision
 
     hf = make_tiny_onevision(tmp_path_factory.mktemp("ov_pack") / "ov")
     enc = packing_task_encoder_for(VLMSpec.from_hf_dir(hf), hf, 128, 256)
@@ -240,7 +240,7 @@ def _expand(model, tokens, labels, loss_mask, first_image: int):
 
 
 def test_packed_row_is_expanded_like_separate_rows(tmp_path_factory, packer):
-    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.model.build import ModelOptions, build_model
     from megatron_vlm.runtime.session import single_process_world
 
     samples = _encoded(packer, 3)
@@ -327,9 +327,9 @@ def test_energon_loader_packs_and_resumes(vqa_dataset, tmp_path_factory):  # noq
 @pytest.mark.gpu
 def test_packed_equals_unpacked_on_gpu(tmp_path_factory):
     """The same samples packed into one 'thd' row and as separate rows: per-sample logits within the bf16
-    yardstick, per-sample losses within 1%, the same loss positions (megatron_vlm.testing.packing_check)."""
+    yardstick, per-sample losses within 1%, the same loss positions (tests.support.packing_check)."""
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
-    from megatron_vlm.testing.packing_check import packed_vs_unpacked
+    from tests.support.packing_check import packed_vs_unpacked
 
     hf = tiny_llava(tmp_path_factory)
     meg = convert_hf_to_megatron(hf, tmp_path_factory.mktemp("packing_gpu") / "m")

@@ -3,7 +3,7 @@
 The same samples are trained for one step unpacked (separate padded rows) and packed (the packing task encoder's
 own packs: one 'thd' row per pack, megatron-core ``PackedSeqParams``, megatron's local attention once per segment
 behind the CPU compatibility layer, megatron's per-segment RoPE), with the trainer's build and step
-(:func:`megatron_vlm.testing.packing_check.equivalence_jobs`), in ONE 2-process world:
+(:func:`tests.support.packing_check.equivalence_jobs`), in ONE 2-process world:
 
 - a LLaVA (Llama + CLIP, GQA) and a LLaVA-OneVision (Qwen2 + SigLIP: anyres tiles of four image sizes, a
   two-image sample, a video, a video with an image, a text-only sample); in both, one sample starts with its
@@ -33,8 +33,8 @@ import pytest
 
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.runtime.spawn import run_world
-from megatron_vlm.testing.packing_check import equivalence_jobs, sample_sets
-from megatron_vlm.testing.train_jobs import encoder_for
+from tests.support.packing_check import equivalence_jobs, sample_sets
+from tests.support.train_jobs import encoder_for
 
 pytestmark = pytest.mark.slow
 
@@ -48,12 +48,12 @@ OV = dict(model="ov", packed_seq_length=272, seq_length=128)
 
 @pytest.fixture(scope="module")
 def results(hf_models, tmp_path_factory):
-    from megatron_vlm.testing.tiny import make_tiny_onevision
+    from tests.support.tiny import make_tiny_onevision
 
     root = tmp_path_factory.mktemp("packing_eq")
     hf = hf_models["llama_clip"]
     ov = make_tiny_onevision(root / "ov")
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     four = make_tiny_llava(root / "llava4", text_overrides={"num_hidden_layers": 4})
     models = {"llava": (convert_hf_to_megatron(hf, root / "llava_meg", tp=1), hf),

@@ -1,6 +1,6 @@
 """The pipeline layout of virtual pipeline parallelism (issue 51), held to megatron-core's own placement.
 
-:mod:`megatron_vlm.pipeline_layout` says which language layers each model chunk of each pipeline rank holds; the
+:mod:`megatron_vlm.model.pipeline_layout` says which language layers each model chunk of each pipeline rank holds; the
 converters' legacy rank files, the gradient references and the start-up line read it. Here megatron-core decides:
 for even and uneven splits (``--pp-layers``, which megatron-core expresses as the first and last stage's counts),
 at PP2 and PP4 with 2 and 3 chunks per rank, the TransformerConfig the model builds with (``model.language_config``)
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_vlm import pipeline_layout as pl
-from megatron_vlm.spec import ParallelismError
+from megatron_vlm.model import pipeline_layout as pl
+from megatron_vlm.model.spec import ParallelismError
 
 from .launch_helpers import tiny_spec
 
@@ -26,7 +26,7 @@ def test_chunks_hold_the_layers_megatron_core_builds(layers, pp, pp_layers, vpp)
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron_vlm.model import ModelOptions, language_config
+    from megatron_vlm.model.build import ModelOptions, language_config
 
     spec = tiny_spec(num_layers=layers)
     cfg = language_config(spec, ModelOptions(pp=pp, pp_layers=pp_layers, vpp=vpp, perform_initialization=False))

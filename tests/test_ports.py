@@ -1,4 +1,4 @@
-"""megatron_vlm.ports: rendezvous ports are drawn below the kernel's ephemeral range, so that a port the kernel
+"""megatron_vlm.runtime.ports: rendezvous ports are drawn below the kernel's ephemeral range, so that a port the kernel
 hands to some process's outgoing connection (gloo opens one per peer) cannot take it between the choice and
 torchrun's bind (EADDRINUSE seen with two pytest workers on one host)."""
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from megatron_vlm import ports
+from megatron_vlm.runtime import ports
 
 pytestmark = pytest.mark.one_lane("3.11", reason="rendezvous ports against the kernel's ephemeral range: the standard "
                                                  "library")

@@ -5,7 +5,7 @@ tied embeddings, 151,936 rows) + SigLIP, built with ``build_llava --arch llava_o
 The same three global batches of eight variable-length samples (images of four sizes) are trained:
 
 - fp32 stage 2 at TP2 x PP2 x DP2 gives HF's own model's loss and grad norm (LlavaOnevisionForConditionalGeneration,
-  AdamW set as the trainer's optimizer: megatron_vlm.testing.hf_reference) at each of three steps, 1e-5 relative;
+  AdamW set as the trainer's optimizer: tests.support.hf_reference) at each of three steps, 1e-5 relative;
 - bf16 stage 2 with the distributed optimizer at TP2 x PP2 x DP2: the loss falls and the first loss is within 1%
   of fp32's; saved after step 1 and resumed there, it continues bit for bit as the uninterrupted run (losses, grad
   norms and every rank's weights). Stage 1 at PP>1 and its resume: tests/test_stage1_resume.py.
@@ -20,9 +20,9 @@ import pytest
 
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.runtime.spawn import run_world
-from megatron_vlm.testing import hf_reference
-from megatron_vlm.testing.train_jobs import job_config, train_jobs
-from megatron_vlm.testing.train_jobs import variable_length_batches as global_batches
+from tests.support import hf_reference
+from tests.support.train_jobs import job_config, train_jobs
+from tests.support.train_jobs import variable_length_batches as global_batches
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ THREE_D = dict(tp=2, pp=2)  # x DP2 in the 8-process world
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from megatron_vlm.convert.build import build_llava
-    from megatron_vlm.testing import hub_models
+    from tests.support import hub_models
 
     root = tmp_path_factory.mktemp("qwen3_train")
     hf = build_llava(hub_models.qwen3_text_model(root / "lm"),

@@ -25,8 +25,8 @@ import sys
 
 import pytest
 
-from megatron_vlm.testing import forked_cli, hub_models
-from megatron_vlm.testing.tiny import make_text_model, make_vision_model
+from tests.support import forked_cli, hub_models
+from tests.support.tiny import make_text_model, make_vision_model
 
 from .conftest import ROOT, script
 
@@ -130,7 +130,7 @@ def test_user_path(world, data, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     from megatron_vlm.data.anyres_encoder import task_encoder_for
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     build, want_id, want_rows, pad, closing, inserted, iters = WORLDS[world]
     hf = build(tmp_path)

@@ -9,11 +9,12 @@ import sys
 
 import pytest
 
-from megatron_vlm import mcore_version, storage
+from megatron_vlm.files import storage
+from megatron_vlm.runtime import mcore_version
 from megatron_vlm.launch import preflight
 from megatron_vlm.launch.container import mounts
 from megatron_vlm.launch.torchrun import free_port
-from megatron_vlm.testing import forked_cli
+from tests.support import forked_cli
 from megatron_vlm.training.config import ConfigError, TrainConfig
 
 from .conftest import ROOT

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from megatron_vlm import checkpoint as ckpt
+from megatron_vlm.checkpoint import layout as ckpt
 from megatron_vlm.training import resume, schedule
 from megatron_vlm.training.config import TrainConfig
 

@@ -6,7 +6,7 @@ distributed optimizer asserted on its missing step at save; the mixed-precision 
 ``KeyError: 'fp32_from_fp16'``); :mod:`megatron_vlm.training.checkpointing` leaves it out on those stages and
 restores their loss scale (fp16: the last stage scales the loss) from the saved one.
 
-The trainer's own build, step, save and resume (:func:`megatron_vlm.testing.train_jobs.train_jobs`) train four
+The trainer's own build, step, save and resume (:func:`tests.support.train_jobs.train_jobs`) train four
 global batches straight, saving after the second, and a second job resumes that checkpoint for batches three and
 four: the resumed losses, grad norms and final weights (sha256 of every rank's parameters) equal the straight run's
 bit for bit, at PP2 (2 processes) and PP2 x DP2 (4 processes), with the distributed and the default optimizer, in
@@ -34,8 +34,8 @@ import pytest
 
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.runtime.spawn import run_world
-from megatron_vlm.testing import hf_reference
-from megatron_vlm.testing.train_jobs import job_config, train_jobs, variable_length_batches
+from tests.support import hf_reference
+from tests.support.train_jobs import job_config, train_jobs, variable_length_batches
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +92,7 @@ def _vpp_jobs(root, four: dict) -> list[dict]:
 def four_layers(tmp_path_factory):
     """A LLaVA of four language layers (two per rank at PP2, one per chunk at VPP2), converted to torch_dist and to
     legacy rank files at PP2 x VPP2 (model0/model1 entries), its batches, and HF's numbers on them."""
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     root = tmp_path_factory.mktemp("four_layers")
     hf = make_tiny_llava(root / "hf", text_overrides={"num_hidden_layers": 4})
@@ -154,8 +154,8 @@ def _rel(a, b):
 def test_virtual_pipeline_equals_hf_loss_and_every_gradient(worlds, four_layers):
     """PP2 x VPP2, stage 2, fp32: two AdamW steps give HF's losses and grad norms, and the first step's gradient of
     every trained tensor (each chunk's, under its own layer numbers, against HF's tensor) HF's, all to 1e-5."""
-    from megatron_vlm.spec import VLMSpec
-    from megatron_vlm.testing import grad_reference
+    from megatron_vlm.model.spec import VLMSpec
+    from tests.support import grad_reference
 
     r, ref = worlds["pp2"]["vpp-s2"], four_layers["hf_s2"]
     mine = grad_reference.assemble(r["grads"], VLMSpec.from_hf_dir(four_layers["hf"]), **r["layout"])

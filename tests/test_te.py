@@ -4,7 +4,7 @@ TE's kernels need a GPU, so no forward runs here; everything before it does: bui
 architecture at TP=1, TP=2 (with sequence parallelism) and PP=2, loading converted checkpoints into them
 (compared with the local layers through megatron's sharded keys), saving from them and exporting that to HF,
 the FP8 recipes, and the trainer's set-up (mixed precision, DDP, distributed optimizer). One 2-process world
-(megatron_vlm.testing.te_jobs) runs every check; the tests below read its results.
+(tests.support.te_jobs) runs every check; the tests below read its results.
 
 Marked ``te``: skipped in the 3.11 lane (no TE there), failing in the 3.12 lane when TE does not import.
 """
@@ -48,12 +48,12 @@ def te_only_objects(name: str, pp_rank: int) -> list[str]:
 @pytest.fixture(scope="module")
 def world(hf_models, tmp_path_factory):
     """Converted checkpoints (local layout) of every architecture, then one 2-process world that runs every job
-    of megatron_vlm.testing.te_jobs; returns the models, checkpoints, saved TE checkpoints and results."""
+    of tests.support.te_jobs; returns the models, checkpoints, saved TE checkpoints and results."""
     require_te()
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
     from megatron_vlm.runtime.spawn import run_world
-    from megatron_vlm.testing import te_jobs
-    from megatron_vlm.testing.tiny import make_tiny_onevision
+    from tests.support import te_jobs
+    from tests.support.tiny import make_tiny_onevision
 
     root = tmp_path_factory.mktemp("te")
     hf = {name: hf_models[name] for name in ARCHS[:3]}
@@ -99,7 +99,7 @@ def _all_ranks(world, name):
 
 
 def test_te_modules_for_every_architecture(world):
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     for arch in ARCHS:
         spec = VLMSpec.load(world["meg"][arch] / "release")
@@ -264,7 +264,7 @@ def test_packing_builds_packed_seq_params_for_te_attention(world):
 
 
 def test_deterministic_te_attention_needs_its_environment(monkeypatch):
-    from megatron_vlm import model
+    from megatron_vlm.model import build as model
 
     monkeypatch.delenv(model.NONDETERMINISTIC_ENV, raising=False)
     model.te_deterministic_env()

@@ -13,15 +13,15 @@ import shutil
 
 import pytest
 
-from megatron_vlm.chat_template import (
+from megatron_vlm.data.chat_template import (
     ChatTemplateError,
     choose_chat_template,
     llava_chat_template,
     with_image_parts,
 )
 from megatron_vlm.data.chat_tokens import ChatTokenizer
-from megatron_vlm.testing import hub
-from megatron_vlm.testing.tiny import (
+from tests.support import hub
+from tests.support.tiny import (
     CHATML_TEMPLATE,
     chatml_tokenizer,
     make_text_model,
@@ -30,7 +30,7 @@ from megatron_vlm.testing.tiny import (
     text_config,
     vision_config,
 )
-from megatron_vlm.tokenizer import add_vlm_tokens
+from megatron_vlm.model.tokenizer import add_vlm_tokens
 
 from .conftest import ROOT, script
 
@@ -64,7 +64,7 @@ def qwen2_tok(tmp_path_factory):
     """The real Qwen2 tokenizer of the OneVision checkpoint (its vocab.json, merges.txt, tokenizer_config.json)."""
     from transformers import AutoTokenizer
 
-    from megatron_vlm.testing.hub_models import copy_token_files
+    from tests.support.hub_models import copy_token_files
 
     d = tmp_path_factory.mktemp("qwen2_tok")
     copy_token_files(hub.hub_model_dir(hub.ONEVISION_QWEN2), d)
@@ -80,12 +80,12 @@ def tokenizer_shape(name, d):
     if name == "mistral_v03":
         return mistral_tokenizer(d), "mistral"
     if name == "qwen2_real":
-        from megatron_vlm.testing.hub_models import copy_token_files
+        from tests.support.hub_models import copy_token_files
 
         copy_token_files(hub.hub_model_dir(hub.ONEVISION_QWEN2), d)
         return AutoTokenizer.from_pretrained(str(d)), "qwen2"
     if name == "vicuna_real":  # tokenizer.model only: needs sentencepiece
-        from megatron_vlm.testing.hub_models import copy_token_files
+        from tests.support.hub_models import copy_token_files
 
         copy_token_files(hub.hub_model_dir(hub.VICUNA_15), d, ("tokenizer.model", "tokenizer_config.json",
                                                               "special_tokens_map.json"))
@@ -121,7 +121,7 @@ def test_image_token_is_the_model_configs(shape, arch, want, tmp_path):
     (ChatML's <|im_start|>, Mistral's [INST], ...): the spec (hf_to_megatron, stats, training) and the launcher's
     probe read the same id."""
     from megatron_vlm.launch.probe import probe
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     tok, family = tokenizer_shape(shape, tmp_path / "lm")
     n = len(tok)
@@ -166,8 +166,8 @@ def test_image_token_mismatch_names_both_files_and_ids(hf_models, tmp_path, caps
     (bad / "processor_config.json").unlink()
     cfg["image_token_index"] = 5
     (bad / "config.json").write_text(json.dumps(cfg))
-    from megatron_vlm.spec import VLMSpec
-    from megatron_vlm.tokenizer import ImageTokenError
+    from megatron_vlm.model.spec import VLMSpec
+    from megatron_vlm.model.tokenizer import ImageTokenError
 
     with pytest.raises(ImageTokenError) as e:
         VLMSpec.from_hf_dir(bad)
@@ -313,7 +313,7 @@ def test_assistant_mask_against_hf_generation_blocks(llava15_tok, qwen2_tok):
     (152064, 151647, 128, 152064), (384, 304, 256, 512), (303, 304, 64, 320),
 ])
 def test_embedding_rows(lm_rows, tokens, padding, rows):
-    from megatron_vlm.tokenizer import embedding_rows
+    from megatron_vlm.model.tokenizer import embedding_rows
 
     assert embedding_rows(lm_rows, tokens, padding) == rows
 
@@ -377,7 +377,7 @@ def test_a_model_trained_on_an_open_template_learns_to_stop(tmp_path):
     from transformers import AutoProcessor
 
     from megatron_vlm.data.task_encoder import VLMTaskEncoder
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from tests.support.tiny import make_tiny_llava
 
     hf = make_tiny_llava(tmp_path / "m", "llama", "clip")
     (hf / "chat_template.jinja").write_text((hub.hub_model_dir(hub.LLAVA_15) / "chat_template.jinja").read_text())
@@ -409,7 +409,7 @@ def qwen3_tok(tmp_path_factory):
     Qwen2 vocab.json / merges.txt it shares (151,669 tokens)."""
     from transformers import AutoTokenizer
 
-    from megatron_vlm.testing.hub_models import copy_token_files
+    from tests.support.hub_models import copy_token_files
 
     d = tmp_path_factory.mktemp("qwen3_tok")
     copy_token_files(hub.hub_model_dir(hub.ONEVISION_QWEN2), d, ("vocab.json", "merges.txt"))

@@ -18,8 +18,8 @@ import torch
 
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.runtime.spawn import run_world
-from megatron_vlm.testing.train_jobs import train_jobs
-from megatron_vlm.testing.train_jobs import variable_length_batches as global_batches
+from tests.support.train_jobs import train_jobs
+from tests.support.train_jobs import variable_length_batches as global_batches
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +109,7 @@ def test_local_layers_mark_their_norms_for_sequence_parallelism(hf_models):
     layouts against HF."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_vlm.model import LocalNorm
+    from megatron_vlm.model.build import LocalNorm
 
     cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
                             tensor_model_parallel_size=2, sequence_parallel=True)

@@ -4,7 +4,7 @@ Three global batches of eight samples of different lengths (OneVision: images of
 plus the base image) are trained with the trainer's own parts (``build_training``, ``train_step``: megatron-core's
 schedules, DDP, optimizers) and, outside megatron, by HF ``LlavaForConditionalGeneration`` /
 ``LlavaOnevisionForConditionalGeneration`` with ``labels`` and ``torch.optim.AdamW`` on the same samples
-(:mod:`megatron_vlm.testing.hf_reference`; AdamW with weight decay 1.0 on the tensors megatron-core decays, not
+(:mod:`tests.support.hf_reference`; AdamW with weight decay 1.0 on the tensors megatron-core decays, not
 on biases and norms, and the trainer's eps). fp32, stage 1 (projector only) and stage 2 (language model and
 projector): every step's loss and gradient norm equal HF's to a relative 1e-5, and the first step's gradient of
 every trained tensor equals HF's relative to its norm to 1e-5 (measured <= 4.6e-7), at TP1 and in one 4-rank world
@@ -35,7 +35,7 @@ TP2 x CP2 follows the bf16 TP1 run; the CP2 x DP2 checkpoint resumes at CP4 and 
 continues. A OneVision global batch with a video of 32 frames (a 209-position sample), a video with an image, an
 image and a text-only sample has HF's loss and gradients at CP1 (DP4), CP2 x DP2, CP4 and TP2 x CP2, and the CP
 layouts equal CP1. A Qwen3-MoE LLaVA (load-balancing loss off: HF LLaVA's plain cross entropy) at CP2 x EP2 has HF's
-every gradient, experts included (:mod:`megatron_vlm.testing.grad_reference`).
+every gradient, experts included (:mod:`tests.support.grad_reference`).
 
 """
 
@@ -45,9 +45,9 @@ import pytest
 
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.runtime.spawn import run_world
-from megatron_vlm.spec import VLMSpec
-from megatron_vlm.testing import grad_reference, hf_reference
-from megatron_vlm.testing.train_jobs import job_config, long_video_batch, train_jobs, variable_length_batches
+from megatron_vlm.model.spec import VLMSpec
+from tests.support import grad_reference, hf_reference
+from tests.support.train_jobs import job_config, long_video_batch, train_jobs, variable_length_batches
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +126,7 @@ VPP_VIDEOS = 2
 
 @pytest.fixture(scope="module")
 def models(hf_models, tmp_path_factory):
-    from megatron_vlm.testing.tiny import make_tiny_llava, make_tiny_onevision
+    from tests.support.tiny import make_tiny_llava, make_tiny_onevision
 
     root = tmp_path_factory.mktemp("reference")
     out = {}
@@ -291,7 +291,7 @@ def test_loss_and_grad_norm_equal_hf_for_three_adamw_steps(runs, model, stage, l
 @pytest.mark.parametrize("model", ["llava", "onevision"])
 def test_every_gradient_tensor_equals_hfs(runs, model, stage, layout):
     """The first step's gradient of every trained tensor, assembled from every rank's shards (with the distributed
-    optimizer: gathered over its DP shards) into HF's tensors (megatron_vlm.testing.grad_reference), against HF's,
+    optimizer: gathered over its DP shards) into HF's tensors (tests.support.grad_reference), against HF's,
     relative to the tensor's norm."""
     rel = runs[f"{model}-s{stage}-{layout}"]["grad_rel"]
     trained = {"projector"} if stage == 1 else {"projector", "language"}
@@ -350,7 +350,7 @@ def test_virtual_pipeline_stages_equal_hf(runs, models, model, layout):
     assert layers == {0, 1, 2, 3} and any(k.startswith("multi_modal_projector.") for k in r["grad_rel"])
     assert r["grad_rel"][worst] <= GRAD_TENSOR_RTOL
     if model == "onevision":  # the batches held videos (VPP_VIDEOS per global batch) besides anyres images
-        from megatron_vlm.spec import VLMSpec
+        from megatron_vlm.model.spec import VLMSpec
 
         video = VLMSpec.from_hf_dir(models["onevision4"]["hf"]).video_token_id
         assert [sum(int((s.tokens == video).sum()) for s in gb) for gb in models["onevision4"]["batches"]] == \

@@ -14,7 +14,7 @@ import io
 import pytest
 import torch
 
-from megatron_vlm import fp8, layer_impl
+from megatron_vlm.model import fp8, layer_impl
 from megatron_vlm.data.task_encoder import VLMTaskEncoder, padded_text_length
 from tests.data_fixtures import tiny_llava
 
@@ -117,11 +117,11 @@ def test_batch_pads_image_expanded_length(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_world(tmp_path_factory):
     """A one-process world, a checkpoint converted from HF (torch_dist, local layers) and a model loaded from it."""
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
-    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.model.build import ModelOptions, build_model
     from megatron_vlm.runtime.session import single_process_world
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     hf = tiny_llava(tmp_path_factory, "llama", "clip")
     meg = convert_hf_to_megatron(hf, tmp_path_factory.mktemp("impl") / "local")
@@ -181,7 +181,7 @@ def test_local_checkpoint_loads_into_te_layout(local_world):
 def test_te_checkpoint_loads_into_local_layers(local_world, tmp_path, caplog):
     from megatron.core import dist_checkpointing
 
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
 
     src = local_world["model"]
     te_dir = tmp_path / "release"
@@ -246,7 +246,7 @@ def test_te_and_local_layers_agree_with_hf(tmp_path_factory):
     """Both implementations load the converted (local, no TE _extra_state) checkpoint and match HF in fp32."""
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
     from megatron_vlm.convert.verify import reference_batch
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     from tests.conftest import script
 
@@ -275,11 +275,11 @@ def test_unsupported_recipe_is_refused_on_this_gpu():
 @pytest.mark.gpu
 def test_te_written_checkpoint_loads_into_local_layers(tmp_path_factory, tmp_path):
     """Converted (local) -> TE model -> saved with TE's _extra_state -> local model: the same weights."""
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
-    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.model.build import ModelOptions, build_model
     from megatron_vlm.runtime.session import single_process_world
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     hf = tiny_llava(tmp_path_factory, "llama", "clip")
     src = convert_hf_to_megatron(hf, tmp_path / "local") / "release"

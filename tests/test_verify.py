@@ -15,7 +15,7 @@ from megatron_vlm.convert import verify
 from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.convert.verify import VerificationError, verify_checkpoint
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.model.spec import VLMSpec
 
 from .conftest import script
 
@@ -116,8 +116,8 @@ def test_verify_memory_counts_every_rank_of_an_expert_parallel_world(tmp_path):
     more than HF's one fp32 copy that the estimate counted before."""
     from megatron.core.parallel_state import RankGenerator
 
-    from megatron_vlm import checkpoint as ckpt
-    from megatron_vlm.testing.tiny import make_tiny_llava
+    from megatron_vlm.checkpoint import layout as ckpt
+    from tests.support.tiny import make_tiny_llava
 
     hf = make_tiny_llava(tmp_path / "moe", "qwen3_moe", "clip", text_overrides=dict(num_hidden_layers=2,
                                                                                      mlp_only_layers=[1]))

@@ -1,6 +1,6 @@
 """LLaVA-OneVision videos on the data side: frame choice, decoding, pixels, make_wds, the task encoder, stats.
 
-Videos are made here with PyAV (megatron_vlm.testing.videos): mpeg4 in mp4 at odd sizes, H.264 with B-frames,
+Videos are made here with PyAV (tests.support.videos): mpeg4 in mp4 at odd sizes, H.264 with B-frames,
 VP8 in webm (energon seeks those by time), a clip longer than --video-frames seconds and one shorter than 1 s.
 """
 
@@ -18,7 +18,7 @@ from PIL import Image
 
 from megatron_vlm.data import videos as vid
 from megatron_vlm.data.conversation import Reject, from_chat, from_llava, from_vqa
-from megatron_vlm.testing.videos import broken_videos, make_video
+from tests.support.videos import broken_videos, make_video
 
 # (frames, width, height, fps, codec, container): odd sizes, < 1 s, > 32 s, B-frames, webm
 CLIPS = [(25, 33, 21, 10, "mpeg4", "mp4"), (5, 48, 32, 7, "mpeg4", "mp4"), (700, 32, 24, 10, "mpeg4", "mp4"),
@@ -32,7 +32,7 @@ def clips():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from megatron_vlm.testing.tiny import make_tiny_onevision
+    from tests.support.tiny import make_tiny_onevision
 
     root = tmp_path_factory.mktemp("video_hf")
     return {"ov": make_tiny_onevision(root / "ov"),
@@ -217,7 +217,7 @@ def _encoded(hf_dir, data_dir, seq_length=512, batch_size=None, **kw):
     """Every training sample of a prepared dataset through the energon loader and the model's task encoder."""
     from megatron_vlm.data.anyres_encoder import task_encoder_for
     from megatron_vlm.data.loader import build_eval_loader
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     enc = task_encoder_for(VLMSpec.from_hf_dir(hf_dir), hf_dir, seq_length, **kw)
     return enc, list(build_eval_loader(data_dir, enc, batch_size or 1, 0, 1, 0, split="train"))
@@ -258,7 +258,7 @@ def test_truncation_never_cuts_inside_a_video_and_a_video_too_long_is_a_counted_
     from megatron.energon import SkipSample
 
     from megatron_vlm.data.anyres_encoder import task_encoder_for
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     spec = VLMSpec.from_hf_dir(models["ov"])
     msgs = [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "video"},
@@ -302,7 +302,7 @@ def test_a_video_for_a_model_that_is_not_onevision_stops_with_the_arch_named(mod
 def test_stats_count_video_tokens(models, video_data):
     from megatron_vlm.data.anyres_encoder import task_encoder_for
     from megatron_vlm.data.stats import dataset_stats
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     root, out, names = video_data
     spec = VLMSpec.from_hf_dir(models["ov"])
@@ -321,7 +321,7 @@ def test_a_partial_last_batch_is_padded_with_its_last_rows_videos(models, clips)
     """Evaluation fills a short micro batch with copies of its last row: the row's videos (frames, token
     counts) are copied with it, as its images are."""
     from megatron_vlm.data.anyres_encoder import AnyresSample, task_encoder_for
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
     from megatron_vlm.training.step import pad_micro_batch
 
     spec = VLMSpec.from_hf_dir(models["ov"])

@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_vlm.anyres import AnyresGeometry
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.model.anyres import AnyresGeometry
+from megatron_vlm.model.spec import VLMSpec
 
 
 @pytest.fixture(scope="module")
 def ov(tmp_path_factory):
-    from megatron_vlm.testing.tiny import make_tiny_onevision
+    from tests.support.tiny import make_tiny_onevision
 
     return make_tiny_onevision(tmp_path_factory.mktemp("video_models") / "ov")
 

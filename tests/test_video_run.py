@@ -21,7 +21,7 @@ import torch
 from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 from megatron_vlm.convert.verify import load_hf_model, verify_checkpoint
-from megatron_vlm.testing import forked_cli
+from tests.support import forked_cli
 
 from .conftest import ROOT, script
 from .train_helpers import falls, losses, run
@@ -39,8 +39,8 @@ FLAGS = ("--stage", "2", "--precision", "bf16", "--global-batch-size", "4", "--s
 def ov(tmp_path_factory):
     from PIL import Image
 
-    from megatron_vlm.testing.tiny import make_tiny_onevision
-    from megatron_vlm.testing.videos import make_video
+    from tests.support.tiny import make_tiny_onevision
+    from tests.support.videos import make_video
 
     root = tmp_path_factory.mktemp("video_cli")
     hf = make_tiny_onevision(root / "hf")
@@ -118,7 +118,7 @@ def test_stage2_bf16_tp2_loss_falls_and_resume_is_exact(ov, tp2):
 
 def test_export_matches_the_checkpoint_and_generates_from_a_video(ov, tp2, tmp_path):
     from megatron_vlm.data.anyres_encoder import task_encoder_for
-    from megatron_vlm.spec import VLMSpec
+    from megatron_vlm.model.spec import VLMSpec
 
     out = tmp_path / "hf"
     forked_cli.run([sys.executable, "convert/megatron_to_hf.py", "--megatron-dir", str(tp2), "--hf-dir", str(out)],

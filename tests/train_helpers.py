@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
-from megatron_vlm.testing import forked_cli
+from tests.support import forked_cli
 
 from .conftest import ROOT
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Print docs/training.md's sizing table: memory per GPU of 7-8 B and 72 B LLaVA / OneVision runs on 8 GPUs
-of 80 GB, computed by the launcher's estimator (megatron_vlm.training.memory), from the published models' shapes.
+of 80 GB, computed by the launcher's estimator (megatron_vlm.model.memory), from the published models' shapes.
 
   python tools/sizing_table.py
 """
@@ -10,8 +10,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_vlm.spec import VLMSpec  # noqa: E402
-from megatron_vlm.training import memory  # noqa: E402
+from megatron_vlm.model.spec import VLMSpec  # noqa: E402
+from megatron_vlm.model import memory  # noqa: E402
 
 CLIP_L336 = dict(vision_family="clip", vision_num_layers=24, vision_hidden_size=1024, vision_ffn_hidden_size=4096,
                  vision_num_attention_heads=16, image_size=336, patch_size=14, vision_feature_layer=-2)

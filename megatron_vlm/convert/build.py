@@ -3,9 +3,9 @@
 
 The result loads with ``LlavaForConditionalGeneration.from_pretrained`` and ``AutoProcessor.from_pretrained``:
 safetensors weights, a tokenizer with the image token (and a pad token), the vision encoder's image
-processor, and a chat template (:mod:`megatron_vlm.chat_template`: the LM's own, rendering image parts as the
+processor, and a chat template (:mod:`megatron_vlm.data.chat_template`: the LM's own, rendering image parts as the
 image token, unless asked otherwise). The embedding keeps the LM's rows, or grows to a multiple of 64 when the
-added tokens do not fit (:func:`megatron_vlm.tokenizer.embedding_rows`).
+added tokens do not fit (:func:`megatron_vlm.model.tokenizer.embedding_rows`).
 
 ``arch='llava_onevision'`` (or ``'llava_next'``) builds the anyres model instead: grid pinpoints (by default
 OneVision's 1x1..6x6 tiles), ``image_newline``, OneVision's ``vision_aspect_ratio`` (anyres_max_N), and the
@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_vlm.atomic import atomic_dir
-from megatron_vlm.chat_template import choose_chat_template
-from megatron_vlm.spec import NAFLEX_REFUSAL, SUPPORTED_TEXT, SUPPORTED_VISION, UnsupportedArchitectureError
-from megatron_vlm.tokenizer import (DEFAULT_IMAGE_TOKEN, DEFAULT_VIDEO_TOKEN, DEFAULT_VOCAB_PADDING, add_vlm_tokens,
+from megatron_vlm.convert.assemble import assemble
+from megatron_vlm.files.atomic import atomic_dir
+from megatron_vlm.data.chat_template import choose_chat_template
+from megatron_vlm.model.spec import NAFLEX_REFUSAL, SUPPORTED_TEXT, SUPPORTED_VISION, UnsupportedArchitectureError
+from megatron_vlm.model.tokenizer import (DEFAULT_IMAGE_TOKEN, DEFAULT_VIDEO_TOKEN, DEFAULT_VOCAB_PADDING, add_vlm_tokens,
                                     embedding_rows)
 
 VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
@@ -94,10 +95,10 @@ def build_llava(
     ``vision_feature_select_strategy`` defaults to 'default' (drop CLS) for CLIP and 'full' for SigLIP.
     ``arch`` llava_next / llava_onevision: ``grid_pinpoints`` default to every rows x cols tiling up to
     ``max_grid`` x ``max_grid`` tiles of the vision encoder's image size. ``chat_template``: ``keep`` (the LM's
-    own, adapted to image parts), ``llava`` or a Jinja file (:func:`~megatron_vlm.chat_template.choose_chat_template`).
-    ``vocab_size_padding``: see :func:`~megatron_vlm.tokenizer.embedding_rows`.
+    own, adapted to image parts), ``llava`` or a Jinja file (:func:`~megatron_vlm.data.chat_template.choose_chat_template`).
+    ``vocab_size_padding``: see :func:`~megatron_vlm.model.tokenizer.embedding_rows`.
     """
-    from megatron_vlm.spec import ARCHS
+    from megatron_vlm.model.spec import ARCHS
 
     if arch not in ARCHS:
         raise ValueError(f"--arch {arch!r} is not one of {', '.join(ARCHS)}")
@@ -188,7 +189,7 @@ def build_llava(
         multimodal_projector_bias=projector_bias,
         tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)),
     )
-    model = _assemble(LlavaForConditionalGeneration, config, lm, vit, tokenizer, seed)
+    model = assemble(LlavaForConditionalGeneration, config, lm, vit, tokenizer, seed)
 
     processor = LlavaProcessor(
         image_processor=image_processor,
@@ -208,47 +209,13 @@ def build_llava(
     return save_dir
 
 
-def _assemble(model_cls, config, lm, vit, tokenizer, seed: int):
-    """An HF ``model_cls`` (LLaVA, LLaVA-NeXT or OneVision) from ``config`` holding ``lm``'s and ``vit``'s weights
-    (the projector, and ``image_newline`` where the architecture has one, initialised from ``seed``), with the
-    tokenizer's special tokens in its config and generation config."""
-    config.pad_token_id = tokenizer.pad_token_id
-    torch.manual_seed(seed)
-    model = model_cls(config).to(lm.dtype)
-    model.model.language_model.load_state_dict(lm.model.state_dict())
-    if not config.tie_word_embeddings:
-        model.lm_head.load_state_dict(lm.lm_head.state_dict())
-    else:
-        model.tie_weights()
-    model.model.vision_tower.load_state_dict(vit.state_dict())
-    gen = model.generation_config
-    gen.pad_token_id = tokenizer.pad_token_id
-    gen.eos_token_id = stop_token_ids(tokenizer)
-    if tokenizer.bos_token_id is not None:
-        gen.bos_token_id = tokenizer.bos_token_id
-    return model
-
-
-def stop_token_ids(tokenizer) -> int | list[int]:
-    """What ``generate`` stops at: the eos, and the token the chat template closes answers with if another
-    (Llama-3's ``<|eot_id|>`` with a base tokenizer's ``<|end_of_text|>``)."""
-    from megatron_vlm.data.chat_tokens import ChatTokenizer
-
-    eos = tokenizer.eos_token_id
-    if not getattr(tokenizer, "is_fast", False):  # the closing token is found with a fast tokenizer's offsets
-        return eos
-    closing = ChatTokenizer(tokenizer).closing_token
-    cid = tokenizer.convert_tokens_to_ids(closing) if closing else None
-    return eos if cid is None or cid == eos else [eos, cid]
-
-
 def _build_anyres(arch, lm, vit, tokenizer, image_token, base_processor, save_dir, family, vision_feature_layer,
                   vision_feature_select_strategy, projector_bias, grid_pinpoints, vision_aspect_ratio, max_grid,
                   seed, overwrite) -> Path:
     import transformers
 
-    from megatron_vlm.anyres import AnyresGeometry, parse_vision_aspect_ratio
-    from megatron_vlm.spec import ARCHS
+    from megatron_vlm.model.anyres import AnyresGeometry, parse_vision_aspect_ratio
+    from megatron_vlm.model.spec import ARCHS
 
     tile = vit.config.image_size
     if grid_pinpoints is None:
@@ -276,7 +243,7 @@ def _build_anyres(arch, lm, vit, tokenizer, image_token, base_processor, save_di
     else:
         image_processor = transformers.LlavaNextImageProcessorPil(**proc_kw, crop_size={"height": tile, "width": tile})
     config = getattr(transformers, ARCHS[arch][0])(**kw)
-    model = _assemble(getattr(transformers, ARCHS[arch][1]), config, lm, vit, tokenizer, seed)
+    model = assemble(getattr(transformers, ARCHS[arch][1]), config, lm, vit, tokenizer, seed)
     with atomic_dir(save_dir, overwrite=overwrite, what="--save-dir") as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         image_processor.save_pretrained(str(tmp))

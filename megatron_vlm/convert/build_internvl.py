@@ -9,7 +9,7 @@ checkpoint's vision side: ``convert/build_llava.py --arch internvl --text-model 
 - **tokens**: the LM's tokenizer with InternVL's ``<img>``, ``</img>``, ``<IMG_CONTEXT>`` (the image token) and
   ``<video>`` as its named extra special tokens (what HF's ``InternVLProcessor`` reads), and a pad token where it has
   none; the LM's chat template taught to render image parts as ``<IMG_CONTEXT>\\n`` and video parts as
-  ``<video>\\n`` (:mod:`megatron_vlm.chat_template`), as InternVL's templates do;
+  ``<video>\\n`` (:mod:`megatron_vlm.data.chat_template`), as InternVL's templates do;
 - **tying**: the top-level ``tie_word_embeddings`` is written explicitly, equal to the LM's (transformers 5 ties by
   the top-level flag, whose default is True);
 - the processor files: ``processor_config.json`` (``InternVLProcessor``, ``image_seq_length``) and the video
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_vlm.atomic import atomic_dir
-from megatron_vlm.spec import UnsupportedArchitectureError
+from megatron_vlm.files.atomic import atomic_dir
+from megatron_vlm.model.spec import UnsupportedArchitectureError
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def read_vision_source(vision_dir: Path):
 
 def add_internvl_tokens(tokenizer) -> list[str]:
     """Add InternVL's tokens (and a pad token where missing) as special tokens; return those added."""
-    from megatron_vlm.tokenizer import DEFAULT_PAD_TOKEN
+    from megatron_vlm.model.tokenizer import DEFAULT_PAD_TOKEN
 
     vocab = tokenizer.get_vocab()
     added = [t for t in (START, END, IMAGE_TOKEN, VIDEO_TOKEN) if t not in vocab]
@@ -134,10 +134,10 @@ def build_internvl(lm, text_dir: Path, vision_dir: Path, save_dir: Path, *, voca
     the module docstring); returns ``save_dir``."""
     from transformers import AutoTokenizer, InternVLConfig, InternVLForConditionalGeneration, InternVLVisionModel
 
-    from megatron_vlm.chat_template import choose_chat_template
-    from megatron_vlm.convert.build import _assemble
-    from megatron_vlm.spec import _internvit_settings, _square
-    from megatron_vlm.tokenizer import embedding_rows
+    from megatron_vlm.data.chat_template import choose_chat_template
+    from megatron_vlm.convert.assemble import assemble
+    from megatron_vlm.model.spec import _internvit_settings, _square
+    from megatron_vlm.model.tokenizer import embedding_rows
 
     vcfg, vit_state, proj_state, source = read_vision_source(vision_dir)
     ratio = float(source.downsample_ratio) if source is not None else 0.5
@@ -170,7 +170,7 @@ def build_internvl(lm, text_dir: Path, vision_dir: Path, save_dir: Path, *, voca
     _internvit_settings(config, config.vision_config)  # what megatron cannot build is refused before anything is made
     vit = InternVLVisionModel(config.vision_config).to(lm.dtype)
     vit.load_state_dict({k: v.to(lm.dtype) for k, v in vit_state.items()})
-    model = _assemble(InternVLForConditionalGeneration, config, lm, vit, tokenizer, seed)
+    model = assemble(InternVLForConditionalGeneration, config, lm, vit, tokenizer, seed)
     projector = model.model.multi_modal_projector
     want = {k: tuple(v.shape) for k, v in projector.state_dict().items()}
     if proj_state and {k: tuple(v.shape) for k, v in proj_state.items()} == want:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_vlm import checkpoint as ckpt
+from megatron_vlm.checkpoint import layout as ckpt
 from megatron_vlm.convert import mapping
 from megatron_vlm.convert.file_tensors import Located, Target, itemsize, tensor_bytes, write_all
 
@@ -66,7 +66,7 @@ def meta_model(spec, dtype: torch.dtype):
     """The TP=1/PP=1 LLaVAModel on the meta device (a one-process world must be up): shapes and megatron-core's
     checkpoint keys, no weights. Every parameter gets ``dtype`` (megatron-core makes local norms and the ViT's
     conv1 fp32 whatever ``params_dtype`` says; a converted checkpoint keeps one dtype)."""
-    from megatron_vlm.model import ModelOptions, build_model
+    from megatron_vlm.model.build import ModelOptions, build_model
 
     with torch.device("meta"), _MetaOnly():
         model = build_model(spec, ModelOptions(params_dtype=dtype, perform_initialization=False, seq_length=64))
@@ -547,11 +547,11 @@ class LegacyReader:
     parallelism (``meta.ep`` > 1) an expert's tensors come from its EP rank's files (``mp_rank_TT[_PPP]_EEE``), under
     their local indices, merged over the expert TP size; with virtual pipeline stages (``meta.vpp`` > 1) from the
     ``model<c>`` entry of the chunk that holds them, under the chunk's own layer numbers. Each shard is read from a
-    file that holds it (:class:`megatron_vlm.legacy_ranks.Sources`: Megatron-LM writes only some (TP, EP) files at
+    file that holds it (:class:`megatron_vlm.checkpoint.legacy_ranks.Sources`: Megatron-LM writes only some (TP, EP) files at
     ETP < TP)."""
 
     def __init__(self, iter_dir, spec, meta: ckpt.CheckpointMeta):
-        from megatron_vlm import legacy_ranks
+        from megatron_vlm.checkpoint import legacy_ranks
 
         self.dir, self.spec, self.meta = iter_dir, spec, meta
         self.ep, self.etp = meta.ep, meta.etp or meta.tp
@@ -583,7 +583,7 @@ class LegacyReader:
     def _stored_as(self, rule) -> tuple[list[tuple[int, int, int]], str, str]:
         """The rank files ``(tp, pp, ep)`` that hold ``rule``'s TP shards, in TP order, its local name there and
         the files' model entry (``model<c>`` for chunk c with virtual pipeline stages)."""
-        from megatron_vlm.pipeline_layout import rank_and_chunk
+        from megatron_vlm.model.pipeline_layout import rank_and_chunk
 
         stage = mapping.stages_of(rule, self.spec, self.stage_layers)[0]
         name = mapping.local_name(rule, stage, self.stage_layers, self.per_rank)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_vlm import checkpoint as ckpt
+from megatron_vlm.checkpoint import layout as ckpt
 from megatron_vlm.convert import mapping
-from megatron_vlm.spec import SPEC_FILE, VLMSpec
+from megatron_vlm.model.spec import SPEC_FILE, VLMSpec
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def _spec_from_hf_config(hf_config) -> VLMSpec:
         LlavaConfig.from_json_file(str(path))
     tok, image_token, src = None, None, None
     if (path.parent / "tokenizer_config.json").is_file():
-        from megatron_vlm.tokenizer import directory_sources
+        from megatron_vlm.model.tokenizer import directory_sources
 
         tok = AutoTokenizer.from_pretrained(str(path.parent))
         src = directory_sources(path.parent)
@@ -131,9 +131,9 @@ def _read_legacy(iter_dir, tp: int, pp: int, spec: VLMSpec, ep: int = 1,
     """Legacy rank files: as :func:`_read_dist`, plus the language layers of each pipeline stage and the model chunks
     per rank (``model0``, ``model1``, ... entries with virtual pipeline stages, each numbering its layers from 0; 1
     with a ``model`` entry). With expert parallelism each EP rank's experts are renumbered to their global index;
-    every shard is read from the file :class:`megatron_vlm.legacy_ranks.Sources` names (Megatron-LM writes only some
+    every shard is read from the file :class:`megatron_vlm.checkpoint.legacy_ranks.Sources` names (Megatron-LM writes only some
     (TP, EP) files at ETP < TP)."""
-    from megatron_vlm import legacy_ranks
+    from megatron_vlm.checkpoint import legacy_ranks
 
     # each tensor's split, under the layer-0 names shapes are kept by (layer 0 may be an MoE layer while a later one
     # holds the dense MLP: mlp_only_layers)

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_vlm import checkpoint as ckpt
-from megatron_vlm.atomic import atomic_dir
+from megatron_vlm.checkpoint import layout as ckpt
+from megatron_vlm.files.atomic import atomic_dir
 from megatron_vlm.convert import copyplan, mapping, mcore_io
 from megatron_vlm.convert import streaming as st
 from megatron_vlm.convert.file_tensors import write_tensor
 from megatron_vlm.convert.hf_io import SafetensorsFile, SafetensorsWriter
 from megatron_vlm.runtime.gc_freeze import preload
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.model.spec import VLMSpec
 
 log = logging.getLogger(__name__)
 

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_vlm import checkpoint as ckpt
-from megatron_vlm.atomic import atomic_dir
+from megatron_vlm.checkpoint import layout as ckpt
+from megatron_vlm.files.atomic import atomic_dir
 from megatron_vlm.convert import copyplan, mapping
 from megatron_vlm.convert import streaming as st
 from megatron_vlm.convert.file_tensors import Target, itemsize, write_tensor
 from megatron_vlm.convert.hf_io import HFReader, SafetensorsWriter
 from megatron_vlm.runtime.gc_freeze import preload
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.model.spec import VLMSpec
 
 log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -149,7 +149,7 @@ def convert_hf_to_megatron(
     spec = VLMSpec.from_hf_dir(hf_dir)
     layers = spec.check_parallelism(tp, pp, pp_layers, ep, etp)
     if vpp > 1 or layers_per_virtual_stage is not None:
-        from megatron_vlm.pipeline_layout import vpp_size
+        from megatron_vlm.model.pipeline_layout import vpp_size
 
         vpp = vpp_size(layers, layers_per_virtual_stage, vpp if vpp > 1 else None, uneven=pp_layers is not None)
     if ckpt_format == "torch" and (etp or tp) not in (1, tp):
@@ -265,7 +265,7 @@ class _LegacyOutput:
 
     def __init__(self, plan: _Plan, files, tp: int, pp: int, layers: list[int], ep: int = 1, etp: int | None = None,
                  vpp: int = 1):
-        from megatron_vlm.pipeline_layout import rank_and_chunk
+        from megatron_vlm.model.pipeline_layout import rank_and_chunk
 
         self.plan, self.tp, self.pp, self.ep = plan, tp, pp, ep
         spec = plan.spec

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.model.spec import VLMSpec
 
 log = logging.getLogger(__name__)
 DEFAULT_TOLERANCE = 1e-4
@@ -228,7 +228,7 @@ def load_hf_model(hf_dir, dtype=torch.float32):
     import json
     from pathlib import Path
 
-    from megatron_vlm import spec as spec_mod
+    from megatron_vlm.model import spec as spec_mod
 
     arch = json.loads((Path(hf_dir) / "config.json").read_text()).get("model_type", "llava")
     if arch not in spec_mod.ARCHS:
@@ -443,8 +443,8 @@ def megatron_max_diffs(model, batch: ReferenceBatch, reference_file, vocab: int,
 
 def _verify_worker(megatron_dir, iteration, tp: int, pp: int, batch: ReferenceBatch, reference_file, rows: int,
                    device=None, progress: bool = False, ep: int = 1, etp: int | None = None, vpp: int = 1):
-    from megatron_vlm import checkpoint as ckpt
-    from megatron_vlm.model import ModelOptions, build_chunks
+    from megatron_vlm.checkpoint import layout as ckpt
+    from megatron_vlm.model.build import ModelOptions, build_chunks
     from megatron_vlm.runtime import distributed
 
     if progress and not logging.getLogger().handlers:  # a spawned rank: show the progress lines as the parent does
@@ -476,10 +476,10 @@ def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
 
 def megatron_weight_bytes(spec: VLMSpec, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
     """fp32 bytes of the weights every rank of a verification world holds together: each rank's share
-    (:func:`megatron_vlm.training.memory.estimate`, which tests/test_memory.py holds to what ranks allocate) times
+    (:func:`megatron_vlm.model.memory.estimate`, which tests/test_memory.py holds to what ranks allocate) times
     the ranks of its stage. At EP > 1 the world has data-parallel replicas (:func:`world_size`), each holding its
     copy of the dense weights, and the experts are replicated over their own data-parallel group."""
-    from megatron_vlm.training import memory
+    from megatron_vlm.model import memory
 
     world = world_size(tp, pp, ep, etp)
     layout = memory.Layout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep, etp=etp, precision="fp32",
@@ -557,7 +557,7 @@ def verify_checkpoint(hf_dir, megatron_dir, tp: int = 1, pp: int = 1, iteration=
     Peak memory: the larger of HF's fp32 model and Megatron's (:func:`megatron_weight_bytes`: TP*PP ranks hold one
     fp32 copy, an EP world's data-parallel replicas one each of the dense weights), plus one sample's activations
     and ``chunk_bytes``-sized logit slices (default :data:`CHUNK_BYTES`); never a batch's full-vocabulary logits."""
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
     from megatron_vlm.runtime.session import single_process_world
 
     it_dir = ckpt.resolve_iteration_dir(megatron_dir, iteration)

@@ -6,7 +6,7 @@ and loss mask, truncation that never splits an image), with what anyres adds:
 - tiles from the model's own HF image processor (the PIL one, ``LlavaOnevisionImageProcessorPil`` /
   ``LlavaNextImageProcessorPil``: HF's OneVision *processor* class needs torchvision for videos), applied to
   the image at its original size: the base tile first, then the grid tiles;
-- per image: its size (h, w), its tiles and its image tokens, counted by :mod:`megatron_vlm.anyres` (the
+- per image: its size (h, w), its tiles and its image tokens, counted by :mod:`megatron_vlm.model.anyres` (the
   model packs with the same geometry, and checks the count); the counts travel in the batch so that every
   pipeline stage has them;
 - OneVision's multi-image rule: a sample with several images gives each its base tile only (as HF's
@@ -52,7 +52,7 @@ class AnyresBatch(VLMBatch):
     num_image_tokens: torch.Tensor  # int32 [n_images]
 
     def model_kwargs(self, device) -> dict:
-        """Keyword inputs of :class:`~megatron_vlm.anyres_model.AnyresLLaVAModel` beyond LLaVAModel's."""
+        """Keyword inputs of :class:`~megatron_vlm.model.anyres_model.AnyresLLaVAModel` beyond LLaVAModel's."""
         return dict(image_sizes=self.image_sizes, num_image_tokens=self.num_image_tokens.to(device))
 
 
@@ -85,7 +85,7 @@ class AnyresTaskEncoder(VLMTaskEncoder):
         #: the tokenizer's and the model's video token ids (None: the model takes no videos)
         self.tokenizer_video_token_id = self.video_token_id = None
         if self.spec.video_token_id is not None:
-            from megatron_vlm.tokenizer import video_token_id
+            from megatron_vlm.model.tokenizer import video_token_id
 
             self.tokenizer_video_token_id = video_token_id(self.tokenizer)
             self.video_token_id = int(self.spec.video_token_id)

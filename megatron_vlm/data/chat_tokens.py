@@ -30,7 +30,7 @@ masks on the real templates).
 
 **The eos rule: every assistant turn is closed by an end token, in the tokens and in the loss.** A template
 that closes assistant turns with a special token (ChatML's ``<|im_end|>``, ``</s>`` after ``[/INST]`` answers,
-LLaVA-1.5's template of :mod:`megatron_vlm.chat_template`) is used as it renders. A template that closes
+LLaVA-1.5's template of :mod:`megatron_vlm.data.chat_template`) is used as it renders. A template that closes
 none (llava-1.5-7b-hf's: ``ASSISTANT: The circle is red. USER: ...``) would never put a stop token in the loss,
 and the model would never learn to end its answer; there the tokenizer's eos is inserted after the last token
 of each answer and trained on, as LLaVA's own training does with ``</s>``. Which case applies is decided once

@@ -2,7 +2,7 @@
 
 A conversation is a list of messages ``{"role": "system"|"user"|"assistant", "content": [part, ...]}``
 whose parts are ``{"type": "text", "text": str}``, ``{"type": "image"}`` or ``{"type": "video"}`` -- the HF
-multimodal chat format that :mod:`megatron_vlm.chat_template`'s templates (and HF processors) render.
+multimodal chat format that :mod:`megatron_vlm.data.chat_template`'s templates (and HF processors) render.
 Images and videos are kept apart, each in the order their parts appear. As in LLaVA-NeXT, the ``<image>``
 placeholder of a record with a video stands for the video; ``<video>`` is refused in text (the tokenizer would
 read it as the video token).

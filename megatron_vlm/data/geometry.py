@@ -1,7 +1,7 @@
 """Image geometry for the data pipeline: pixel size and image tokens per image, taken from the model's spec.
 
 The number of image tokens a sample expands to follows from the vision encoder (image size, patch size,
-class token, feature select strategy), all of which :class:`~megatron_vlm.spec.VLMSpec` records. Optional
+class token, feature select strategy), all of which :class:`~megatron_vlm.model.spec.VLMSpec` records. Optional
 processor fields (``patch_size``, ``num_additional_image_tokens`` in ``processor_config.json``) are absent
 from older llava-hf uploads, so nothing here reads them.
 

@@ -14,7 +14,7 @@ import os
 
 from megatron.energon import WorkerConfig, get_loader, get_savable_loader, get_train_dataset, get_val_dataset
 
-from megatron_vlm import storage
+from megatron_vlm.files import storage
 
 
 def worker_config(dp_rank: int, dp_world_size: int, num_workers: int, seed: int = 0) -> WorkerConfig:

@@ -19,8 +19,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_vlm import storage
-from megatron_vlm.atomic import OutputExistsError, atomic_dir, atomic_write_text
+from megatron_vlm.files import storage
+from megatron_vlm.files.atomic import OutputExistsError, atomic_dir, atomic_write_text
 from megatron_vlm.data.conversation import FORMATS, Reject, check_format
 from megatron_vlm.data.images import process_image, read_ref
 from megatron_vlm.data.readers import RawRecord, parse, read_records, record_text

@@ -53,7 +53,7 @@ def check_packing_supported(impl: str, device: str) -> None:
     """Make packed sequences run with layer implementation ``impl`` on ``device`` (called before the model is
     built). Transformer Engine ('thd' natively) needs nothing; local layers get megatron's local attention per
     segment (:func:`~megatron_vlm.runtime.cpu_compat.packed_local_attention`, pure torch: CPU or CUDA).
-    Nothing is refused: TE on CPU is refused by :mod:`megatron_vlm.layer_impl` before this."""
+    Nothing is refused: TE on CPU is refused by :mod:`megatron_vlm.model.layer_impl` before this."""
     if impl != "transformer_engine":
         from megatron_vlm.runtime.cpu_compat import packed_local_attention
 

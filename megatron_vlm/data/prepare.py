@@ -100,7 +100,7 @@ def run_energon_prepare(path: Path, fmt: str, splits: dict[str, list[str]], work
 
 
 def write_conversation_dataset_yaml(path: Path) -> None:
-    from megatron_vlm import storage
+    from megatron_vlm.files import storage
     from megatron_vlm.data.sample import SAMPLE_LOADER_PY
 
     meta = storage.join(path, ".nv-meta")
@@ -119,7 +119,7 @@ def split_metas(path: Path) -> dict:
     from megatron.energon.flavors.webdataset.empty_dataset_error import EmptyDatasetError
     from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
 
-    from megatron_vlm import storage
+    from megatron_vlm.files import storage
 
     names = (yaml.safe_load((storage.path(path) / ".nv-meta" / "split.yaml").read_text()) or {}).get("split_parts", {})
     out = {}

@@ -148,12 +148,12 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
                  *, spec=None, max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
                  pad_to_multiple_of: int | None = None):
         """``hf_dir``: the HF LLaVA directory whose tokenizer, chat template and image processor are used.
-        ``spec``: the model's :class:`~megatron_vlm.spec.VLMSpec` (default: read from ``hf_dir``'s config.json);
+        ``spec``: the model's :class:`~megatron_vlm.model.spec.VLMSpec` (default: read from ``hf_dir``'s config.json);
         image size and image tokens per image come from it. ``max_consecutive_skips``: stop with
         :class:`~megatron_vlm.data.skips.TooManySkippedSamples` after that many skipped samples in a row. ``pad_to_multiple_of``: pad each batch so its
         image-expanded length is a multiple of this (FP8 GEMMs); None pads to the longest sample."""
-        from megatron_vlm.spec import VLMSpec
-        from megatron_vlm.tokenizer import special_token_ids
+        from megatron_vlm.model.spec import VLMSpec
+        from megatron_vlm.model.tokenizer import special_token_ids
 
         self.hf_dir = str(hf_dir)
         self.seq_length = int(seq_length)

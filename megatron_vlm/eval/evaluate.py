@@ -120,7 +120,7 @@ def evaluate(generator, data_path, split: str, output, batch_size: int = 8, limi
     ``{"samples", "exact", "vqa"}`` (accuracies in [0, 1])."""
     from tqdm import tqdm
 
-    from megatron_vlm.atomic import atomic_write_text
+    from megatron_vlm.files.atomic import atomic_write_text
     from megatron_vlm.eval.score import accuracy, exact_match, vqa_match
 
     loader, total = iterate_split(data_path, split, batch_size, num_workers)

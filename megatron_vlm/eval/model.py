@@ -29,7 +29,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_vlm.spec import ARCHS, VLMSpec
+from megatron_vlm.model.spec import ARCHS, VLMSpec
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def lazy_hf_state(source, iter_dir, spec: VLMSpec) -> tuple[dict, int]:
     """``(state, largest)``: the HF tensors (on-disk names) ``megatron_to_hf`` would write for the checkpoint
     ``source`` reads (:func:`megatron_vlm.convert.to_hf.open_source`), as :class:`LazyTensor` s in the dtypes stored,
     with the HF-only tensors of ``iter_dir``; ``largest``: the bytes of the largest Megatron tensor."""
-    from megatron_vlm import checkpoint as ckpt
+    from megatron_vlm.checkpoint import layout as ckpt
     from megatron_vlm.convert import mapping
     from megatron_vlm.convert.hf_io import SafetensorsFile
     from megatron_vlm.convert.to_hf import meta_full
@@ -198,8 +198,9 @@ def load_megatron_checkpoint(megatron_dir, iteration=None, tp: int | None = None
     import transformers
     from transformers import GenerationConfig
 
-    from megatron_vlm import checkpoint as ckpt
-    from megatron_vlm.cli.inputs import check_checkpoint, check_tokenizer_dir
+    from megatron_vlm.checkpoint import layout as ckpt
+    from megatron_vlm.checkpoint.checks import check_checkpoint
+    from megatron_vlm.cli.inputs import check_tokenizer_dir
     from megatron_vlm.convert.streaming import format_bytes
     from megatron_vlm.convert.to_hf import open_source
 

@@ -74,7 +74,7 @@ def plot_runs(runs: list, output, labels: list[str] | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_vlm.atomic import atomic_write_bytes
+    from megatron_vlm.files.atomic import atomic_write_bytes
 
     data = [read_metrics(r) for r in runs]
     labels = labels or [_label(r) for r in runs]

@@ -6,7 +6,7 @@ A prompt is a conversation that ends in a user turn, with its images (PIL) and v
 tokenizer adds one and the template writes none, as :mod:`megatron_vlm.data.chat_tokens` does in training), and
 takes pixels from the training task encoder itself (:mod:`megatron_vlm.data.task_encoder`,
 :mod:`megatron_vlm.data.anyres_encoder`): the model's image processor (its PIL backend, the one training
-uses), anyres tiles and token counts from :mod:`megatron_vlm.anyres`, OneVision's multi-image rule, and video
+uses), anyres tiles and token counts from :mod:`megatron_vlm.model.anyres`, OneVision's multi-image rule, and video
 frames chosen by ``--video-fps``/``--video-frames``. Each image or video token is then repeated as many times
 as the model expands it, which is what HF's processors give its ``generate`` (``input_ids`` with the media
 tokens expanded, ``pixel_values`` [+ ``image_sizes``, ``batch_num_images``], ``pixel_values_videos``). InternVL

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None, repo_root: str | os.PathLike | None = No
 
 def _launch(cfg: TrainConfig, cmd: Command) -> int:
     """Write the config and run torchrun; a failed rank's reason is the last line."""
-    from megatron_vlm.atomic import atomic_write_text
+    from megatron_vlm.files.atomic import atomic_write_text
 
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(cfg.config_path, cfg.to_yaml())

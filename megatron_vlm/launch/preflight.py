@@ -19,8 +19,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from megatron_vlm import storage
-from megatron_vlm.spec import SPEC_FILE, ParallelismError, VLMSpec
+from megatron_vlm.files import storage
+from megatron_vlm.model.spec import SPEC_FILE, ParallelismError, VLMSpec
 from megatron_vlm.training.config import TrainConfig
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -202,7 +202,7 @@ def check_checkpoint(ckpt_dir: str, iteration: int | None = None) -> list[str]:
         problems.append(f"--megatron-load-dir {d}: {which} {sub}/, which does not exist (iterations there: {have})")
     elif not storage.is_remote(ckpt_dir):
         from megatron_vlm.cli import InputError
-        from megatron_vlm.cli.inputs import check_iteration_files, newest_complete_iteration
+        from megatron_vlm.checkpoint.checks import check_iteration_files, newest_complete_iteration
 
         try:  # JSON files, the checksum manifest's sizes, torch_dist shards and torch files, before ranks read them
             check_iteration_files(d / sub, "re-convert it")
@@ -310,7 +310,7 @@ def check_spec_against_tensors(spec: VLMSpec, source: str, it_dir) -> list[str]:
     it_dir = Path(it_dir)
     if storage.is_remote(it_dir) or not (it_dir / ".metadata").is_file():
         return []
-    from megatron_vlm.dcp_index import UnreadableIndex, read_index
+    from megatron_vlm.checkpoint.dcp_index import UnreadableIndex, read_index
 
     try:
         shapes = read_index(it_dir).shapes
@@ -358,11 +358,11 @@ def check_spec(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
 
 
 def _expert_layout_problem(cfg: TrainConfig) -> str | None:
-    """megatron-core's version-dependent refusal of an expert layout (:mod:`megatron_vlm.mcore_version`); None where
+    """megatron-core's version-dependent refusal of an expert layout (:mod:`megatron_vlm.runtime.mcore_version`); None where
     this environment has no megatron-core (the ranks check again at start-up)."""
     import importlib.metadata
 
-    from megatron_vlm import mcore_version
+    from megatron_vlm.runtime import mcore_version
 
     try:
         return mcore_version.expert_layout_problem(cfg.ep, cfg.expert_tp, cfg.tp)
@@ -545,7 +545,7 @@ def check_resume_layout(cfg: TrainConfig) -> list[str]:
     if not storage.is_remote(cfg.checkpoint_dir) and not resumes(cfg):
         return []  # a new run: nothing to check, and no torch to import for it (~1.5 s of a CPU launch)
     try:  # torch is imported here; a bare host that launches into a container leaves this to the trainer
-        from megatron_vlm import checkpoint as ckpt
+        from megatron_vlm.checkpoint import layout as ckpt
         from megatron_vlm.training import objective, schedule
         from megatron_vlm.training.resume import check_data_position, optimizer_problem
 
@@ -578,7 +578,7 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     if not resumes(cfg):
         return []  # a new run
     from megatron_vlm.cli import InputError
-    from megatron_vlm.cli.inputs import check_checkpoint, resume_fix
+    from megatron_vlm.checkpoint.checks import check_checkpoint, resume_fix
 
     try:
         it_dir = check_checkpoint(d, cfg.ckpt_step, "--save-dir/--name", fix="start a new run with another --name")
@@ -635,7 +635,7 @@ def check_hardware(cfg: TrainConfig, facts: dict) -> list[str]:
             problems.append(f"--fp8 needs compute capability 8.9+ (Ada, Hopper or newer): {', '.join(old)}; "
                             "drop --fp8")
         else:
-            from megatron_vlm.fp8 import recipe_problem
+            from megatron_vlm.model.fp8 import recipe_problem
 
             refused = [m for i, c in enumerate(caps) if (m := recipe_problem(cfg.fp8_recipe, c, gpu=f"GPU {i}"))]
             problems += refused[:1]

@@ -38,7 +38,7 @@ def probe(cuda: bool, fp8: bool, tokenizer: str | None) -> dict:
             facts["transformer_engine_error"] = f"{type(e).__name__}: {e}"[:300]
     if tokenizer:
         try:
-            from megatron_vlm.tokenizer import read_special_token_ids
+            from megatron_vlm.model.tokenizer import read_special_token_ids
 
             ids = read_special_token_ids(tokenizer)  # the model config's image token, checked in the tokenizer
             facts["tokenizer"] = {"image": ids.image, "pad": ids.pad}

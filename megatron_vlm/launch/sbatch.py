@@ -16,7 +16,7 @@ import subprocess
 from datetime import datetime
 from pathlib import Path
 
-from megatron_vlm.atomic import atomic_write_text
+from megatron_vlm.files.atomic import atomic_write_text
 from megatron_vlm.training.config import ConfigError, TrainConfig
 
 # Fields left out of the job's config: per-node values (from SLURM in the job) and submission-only settings.

@@ -1,6 +1,6 @@
 """The memory estimate the launcher prints with ``--dry-run`` and checks before a launch.
 
-:mod:`megatron_vlm.training.memory` does the arithmetic (no torch); this module picks its inputs -- the spec
+:mod:`megatron_vlm.model.memory` does the arithmetic (no torch); this module picks its inputs -- the spec
 the run will build (``preflight.load_spec``), the resolved config, whether the attention is fused (Transformer
 Engine on CUDA unless ``--transformer-impl local``) -- and the limit to compare with: ``--gpu-memory-gb``, else
 the smallest visible GPU's memory as the probe reported it (none on CPU).
@@ -8,7 +8,7 @@ the smallest visible GPU's memory as the probe reported it (none on CPU).
 
 from __future__ import annotations
 
-from megatron_vlm.training import memory
+from megatron_vlm.model import memory
 
 GIB = memory.GIB
 

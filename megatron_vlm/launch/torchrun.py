@@ -2,7 +2,7 @@
 
 ``torchrun_command(cfg, config_path, entrypoint)`` returns a ``Command``: an argument list (never a shell
 string) and the environment variables to add. One node: static rendezvous on 127.0.0.1 with a free port
-(``megatron_vlm.ports.free_port``) unless ``--master-port`` is given. Several nodes: static rendezvous at
+(``megatron_vlm.runtime.ports.free_port``) unless ``--master-port`` is given. Several nodes: static rendezvous at
 ``master_addr:master_port`` with this node's ``--node_rank``. ``python -m megatron_vlm.launch.elastic`` (torch's
 ``torch.distributed.run`` with one-line endings on a signal or a failed rank) is used instead of the ``torchrun``
 script so that the ranks run under the same interpreter as the launcher. Where that command is this interpreter's
@@ -19,7 +19,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from megatron_vlm.ports import free_port  # noqa: F401 - re-exported (tests, slurm)
+from megatron_vlm.runtime.ports import free_port  # noqa: F401 - re-exported (tests, slurm)
 from megatron_vlm.training.config import TrainConfig
 
 DEFAULT_MULTINODE_PORT = 29500

@@ -42,7 +42,7 @@ makes the same code run on CPU:
 
 It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine).
 
-``allow_te_construction()`` (called by :func:`megatron_vlm.model.build_model` for Transformer Engine layers while
+``allow_te_construction()`` (called by :func:`megatron_vlm.model.build.build_model` for Transformer Engine layers while
 this layer is on) lets Transformer Engine's modules be *constructed* on CPU, so that the GPU path's model building,
 checkpoint loading and saving and training set-up run in tests: ``TransformerEngineBaseModule.__init__`` refuses to
 run unless ``torch.cuda.is_available()``; that one check, made from that one function, is answered True, and every

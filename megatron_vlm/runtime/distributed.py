@@ -205,6 +205,6 @@ def teardown() -> None:
 
 
 def _free_port() -> int:
-    from megatron_vlm.ports import free_port
+    from megatron_vlm.runtime.ports import free_port
 
     return free_port()

@@ -44,9 +44,9 @@ def thread_names() -> dict[str, int]:
 
 
 #: What the fork server imports once for every process it forks (see the module docstring): ranks, and the
-#: tests' commands (megatron_vlm.testing.forked_cli: train/run.py reads a tokenizer, make_wds writes energon sets).
+#: tests' commands (tests.support.forked_cli: train/run.py reads a tokenizer, make_wds writes energon sets).
 _PRELOAD = ["torch", "megatron.core", "megatron.core.dist_checkpointing", "transformers",
-            "transformers.models.auto.tokenization_auto", "megatron.energon", "megatron_vlm.model",
+            "transformers.models.auto.tokenization_auto", "megatron.energon", "megatron_vlm.model.build",
             "megatron_vlm.runtime.distributed"]
 
 

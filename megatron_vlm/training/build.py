@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_vlm import checkpoint as ckpt
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.checkpoint import layout as ckpt
+from megatron_vlm.model.spec import VLMSpec
 
 log = logging.getLogger("megatron_vlm.train")
 
@@ -32,7 +32,7 @@ def compute_dtype(cfg) -> torch.dtype:
 class Training:
     """One rank's model chunks, wrapped chunks, optimizer and schedule (everything a step and a checkpoint touch).
     A rank holds one model chunk, or one per virtual pipeline stage with ``--num-virtual-stages-per-pipeline-rank``
-    / ``--num-layers-per-virtual-pipeline-stage`` (:mod:`megatron_vlm.pipeline_layout`): ``models[c]`` is chunk
+    / ``--num-layers-per-virtual-pipeline-stage`` (:mod:`megatron_vlm.model.pipeline_layout`): ``models[c]`` is chunk
     ``c``, in the order megatron-core's interleaved schedule takes them."""
 
     spec: VLMSpec
@@ -44,7 +44,7 @@ class Training:
     dtype: torch.dtype
     impl: str = "local"  # layer implementation: "transformer_engine" or "local"
     impl_reason: str = ""
-    fusions: object = None  # megatron_vlm.fusions.Fusions in effect
+    fusions: object = None  # megatron_vlm.model.fusions.Fusions in effect
     moe: object = None  # megatron_vlm.training.moe.MoETraining of a mixture-of-experts model
 
     @property
@@ -94,7 +94,7 @@ def _only(chunks: list, name: str):
 
 
 def model_options(cfg, spec: VLMSpec, impl: str, fusions=None):
-    from megatron_vlm.model import ModelOptions
+    from megatron_vlm.model.build import ModelOptions
 
     dtype = compute_dtype(cfg)
     return ModelOptions(
@@ -121,7 +121,7 @@ def freeze(model, cfg) -> tuple[bool, bool, bool]:
 def optimizer_config(cfg):
     """megatron-core's OptimizerConfig of a run: Adam (decoupled weight decay, i.e. AdamW, with megatron's defaults
     for what the run does not set, such as ``adam_eps``), fp32 main parameters, loss scaling for fp16. The outside
-    reference (:mod:`megatron_vlm.testing.hf_reference`) reads its settings from here."""
+    reference (:mod:`tests.support.hf_reference`) reads its settings from here."""
     from megatron.core.optimizer import OptimizerConfig
 
     return OptimizerConfig(
@@ -154,15 +154,15 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_vlm.model import build_chunks
+    from megatron_vlm.model.build import build_chunks
 
-    from megatron_vlm import fusions as fusions_mod
-    from megatron_vlm import layer_impl
+    from megatron_vlm.model import fusions as fusions_mod
+    from megatron_vlm.model import layer_impl
     from megatron_vlm.data.packing import check_packing_supported
     from megatron_vlm.training import objective, schedule
 
     if spec.is_moe:
-        from megatron_vlm.mcore_version import expert_layout_problem
+        from megatron_vlm.runtime.mcore_version import expert_layout_problem
 
         problem = expert_layout_problem(cfg.ep, cfg.expert_tp, cfg.tp)
         if problem:
@@ -206,7 +206,7 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [d.no_sync for d in ddps]
     moe = None
     if spec.is_moe:
-        from megatron_vlm.model import aux_loss_coefficient
+        from megatron_vlm.model.build import aux_loss_coefficient
         from megatron_vlm.training.moe import MoETraining
 
         opts = cfg.moe_options()

@@ -1,6 +1,6 @@
 """Training checkpoints: model, optimizer, scheduler, RNG and data position, via megatron dist_checkpointing.
 
-Layout and side files follow :mod:`megatron_vlm.checkpoint` (so ``convert/megatron_to_hf.py`` reads any
+Layout and side files follow :mod:`megatron_vlm.checkpoint.layout` (so ``convert/megatron_to_hf.py`` reads any
 iteration). A save is collective: every rank writes its shards with dist_checkpointing, then rank 0 adds the
 spec, the HF-only tensors and the metadata, updates the tracker last and prunes old iterations beyond
 ``save_total_limit``.
@@ -11,7 +11,7 @@ How a save becomes visible (a crash at any point leaves the previous checkpoint 
   ``iter_XXXXXXX`` when complete; the tracker is then replaced atomically (temporary file + rename). A save
   killed part-way leaves its temporary directory, which is never read: the next start reports it
   (:func:`interrupted_saves`) and leaves it for the user to delete.
-- integrity: before ``ckpt_meta.json`` a local save records the checksums of every file (:mod:`megatron_vlm.manifest`:
+- integrity: before ``ckpt_meta.json`` a local save records the checksums of every file (:mod:`megatron_vlm.checkpoint.manifest`:
   megatron-core's SHA-256 ``integrity.json`` where it has one, 0.19, and ``checksums.json``, crc32 with each rank
   reading back a share, for the rest); a resume checks them (:func:`damaged_files`) before it loads anything.
   ``--no-verify-integrity`` skips both re-reads (multi-TB checkpoints). The commit is durable: every file, the
@@ -36,9 +36,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_vlm import checkpoint as ckpt
-from megatron_vlm import layer_impl, manifest, mcore_version, storage
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.checkpoint import layout as ckpt
+from megatron_vlm.checkpoint import manifest
+from megatron_vlm.files import storage
+from megatron_vlm.model import layer_impl
+from megatron_vlm.runtime import mcore_version
+from megatron_vlm.model.spec import VLMSpec
 
 log = logging.getLogger(__name__)
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -230,7 +233,7 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
          side_src: Path | None, with_optim: bool, total_limit: int | None, config_yaml: str | None = None,
          verify_integrity: bool = True) -> str:
     """Save iteration ``iteration`` under ``run_dir`` (a local directory or an ``msc://`` URL); returns its path.
-    ``verify_integrity`` (``--verify-integrity``): record the checksums of every file (:mod:`megatron_vlm.manifest`),
+    ``verify_integrity`` (``--verify-integrity``): record the checksums of every file (:mod:`megatron_vlm.checkpoint.manifest`),
     reading them back once."""
     remote = storage.is_remote(run_dir)
     final = storage.join(run_dir, ckpt.iter_dir_name(iteration))
@@ -296,7 +299,7 @@ def commit_local(target, final, run_dir) -> None:
     ``run_dir``, durably and in order: every file (the shards, ``.metadata``, the side files, ``ckpt_meta.json``) and
     the directory itself flushed to disk, then the rename, flushed in ``run_dir``. An iteration saved again (a resume
     from an earlier one) replaces the old directory only then. The tracker is written after this."""
-    from megatron_vlm.atomic import fsync_dir, fsync_tree
+    from megatron_vlm.files.atomic import fsync_dir, fsync_tree
 
     fsync_tree(target)
     old_copy = None
@@ -311,7 +314,7 @@ def commit_local(target, final, run_dir) -> None:
 
 def _checksum_share(it_dir, skip: set[str] = frozenset()) -> dict[str, dict]:
     """The checksum manifest's entries of every file now in ``it_dir`` (the shards a save just wrote) but those in
-    ``skip``, each rank reading its share (:func:`megatron_vlm.manifest.share`); collective, every rank gets them
+    ``skip``, each rank reading its share (:func:`megatron_vlm.checkpoint.manifest.share`); collective, every rank gets them
     all."""
     root = Path(it_dir)
     names = [n for n in manifest.files_of(root) if n not in skip]
@@ -431,7 +434,7 @@ def missing_optimizer_state(optimizer_sd: dict, iter_dir) -> list[str]:
 def _expert_optimizer_split_differs(missing: list[str], iter_dir) -> bool:
     """Whether the missing keys are only named apart: megatron-core keeps expert and dense parameters in two
     optimizers (keys ``chained_<i>.optimizer...``) at some layouts and in one (no prefix) at others, by a rule that
-    changed between versions (:func:`megatron_vlm.mcore_version.experts_optimizer_apart`)."""
+    changed between versions (:func:`megatron_vlm.runtime.mcore_version.experts_optimizer_apart`)."""
     import re
 
     from megatron.core import dist_checkpointing

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.model.spec import VLMSpec
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU, FLOP/s; matched against torch.cuda.get_device_name.
 PEAK_BF16 = (

@@ -137,14 +137,14 @@ def sequence_group(config):
 def _held_positions(s_local: int, config, device) -> torch.Tensor:
     """The positions of the micro batch's rows that this rank's routers see, of ``s_local`` per row: all of them;
     under context parallelism this CP rank's two chunks of the row's ``2 x CP`` (megatron-core's load-balanced order,
-    :func:`megatron_vlm.cp_attention.partition_index`); under sequence parallelism this TP rank's contiguous slice
+    :func:`megatron_vlm.model.cp_attention.partition_index`); under sequence parallelism this TP rank's contiguous slice
     of those (megatron-core scatters the CP rank's sequence in TP chunks)."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
     cp = ps.get_context_parallel_world_size()
     if cp > 1:
-        from megatron_vlm.cp_attention import partition_index
+        from megatron_vlm.model.cp_attention import partition_index
 
         held = partition_index([0, s_local * tp * cp], cp, ps.get_context_parallel_rank())
     else:

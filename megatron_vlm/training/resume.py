@@ -30,8 +30,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from megatron_vlm import checkpoint as ckpt
-from megatron_vlm import storage
+from megatron_vlm.checkpoint import layout as ckpt
+from megatron_vlm.files import storage
 from megatron_vlm.training import checkpointing, objective, schedule
 
 log = logging.getLogger("megatron_vlm.train")
@@ -56,7 +56,7 @@ def resumes(cfg) -> bool:
 
 
 def _fix(cfg, iter_dir, resuming: bool) -> str:
-    from megatron_vlm.cli.inputs import newest_complete_iteration, resume_fix
+    from megatron_vlm.checkpoint.checks import newest_complete_iteration, resume_fix
 
     where = ckpt.run_dir(iter_dir)
     if storage.is_remote(where):

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_vlm import checkpoint as ckpt
-from megatron_vlm import fp8, storage
-from megatron_vlm.context_parallel import length_multiple
-from megatron_vlm.spec import VLMSpec
+from megatron_vlm.checkpoint import layout as ckpt
+from megatron_vlm.files import storage
+from megatron_vlm.model import fp8
+from megatron_vlm.model.context_parallel import length_multiple
+from megatron_vlm.model.spec import VLMSpec
 from megatron_vlm.training import batch_feed, checkpointing, step
 from megatron_vlm.training.flops import StepFlops, peak_flops
 from megatron_vlm.training.metrics import MetricsLogger
@@ -94,7 +95,7 @@ def describe_moe(spec: VLMSpec, config, cfg, moe=None) -> str:
 def pad_multiple(cfg) -> int | None:
     """Batches are padded so the image-expanded length is a multiple of this: FP8 GEMMs need 16 (32 for
     mxfp8) tokens, sequence parallelism a multiple of the TP size, context parallelism of 2 x CP (x TP with
-    sequence parallelism; :func:`megatron_vlm.context_parallel.length_multiple`)."""
+    sequence parallelism; :func:`megatron_vlm.model.context_parallel.length_multiple`)."""
     m = fp8.align_size(cfg.fp8_recipe) if cfg.fp8 else 1
     m = math.lcm(m, length_multiple(cfg.cp, cfg.tp, bool(cfg.sequence_parallel)))
     return m if m > 1 else None
@@ -169,13 +170,13 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
         if spec.is_moe:
             log.info("mixture of experts: %s", describe_moe(spec, training.config, cfg, training.moe))
         if cfg.cp > 1:
-            from megatron_vlm.context_parallel import describe
+            from megatron_vlm.model.context_parallel import describe
 
             log.info("context parallelism: each sequence split over %d ranks (2 x %d load-balanced chunks, lengths "
                      "padded to a multiple of %d); attention: %s", cfg.cp, cfg.cp, pad_multiple(cfg),
                      describe(training.impl == "transformer_engine", cfg.cp_comm_type))
         if cfg.pp > 1:
-            from megatron_vlm.pipeline_layout import describe
+            from megatron_vlm.model.pipeline_layout import describe
 
             vpp = len(training.models)
             log.info("pipeline: %s%s", describe(spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers), vpp),

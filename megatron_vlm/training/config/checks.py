@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_vlm.context_parallel import length_multiple, round_up
-from megatron_vlm.fp8 import align_size as fp8_align_size
-from megatron_vlm.fusions import BY_NAME as FUSIONS
-from megatron_vlm.fusions import problems as fusion_problems
+from megatron_vlm.model.context_parallel import length_multiple, round_up
+from megatron_vlm.model.fp8 import align_size as fp8_align_size
+from megatron_vlm.model.fusions import BY_NAME as FUSIONS
+from megatron_vlm.model.fusions import problems as fusion_problems
 from megatron_vlm.training.config.fields import STAGE_DEFAULTS, ConfigFields
 from megatron_vlm.training.config.fields import flag as _flag
 
@@ -230,7 +230,7 @@ def _check_virtual_pipeline(cfg: ConfigFields) -> list[str]:
     before launch, :meth:`ConfigFields.vpp_size`): megatron-core's interleaved schedule runs the micro batches of a
     step in groups of PP (its default ``microbatch_group_size_per_vp_stage``), so their number must be a multiple of
     PP, in training and in evaluation."""
-    from megatron_vlm.pipeline_layout import LAYERS_FLAG, STAGES_FLAG
+    from megatron_vlm.model.pipeline_layout import LAYERS_FLAG, STAGES_FLAG
 
     if not cfg.virtual_pipeline:
         return []

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_vlm.fp8 import FORMATS as FP8_FORMATS
-from megatron_vlm.fp8 import RECIPES as FP8_RECIPES
-from megatron_vlm.fusions import BY_NAME as FUSIONS
+from megatron_vlm.model.fp8 import FORMATS as FP8_FORMATS
+from megatron_vlm.model.fp8 import RECIPES as FP8_RECIPES
+from megatron_vlm.model.fusions import BY_NAME as FUSIONS
 
 CONFIG_FILE = "config.yaml"
 
@@ -51,7 +51,7 @@ GROUPS = {
 
 
 def _fusion(name: str, help: str):
-    """A tristate field for one fusion of :data:`megatron_vlm.fusions.FUSIONS` (its Megatron-LM flags)."""
+    """A tristate field for one fusion of :data:`megatron_vlm.model.fusions.FUSIONS` (its Megatron-LM flags)."""
     fu = FUSIONS[name]
     return _f((fu.on_flag,), help + " Default: on where it works (logged at start-up).", "tristate", None, "fusion",
               negative=fu.off_flags)
@@ -282,7 +282,7 @@ class ConfigFields:
         "by --fp8) or local (megatron-core's own). Default: transformer_engine when it imports on CUDA, else local "
         "(the choice is logged at start-up). Checkpoints load into either.", "choice", None, "optim",
         choices=("transformer_engine", "local"))
-    # ---- kernel fusions (see megatron_vlm.fusions) ---------------------------------------------------------
+    # ---- kernel fusions (see megatron_vlm.model.fusions) ---------------------------------------------------------
     gradient_accumulation_fusion: bool | None = _fusion(
         "gradient_accumulation_fusion", "Accumulate weight gradients inside the GEMM into the fp32 main_grad "
         "buffers (Transformer Engine linears; apex's fused_weight_gradient_mlp_cuda for local layers).")
@@ -467,8 +467,8 @@ class ConfigFields:
 
     def vpp_size(self, spec) -> int:
         """Virtual pipeline stages (model chunks) per pipeline rank for ``spec``'s language model: 1 without virtual
-        pipeline parallelism (:func:`megatron_vlm.pipeline_layout.vpp_size`, which refuses an impossible layout)."""
-        from megatron_vlm.pipeline_layout import vpp_size
+        pipeline parallelism (:func:`megatron_vlm.model.pipeline_layout.vpp_size`, which refuses an impossible layout)."""
+        from megatron_vlm.model.pipeline_layout import vpp_size
 
         layers = spec.check_parallelism(self.tp, self.pp, self.pp_layers, self.ep, self.etp)
         return vpp_size(layers, self.num_layers_per_virtual_pipeline_stage, self.num_virtual_stages_per_pipeline_rank,
@@ -480,8 +480,8 @@ class ConfigFields:
         return self.etp if self.etp is not None else self.tp
 
     def moe_options(self):
-        """The :class:`~megatron_vlm.model.MoEOptions` of this run (read only for an MoE language model)."""
-        from megatron_vlm.model import MoEOptions
+        """The :class:`~megatron_vlm.model.build.MoEOptions` of this run (read only for an MoE language model)."""
+        from megatron_vlm.model.build import MoEOptions
 
         return MoEOptions(aux_loss_coeff=self.moe_aux_loss_coeff,
                           load_balancing_type=self.moe_router_load_balancing_type,

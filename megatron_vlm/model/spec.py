@@ -1,0 +1,575 @@
+"""The architecture spec: one dataclass that describes a LLaVA model, and the only place that derives
+Megatron configs from an HF config.
+
+``VLMSpec.from_hf(llava_config, tokenizer)`` reads an HF ``LlavaConfig``; ``spec.language_config(...)``,
+``spec.vision_config(...)``, ``spec.projection_config(...)`` and ``spec.llava_kwargs()`` give what
+megatron-core's ``LLaVAModel`` needs; ``spec.to_hf_config()`` goes back. The spec is saved as JSON next to
+every Megatron checkpoint (``SPEC_FILE``) so that a checkpoint alone tells what it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SPEC_FILE = "vlm_spec.json"
+SUPPORTED_TEXT = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+#: mixture-of-experts LM families (routed experts, no shared expert) -> how their HF config names the expert settings
+MOE_TEXT = ("qwen3_moe", "mixtral")
+SUPPORTED_VISION = ("clip", "siglip")  # SigLIP2 fixed-resolution checkpoints are model_type 'siglip'
+#: InternVL's own vision encoder (HF model_type 'internvl_vision'): only inside an InternVL model
+INTERNVIT = "internvit"
+NAFLEX_REFUSAL = ("{where} has model_type 'siglip2' (SigLIP2 NaFlex: patches at each image's own resolution and "
+                  "aspect ratio, with a position-embedding resize per image), which LLaVA's fixed-size tiles cannot "
+                  "feed; use a fixed-resolution SigLIP2 checkpoint (model_type 'siglip', e.g. "
+                  "google/siglip2-so400m-patch14-384)")
+# HF model_type -> (config class, model class) in transformers; anyres archs carry grid pinpoints + image_newline.
+ARCHS = {
+    "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
+    "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration"),
+    "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration"),
+    "internvl": ("InternVLConfig", "InternVLForConditionalGeneration"),
+}
+# Llama-3 rope scaling parameters that megatron-core's RotaryEmbedding hard-codes (only `factor` is free).
+_MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+class ParallelismError(ValueError):
+    pass
+
+
+@dataclass
+class VLMSpec:
+    # language model
+    text_family: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    norm_epsilon: float
+    rotary_base: float
+    max_position_embeddings: int
+    vocab_size: int  # rows of the HF embedding (tokenizer size, plus any padding build_llava added)
+    qkv_bias: bool = False
+    qk_layernorm: bool = False  # Qwen3: RMSNorm of each query/key head (megatron-core's qk_layernorm)
+    tie_word_embeddings: bool = False
+    rope_scaling_factor: float | None = None  # Llama-3 scaling (megatron's fixed low/high/original params)
+    sliding_window: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    # mixture of experts (None: a dense LM); see moe_layers for which layers route to experts
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None  # each expert's intermediate size
+    moe_router_topk: int = 0
+    moe_norm_topk_prob: bool = True  # the top-k probabilities renormalised to sum to 1 (HF norm_topk_prob)
+    moe_layer_pattern: list[int] | None = None  # per language layer: 1 = MoE, 0 = dense MLP (ffn_hidden_size)
+    moe_aux_loss_coeff: float = 0.0  # HF router_aux_loss_coef: the load-balancing coefficient the LM was trained with
+    # vision encoder
+    vision_family: str = "clip"
+    vision_num_layers: int = 24  # layers of the HF vision tower
+    vision_hidden_size: int = 1024
+    vision_ffn_hidden_size: int = 4096
+    vision_num_attention_heads: int = 16
+    vision_norm_epsilon: float = 1e-5
+    vision_activation: str = "quick_gelu"
+    image_size: int = 336
+    patch_size: int = 14
+    vision_feature_layer: int = -2
+    vision_feature_select_strategy: str = "default"
+    # InternViT (vision_family 'internvit'): its norm, q/k bias, the 6B variant's q/k RMSNorm over all heads
+    vision_normalization: str = "LayerNorm"  # or "RMSNorm" (HF norm_type rms_norm)
+    vision_qkv_bias: bool = True  # HF attention_bias (CLIP / SigLIP always have it)
+    vision_qk_layernorm: bool = False  # HF use_qk_norm
+    # projector
+    downsample_ratio: float | None = None  # InternVL: pixel shuffle (0.5) before a LayerNorm-first MLP
+    projector_bias: bool = True
+    projector_activation: str = "gelu"
+    # tokens
+    image_token: str = "<image>"
+    image_token_id: int = -1
+    pad_token_id: int | None = None
+    # LLaVA-OneVision's video token (HF video_token_index); None: the model takes no videos
+    video_token: str | None = None
+    video_token_id: int | None = None
+    # architecture: "llava" (one tile per image) or an anyres one ("llava_next", "llava_onevision")
+    arch: str = "llava"
+    image_grid_pinpoints: list[list[int]] | None = None
+    vision_aspect_ratio: str | None = None  # OneVision's anyres_max_N
+    # the HF configs this spec came from (for an exact reconstruction on export)
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    # ---- derived geometry -------------------------------------------------------------------------
+    @property
+    def padded_vocab_size(self) -> int:
+        d = self.make_vocab_size_divisible_by
+        return int(math.ceil(self.vocab_size / d) * d)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the language layers whose MLP is a mixture of experts (none for a dense LM)."""
+        if not self.is_moe:
+            return []
+        pattern = self.moe_layer_pattern or [1] * self.num_layers
+        return [i for i, p in enumerate(pattern) if p]
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return len(self.moe_layers) < self.num_layers
+
+    @property
+    def vit_num_layers(self) -> int:
+        """Layers the Megatron ViT runs: HF hidden_states[k] is the output of the first k layers."""
+        k = self.vision_feature_layer
+        return self.vision_num_layers + 1 + k if k < 0 else k
+
+    @property
+    def has_class_token(self) -> bool:
+        return self.vision_family in ("clip", INTERNVIT)
+
+    @property
+    def drop_class_token(self) -> bool:
+        return self.has_class_token and self.vision_feature_select_strategy == "default"
+
+    @property
+    def projector_input_size(self) -> int:
+        """Width of the projector's input: the ViT's hidden size (InternVL: x4 after its 2 x 2 pixel shuffle)."""
+        return int(self.vision_hidden_size / (self.downsample_ratio ** 2)) if self.downsample_ratio else \
+            self.vision_hidden_size
+
+    @property
+    def is_anyres(self) -> bool:
+        return self.arch in ("llava_next", "llava_onevision")
+
+    @property
+    def is_internvl(self) -> bool:
+        """InternVL: dynamic tiles of one size per image (``num_image_tiles``), pixel shuffle, InternViT."""
+        return self.arch == "internvl"
+
+    @property
+    def anyres(self):
+        """The :class:`~megatron_vlm.model.anyres.AnyresGeometry` of an anyres model (None for plain LLaVA)."""
+        if not self.is_anyres:
+            return None
+        from megatron_vlm.model.anyres import AnyresGeometry, parse_vision_aspect_ratio
+
+        max_tiles = parse_vision_aspect_ratio(self.vision_aspect_ratio) if self.arch == "llava_onevision" else None
+        return AnyresGeometry(self.image_size, self.patch_size, tuple(tuple(p) for p in self.image_grid_pinpoints),
+                              max_tiles)
+
+    @property
+    def vit_image_size(self) -> int:
+        """The image side megatron's ViT is built with: whole patches only (384 px at patch 14 -> 378), as the
+        valid patch convolution of HF's encoders sees a 384-px tile (27 x 27 patches)."""
+        return self.image_size // self.patch_size * self.patch_size
+
+    @property
+    def media_token_ids(self) -> tuple[int, ...]:
+        """The ids that stand for an image or a video in the tokens (one per image / video)."""
+        return (self.image_token_id,) + ((self.video_token_id,) if self.video_token_id is not None else ())
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Image tokens of one tile (plain LLaVA: of one image; InternVL: after the pixel shuffle, HF's
+        ``image_seq_length``); anyres counts per image come from ``anyres``."""
+        n = (self.image_size // self.patch_size) ** 2
+        if self.downsample_ratio:
+            return int(n * self.downsample_ratio ** 2)
+        return n + (1 if self.has_class_token and not self.drop_class_token else 0)
+
+    # ---- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, cfg, tokenizer=None, image_token: str | None = None, sources: dict | None = None) -> "VLMSpec":
+        """Build from an HF ``LlavaConfig`` / ``LlavaNextConfig`` / ``LlavaOnevisionConfig`` (object or dict).
+        The image token id is the config's; with ``tokenizer`` (and the processor's ``image_token``) the image
+        token's string and the pad id are read and checked against it (:mod:`megatron_vlm.model.tokenizer`;
+        ``sources`` name the files in errors)."""
+        arch = cfg.get("model_type", "llava") if isinstance(cfg, dict) else getattr(cfg, "model_type", None)
+        if arch not in ARCHS:
+            raise UnsupportedArchitectureError(
+                f"model_type {arch!r} is not one of {', '.join(ARCHS)}; build a LLaVA directory "
+                "first with convert/build_llava.py"
+            )
+        if isinstance(cfg, dict):
+            cfg = hf_config_class(arch)(**{k: v for k, v in cfg.items() if k != "model_type"})
+        t, v = cfg.text_config, cfg.vision_config
+        if t.model_type not in SUPPORTED_TEXT:
+            raise UnsupportedArchitectureError(
+                f"language model type {t.model_type!r} is not supported; supported: {', '.join(SUPPORTED_TEXT)}"
+            )
+        vfam = v.model_type.replace("_vision_model", "")
+        if vfam == "siglip2":
+            raise UnsupportedArchitectureError(NAFLEX_REFUSAL.format(where="the vision model"))
+        internvit = _internvit_settings(cfg, v) if arch == "internvl" else {}
+        if internvit:
+            vfam = INTERNVIT
+        elif vfam not in SUPPORTED_VISION:
+            raise UnsupportedArchitectureError(
+                f"vision model type {v.model_type!r} is not supported; supported: {', '.join(SUPPORTED_VISION)}"
+            )
+        if not isinstance(cfg.vision_feature_layer, int):
+            raise UnsupportedArchitectureError(
+                f"vision_feature_layer={cfg.vision_feature_layer} (a list of layers) is not supported; use one layer"
+            )
+        if getattr(t, "hidden_act", "silu") != "silu":
+            raise UnsupportedArchitectureError(f"language hidden_act {t.hidden_act!r} is not supported (silu only)")
+        if getattr(t, "mlp_bias", False) or (t.model_type != "qwen2" and getattr(t, "attention_bias", False)):
+            raise UnsupportedArchitectureError("language models with MLP/attention output biases are not supported")
+        rope = _rope_parameters(t)
+        rope_factor = None
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "llama3":
+            for k, want in _MCORE_LLAMA3_ROPE.items():
+                if float(rope.get(k, want)) != want:
+                    raise UnsupportedArchitectureError(
+                        f"Llama-3 rope scaling with {k}={rope.get(k)} is not supported by megatron-core "
+                        f"(it fixes {k}={want})"
+                    )
+            rope_factor = float(rope["factor"])
+        elif rope_type not in ("default", None):
+            raise UnsupportedArchitectureError(f"rope scaling type {rope_type!r} is not supported (default, llama3)")
+        sliding = getattr(t, "sliding_window", None)
+        if t.model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(t, "use_sliding_window", False):
+            sliding = None
+        vact = v.hidden_act
+        if vact not in ("quick_gelu", "gelu_pytorch_tanh", "gelu"):
+            raise UnsupportedArchitectureError(f"vision hidden_act {vact!r} is not supported")
+        if cfg.projector_hidden_act != "gelu":
+            raise UnsupportedArchitectureError(
+                f"projector_hidden_act {cfg.projector_hidden_act!r} is not supported (gelu only)"
+            )
+        strategy = cfg.vision_feature_select_strategy
+        if vfam == "siglip" and strategy != "full":
+            raise UnsupportedArchitectureError("SigLIP has no CLS token: vision_feature_select_strategy must be 'full'")
+        anyres = {}
+        if arch == "internvl":
+            anyres = dict(arch=arch)
+        elif arch != "llava":
+            from megatron_vlm.model.anyres import AnyresGeometry
+
+            AnyresGeometry.from_hf(cfg)  # checks pinpoints and vision_aspect_ratio
+            anyres = dict(arch=arch, image_grid_pinpoints=[list(map(int, p)) for p in cfg.image_grid_pinpoints],
+                          vision_aspect_ratio=getattr(cfg, "vision_aspect_ratio", None) if arch == "llava_onevision"
+                          else None)
+        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+        moe = _moe_settings(t)
+        spec = cls(
+            text_family=t.model_type,
+            num_layers=t.num_hidden_layers,
+            hidden_size=t.hidden_size,
+            ffn_hidden_size=t.intermediate_size,
+            num_attention_heads=t.num_attention_heads,
+            num_query_groups=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
+            kv_channels=head_dim,
+            norm_epsilon=t.rms_norm_eps,
+            rotary_base=float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))),
+            max_position_embeddings=t.max_position_embeddings,
+            vocab_size=t.vocab_size,
+            qkv_bias=t.model_type == "qwen2",
+            qk_layernorm=t.model_type in ("qwen3", "qwen3_moe"),
+            tie_word_embeddings=_tied(arch, cfg, t),
+            rope_scaling_factor=rope_factor,
+            sliding_window=sliding,
+            vision_family=vfam,
+            vision_num_layers=v.num_hidden_layers,
+            vision_hidden_size=v.hidden_size,
+            vision_ffn_hidden_size=v.intermediate_size,
+            vision_num_attention_heads=v.num_attention_heads,
+            vision_norm_epsilon=v.layer_norm_eps,
+            vision_activation=vact,
+            image_size=_square(v.image_size, "vision image_size"),
+            patch_size=_square(v.patch_size, "vision patch_size"),
+            vision_feature_layer=cfg.vision_feature_layer,
+            vision_feature_select_strategy=strategy,
+            projector_bias=bool(getattr(cfg, "multimodal_projector_bias", True)),
+            image_token_id=_config_image_token_id(cfg),
+            pad_token_id=getattr(cfg, "pad_token_id", None),
+            hf_config={k: v for k, v in cfg.to_dict().items() if k != "_name_or_path"},
+            **moe,
+            **anyres,
+            **internvit,
+        )
+        video_index = getattr(cfg, "video_token_index", None) if arch == "llava_onevision" else None
+        if video_index is not None and 0 <= int(video_index) < spec.vocab_size:
+            from megatron_vlm.model.tokenizer import DEFAULT_VIDEO_TOKEN
+
+            spec.video_token, spec.video_token_id = DEFAULT_VIDEO_TOKEN, int(video_index)
+        if tokenizer is not None:
+            from megatron_vlm.model.tokenizer import special_token_ids
+
+            ids = special_token_ids(tokenizer, image_token, spec.image_token_id, **(sources or {}))
+            spec.image_token = ids.image_token
+            spec.pad_token_id = ids.pad
+            if spec.arch != "llava_onevision" or ids.video is None:
+                spec.video_token = spec.video_token_id = None  # videos need the tokenizer's <video>
+            elif ids.video != video_index:
+                raise ValueError(f"tokenizer's '<video>' id {ids.video} != config video_token_index {video_index}; "
+                                 "rebuild the model with convert/build_llava.py --arch llava_onevision")
+            if len(tokenizer) > spec.vocab_size:
+                raise ValueError(
+                    f"tokenizer has {len(tokenizer)} tokens but the embedding only {spec.vocab_size} rows; "
+                    "rebuild the model with convert/build_llava.py"
+                )
+        if not 1 <= spec.vit_num_layers <= spec.vision_num_layers:
+            raise UnsupportedArchitectureError(
+                f"vision_feature_layer={spec.vision_feature_layer} selects {spec.vit_num_layers} of "
+                f"{spec.vision_num_layers} vision layers; it must select at least one"
+            )
+        return spec
+
+    @classmethod
+    def from_hf_dir(cls, hf_dir) -> "VLMSpec":
+        from transformers import AutoConfig, AutoTokenizer
+
+        from megatron_vlm.model.tokenizer import directory_sources
+
+        hf_dir = Path(hf_dir)
+        if not (hf_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
+        tok = AutoTokenizer.from_pretrained(str(hf_dir)) if (hf_dir / "tokenizer_config.json").exists() else None
+        src = directory_sources(hf_dir)
+        image_token = src.pop("image_token")
+        src.pop("image_token_id")  # the config's, read by from_hf
+        return cls.from_hf(AutoConfig.from_pretrained(str(hf_dir)), tok, image_token, src)
+
+    def to_hf_config(self):
+        return hf_config_class(self.arch)(**{k: v for k, v in self.hf_config.items() if k != "model_type"})
+
+    # ---- persistence ------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "VLMSpec":
+        data = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def save(self, directory):
+        """Write ``<directory>/vlm_spec.json`` (a local directory or an ``msc://`` URL); returns its path."""
+        from megatron_vlm.files import storage
+
+        path = storage.join(directory, SPEC_FILE)
+        storage.write_text(path, self.to_json())
+        return storage.path(path)
+
+    @classmethod
+    def load(cls, directory) -> "VLMSpec":
+        from megatron_vlm.files import storage
+
+        path = storage.path(directory) / SPEC_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{directory} has no {SPEC_FILE}; it is not a megatron-vlm checkpoint "
+                "(convert one with convert/hf_to_megatron.py)"
+            )
+        return cls.from_json(path.read_text())
+
+    # ---- parallelism checks -----------------------------------------------------------------------
+    def _tp_divides(self) -> tuple[tuple[str, int, str], ...]:
+        dense_ffn = (("ffn_hidden_size (intermediate_size)", self.ffn_hidden_size, "language model"),) \
+            if self.has_dense_layers else ()
+        return (
+            ("num_attention_heads", self.num_attention_heads, "language model"),
+            ("num_query_groups (num_key_value_heads)", self.num_query_groups, "language model"),
+            *dense_ffn,
+            ("num_attention_heads", self.vision_num_attention_heads, "vision model"),
+            ("ffn_hidden_size (intermediate_size)", self.vision_ffn_hidden_size, "vision model"),
+            ("hidden_size (projector)", self.hidden_size, "projector"),
+            ("padded vocab size", self.padded_vocab_size, "language model"),
+        )
+
+    def largest_tp(self) -> int:
+        """The largest tensor-parallel size the shapes allow (every split in :meth:`check_parallelism`)."""
+        return max(t for t in range(1, self.num_query_groups + 1) if all(v % t == 0 for _, v, _ in self._tp_divides()))
+
+    def check_expert_parallelism(self, ep: int = 1, etp: int | None = None) -> None:
+        """Validate expert parallelism (``ep`` experts groups, ``etp`` tensor-parallel size inside an expert)
+        against the experts; a dense LM takes only ``ep=1``."""
+        if ep < 1 or (etp is not None and etp < 1):
+            raise ParallelismError(f"--ep {ep} / --etp {etp} must be >= 1")
+        if not self.is_moe:
+            if ep > 1 or (etp or 1) > 1:
+                raise ParallelismError(f"--ep/--etp apply to mixture-of-experts language models; this {self.text_family} "
+                                       "LM is dense: drop --ep/--etp")
+            return
+        if self.num_moe_experts % ep:
+            raise ParallelismError(
+                f"--ep {ep} does not divide the {self.num_moe_experts} experts of the language model; choose --ep "
+                f"from {[d for d in range(1, self.num_moe_experts + 1) if self.num_moe_experts % d == 0]}")
+        if etp is not None and self.moe_ffn_hidden_size % etp:
+            raise ParallelismError(
+                f"--etp {etp} does not divide each expert's moe_ffn_hidden_size={self.moe_ffn_hidden_size}; choose "
+                f"--etp from {_divisors_pow2(self.moe_ffn_hidden_size)}")
+
+    def check_parallelism(self, tp: int, pp: int, pp_layers: list[int] | None = None, ep: int = 1,
+                          etp: int | None = None) -> list[int]:
+        """Validate TP/PP (and expert parallelism) against the shapes; return the number of language layers per
+        PP stage. The expert tensor-parallel size ``etp`` defaults to ``tp``, as in megatron-core."""
+        if tp < 1 or pp < 1:
+            raise ParallelismError(f"--tp {tp} / --pp {pp} must be >= 1")
+        self.check_expert_parallelism(ep, etp if etp is not None else (tp if self.is_moe else None))
+        checks = self._tp_divides()
+        for name, value, where in checks:
+            if name.startswith("num_query_groups") and tp > value:
+                raise ParallelismError(
+                    f"--tp {tp} is larger than the {value} KV heads (num_key_value_heads) of the language model: "
+                    f"megatron-core gives each TP rank whole KV heads; the largest --tp that works is "
+                    f"{self.largest_tp()}")
+            if value % tp:
+                raise ParallelismError(
+                    f"tp={tp} does not divide {name}={value} of {where}; choose --tp from "
+                    f"{_divisors_pow2(value)}"
+                )
+        if pp_layers:
+            if len(pp_layers) != pp or sum(pp_layers) != self.num_layers or min(pp_layers) < 1:
+                raise ParallelismError(
+                    f"--pp-layers {','.join(map(str, pp_layers))} must give {pp} positive counts summing to "
+                    f"num_layers={self.num_layers}"
+                )
+            if pp > 2 and len(set(pp_layers[1:-1])) > 1:
+                raise ParallelismError(
+                    f"--pp-layers {','.join(map(str, pp_layers))}: megatron-core allows only the first and last "
+                    "stage to differ; middle stages need the same count"
+                )
+            return list(pp_layers)
+        if self.num_layers % pp:
+            raise ParallelismError(
+                f"pp={pp} does not divide num_layers={self.num_layers} of language model; choose --pp from "
+                f"{[d for d in range(1, self.num_layers + 1) if self.num_layers % d == 0]} or give an uneven "
+                "split with --pp-layers"
+            )
+        return [self.num_layers // pp] * pp
+
+
+def _moe_settings(t) -> dict:
+    """The VLMSpec fields of a mixture-of-experts HF text config (Qwen3-MoE, Mixtral); {} for a dense LM. A layout
+    the mapping cannot express is refused, naming the setting."""
+    if t.model_type not in MOE_TEXT:
+        return {}
+    if t.model_type == "qwen3_moe":
+        experts, ffn = int(t.num_experts), int(t.moe_intermediate_size)
+        step = int(getattr(t, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(t, "mlp_only_layers", None) or [])
+        bad = sorted(i for i in dense if not 0 <= i < t.num_hidden_layers)
+        if bad:
+            raise UnsupportedArchitectureError(f"mlp_only_layers {bad} are not layers of a {t.num_hidden_layers}-layer "
+                                               "language model; fix the config")
+        pattern = [int(i not in dense and experts > 0 and (i + 1) % step == 0) for i in range(t.num_hidden_layers)]
+        norm_topk = bool(getattr(t, "norm_topk_prob", False))
+    else:  # mixtral: every layer routes; the experts' size is intermediate_size; top-k always renormalised
+        experts, ffn = int(t.num_local_experts), int(t.intermediate_size)
+        pattern = [1] * t.num_hidden_layers
+        norm_topk = True
+        jitter = float(getattr(t, "router_jitter_noise", 0.0) or 0.0)
+        if jitter:
+            raise UnsupportedArchitectureError(
+                f"router_jitter_noise={jitter}: HF Mixtral multiplies the experts' input by the noise too, which "
+                "megatron-core's router jitter does not; set router_jitter_noise to 0 in config.json")
+    topk = int(t.num_experts_per_tok)
+    if experts < 1 or not 1 <= topk <= experts:
+        raise UnsupportedArchitectureError(f"num_experts_per_tok={topk} must be between 1 and the {experts} experts")
+    if not any(pattern):
+        return {}
+    return dict(num_moe_experts=experts, moe_ffn_hidden_size=ffn, moe_router_topk=topk, moe_norm_topk_prob=norm_topk,
+                moe_layer_pattern=pattern, moe_aux_loss_coeff=float(getattr(t, "router_aux_loss_coef", 0.0) or 0.0))
+
+
+def _tied(arch: str, cfg, text_config) -> bool:
+    """Whether the HF model ties ``lm_head`` to the embedding. LLaVA configs: either config's flag. InternVL: the
+    top-level ``tie_word_embeddings`` defaults to True (transformers 5 ties by it) while the published -HF
+    checkpoints were written by transformers 4.5x, which tied by the text config's flag and saved no top-level one;
+    an untied text config's checkpoint carries its own ``lm_head`` (which transformers 5 then loads untied, the two
+    tensors differing). So InternVL ties only where both flags say so."""
+    top = bool(getattr(cfg, "tie_word_embeddings", False))
+    text = bool(getattr(text_config, "tie_word_embeddings", False))
+    return (top and text) if arch == "internvl" else (top or text)
+
+
+def _square(value, what: str) -> int:
+    """An image / patch size given as an int or an (h, w) pair (InternViT's) of a square."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2 or value[0] != value[1]:
+            raise UnsupportedArchitectureError(f"{what} {list(value)} is not square; megatron-core's ViT takes "
+                                               "square tiles: use an equal height and width")
+        value = value[0]
+    return int(value)
+
+
+def _internvit_settings(cfg, v) -> dict:
+    """The VLMSpec fields of an InternVL config's InternViT and projector; what megatron-core's ViT cannot build
+    (or HF's InternVL cannot run) is refused in one line naming the setting."""
+    if v.model_type != "internvl_vision":
+        raise UnsupportedArchitectureError(f"an InternVL model's vision model type {v.model_type!r} is not "
+                                           "supported; InternVL takes its InternViT (model_type internvl_vision)")
+    ratio = float(cfg.downsample_ratio)
+    if ratio != 0.5:
+        raise UnsupportedArchitectureError(f"downsample_ratio={ratio} is not supported: megatron-core's pixel "
+                                           "shuffle merges 2 x 2 patches (downsample_ratio 0.5)")
+    if cfg.vision_feature_select_strategy != "default":
+        raise UnsupportedArchitectureError("InternVL drops the CLS token before its pixel shuffle: "
+                                           "vision_feature_select_strategy must be 'default'")
+    if not getattr(v, "use_absolute_position_embeddings", True):
+        raise UnsupportedArchitectureError("InternViT without absolute position embeddings is not supported; set "
+                                           "use_absolute_position_embeddings to true")
+    if cfg.vision_feature_layer == -1 and not getattr(v, "use_mean_pooling", True):
+        raise UnsupportedArchitectureError("InternViT with use_mean_pooling=false puts a final LayerNorm on the last "
+                                           "layer, which megatron-core's ViT does not have; use "
+                                           "vision_feature_layer -2 or use_mean_pooling true")
+    norm = {"layer_norm": "LayerNorm", "rms_norm": "RMSNorm"}.get(v.norm_type)
+    if norm is None:
+        raise UnsupportedArchitectureError(f"InternViT norm_type {v.norm_type!r} is not supported (layer_norm, "
+                                           "rms_norm)")
+    side = _square(v.image_size, "vision image_size") // _square(v.patch_size, "vision patch_size")
+    if side % 2:
+        raise UnsupportedArchitectureError(f"InternViT's {side} x {side} patches do not pair up for the pixel "
+                                           "shuffle; use an image_size of an even number of patches")
+    seq = getattr(cfg, "image_seq_length", None)
+    if seq is not None and int(seq) != side * side // 4:
+        raise UnsupportedArchitectureError(f"image_seq_length={seq} but {side} x {side} patches pixel-shuffled give "
+                                           f"{side * side // 4} tokens per tile; set image_seq_length to "
+                                           f"{side * side // 4}")
+    return dict(vision_normalization=norm, vision_qkv_bias=bool(v.attention_bias),
+                vision_qk_layernorm=bool(v.use_qk_norm), downsample_ratio=ratio)
+
+
+def _config_image_token_id(cfg) -> int:
+    from megatron_vlm.model.tokenizer import config_image_token_id
+
+    tid = config_image_token_id(cfg)
+    if tid is None:
+        raise UnsupportedArchitectureError("the model config has no image_token_index / image_token_id")
+    return tid
+
+
+def hf_config_class(arch: str):
+    import transformers
+
+    return getattr(transformers, ARCHS[arch][0])
+
+
+def _divisors_pow2(n: int) -> list[int]:
+    return [d for d in (1, 2, 4, 8, 16) if n % d == 0]
+
+
+def _rope_parameters(text_config) -> dict:
+    """HF rope settings as one dict (transformers 5 ``rope_parameters`` or 4.x ``rope_scaling``)."""
+    params = dict(getattr(text_config, "rope_parameters", None) or {})
+    scaling = getattr(text_config, "rope_scaling", None)
+    if scaling:
+        params.update(scaling)
+    if "rope_theta" not in params and hasattr(text_config, "rope_theta"):
+        params["rope_theta"] = text_config.rope_theta
+    return params

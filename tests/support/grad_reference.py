@@ -1,0 +1,152 @@
+"""The one per-tensor gradient reference: the trainer's gradient of every trained tensor against HF's, in HF's
+on-disk tensor names, at any TP / PP / DP / EP / ETP layout.
+
+Three steps, each one function:
+
+1. :func:`capture` (on every rank of a training job, before its first step) snapshots, at each optimizer step, this
+   rank's gradient of every trained parameter: megatron-core's ``main_grad``, reduced over data-parallel ranks
+   (the expert parameters over the expert-data-parallel ranks) and divided by the global batch's loss tokens by
+   ``finalize_model_grads``, before clipping. With the distributed optimizer each DP rank holds only its shard of a
+   bucket reduced, so the shards are gathered first. :func:`coordinates` gives the rank's place in the layout.
+   :func:`tests.support.train_jobs.train_jobs` does both for a job with ``grads=True`` and returns every
+   rank's ``(coordinates, {local name: gradient})`` of the first step as ``"grads"`` and the job's layout as
+   ``"layout"``.
+2. :func:`assemble` puts the ranks' shards together into full tensors with the conversion's own mapping rules
+   (pipeline stage, expert-parallel rank, tensor-parallel merge; each expert under its local index) and turns them
+   into HF tensors with :func:`megatron_vlm.convert.mapping.to_hf`, as an export turns weights. A tensor that some
+   rank trained but whose other shards are missing is an error (it names the tensor), never left out.
+3. :func:`compare` gives each tensor's difference relative to the norm of HF's gradient, where HF's gradients come
+   from :func:`tests.support.hf_reference.train` with ``grads=True`` (HF's own model, loss and, for a
+   mixture-of-experts model, HF's own ``load_balancing_loss_func``; the names are those HF's ``save_pretrained``
+   writes, :func:`saved_gradients`).
+
+A test therefore reads::
+
+    ref = hf_reference.train(hf_dir, batches, cfg, steps=1, grads=True)
+    mine = grad_reference.assemble(result["grads"], spec, **result["layout"])
+    worst = max(grad_reference.compare(mine, ref["grads"]).values())
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from megatron_vlm.model.spec import VLMSpec
+
+
+class MissingShard(ValueError):
+    """A trained tensor whose shards did not all come back from the ranks."""
+
+
+def _gather_distributed_optimizer_shards(ddp) -> None:
+    """With the distributed optimizer, each DP rank reduced only its shard of each bucket: gather the shards in
+    place over each buffer's own data-parallel group (the expert buffers' is the expert-data-parallel group)."""
+    if not ddp.ddp_config.use_distributed_optimizer:
+        return
+    for buffer in [*ddp.buffers, *getattr(ddp, "expert_parallel_buffers", [])]:
+        group = buffer.data_parallel_group
+        size = group.size()
+        if size == 1:
+            continue
+        rank = torch.distributed.get_rank(group)
+        for bucket in buffer.buckets:
+            shards = list(bucket.grad_data.chunk(size))
+            mine = shards[rank].clone()
+            torch.distributed.all_gather(shards, mine, group=group)  # the chunks are views: gathered in place
+
+
+def capture(training) -> list:
+    """Install the snapshot on ``training``'s optimizer: the returned list gets one entry per optimizer step,
+    ``{local parameter name: gradient}`` of this rank's trained parameters (float32 copies)."""
+    steps: list = []
+    step = training.optimizer.step
+
+    def snapshot_then_step(*args, **kwargs):
+        _gather_distributed_optimizer_shards(training.ddp)
+        steps.append({n: p.main_grad.detach().float().clone() for n, p in training.model.named_parameters()
+                      if p.requires_grad and getattr(p, "main_grad", None) is not None})
+        return step(*args, **kwargs)
+
+    training.optimizer.step = snapshot_then_step
+    return steps
+
+
+def coordinates() -> dict:
+    """This rank's parallel coordinates (tensor, pipeline, expert, expert-tensor and data parallel ranks)."""
+    from megatron.core import parallel_state as ps
+
+    return dict(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+                ep=ps.get_expert_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank(),
+                dp=ps.get_data_parallel_rank())
+
+
+def assemble(ranks: list[tuple[dict, dict]], spec: VLMSpec, tp: int = 1, pp: int = 1, layers: list[int] | None = None,
+             ep: int = 1, etp: int | None = None) -> dict[str, torch.Tensor]:
+    """HF-named full gradients from ``ranks``: (coordinates, {local name: gradient}) of every rank of a world at
+    ``tp``/``pp``/``ep``/``etp`` (expert TP, default ``tp``) with ``layers`` language layers per stage. Tensors no
+    rank trained (frozen parts) are left out; a tensor with some of its shards missing raises
+    :class:`MissingShard`."""
+    from megatron_vlm.convert import mapping
+
+    layers = layers or spec.check_parallelism(tp, pp)
+    per_rank = spec.num_moe_experts // ep if spec.is_moe else None
+    out = {}
+    for rule in mapping.rules(spec):
+        stage = mapping.stages_of(rule, spec, layers)[0]
+        e = mapping.ep_rank_of(rule, spec, ep)
+        name = mapping.local_name(rule, stage, layers, per_rank)
+        key = "etp" if rule.expert is not None else "tp"
+        shards = []
+        for t in range(mapping.split_size(rule, tp, etp)):
+            found = [g[name] for c, g in ranks if c["pp"] == stage and c[key] == t and (e is None or c["ep"] == e)
+                     and name in g]
+            shards.append(found[0] if found else None)
+        if all(s is None for s in shards):
+            continue
+        if any(s is None for s in shards):
+            missing = [t for t, s in enumerate(shards) if s is None]
+            raise MissingShard(f"{rule.hf[0]} ({name} on stage {stage}{'' if e is None else f', EP rank {e}'}): no "
+                               f"rank returned its {key.upper()} shard(s) {missing} of {len(shards)}")
+        full = mapping.tp_merge(rule, shards)
+        out.update(zip(rule.hf, mapping.to_hf(rule, full, spec)))
+    return out
+
+
+def saved_gradients(model) -> dict[str, torch.Tensor]:
+    """The gradients of an HF model after its backward, under the names and layouts HF's ``save_pretrained``
+    writes (each expert apart, whatever transformers fuses in memory): HF writes them in place of its weights.
+    The model's weights are restored afterwards; a parameter without a gradient gives zeros."""
+    from megatron_vlm.convert import mapping
+    from megatron_vlm.convert.hf_io import HFReader
+
+    weights = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            weights[p] = p.data
+            p.data = p.grad if p.grad is not None else torch.zeros_like(p)
+    try:
+        with tempfile.TemporaryDirectory(prefix="hf-grads-") as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            names = HFReader(Path(tmp))
+            return {mapping.canonical_hf_name(n): names.get(n).clone() for n in names.names()}
+    finally:
+        with torch.no_grad():
+            for p, w in weights.items():
+                p.data = w
+
+
+def compare(trainer: dict[str, torch.Tensor], hf: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per HF tensor the trainer computed: ``|trainer - hf| / |hf|`` (absolute where HF's gradient is zero, e.g. an
+    expert no token reached in either). A tensor HF has no gradient for is an error."""
+    out = {}
+    for name, g in trainer.items():
+        if name not in hf:
+            raise KeyError(f"the trainer returned a gradient for {name}, which HF's model does not have")
+        ref = hf[name].to(g.dtype)
+        diff = float((g - ref).norm())
+        scale = float(ref.norm())
+        out[name] = diff / scale if scale > 0 else diff
+    return out

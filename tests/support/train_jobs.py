@@ -1,0 +1,337 @@
+"""Per-rank training jobs that tests and benchmarks run in a local world (see runtime.spawn.run_world).
+
+A job trains a few steps of a fixed sequence of global batches with the trainer's own parts
+(:func:`megatron_vlm.training.build.build_training`, :func:`megatron_vlm.training.step.train_step`, checkpoint
+save/resume) at one TP/PP/DP layout and precision, and returns the loss and grad norm of every step. One
+world runs many jobs (megatron's parallel groups are re-initialised per job), so a 2-process world covers
+TP=2, PP=2 and DP=2 in fp32 and bf16 without paying process start-up for each.
+
+Global batches are lists of encoded samples (``VLMSample``); each job splits every global batch over its
+data-parallel ranks and micro batches with the task encoder's own ``batch()``, so the same global batch is
+trained whatever the layout.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+
+from megatron_vlm.checkpoint import layout as ckpt
+from megatron_vlm.runtime.spawn import thread_names
+from megatron_vlm.model.spec import VLMSpec
+from tests.support import chunk_views
+
+#: what every job's TrainConfig has unless the job says otherwise
+BASE = dict(device="cpu", stage=2, freeze_vit=False, lr=2e-3, min_lr=0.0, lr_warmup_fraction=0.0,
+            lr_decay_style="constant", clip_grad=1.0, weight_decay=0.0, seq_length=96, precision="fp32",
+            deterministic=True)
+
+
+#: questions and answers of different lengths (so per-token loss normalisation matters)
+QUESTIONS = ["what colour is the shape ?", "describe the picture in a few words please", "what ?",
+             "is there a square in the image , and what colour is it ?"]
+ANSWERS = ["red", "a red square on a smooth gradient background", "a shape", "yes"]
+
+
+#: image sizes (h, w) the samples cycle through: anyres models tile them differently (one tile to a 2x2 grid)
+IMAGE_SIZES = [(40, 30), (20, 52), (64, 64), (12, 18)]
+
+
+def encoder_for(hf_dir, seq_length: int = BASE["seq_length"], spec: VLMSpec | None = None,
+                pad_to_multiple_of: int | None = None):
+    """The trainer's task encoder of ``hf_dir``'s architecture (plain LLaVA or anyres); ``pad_to_multiple_of``: as
+    the trainer pads batches for sequence parallelism (TP) or FP8."""
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+
+    spec = spec or VLMSpec.from_hf_dir(hf_dir)
+    return task_encoder_for(spec, hf_dir, seq_length, image_token_id=spec.image_token_id,
+                            pad_to_multiple_of=pad_to_multiple_of)
+
+
+def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BASE["seq_length"],
+                            uniform: bool = False, videos: int = 0) -> list[list]:
+    """``n`` global batches of ``size`` encoded samples of different lengths (and, for anyres models, image
+    sizes), the same on every call; ``uniform``: every sample has the first question and answer (one length, the
+    images differ); ``videos`` (OneVision): that many samples of each global batch are a video (of 3 frames and of 1
+    frame in turn, made with PyAV) instead of an image."""
+    from megatron.energon import VQASample
+    from PIL import Image
+
+    from megatron_vlm.data.synthetic import image_array
+
+    enc = encoder_for(hf_dir, seq_length)
+    sizes = IMAGE_SIZES if enc.spec.is_anyres or enc.spec.is_internvl else IMAGE_SIZES[:1]
+    meta = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
+    clips = _clips() if videos else []
+    out = []
+    for b in range(n):
+        samples = []
+        for i in range(size):
+            if i < videos:
+                from megatron_vlm.data.anyres_encoder import AnyresSample
+                from megatron_vlm.data.conversation import vqa_messages
+
+                j = (b + i) % len(QUESTIONS)
+                messages = vqa_messages(QUESTIONS[j], ANSWERS[(j + b) % len(ANSWERS)], "video")
+                samples.append(AnyresSample(__key__=f"{b}-{i}", **meta, **enc.encode_conversation(
+                    messages, [], f"{b}-{i}", [clips[(b + i) % len(clips)]])))
+                continue
+            j = 0 if uniform else (b + i) % len(QUESTIONS)
+            image = Image.fromarray(image_array(sizes[0 if uniform else (b + i) % len(sizes)], 8 * b + i))
+            s = VQASample(__key__=f"{b}-{i}", image=image, context=QUESTIONS[j],
+                          answers=ANSWERS[0 if uniform else (j + b) % len(ANSWERS)], answer_weights=None, **meta)
+            samples.append(enc.encode_sample(s))
+        out.append(samples)
+    return out
+
+
+def long_video_batch(hf_dir, frames: int = 32, seq_length: int = 256, side: int = 24, others: bool = True) -> list:
+    """One global batch of a OneVision (or any model with a video token): a video of ``frames`` frames (one a
+    second of a ``frames``-second clip, ``side`` pixels square) and, with ``others``, a video with an image, an
+    image and a text-only sample, encoded by the trainer's task encoder at ``seq_length`` (at the tiny test model's
+    20-px tiles a frame is 4 positions; at 384 px and patch 14, 196)."""
+    from PIL import Image
+
+    from megatron_vlm.data.anyres_encoder import AnyresSample
+    from megatron_vlm.data.conversation import vqa_messages
+    from megatron_vlm.data.synthetic import image_array
+    from tests.support.videos import make_video
+
+    enc = encoder_for(hf_dir, seq_length)
+    enc.video_frames = frames
+    clip, short = make_video(2 * frames, side, side, fps=2), make_video(5, 48, 32, fps=7)
+    answer = [{"type": "text", "text": ANSWERS[1]}]
+    video_image = [{"type": "video"}, {"type": "text", "text": QUESTIONS[0]}, {"type": "image"}]
+    fields = [enc.encode_conversation(vqa_messages(QUESTIONS[1], ANSWERS[1], "video"), [], "video", [clip])]
+    fields += [] if not others else [
+        enc.encode_conversation([{"role": "user", "content": video_image}, {"role": "assistant", "content": answer}],
+                                [Image.fromarray(image_array(IMAGE_SIZES[0], 1))], "video-image", [short]),
+        enc.encode_conversation(vqa_messages(QUESTIONS[3], ANSWERS[3]), [Image.fromarray(image_array(
+            IMAGE_SIZES[1], 2))], "image"),
+        enc.encode_conversation([{"role": "user", "content": [{"type": "text", "text": QUESTIONS[2]}]},
+                                 {"role": "assistant", "content": [{"type": "text", "text": ANSWERS[2]}]}], [],
+                                "text"),
+    ]
+    meta = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
+    return [AnyresSample(__key__=f"{i}", **meta, **f) for i, f in enumerate(fields)]
+
+
+def _clips() -> list[bytes]:
+    """Two clips: 25 frames at 10 fps (OneVision's rule picks 3) and 5 at 7 fps (it picks 1)."""
+    from tests.support.videos import make_video
+
+    return [make_video(25, 33, 21, fps=10), make_video(5, 48, 32, fps=7)]
+
+
+def job_config(job: dict, n_steps: int, global_batch_size: int):
+    from megatron_vlm.training.config import TrainConfig
+
+    fields = {k: v for k, v in job.items()
+              if k not in ("name", "steps", "start", "save", "save_after", "resume", "reload_weights",
+                           "grads", "megatron_dir", "hf_dir", "batches", "refused",
+                           "unchecked_expert_layout", "evaluate")}
+    cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
+    cfg.precision = cfg.precision or "fp32"
+    # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
+    # schedule, as megatron-core's scheduler did by default before the two Megatron-LM flags were adopted
+    cfg.use_checkpoint_opt_param_scheduler = bool(job.get("resume"))
+    return cfg
+
+
+def micro_batches(collate, samples: list, dp: int, dp_rank: int, micro_batch_size: int) -> list:
+    """This DP rank's micro batches of one global batch (a contiguous 1/dp slice, in micro batches)."""
+    per_rank = len(samples) // dp
+    mine = samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    return [collate(mine[i:i + micro_batch_size]) for i in range(0, len(mine), micro_batch_size)]
+
+
+def _setup(cfg, spec: VLMSpec | None = None):
+    """The job's parallel groups (``spec``: the model's, which decides the virtual pipeline stages, if any)."""
+    from megatron_vlm.runtime import distributed
+
+    return distributed.setup(cfg.tp, cfg.pp, device="cpu", seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp,
+                             vpp=cfg.vpp_size(spec) if spec is not None else 1)
+
+
+def weights_digest(model) -> str:
+    """sha256 of this rank's parameters (names, dtypes and bytes, in the model's order; ``model``: a module or a
+    ``Training``, all of its chunks): equal digests are bit-identical weights."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _save(job, step: int, cfg, rt, spec, training, iter_dir, global_batch_size: int) -> None:
+    from megatron_vlm.training import checkpointing, resume
+
+    meta = ckpt.CheckpointMeta("torch_dist", cfg.tp, cfg.pp, spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers),
+                               dtype=str(training.dtype).replace("torch.", ""), ep=cfg.ep, etp=cfg.etp,
+                               vpp=len(training.models))
+    meta.extra.update(resume.layout_extra(cfg, rt.dp, step * global_batch_size))
+    overlap = training.overlapping_param_gather()
+    if overlap:  # as the trainer saves: the parameters gathered first
+        training.disable_forward_pre_hook()
+    checkpointing.save(Path(job["save"]), step, training.models, training.optimizer, training.scheduler, None,
+                       spec=spec, meta=meta, side_src=iter_dir, with_optim=cfg.save_optim, total_limit=None)
+    if overlap:
+        training.enable_forward_pre_hook()
+
+
+def _start(job: dict, cfg, spec, iter_dir, rt):
+    """The job's Training, fresh from ``iter_dir``'s weights or resumed as the trainer resumes."""
+    from megatron_vlm.training import checkpointing, resume
+    from megatron_vlm.training.build import build_training
+
+    if job.get("resume"):  # as the trainer: the plan (which fixes the loss objective) before the model
+        plan = resume.plan(cfg, job["resume"], rt.tp, rt.pp, rt.dp)
+        plan.load_data = False  # the job feeds its own batches
+    training = build_training(cfg, spec, init_from=None if job.get("resume") else iter_dir)
+    if job.get("resume"):
+        if job.get("reload_weights", True):
+            resume.restore(training, plan)
+        else:  # the defect: weights loaded, the optimizer's fp32 main params left as they were
+            checkpointing.load(plan.iter_dir, training.models, training.optimizer, training.scheduler, False,
+                               with_rng=False, with_data=False)
+    return training
+
+
+def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list]) -> list | None:
+    """Run each job; returns per job {'loss': [...], 'grad_norm': [...] (None: a skipped fp16 step),
+    'loss_scale': [...], 'readers': [global ranks that read data], 'weights':
+    [every rank's :func:`weights_digest` after the last step], 'threads': [every rank's
+    :func:`~megatron_vlm.runtime.spawn.thread_names` once the job's objects are dropped]} (on rank 0; None
+    elsewhere).
+
+    Job keys: TrainConfig fields (tp, pp, precision, dist_optim, micro_batch_size, overlap_grad_reduce, ...),
+    plus ``steps`` (default: all global batches), ``start`` (the first global batch, default 0), ``save`` (a
+    run dir to save a checkpoint to after the last step, or after step ``save_after`` of the job, with optimizer
+    state unless save_optim=False) and
+    ``resume`` (an iteration dir to restore before the first step, the way the trainer resumes; with
+    ``reload_weights=False`` the optimizer's main params are deliberately not refreshed, the defect the resume
+    must avoid); with ``refused=True`` the job's set-up (build, resume) must fail: the job returns only
+    ``{'name', 'error'}``, the exception's type and message, or None if nothing refused it;
+    ``unchecked_expert_layout=True`` lifts the refusal of an expert layout the installed megatron-core trains wrong
+    (:func:`megatron_vlm.runtime.mcore_version.expert_layout_problem`), to write a fixture of what an older release did.
+    ``evaluate`` (a number of micro batches): the trainer's evaluation (:func:`megatron_vlm.training.step.evaluate`)
+    of that many micro batches of the first global batch after the last step, as 'val_loss' (with virtual pipeline
+    stages it takes the largest multiple of PP of them).
+    ``grads``: also return, as 'grads', every model chunk's (coordinates, local gradients) of the first step, and
+    as 'layout' the keyword arguments of :func:`tests.support.grad_reference.assemble` (tp, pp, layers, ep,
+    etp), which turns them into HF-named gradients (with virtual pipeline stages each chunk is a stage of a
+    ``pp x vpp``-stage pipeline, :mod:`tests.support.chunk_views`); an MoE model's routing numbers of each
+    step come as 'moe'.
+    ``megatron_dir``, ``hf_dir`` and ``batches`` give a job its own model and global batches (default: the
+    arguments), so one world trains several models: ``global_batches`` is then a dict and ``batches`` names one;
+    a value of that dict may be a recipe, ``(hf_dir, n, uniform, repeat[, videos])``, which every rank makes with
+    :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks. ``batches``
+    may also be such a recipe itself, or the job's own list of global batches.
+    """
+    from megatron_vlm.training import batch_feed
+    from megatron_vlm.training.build import release
+    from megatron_vlm.training.config.resolve import settle_with_spec
+    from megatron_vlm.training.step import train_step
+    from megatron_vlm.training.trainer import pad_multiple
+
+    out = []
+    default, made = (megatron_dir, hf_dir, global_batches), {}
+    for job in jobs:
+        megatron_dir, hf_dir = job.get("megatron_dir", default[0]), job.get("hf_dir", default[1])
+        own = job.get("batches")  # a key of the global_batches dict, a recipe, or the job's own global batches
+        global_batches = default[2] if own is None else own if isinstance(own, (tuple, list)) else default[2][own]
+        if isinstance(global_batches, tuple):
+            recipe, global_batches = global_batches, made.get(global_batches)
+            if global_batches is None:
+                global_batches = made[recipe] = variable_length_batches(
+                    recipe[0], recipe[1], uniform=recipe[2], videos=recipe[4] if len(recipe) > 4 else 0) * recipe[3]
+        iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
+        spec = VLMSpec.load(iter_dir)
+        steps = job.get("steps", len(global_batches) - job.get("start", 0))
+        cfg = job_config(job, steps, len(global_batches[0]))
+        settle_with_spec(cfg, spec)  # as the trainer: e.g. sequence parallelism for an MoE LM at TP > 1
+        # for batch() only; sequence and context parallelism split the image-expanded length, as the trainer pads it
+        encoder = encoder_for(hf_dir, spec=spec, pad_to_multiple_of=pad_multiple(cfg))
+        rt = _setup(cfg, spec)
+        if job.get("refused"):  # the set-up must fail, on every rank alike, before a step
+            try:
+                training = _start(job, cfg, spec, iter_dir, rt)
+                error = None
+            except Exception as e:  # noqa: BLE001 - the refusal is the result
+                training, error = None, f"{type(e).__name__}: {e}"
+            out.append({"name": job.get("name"), "error": error})
+            if training is not None:
+                release(training)
+            del training
+            gc.collect()
+            continue
+        if job.get("unchecked_expert_layout"):  # a fixture of what an older release trained at a refused layout
+            from unittest import mock
+
+            with mock.patch("megatron_vlm.runtime.mcore_version.expert_layout_problem", return_value=None):
+                training = _start(job, cfg, spec, iter_dir, rt)
+        else:
+            training = _start(job, cfg, spec, iter_dir, rt)
+        views = chunk_views.views(training, rt, cfg, spec)  # VPP: each chunk as a stage of a wider pipeline
+        if job.get("grads"):
+            from tests.support import grad_reference
+
+            captured = [grad_reference.capture(v.training) for v in views]
+        losses, norms, scales, moe = [], [], [], []
+        first = job.get("start", 0)
+        # as the trainer: only the ranks batch_feed.reads_data names read (batch) the data; distribute() hands
+        # it to the other TP ranks of the first/last stage
+        reads = batch_feed.reads_data(rt.tp_rank, rt.pp_rank, rt.pp)
+        save_after = job.get("save_after", steps) if job.get("save") else None
+        for k, gb in enumerate(global_batches[first:first + steps], 1):
+            mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
+                [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
+            r = train_step(training, batch_feed.distribute(mine, rt.device), cfg, rt.device)
+            losses.append(r.loss)
+            norms.append(r.grad_norm)
+            scales.append(r.loss_scale)
+            moe.append(r.moe)
+            if k == save_after:
+                _save(job, first + k, cfg, rt, spec, training, iter_dir, len(gb))
+        val = None
+        if job.get("evaluate"):  # the trainer's evaluation (forward only) of the first global batch, weights as now
+            from megatron_vlm.training.step import evaluate
+
+            gb = global_batches[first]
+            mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
+                [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
+            val = evaluate(training, batch_feed.distribute(mine[:job["evaluate"]], rt.device), cfg, rt.device)
+        world = torch.distributed.get_world_size()
+        vals: list = [None] * world
+        torch.distributed.all_gather_object(vals, val)
+        readers: list = [None] * world
+        torch.distributed.all_gather_object(readers, reads)
+        digests: list = [None] * world
+        torch.distributed.all_gather_object(digests, weights_digest(training))
+        vals: list = [None] * world
+        torch.distributed.all_gather_object(vals, val)
+        result = {"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
+                  "readers": [r for r, x in enumerate(readers) if x], "weights": digests, "moe": moe,
+                  "val_loss": next((v for v in vals if v is not None), None)}
+        if job.get("grads"):  # each chunk's (coordinates, first step's gradients); pp: its stage of the views' pipeline
+            mine = [(dict(grad_reference.coordinates(), pp=v.stage), c[0]) for v, c in zip(views, captured)]
+            ranks: list = [None] * world
+            torch.distributed.all_gather_object(ranks, mine)
+            result.update(grads=[chunk for rank in ranks for chunk in rank],
+                          layout=dict(tp=cfg.tp, pp=cfg.pp * len(views), ep=cfg.ep, etp=cfg.etp,
+                                      layers=chunk_views.stage_layers(training, cfg, spec)))
+        out.append(result)
+        release(training)
+        del training, views
+        gc.collect()
+        threads: list = [None] * world
+        torch.distributed.all_gather_object(threads, thread_names())
+        out[-1]["threads"] = threads
+    return out if torch.distributed.get_rank() == 0 else None
+
+
