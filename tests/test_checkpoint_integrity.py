@@ -1,7 +1,7 @@
 """The cheap integrity checks of a checkpoint, on files made here (no model, no process): the checksum manifest
-(:mod:`megatron_vlm.checkpoint.manifest`), legacy rank files, and the newest complete iteration a damaged run's message names
-(:mod:`megatron_vlm.checkpoint.checks`). The trainer's use of them runs in tests/test_fault_drill.py, the launcher's in
-tests/test_bad_inputs.py."""
+(:mod:`megatron_vlm.checkpoint.manifest`), legacy rank files, and the newest complete iteration a damaged run's message
+names (:mod:`megatron_vlm.checkpoint.checks`). The trainer's use of them runs in tests/test_fault_drill.py, the
+launcher's in tests/test_bad_inputs.py."""
 
 from __future__ import annotations
 

@@ -107,7 +107,8 @@ def test_lane_requirements_match_setup_cfg():
 
 
 def test_the_version_module_does_not_import_the_checkpoint_layout():
-    """The dependency runs one way: megatron_vlm.checkpoint.layout -> mcore_version (which owns no file of the layout)."""
+    """The dependency runs one way: megatron_vlm.checkpoint.layout -> mcore_version (which owns no file of the
+    layout)."""
     import ast
 
     tree = ast.parse(Path(mcore_version.__file__).read_text())

@@ -104,9 +104,9 @@ def check_iteration_files(it_dir: Path, fix: str = CONVERTER_FIX) -> None:
 
 def check_legacy_ranks(it_dir: Path, fix: str = CONVERTER_FIX) -> None:
     """Every shard of a legacy ('torch') checkpoint is in some ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` of the
-    layout its directories span (:class:`megatron_vlm.checkpoint.legacy_ranks.Sources`: Megatron-LM writes only some (TP, EP)
-    files at ETP < TP). The layout comes from ``ckpt_meta.json`` where there is one; Megatron-LM's names alone do not
-    say whether a second number is a PP or an EP rank, so either reading passes."""
+    layout its directories span (:class:`megatron_vlm.checkpoint.legacy_ranks.Sources`: Megatron-LM writes only some
+    (TP, EP) files at ETP < TP). The layout comes from ``ckpt_meta.json`` where there is one; Megatron-LM's names alone
+    do not say whether a second number is a PP or an EP rank, so either reading passes."""
     from megatron_vlm.checkpoint import legacy_ranks as lr
 
     if not lr.present(it_dir, files=False):

@@ -1,7 +1,7 @@
 """The checksum manifests of a checkpoint: what a save records of every file, and what a resume checks.
 
-A shard cut short or lost is found by its size alone (:mod:`megatron_vlm.checkpoint.checks` compares the torch_dist shards
-with their index). A file whose size is right but whose bytes are not -- a bad disk block, a copy that wrote
+A shard cut short or lost is found by its size alone (:mod:`megatron_vlm.checkpoint.checks` compares the torch_dist
+shards with their index). A file whose size is right but whose bytes are not -- a bad disk block, a copy that wrote
 garbage, a file overwritten in place -- is found only by reading it. So a training save records checksums of every
 file of the iteration directory before ``ckpt_meta.json`` (the file that marks it complete), and a resume checks
 them before it loads anything:

@@ -28,8 +28,8 @@ from megatron_vlm.convert.assemble import assemble
 from megatron_vlm.files.atomic import atomic_dir
 from megatron_vlm.data.chat_template import choose_chat_template
 from megatron_vlm.model.spec import NAFLEX_REFUSAL, SUPPORTED_TEXT, SUPPORTED_VISION, UnsupportedArchitectureError
-from megatron_vlm.model.tokenizer import (DEFAULT_IMAGE_TOKEN, DEFAULT_VIDEO_TOKEN, DEFAULT_VOCAB_PADDING, add_vlm_tokens,
-                                    embedding_rows)
+from megatron_vlm.model.tokenizer import (DEFAULT_IMAGE_TOKEN, DEFAULT_VIDEO_TOKEN, DEFAULT_VOCAB_PADDING,
+                                          add_vlm_tokens, embedding_rows)
 
 VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
 PROCESSOR_FILE = "processor_config.json"
@@ -95,8 +95,9 @@ def build_llava(
     ``vision_feature_select_strategy`` defaults to 'default' (drop CLS) for CLIP and 'full' for SigLIP.
     ``arch`` llava_next / llava_onevision: ``grid_pinpoints`` default to every rows x cols tiling up to
     ``max_grid`` x ``max_grid`` tiles of the vision encoder's image size. ``chat_template``: ``keep`` (the LM's
-    own, adapted to image parts), ``llava`` or a Jinja file (:func:`~megatron_vlm.data.chat_template.choose_chat_template`).
-    ``vocab_size_padding``: see :func:`~megatron_vlm.model.tokenizer.embedding_rows`.
+    own, adapted to image parts), ``llava`` or a Jinja file
+    (:func:`~megatron_vlm.data.chat_template.choose_chat_template`). ``vocab_size_padding``: see
+    :func:`~megatron_vlm.model.tokenizer.embedding_rows`.
     """
     from megatron_vlm.model.spec import ARCHS
 

@@ -133,8 +133,8 @@ def _language_rules(spec: VLMSpec) -> list[Rule]:
 
 def _internvit_rules(spec: VLMSpec) -> list[Rule]:
     """InternViT (HF ``InternVLVisionModel``) -> megatron-core's ``CLIPViTModel(model_subtype='internvit')`` with
-    :class:`~megatron_vlm.model.internvit.InternViTLayer` layers: layer scales ``lambda_1``/``lambda_2`` -> ``ls1``/``ls2``
-    (replicated), the 6B variant's q/k norms over all heads split with the heads (column)."""
+    :class:`~megatron_vlm.model.internvit.InternViTLayer` layers: layer scales ``lambda_1``/``lambda_2`` ->
+    ``ls1``/``ls2`` (replicated), the 6B variant's q/k norms over all heads split with the heads (column)."""
     e, v = VT + "embeddings.", "vision_model."
     rules = [
         Rule(v + "conv1.weight", (e + "patch_embeddings.projection.weight",)),

@@ -547,8 +547,8 @@ class LegacyReader:
     parallelism (``meta.ep`` > 1) an expert's tensors come from its EP rank's files (``mp_rank_TT[_PPP]_EEE``), under
     their local indices, merged over the expert TP size; with virtual pipeline stages (``meta.vpp`` > 1) from the
     ``model<c>`` entry of the chunk that holds them, under the chunk's own layer numbers. Each shard is read from a
-    file that holds it (:class:`megatron_vlm.checkpoint.legacy_ranks.Sources`: Megatron-LM writes only some (TP, EP) files at
-    ETP < TP)."""
+    file that holds it (:class:`megatron_vlm.checkpoint.legacy_ranks.Sources`: Megatron-LM writes only some (TP, EP)
+    files at ETP < TP)."""
 
     def __init__(self, iter_dir, spec, meta: ckpt.CheckpointMeta):
         from megatron_vlm.checkpoint import legacy_ranks

@@ -131,8 +131,8 @@ def _read_legacy(iter_dir, tp: int, pp: int, spec: VLMSpec, ep: int = 1,
     """Legacy rank files: as :func:`_read_dist`, plus the language layers of each pipeline stage and the model chunks
     per rank (``model0``, ``model1``, ... entries with virtual pipeline stages, each numbering its layers from 0; 1
     with a ``model`` entry). With expert parallelism each EP rank's experts are renumbered to their global index;
-    every shard is read from the file :class:`megatron_vlm.checkpoint.legacy_ranks.Sources` names (Megatron-LM writes only some
-    (TP, EP) files at ETP < TP)."""
+    every shard is read from the file :class:`megatron_vlm.checkpoint.legacy_ranks.Sources` names (Megatron-LM writes
+    only some (TP, EP) files at ETP < TP)."""
     from megatron_vlm.checkpoint import legacy_ranks
 
     # each tensor's split, under the layer-0 names shapes are kept by (layer 0 may be an MoE layer while a later one

@@ -358,8 +358,8 @@ def check_spec(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
 
 
 def _expert_layout_problem(cfg: TrainConfig) -> str | None:
-    """megatron-core's version-dependent refusal of an expert layout (:mod:`megatron_vlm.runtime.mcore_version`); None where
-    this environment has no megatron-core (the ranks check again at start-up)."""
+    """megatron-core's version-dependent refusal of an expert layout (:mod:`megatron_vlm.runtime.mcore_version`); None
+    where this environment has no megatron-core (the ranks check again at start-up)."""
     import importlib.metadata
 
     from megatron_vlm.runtime import mcore_version

@@ -7,9 +7,9 @@ TE is installed; TE layers get ``--deterministic``'s environment and, on CPU, th
 by :mod:`megatron_vlm.model.fp8`), the pipeline stage placement (vision encoder
 and projector on the first stage) and the fixes that make megatron's LLaVA numerically equal to HF LLaVA
 (bidirectional ViT attention, ViT cut at ``vision_feature_layer``, no SigLIP post-layernorm, model_type
-for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get :class:`~megatron_vlm.model.anyres_model.AnyresLLaVAModel`;
-InternVL gets megatron-core's ``LLaVAModel`` with its pixel shuffle and InternViT's layers and projector
-(:mod:`megatron_vlm.model.internvit`).
+for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get
+:class:`~megatron_vlm.model.anyres_model.AnyresLLaVAModel`; InternVL gets megatron-core's ``LLaVAModel`` with its pixel
+shuffle and InternViT's layers and projector (:mod:`megatron_vlm.model.internvit`).
 """
 
 from __future__ import annotations
@@ -434,8 +434,8 @@ def te_deterministic_env() -> None:
 
 def build_chunks(spec: VLMSpec, opts: ModelOptions) -> list:
     """This rank's model chunks, one per virtual pipeline stage (``opts.vpp``; one chunk without VPP): chunk ``c``
-    is the LLaVAModel of virtual stage ``c * pp + pp_rank`` (:mod:`megatron_vlm.model.pipeline_layout`), the vision encoder
-    and projector on chunk 0 of the first rank, the output layer on the last chunk of the last rank."""
+    is the LLaVAModel of virtual stage ``c * pp + pp_rank`` (:mod:`megatron_vlm.model.pipeline_layout`), the vision
+    encoder and projector on chunk 0 of the first rank, the output layer on the last chunk of the last rank."""
     from megatron.core import parallel_state as ps
 
     if opts.vpp == 1:

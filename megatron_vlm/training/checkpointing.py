@@ -11,9 +11,9 @@ How a save becomes visible (a crash at any point leaves the previous checkpoint 
   ``iter_XXXXXXX`` when complete; the tracker is then replaced atomically (temporary file + rename). A save
   killed part-way leaves its temporary directory, which is never read: the next start reports it
   (:func:`interrupted_saves`) and leaves it for the user to delete.
-- integrity: before ``ckpt_meta.json`` a local save records the checksums of every file (:mod:`megatron_vlm.checkpoint.manifest`:
-  megatron-core's SHA-256 ``integrity.json`` where it has one, 0.19, and ``checksums.json``, crc32 with each rank
-  reading back a share, for the rest); a resume checks them (:func:`damaged_files`) before it loads anything.
+- integrity: before ``ckpt_meta.json`` a local save records the checksums of every file
+  (:mod:`megatron_vlm.checkpoint.manifest`: megatron-core's SHA-256 ``integrity.json`` where it has one, 0.19, and
+  ``checksums.json``, crc32 with each rank reading back a share, for the rest); a resume checks them (:func:`damaged_files`) before it loads anything.
   ``--no-verify-integrity`` skips both re-reads (multi-TB checkpoints). The commit is durable: every file, the
   directory, the rename and the tracker are flushed to disk in that order (:func:`commit_local`).
 - object store (``--save-dir msc://PROFILE/...``): there is no rename, so the shards are written straight
@@ -233,8 +233,8 @@ def save(run_dir, iteration: int, model, optimizer, scheduler, loader_state, spe
          side_src: Path | None, with_optim: bool, total_limit: int | None, config_yaml: str | None = None,
          verify_integrity: bool = True) -> str:
     """Save iteration ``iteration`` under ``run_dir`` (a local directory or an ``msc://`` URL); returns its path.
-    ``verify_integrity`` (``--verify-integrity``): record the checksums of every file (:mod:`megatron_vlm.checkpoint.manifest`),
-    reading them back once."""
+    ``verify_integrity`` (``--verify-integrity``): record the checksums of every file
+    (:mod:`megatron_vlm.checkpoint.manifest`), reading them back once."""
     remote = storage.is_remote(run_dir)
     final = storage.join(run_dir, ckpt.iter_dir_name(iteration))
     rank0 = torch.distributed.get_rank() == 0
@@ -314,8 +314,8 @@ def commit_local(target, final, run_dir) -> None:
 
 def _checksum_share(it_dir, skip: set[str] = frozenset()) -> dict[str, dict]:
     """The checksum manifest's entries of every file now in ``it_dir`` (the shards a save just wrote) but those in
-    ``skip``, each rank reading its share (:func:`megatron_vlm.checkpoint.manifest.share`); collective, every rank gets them
-    all."""
+    ``skip``, each rank reading its share (:func:`megatron_vlm.checkpoint.manifest.share`); collective, every rank gets
+    them all."""
     root = Path(it_dir)
     names = [n for n in manifest.files_of(root) if n not in skip]
     sizes = {n: (root / n).stat().st_size for n in names}

@@ -1,11 +1,12 @@
 """The per-rank gradient references at virtual pipeline stages: a rank's model chunks seen as the ranks of a plain
 pipeline of ``pp * vpp`` stages.
 
-With virtual pipeline parallelism a rank holds one model chunk per virtual stage (:mod:`megatron_vlm.model.pipeline_layout`),
-each with its own layer numbers. Chunk ``c`` of pipeline rank ``p`` holds exactly what pipeline rank ``c * pp + p`` of a
-``pp * vpp``-stage pipeline would, under the same local names; so the reference that compares a rank's gradients with
-HF's (:mod:`tests.support.grad_reference`) runs unchanged on each chunk's :class:`ChunkView`, a one-chunk ``Training``, runtime and config of that wider pipeline.
-This module is that thin wrapper and knows nothing of how they compare.
+With virtual pipeline parallelism a rank holds one model chunk per virtual stage
+(:mod:`megatron_vlm.model.pipeline_layout`), each with its own layer numbers. Chunk ``c`` of pipeline rank ``p`` holds
+exactly what pipeline rank ``c * pp + p`` of a ``pp * vpp``-stage pipeline would, under the same local names; so the
+reference that compares a rank's gradients with HF's (:mod:`tests.support.grad_reference`) runs unchanged on each
+chunk's :class:`ChunkView`, a one-chunk ``Training``, runtime and config of that wider pipeline. This module is that
+thin wrapper and knows nothing of how they compare.
 """
 
 from __future__ import annotations

@@ -467,7 +467,8 @@ class ConfigFields:
 
     def vpp_size(self, spec) -> int:
         """Virtual pipeline stages (model chunks) per pipeline rank for ``spec``'s language model: 1 without virtual
-        pipeline parallelism (:func:`megatron_vlm.model.pipeline_layout.vpp_size`, which refuses an impossible layout)."""
+        pipeline parallelism (:func:`megatron_vlm.model.pipeline_layout.vpp_size`, which refuses an impossible
+        layout)."""
         from megatron_vlm.model.pipeline_layout import vpp_size
 
         layers = spec.check_parallelism(self.tp, self.pp, self.pp_layers, self.ep, self.etp)
