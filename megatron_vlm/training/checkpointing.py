@@ -13,8 +13,9 @@ How a save becomes visible (a crash at any point leaves the previous checkpoint 
   (:func:`interrupted_saves`) and leaves it for the user to delete.
 - integrity: before ``ckpt_meta.json`` a local save records the checksums of every file
   (:mod:`megatron_vlm.checkpoint.manifest`: megatron-core's SHA-256 ``integrity.json`` where it has one, 0.19, and
-  ``checksums.json``, crc32 with each rank reading back a share, for the rest); a resume checks them (:func:`damaged_files`) before it loads anything.
-  ``--no-verify-integrity`` skips both re-reads (multi-TB checkpoints). The commit is durable: every file, the
+  ``checksums.json``, crc32 with each rank reading back a share, for the rest); a resume checks them
+  (:func:`damaged_files`) before it loads anything. ``--no-verify-integrity`` skips both re-reads (multi-TB
+  checkpoints). The commit is durable: every file, the
   directory, the rename and the tracker are flushed to disk in that order (:func:`commit_local`).
 - object store (``--save-dir msc://PROFILE/...``): there is no rename, so the shards are written straight
   into ``iter_XXXXXXX/`` (emptied first if an interrupted save left objects there). ``ckpt_meta.json`` is
