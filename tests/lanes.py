@@ -21,16 +21,28 @@ A pytest plugin (registered by tests/conftest.py):
   megatron-core: what they make is held in both lanes by the conversion tests. Processes a test starts are not
   watched: their commands are named in the reason.
 
-tests/test_ci_rules.py holds the split to its rules: every module is in both lanes or marked with a lane CI runs and
-a reason, and the version-sensitive modules (conversion, training, checkpoints, MoE, TE, cross-version, interop)
-are in both.
+  Commands the test forks (:mod:`tests.support.forked_cli`, the suite's way to run ``python SCRIPT.py``) are watched
+  too: the guard's environment variable reaches them, the forked command refuses those imports as well and records
+  them, and the test fails naming them.
+
+Which modules must run in both lanes is derived from the code, not kept by hand (:func:`version_sensitive`): every
+test module that imports megatron-core, Transformer Engine, PyAV or torchvision (itself, through the
+``tests.support`` modules it imports, or through the top-level imports of the ``megatron_vlm`` modules it imports),
+that spawns a gloo world (``megatron_vlm.runtime.spawn.run_world``, directly or through ``tests.support``), or that
+starts a command whose run reaches megatron-core (:data:`MCORE_COMMANDS`) as a process the guard does not watch.
+What is left -- an import inside a function of the library, a forked command -- the guard sees when it happens. tests/test_ci_rules.py holds the split to it: a derived module is
+never marked one-lane unless it names ``covered_by`` modules, each of which both lanes run, and which between them
+run every such command it runs.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.abc
 import importlib.machinery
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +52,15 @@ LANE = "%d.%d" % sys.version_info[:2]
 #: What differs between the lanes (top-level import names): a one-lane test's process must not import these.
 VERSION_SENSITIVE = ("megatron.core", "transformer_engine", "transformer_engine_torch", "av", "torchvision")
 MARKER = "one_lane"
+#: set while a guarded test runs: the file where the commands it forks record the imports they were refused
+GUARD_ENV = "MVLM_LANE_GUARD"
+ROOT = Path(__file__).resolve().parent.parent
+#: the command scripts whose run reaches megatron-core (their ranks, conversion or model loading), as a test names
+#: them in the arguments of the call that runs them; ``train/run.py --dry-run`` stops before, so it is not counted
+MCORE_COMMANDS = ("train/run.py", "train/pretrain_vlm.py", "convert/hf_to_megatron.py", "convert/megatron_to_hf.py",
+                  "demo/run_demo.py", "eval/generate.py", "eval/evaluate.py")
+#: functions that start a world of ranks (megatron_vlm.runtime.spawn)
+WORLD_STARTERS = ("run_world",)
 
 
 def marked_modules(tests_dir) -> dict[str, tuple[str, str, tuple]]:
@@ -104,8 +125,14 @@ class LaneGuard(importlib.abc.MetaPathFinder):
         return None  # not installed: the import fails as it would without the guard
 
     def __enter__(self):
+        import tempfile
+
         self.hidden = {k: sys.modules.pop(k) for k in list(sys.modules) if sensitive(k)}
         sys.meta_path.insert(0, self)
+        fd, self.log = tempfile.mkstemp(prefix="lane-guard-", suffix=".log")
+        os.close(fd)
+        self.saved_env = os.environ.get(GUARD_ENV)
+        os.environ[GUARD_ENV] = self.log  # the commands the test forks refuse the same imports (child_guard)
         return self
 
     def __exit__(self, *exc):
@@ -113,6 +140,177 @@ class LaneGuard(importlib.abc.MetaPathFinder):
         for k in [k for k in sys.modules if sensitive(k)]:
             del sys.modules[k]  # a half-made module of a refused import
         sys.modules.update(self.hidden)
+        if self.saved_env is None:
+            os.environ.pop(GUARD_ENV, None)
+        else:
+            os.environ[GUARD_ENV] = self.saved_env
+        with open(self.log) as f:
+            self.refused += [f"{line.strip()} (in a forked command)" for line in f if line.strip()]
+        os.unlink(self.log)
+
+
+class _ChildGuard(LaneGuard):
+    """The guard inside a forked command: refusals are appended to the test's log (its process cannot tell the test
+    otherwise), and stay installed until the command's process ends."""
+
+    def __init__(self, log: str):
+        super().__init__("a command forked by a one_lane test")
+        self.log = log
+
+    def find_spec(self, name, path=None, target=None):
+        spec = super().find_spec(name, path, target)
+        if spec is not None:
+            with open(self.log, "a") as f:
+                f.write(name + "\n")
+        return spec
+
+
+def child_guard() -> None:
+    """Called first in a command the tests fork (tests/support/forked_cli.py): under a guarded test, refuse and
+    record the version-sensitive imports there too."""
+    log = os.environ.get(GUARD_ENV)
+    if log:
+        guard = _ChildGuard(log)
+        guard.hidden = {k: sys.modules.pop(k) for k in list(sys.modules) if sensitive(k)}
+        sys.meta_path.insert(0, guard)
+
+
+def _known_modules() -> dict[str, Path]:
+    out = {}
+    for base in ("megatron_vlm", "tests/support"):
+        for p in sorted((ROOT / base).rglob("*.py")):
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def _imports(path: Path, top_level_only: bool) -> set[str]:
+    """The dotted names ``path`` imports (``from a import b`` gives ``a`` and ``a.b``): every import, or only those
+    at module level."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = set()
+    for node in (tree.body if top_level_only else ast.walk(tree)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            base = node.module or ""
+            if node.level:  # relative: the tests package's helpers (tests/ and tests/support/ only use these)
+                here = ".".join(path.resolve().relative_to(ROOT).parent.parts)
+                base = ".".join(x for x in (here.rsplit(".", node.level - 1)[0] if node.level > 1 else here, base)
+                                if x)
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return out
+
+
+def _called_names(path: Path) -> set[str]:
+    """The names of the functions ``path`` calls (``f(...)``, ``x.f(...)``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            names.add(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "")
+    return names
+
+
+def commands_run(path: Path) -> set[str]:
+    """The :data:`MCORE_COMMANDS` that ``path`` starts as processes the lane guard does not watch: a call of
+    ``subprocess``'s (``subprocess.run``, ``Popen``, ...) with the script among its arguments (a list of
+    arguments, an f-string, a path joined with ``/``), unless ``--dry-run`` is among them. Commands forked with
+    :mod:`tests.support.forked_cli` are watched (:func:`child_guard`) and commands called in the test's process by
+    the in-process guard, so neither is counted here."""
+    unwatched = {"run", "Popen", "check_output", "check_call", "call"}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        f = getattr(node, "func", None)
+        if not (isinstance(node, ast.Call) and isinstance(f, ast.Attribute) and f.attr in unwatched
+                and isinstance(f.value, ast.Name) and f.value.id == "subprocess"):
+            continue
+        strings = [n.value for arg in list(node.args) + [k.value for k in node.keywords] for n in ast.walk(arg)
+                   if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        if "--dry-run" in strings:
+            continue
+        joined = [s.strip("/") for s in strings]
+        for cmd in MCORE_COMMANDS:
+            head, _, script = cmd.partition("/")
+            if cmd in joined or any(s.endswith("/" + cmd) for s in joined) or (head in joined and script in joined):
+                found.add(cmd)
+    return found
+
+
+def _named(path: Path, scripts) -> set[str]:
+    """The ``scripts`` (repository paths) that ``path``'s code names in a string (an argument list, an f-string, a
+    path joined with ``/``, a constant), docstrings and calls with ``--dry-run`` among their arguments left out."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    dry = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            inner = [n for n in ast.walk(node) if isinstance(n, ast.Constant)]
+            if any(n.value == "--dry-run" for n in inner):
+                dry |= {id(n) for n in inner}
+    strings = [n.value.strip("/") for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+               and id(n) not in docstrings and id(n) not in dry]
+    found = set()
+    for cmd in scripts:
+        head, _, script = cmd.partition("/")
+        if cmd in strings or any(s.endswith("/" + cmd) for s in strings) or (head in strings and script in strings):
+            found.add(cmd)
+    return found
+
+
+def commands_named(test_path) -> set[str]:
+    """Every :data:`MCORE_COMMANDS` a test module runs in any way (forked, started, or its ``main`` called), as
+    named in its code, in that of the helper modules of tests/ it imports (``train_helpers``, ...), and in the demo
+    and benchmark scripts it names (which run the commands themselves): what its ``covered_by`` modules must run
+    too. Shared fixtures (conftest) and tests/support are left out: every module has them."""
+    composite = sorted(str(p.relative_to(ROOT)) for p in [ROOT / "demo" / "run_demo.py", *(ROOT / "bench").glob("*.py")])
+    helpers = {f"tests.{p.stem}": p for p in (ROOT / "tests").glob("*.py")
+               if not p.stem.startswith("test_") and p.stem not in ("conftest", "lanes")}
+    found, seen, stack = set(), set(), [Path(test_path)]
+    while stack:
+        path = stack.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        found |= _named(path, MCORE_COMMANDS)
+        stack += [ROOT / s for s in _named(path, composite)]
+        stack += [helpers[n] for n in _imports(path, top_level_only=False) if n in helpers]
+    return found
+
+
+def version_sensitive(test_path) -> list[str]:
+    """Why a test module must run in both lanes (empty: it need not): see the module docstring."""
+    known = _known_modules()
+
+    def resolve(name):
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    test_path = Path(test_path)
+    reasons: list[str] = []
+    seen: set[str] = set()
+    # (module, its path, whether all its imports count): the test module and tests.support -- every import;
+    # megatron_vlm -- the top-level ones (what its functions import inside is the in-process guard's to see)
+    stack: list[tuple[str, Path, bool]] = [("the module", test_path, True)]
+    while stack:
+        name, path, everything = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        names = _imports(path, top_level_only=not everything)
+        for n in sorted(names):
+            if sensitive(n):
+                reasons.append(f"imports {n.split('.')[0] if not n.startswith('megatron.') else 'megatron.core'}"
+                               + ("" if name == "the module" else f" (through {name})"))
+        if everything and set(WORLD_STARTERS) & _called_names(path) and "run_world" in path.read_text():
+            reasons.append("spawns a world" + ("" if name == "the module" else f" (through {name})"))
+        for n in names:
+            r = resolve(n)
+            if r and r not in seen:
+                stack.append((r, known[r], r.startswith("tests.")))
+    reasons += [f"runs {cmd}" for cmd in sorted(commands_run(test_path))]
+    return sorted(set(reasons))
 
 
 def pytest_configure(config):

@@ -202,6 +202,9 @@ def _child(request: dict) -> None:
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdout = sys.__stdout__ = _stdio(1, sys.stdout, unbuffered, stderr=False)
     sys.stderr = sys.__stderr__ = _stdio(2, sys.stderr, unbuffered, stderr=True)
+    from tests.lanes import child_guard
+
+    child_guard()  # under a one-lane test: this command may not import what differs between the lanes either
     script = request["script"]
     sys.argv = list(request["argv"])
     sys.path[0] = os.path.dirname(os.path.abspath(script))
