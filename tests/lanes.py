@@ -261,11 +261,15 @@ def _named(path: Path, scripts) -> set[str]:
 def commands_named(test_path) -> set[str]:
     """Every :data:`MCORE_COMMANDS` a test module runs in any way (forked, started, or its ``main`` called), as
     named in its code, in that of the helper modules of tests/ it imports (``train_helpers``, ...), and in the demo
-    and benchmark scripts it names (which run the commands themselves): what its ``covered_by`` modules must run
-    too. Shared fixtures (conftest) and tests/support are left out: every module has them."""
+    and benchmark scripts it names (which run the commands themselves), with the modules of bench/ those import
+    (bench/gpu.py's steps, ``bench.gpu_steps``): what its ``covered_by`` modules must run too. Shared fixtures
+    (conftest) and tests/support are left out: every module has them."""
     composite = sorted(str(p.relative_to(ROOT)) for p in [ROOT / "demo" / "run_demo.py", *(ROOT / "bench").glob("*.py")])
     helpers = {f"tests.{p.stem}": p for p in (ROOT / "tests").glob("*.py")
                if not p.stem.startswith("test_") and p.stem not in ("conftest", "lanes")}
+    for p in sorted((ROOT / "bench").rglob("*.py")):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        helpers[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
     found, seen, stack = set(), set(), [Path(test_path)]
     while stack:
         path = stack.pop()

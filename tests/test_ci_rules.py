@@ -141,6 +141,17 @@ def test_the_derivation_sees_imports_worlds_and_unwatched_commands(tmp_path):
                    "dry_run": False, "lazy_library": False}, got
 
 
+def test_the_commands_a_benchmark_runs_are_followed_into_the_modules_it_imports():
+    """bench/gpu.py starts train/run.py and convert/hf_to_megatron.py from its steps (bench/gpu_steps/, via
+    bench/train.py's set-up): a test module that names the script runs those commands, and its ``covered_by`` modules
+    must hold them."""
+    from tests.conftest import ROOT
+    from tests.lanes import commands_named
+
+    runs = commands_named(ROOT / "tests" / "test_bench_gpu.py")
+    assert {"train/run.py", "convert/hf_to_megatron.py"} <= runs, runs
+
+
 FORKED_CASE = '''
 import sys
 import pytest
