@@ -5,6 +5,11 @@ download is what ``make gpu-kit`` runs (bench/GPU.md records its size)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -114,6 +119,15 @@ def test_kit_layout_size_refusal_and_atomic_replace(kit, tmp_path, capsys):
     assert man["wheels"] == {"megatron-core": "0.19.2"} and man["tree_mib"] == 1.0
     assert (out / "gpu_quick.sh").read_bytes() == (kit.ROOT / "bench" / "gpu_quick.sh").read_bytes()
     assert "wrote" in capsys.readouterr().out
+    # the kit's project (the commit's tracked files) runs the GPU command from itself alone, as gpu_quick.sh starts it
+    # there: bench/gpu.py and the step modules it imports (bench/gpu_steps/) are all in the archive
+    with tarfile.open(out / "project.tar.gz") as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    project = tmp_path / "unpacked" / "megatron-vlm"
+    res = subprocess.run([sys.executable, "bench/gpu.py", "--help"], cwd=project, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(project)))
+    assert res.returncode == 0 and "--only" in res.stdout, res.stderr[-2000:]
+    shutil.rmtree(tmp_path / "unpacked")
     # over the limit: one refusal line, the old kit untouched, no temporary folder left
     with pytest.raises(SystemExit, match=r"^gpu_kit: the kit is .* MiB, over --max-mib 0.001"):
         kit.build(out, constraints, 0.001, tree_bytes=0, collect=collect)
