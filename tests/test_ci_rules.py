@@ -89,10 +89,10 @@ def test_a_module_skipped_at_collection_fails_under_ci(pytester, monkeypatch, sk
 #: Engine, the megatron-core compatibility layer, cross-version and Megatron-LM interop, video decoding with the
 #: lanes' two PyAVs): both lanes run them, whatever a marker says. A new module is in both lanes until marked.
 BOTH_LANES = frozenset({
-    "test_anyres_models", "test_anyres_run", "test_checkpoint_integrity", "test_checkpoint_save", "test_convert",
-    "test_convert_errors", "test_convert_streaming", "test_cpu_compat", "test_cross_version", "test_eval",
+    "test_anyres_models", "test_anyres_run", "test_checkpoint_integrity", "test_checkpoint_save",
+    "test_context_parallel", "test_convert", "test_convert_errors", "test_convert_streaming", "test_cpu_compat", "test_cross_version", "test_eval",
     "test_fault_drill", "test_fusions", "test_launch_run", "test_lean_imports", "test_lm_families",
-    "test_megatron_lm_interop",
+    "test_mcore_patches", "test_megatron_lm_interop",
     "test_memory", "test_moe", "test_moe_spec", "test_objective", "test_packing_equivalence", "test_packing_resume",
     "test_qwen3_train", "test_remote_storage", "test_schedule", "test_stage1_resume", "test_te",
     "test_te_install", "test_train", "test_train_parallel", "test_train_reference", "test_transformer_impl",
