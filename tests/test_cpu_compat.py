@@ -146,3 +146,21 @@ def test_optimizer_names_are_megatron_cores_own_fallbacks():
     assert base.multi_tensor_applier is local_multi_tensor_applier is clip_grads.multi_tensor_applier
     assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
     assert base.multi_tensor_scale_impl is local_multi_tensor_scale is clip_grads.multi_tensor_scale_impl
+
+
+def test_the_layer_undoes_to_megatron_cores_and_torchs_own_objects():
+    """The layer is process-wide on a CPU process, and undoable: disable() gives every attribute it replaced the
+    identical object it had (the mode stack popped, attributes that did not exist deleted), enable() installs it
+    again (each entry alone: tests/test_mcore_patches.py)."""
+    from megatron_vlm.runtime import mcore_patches
+
+    names = [n for n in cpu_compat.WITHOUT_TE + cpu_compat.LAYER if mcore_patches.is_active(n)]
+    assert set(cpu_compat.LAYER) <= set(names)
+    originals = {t: v for n in dict.fromkeys(names) for t, v in mcore_patches.originals(n).items()}
+    cpu_compat.disable()
+    try:
+        assert not cpu_compat.is_enabled() and not set(names) & set(mcore_patches.active())
+        assert all(mcore_patches._same(mcore_patches.read(t), v) for t, v in originals.items())
+    finally:
+        cpu_compat.enable()
+    assert cpu_compat.is_enabled() and torch.zeros(2, device="cuda").device.type == "cpu"
