@@ -11,6 +11,21 @@ import torch
 
 from megatron_vlm.model import cp_attention
 from megatron_vlm.model.context_parallel import length_multiple
+from megatron_vlm.runtime import mcore_patches
+
+
+def _cp_state() -> dict:
+    """What the CP patches replace: LLaVAModel's module names and the sys.modules entries (MISSING: absent)."""
+    return {t: mcore_patches.read(t) for name in cp_attention.PATCHES for t in mcore_patches.get(name).replaces}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cp_state_at_start():
+    return _cp_state()
 
 
 class _Group:
@@ -116,19 +131,33 @@ def test_length_rule():
 
 def test_llava_model_finds_what_it_imports_for_context_parallelism():
     """megatron-core 0.16's LLaVAModel imports get_batch_on_this_cp_rank from Megatron-LM's megatron.training,
-    which the megatron-core package lacks: after enable() the name is megatron-core's own function (0.19 imports
-    it from megatron.core.utils); the partition kernel takes CPU tensors."""
+    which the megatron-core package lacks: while cp_attention.patched() is on (a CP model's build and each forward)
+    the name is megatron-core's own function (0.19 imports it from megatron.core.utils); the partition kernel takes
+    CPU tensors; without TE the TE version checks pass. After the block megatron-core has its own names back."""
     import importlib
-    import inspect
 
     from megatron.core import utils
     from megatron.core.models.multimodal import llava_model
 
-    cp_attention.enable()
-    if "from megatron.training.utils import get_batch_on_this_cp_rank" in inspect.getsource(llava_model):
-        assert importlib.import_module("megatron.training.utils").get_batch_on_this_cp_rank is \
-            utils.get_batch_on_this_cp_rank
-    else:
-        assert "from megatron.core.utils import get_batch_on_this_cp_rank" in inspect.getsource(llava_model)
-    index = llava_model.tex.thd_get_partitioned_indices(torch.tensor([0, 8], dtype=torch.int32), 8, 2, 1)
-    assert index.tolist() == [2, 3, 4, 5] and llava_model.HAVE_TEX
+    before = _cp_state()
+    imports = cp_attention.compiled_names(llava_model.LLaVAModel)  # what its compiled code imports
+    with cp_attention.patched():
+        if "megatron.training.utils" in imports:
+            assert importlib.import_module("megatron.training.utils").get_batch_on_this_cp_rank is \
+                utils.get_batch_on_this_cp_rank
+        else:
+            assert "megatron.core.utils" in imports and "get_batch_on_this_cp_rank" in imports
+        index = llava_model.tex.thd_get_partitioned_indices(torch.tensor([0, 8], dtype=torch.int32), 8, 2, 1)
+        assert index.tolist() == [2, 3, 4, 5] and llava_model.HAVE_TEX
+        if not llava_model.HAVE_TE:
+            assert llava_model.is_te_min_version("1.10.0")
+        assert set(cp_attention.needed()) <= set(mcore_patches.active())
+    assert _same(_cp_state(), before)
+
+
+def test_nothing_of_the_cp_patches_is_left_installed(cp_state_at_start):
+    """The last test of the module (issue 62, finding 9): after every test above, none of the CP patches is
+    installed (the registry lists none) and megatron-core's LLaVAModel module and sys.modules hold what they held
+    before the module's first test."""
+    assert set(cp_attention.PATCHES).isdisjoint(mcore_patches.active()), mcore_patches.active()
+    assert _same(_cp_state(), cp_state_at_start)

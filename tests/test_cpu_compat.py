@@ -111,12 +111,16 @@ def test_megatron_autograd_backwards_run_under_the_cpu_mode():
     tests/test_moe.py exercise them), and a wrapped backward computes what it computed."""
     import importlib
 
-    wrapped = []
+    from megatron_vlm.runtime import mcore_patches
+
+    wrapped, held = [], mcore_patches.held()
     for name in cpu_compat.BACKWARD_MODULES:
-        for fn in vars(importlib.import_module(name)).values():
+        for key, fn in vars(importlib.import_module(name)).items():
             if isinstance(fn, type) and issubclass(fn, torch.autograd.Function) and fn.__module__ == name \
                     and "backward" in fn.__dict__:
-                assert getattr(fn.backward, "_cpu_compat", False), fn
+                assert held.get(f"{name}:{key}.backward") == "cpu-backward-under-mode", fn
+                assert fn.__dict__["backward"] is not mcore_patches.originals("cpu-backward-under-mode")[
+                    f"{name}:{key}.backward"], fn
                 wrapped.append(fn.__name__)
     assert {"CheckpointFunction", "LinearWithGradAccumulationAndAsyncCommunication",
             "_GatherFromSequenceParallelRegion", "MoEAuxLossAutoScaler"} <= set(wrapped)
@@ -126,3 +130,37 @@ def test_megatron_autograd_backwards_run_under_the_cpu_mode():
     aux = torch.tensor(2.0, requires_grad=True)
     MoEAuxLossAutoScaler.apply(x, aux).sum().backward()  # a wrapped backward still computes what it computed
     assert aux.grad is not None and x.grad.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_optimizer_names_are_megatron_cores_own_fallbacks():
+    """megatron-core's optimizer modules hold what their own import binds without Transformer Engine and Apex
+    (torch's Adam, megatron.core.utils' local multi-tensor functions): with TE installed (the 3.12 lane) they bound
+    TE's CUDA kernels, which fail on CPU tensors (tests/test_train_parallel.py trains with them in both lanes)."""
+    from megatron.core import optimizer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as base
+    from megatron.core.utils import local_multi_tensor_applier, local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    assert optimizer.Adam is torch.optim.AdamW and optimizer.USING_PYTORCH_OPTIMIZER is True
+    assert distrib_optimizer.Adam is torch.optim.Adam and distrib_optimizer.HAVE_APEX_OR_TE is False
+    assert base.multi_tensor_applier is local_multi_tensor_applier is clip_grads.multi_tensor_applier
+    assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
+    assert base.multi_tensor_scale_impl is local_multi_tensor_scale is clip_grads.multi_tensor_scale_impl
+
+
+def test_the_layer_undoes_to_megatron_cores_and_torchs_own_objects():
+    """The layer is process-wide on a CPU process, and undoable: disable() gives every attribute it replaced the
+    identical object it had (the mode stack popped, attributes that did not exist deleted), enable() installs it
+    again (each entry alone: tests/test_mcore_patches.py)."""
+    from megatron_vlm.runtime import mcore_patches
+
+    names = [n for n in cpu_compat.WITHOUT_TE + cpu_compat.LAYER if mcore_patches.is_active(n)]
+    assert set(cpu_compat.LAYER) <= set(names)
+    originals = {t: v for n in dict.fromkeys(names) for t, v in mcore_patches.originals(n).items()}
+    cpu_compat.disable()
+    try:
+        assert not cpu_compat.is_enabled() and not set(names) & set(mcore_patches.active())
+        assert all(mcore_patches._same(mcore_patches.read(t), v) for t, v in originals.items())
+    finally:
+        cpu_compat.enable()
+    assert cpu_compat.is_enabled() and torch.zeros(2, device="cuda").device.type == "cpu"

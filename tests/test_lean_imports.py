@@ -24,20 +24,27 @@ def test_what_a_rank_does_not_use():
 @pytest.fixture
 def before_megatron_core():
     """This process as a rank sees it before megatron-core's import; restored afterwards."""
+    from megatron_vlm.runtime import lean_imports, mcore_patches
+
     saved = {n: sys.modules[n] for n in NAMES if n in sys.modules}
     for n in NAMES:
         sys.modules.pop(n, None)
     yield
+    for entry in lean_imports.ENTRIES.values():  # the registry takes its markers back (what it recorded: absent)
+        mcore_patches.undo(entry)
     for n in NAMES:
         sys.modules.pop(n, None)
     sys.modules.update(saved)
 
 
 def test_marked_libraries_fail_to_import_as_if_not_installed(before_megatron_core):
+    from megatron_vlm.runtime import lean_imports, mcore_patches
+
     assert skip_unused("cpu", wandb=False) == [TRANSFORMER_ENGINE, WANDB]
     for name in (TRANSFORMER_ENGINE, WANDB):
         with pytest.raises(ImportError):  # what megatron-core's ``try: import ... except ImportError`` catches
             importlib.import_module(name)
+        assert mcore_patches.is_active(lean_imports.ENTRIES[name])  # changes what megatron-core sees: registered
 
 
 def test_a_library_already_imported_is_kept(before_megatron_core):

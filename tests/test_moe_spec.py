@@ -254,7 +254,7 @@ def test_a_router_counts_and_balances_the_samples_positions_only():
     whose logits favour expert 0 most): HF's term equals transformers' own load_balancing_loss_func with the
     attention mask, value and gradient; the routing numbers count the 11 positions of samples; with capacity factor
     1 the capacity is ceil(11 x 2 / 4) = 6 and padding takes none of it (it used to count all 16 positions and route
-    the padding)."""
+    the padding); megatron-core's own token dropping is back once the routing calls are over."""
     from types import SimpleNamespace
 
     import torch
@@ -272,6 +272,9 @@ def test_a_router_counts_and_balances_the_samples_positions_only():
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(s, b, h, generator=g)
     hidden[~valid] = 0  # padded positions: every one routed alike, to expert 0 first (its weight row below)
+    from megatron.core.transformer.moe import router as router_module
+
+    megatron_cores = router_module.apply_router_token_dropping
     with single_process_world("cpu"):
         results = {}
         for capacity in (None, 1.0):
@@ -292,6 +295,8 @@ def test_a_router_counts_and_balances_the_samples_positions_only():
                 moe.forward_done(micro, probs)
                 (probs * 0).sum().backward()  # only the term's gradient
             results[capacity] = (micro, routing_map, moe.collect(1, torch.device("cpu")), x.grad)
+    # the trainer's token dropping was megatron-core's for the routing calls only (issue 62): its own function after
+    assert router_module.apply_router_token_dropping is megatron_cores
     micro, routing_map, numbers, grad = results[None]
     mask = valid.reshape(1, -1).float()  # HF's attention mask over the rows in the router's order
     x = hidden.clone().requires_grad_(True)

@@ -134,3 +134,21 @@ def test_context_parallel_packs_equal_unpacked_and_cp1(results, model):
 def test_context_parallel_mask_out_of_megatrons_order_fails_the_check(results):
     r = results["llava-cp2-broken"]
     assert fp32_failures(r) and r["grad_rel"] > 1e-2 and r["loss_rel"] > 1e-5, r
+
+
+def test_megatron_core_is_changed_only_by_active_registry_patches(results):
+    """Issue 62: after every job of the world (the CPU layer switched on, models built at TP2, PP2, DP2, CP2 and
+    PP2 x VPP2, packed and unpacked steps forward and backward), on every rank, each change to megatron-core's
+    modules and classes (and torch.cuda's, the mode stack, sys.modules' named entries) since the rank started is
+    held by an active entry of megatron_vlm/runtime/mcore_patches.py; the active ones are process-wide (the CPU
+    layer, packed local attention): none of the scoped ones (context parallelism's, the build's attention check)
+    outlives the build or forward it served."""
+    from megatron_vlm.runtime import mcore_patches
+
+    for name, r in results.items():
+        for rank, (unregistered, active, at_start) in enumerate(r["patches"]):
+            assert at_start == [], (name, rank, at_start)
+            assert unregistered == [], (name, rank, unregistered)
+            scoped = [n for n in active if not mcore_patches.get(n).process_wide]
+            assert not scoped, (name, rank, scoped)
+            assert {"cpu-device-mode", "packed-local-attention"} <= set(active), (name, rank, active)

@@ -278,20 +278,26 @@ def test_deterministic_te_attention_needs_its_environment(monkeypatch):
 
 
 def test_cpu_shim_answers_only_te_construction(monkeypatch):
-    """The shim's narrowness: once it is on, TE's module constructor runs on CPU, and CUDA is still absent for
-    every other caller; on a machine with CUDA it refuses."""
+    """The shim's narrowness: while it is on (around a TE model's build), TE's module constructor runs on CPU, and
+    CUDA is still absent for every other caller; without it TE refuses to construct; after it torch has its own
+    is_available back; on a machine with CUDA it refuses."""
     require_te()
     from megatron_vlm.runtime import cpu_compat
 
     if torch.cuda.is_available():
         not_here("the CPU shim is for machines without CUDA")
     cpu_compat.enable()
-    cpu_compat.allow_te_construction()
     import transformer_engine.pytorch as te
 
-    lin = te.Linear(8, 4, params_dtype=torch.float32)  # TE's default device "cuda" is mapped to the CPU
+    real = torch.cuda.is_available
+    with cpu_compat.te_construction():
+        lin = te.Linear(8, 4, params_dtype=torch.float32)  # TE's default device "cuda" is mapped to the CPU
+        assert torch.cuda.is_available() is False
     assert lin.weight.device.type == "cpu" and tuple(lin.weight.shape) == (4, 8) and lin.weight.abs().sum() > 0
-    assert torch.cuda.is_available() is False
+    assert torch.cuda.is_available is real
+    with pytest.raises(Exception):  # the control: TE's constructor itself refuses without the shim
+        te.Linear(8, 4, params_dtype=torch.float32)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="must not be used on a machine with CUDA"):
-        cpu_compat.allow_te_construction()
+        with cpu_compat.te_construction():
+            pass

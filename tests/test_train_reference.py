@@ -117,7 +117,7 @@ VPP_LAYOUTS = {
     "onevision": {"pp2vpp2dp2": dict(pp=2, **VPP)},
 }
 #: the layout whose checkpoint (after step 1) resumes: the distributed optimizer's state in several DDP buckets
-#: (megatron-core 0.16 and 0.19 saved it wrong: training/checkpointing._state_at_buffer_offsets), at its own layout
+#: (megatron-core 0.16 and 0.19 saved it wrong: training/checkpointing._state_at_own_values), at its own layout
 #: (bit for bit) and at these
 VPP_SAVED = "pp2vpp2dp2-dist"
 VPP_RESUMES = {"tp2pp2vpp2": dict(tp=2, pp=2, **VPP), "pp4": dict(pp=4, micro_batch_size=2)}

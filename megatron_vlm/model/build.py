@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from megatron_vlm.model.layer_impl import LOCAL_TO_TE_KEYS
 from megatron_vlm.model.spec import VLMSpec
+from megatron_vlm.runtime import mcore_patches
 
 
 def have_te() -> bool:
@@ -288,31 +289,28 @@ class LocalNorm:
         return norm
 
 
-@contextlib.contextmanager
+LOCAL_CORE_ATTENTION = "llava-local-core-attention"
+
+
 def _llava_accepts_local_sequence_parallel(active: bool, core_attention=None):
     """megatron-core's ``LLaVAModel`` asserts, when it is built with sequence or context parallelism, that the
     language layer spec's attention is Transformer Engine's. megatron's local ``DotProductAttention`` runs under
     sequence parallelism as it does in megatron's GPT models (the column-parallel QKV gathers the sequence, the
     row-parallel projection scatters it), and :class:`~megatron_vlm.model.cp_attention.ContextParallelAttention`
     (``core_attention``) under context parallelism, so while ``active`` the check accepts the spec's local core
-    attention; the check is the only thing that changes."""
+    attention; the check is the only thing that changes (registry entry ``llava-local-core-attention``, for the
+    time of the ``with`` block)."""
     if not active:
-        yield
-        return
-    from megatron.core.models.multimodal import llava_model
+        return contextlib.nullcontext()
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    missing = object()
-    saved = {k: llava_model.__dict__.get(k, missing) for k in ("TEDotProductAttention", "HAVE_TE")}
-    llava_model.TEDotProductAttention, llava_model.HAVE_TE = core_attention or DotProductAttention, True
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is missing:
-                delattr(llava_model, k)
-            else:
-                setattr(llava_model, k, v)
+    return mcore_patches.applied(LOCAL_CORE_ATTENTION, core_attention=core_attention or DotProductAttention)
+
+
+@mcore_patches.implements(LOCAL_CORE_ATTENTION)
+def _local_core_attention(originals: dict, core_attention) -> dict:
+    llava = "megatron.core.models.multimodal.llava_model"
+    return {f"{llava}:TEDotProductAttention": core_attention, f"{llava}:HAVE_TE": True}
 
 
 def layer_specs(use_te: bool, qk_layernorm: bool = False, cp: int = 1):
@@ -455,11 +453,11 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
 
     if opts.use_te and not have_te():
         raise RuntimeError("Transformer Engine is not installed: it is required for --fp8 / TE layer specs")
+    te_on_cpu = False
     if opts.use_te:
         from megatron_vlm.runtime import cpu_compat
 
-        if cpu_compat.is_enabled():  # CPU: TE modules construct (their kernels still need a GPU)
-            cpu_compat.allow_te_construction()
+        te_on_cpu = cpu_compat.is_enabled()  # CPU: TE modules construct (their kernels still need a GPU)
         if opts.deterministic:
             te_deterministic_env()
     if opts.fp8:
@@ -479,10 +477,6 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=True)
-    if opts.cp > 1:
-        from megatron_vlm.model import cp_attention
-
-        cp_attention.enable()
     lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te, spec.qk_layernorm, opts.cp)
     if spec.is_internvl:
         vit_spec, proj_spec = _internvit_specs(spec, vit_spec, opts.use_te)
@@ -498,7 +492,15 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         from megatron_vlm.model.anyres_model import AnyresLLaVAModel
 
         cls, extra = AnyresLLaVAModel, dict(anyres=spec.anyres, video_token_index=spec.video_token_id)
-    with _llava_accepts_local_sequence_parallel(local_sp, core_attention):
+    with contextlib.ExitStack() as patched:  # what megatron-core needs patched while the model is built
+        if te_on_cpu:
+            patched.enter_context(cpu_compat.te_construction())
+        if opts.cp > 1:  # megatron-core's LLaVAModel under CP here: its build and every forward, cp_attention's patches
+            from megatron_vlm.model import cp_attention
+
+            cls = cp_attention.under_patches(cls)
+            patched.enter_context(cp_attention.patched())
+        patched.enter_context(_llava_accepts_local_sequence_parallel(local_sp, core_attention))
         model = _build_llava(cls, spec, opts, lang_cfg, lang_spec, vit_spec, proj_spec, pre_process, post_process,
                              dict(extra, vp_stage=vp_stage) if vp_stage is not None else extra)
     if model.vision_model is not None and spec.vision_family == "siglip":

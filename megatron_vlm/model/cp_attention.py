@@ -8,22 +8,33 @@ for it (the rules and megatron-core's own parts are described in :mod:`megatron_
   causal mask at each position's place in the sequence (:func:`partition_index`), per packed sample for 'thd'.
   It holds the whole sequence's keys and values and an ``S/N x S`` score matrix per head on every rank: a
   reference path that makes CP run and be checked on the CPU as the other parallelisms are, not a fast one.
-- :func:`enable`: the pieces megatron-core's ``LLaVAModel`` imports for CP that a CPU (or a lane without them)
-  does not have. megatron-core 0.16 imports ``get_batch_on_this_cp_rank`` from Megatron-LM's
-  ``megatron.training.utils``, which the megatron-core package does not ship: that name is given megatron-core's
-  own ``megatron.core.utils.get_batch_on_this_cp_rank`` (the same function). Transformer Engine's
-  ``thd_get_partitioned_indices`` is a CUDA kernel: CPU tensors (and a machine without TE) get
-  :func:`thd_partitioned_indices`, the same indices. Without TE, ``LLaVAModel``'s TE version checks, which guard
-  TE's CP attention and that kernel, pass: neither runs.
+- :func:`patched`: the pieces megatron-core's ``LLaVAModel`` imports for CP that a CPU (or a lane without them)
+  does not have, for the time of a build or a forward only (:func:`under_patches` gives the model class whose
+  forward runs under them; :func:`megatron_vlm.model.build.build_model` builds a CP model so). Each is an entry of
+  :mod:`megatron_vlm.runtime.mcore_patches` (:data:`PATCHES`), applied where it is needed:
+  megatron-core 0.16 imports ``get_batch_on_this_cp_rank`` from Megatron-LM's ``megatron.training.utils``, which the
+  megatron-core package does not ship: that name is given megatron-core's own
+  ``megatron.core.utils.get_batch_on_this_cp_rank`` (the same function; ``cp-batch-split-import``). Transformer
+  Engine's ``thd_get_partitioned_indices`` is a CUDA kernel: CPU tensors (and a machine without TE) get
+  :func:`thd_partitioned_indices`, the same indices (``cp-partition-kernel``). Without TE, ``LLaVAModel``'s TE
+  version checks, which guard TE's CP attention and that kernel, pass: neither runs (``cp-te-version-checks``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import sys
+import functools
+import importlib.util
 import types
 
 import torch
+
+from megatron_vlm.runtime import mcore_patches
+
+_LLAVA = "megatron.core.models.multimodal.llava_model"
+#: the registry's entries of context parallelism without Transformer Engine
+PATCHES = ("cp-batch-split-import", "cp-partition-kernel", "cp-te-version-checks")
 
 
 def partition_index(cu_seqlens, cp: int, rank: int) -> torch.Tensor:
@@ -72,29 +83,86 @@ def _te_version_checks_pass(version, check_equality=True) -> bool:
     return True
 
 
-def enable() -> None:
-    """Make megatron-core's ``LLaVAModel`` run context parallelism here (idempotent; see the module docstring)."""
+def compiled_names(cls) -> set[str]:
+    """The names the compiled code of ``cls``'s own functions uses (modules they import included): what megatron-core
+    runs, read without its source."""
+    names, codes = set(), [v.__code__ for v in vars(cls).values() if isinstance(v, types.FunctionType)]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return names
+
+
+def needed() -> list[str]:
+    """The entries of :data:`PATCHES` this process needs for a CP ``LLaVAModel`` (see the module docstring)."""
     from megatron.core.models.multimodal import llava_model
 
-    try:
-        import megatron.training.utils as training_utils  # noqa: F401  (Megatron-LM installed: nothing to give)
-    except ImportError:
-        from megatron.core.utils import get_batch_on_this_cp_rank
+    wanted = {"cp-batch-split-import": mcore_patches.is_active("cp-batch-split-import")
+              or _imports_missing_megatron_lm(llava_model.LLaVAModel),
+              "cp-partition-kernel": not (getattr(llava_model, "HAVE_TEX", False) and torch.cuda.is_available()),
+              "cp-te-version-checks": not getattr(llava_model, "HAVE_TE", False)}
+    return [name for name in PATCHES if wanted[name] or mcore_patches.is_active(name)]
 
-        utils = types.ModuleType("megatron.training.utils")
-        utils.__doc__ = "megatron-core's get_batch_on_this_cp_rank under the name megatron-core 0.16 imports it by"
-        utils.get_batch_on_this_cp_rank = get_batch_on_this_cp_rank
-        package = sys.modules.get("megatron.training") or types.ModuleType("megatron.training")
-        package.__path__ = getattr(package, "__path__", [])
-        package.utils = utils
-        sys.modules.setdefault("megatron.training", package)
-        sys.modules["megatron.training.utils"] = utils
-    if not isinstance(getattr(llava_model, "tex", None), _TexForCpu):
-        llava_model.tex = _TexForCpu(getattr(llava_model, "tex", None) if getattr(llava_model, "HAVE_TEX", False)
-                                     else None)
-        llava_model.HAVE_TEX = True
-    if not getattr(llava_model, "HAVE_TE", False):
-        llava_model.is_te_min_version = _te_version_checks_pass
+
+@functools.lru_cache(maxsize=None)
+def _imports_missing_megatron_lm(cls) -> bool:
+    """Whether ``cls`` imports Megatron-LM's ``megatron.training.utils`` (megatron-core 0.16's LLaVAModel) and no
+    Megatron-LM is installed (read once per process: every forward of a CP model asks)."""
+    if "megatron.training.utils" not in compiled_names(cls):
+        return False
+    try:
+        return importlib.util.find_spec("megatron.training") is None
+    except ValueError:  # a megatron.training module without a spec is there already: not ours to replace
+        return False
+
+
+@contextlib.contextmanager
+def patched():
+    """megatron-core's ``LLaVAModel`` runs context parallelism here for the time of the ``with`` block (a build, a
+    forward): the registry's entries :func:`needed` names, undone at its end."""
+    with contextlib.ExitStack() as stack:
+        for name in needed():
+            stack.enter_context(mcore_patches.applied(name))
+        yield
+
+
+@functools.lru_cache(maxsize=None)
+def under_patches(cls):
+    """``cls`` (megatron-core's ``LLaVAModel`` or a subclass) whose forward runs under :func:`patched`."""
+
+    class ContextParallel(cls):
+        def forward(self, *args, **kwargs):
+            with patched():
+                return super().forward(*args, **kwargs)
+
+    ContextParallel.__name__ = ContextParallel.__qualname__ = f"ContextParallel{cls.__name__}"
+    ContextParallel.__doc__ = f"megatron-core's {cls.__name__} whose forward runs under cp_attention.patched()."
+    return ContextParallel
+
+
+@mcore_patches.implements("cp-batch-split-import")
+def _batch_split_import(originals: dict) -> dict:
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    utils = types.ModuleType("megatron.training.utils")
+    utils.__doc__ = "megatron-core's get_batch_on_this_cp_rank under the name megatron-core 0.16 imports it by"
+    utils.get_batch_on_this_cp_rank = get_batch_on_this_cp_rank
+    package = types.ModuleType("megatron.training")
+    package.__path__ = []
+    package.utils = utils
+    return {"sys.modules:megatron.training": package, "sys.modules:megatron.training.utils": utils}
+
+
+@mcore_patches.implements("cp-partition-kernel")
+def _partition_kernel(originals: dict) -> dict:
+    real = originals[f"{_LLAVA}:tex"] if originals[f"{_LLAVA}:HAVE_TEX"] is True else None
+    return {f"{_LLAVA}:tex": _TexForCpu(real), f"{_LLAVA}:HAVE_TEX": True}
+
+
+@mcore_patches.implements("cp-te-version-checks")
+def _te_version_checks(originals: dict) -> dict:
+    return {f"{_LLAVA}:is_te_min_version": _te_version_checks_pass}
 
 
 def _core_attention_base():

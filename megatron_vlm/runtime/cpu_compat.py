@@ -21,7 +21,7 @@ makes the same code run on CPU:
   main-parameter copies -- which fail on CPU tensors; torch's Adam and ``megatron.core.utils``'s
   ``local_multi_tensor_*`` run instead;
 - megatron-core's ``torch.compile``'d elementwise functions (its ``jit_fuser``: ``quick_gelu``, the bias-GELU/
-  SwiGLU/GeGLU fusions) run eagerly (:func:`run_compiled_functions_eagerly`): on CPU each process would
+  SwiGLU/GeGLU fusions) run eagerly (torch's ``force_eager`` stance): on CPU each process would
   otherwise trace and compile them with TorchInductor at its first forward (g++ on a cold cache, ~2-3 s of CPU
   per process with a warm one), as the fusions they stand for run on CUDA only (``fusions: all off`` on CPU).
 
@@ -40,18 +40,21 @@ makes the same code run on CPU:
   ``all_to_all_single`` takes no tensors as split sizes). The collectives the dispatchers use (all-gather,
   reduce-scatter, ``all_to_all_single`` with split sizes) are gloo's own.
 
-It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine).
+It is switched on only when CUDA is absent (``enable`` refuses on a GPU machine), for the rest of the process: a
+CPU rank meets megatron-core's CUDA calls everywhere it runs (build, forward, backward, optimizer, checkpoints).
+Every piece is an entry of :mod:`megatron_vlm.runtime.mcore_patches` (the registry of megatron-core patches, which
+installs, checks and records them); :func:`disable` undoes the layer exactly.
 
-``allow_te_construction()`` (called by :func:`megatron_vlm.model.build.build_model` for Transformer Engine layers while
-this layer is on) lets Transformer Engine's modules be *constructed* on CPU, so that the GPU path's model building,
-checkpoint loading and saving and training set-up run in tests: ``TransformerEngineBaseModule.__init__`` refuses to
-run unless ``torch.cuda.is_available()``; that one check, made from that one function, is answered True, and every
-other caller still gets the real answer (False). Its limits: TE's kernels (the forward and backward of its
-linears, norms and attention, FP8 casts) still need a GPU and fail on CPU; nothing else in TE, megatron-core or
-torch is changed for it; it refuses to run on a machine with CUDA, where TE needs no help.
+``te_construction()`` (a context manager, around :func:`megatron_vlm.model.build.build_model`'s build of Transformer
+Engine layers while this layer is on) lets Transformer Engine's modules be *constructed* on CPU, so that the GPU path's
+model building, checkpoint loading and saving and training set-up run in tests: ``TransformerEngineBaseModule.__init__``
+refuses to run unless ``torch.cuda.is_available()``; that one check, made from that one function, is answered True, and
+every other caller still gets the real answer (False). Its limits: TE's kernels (the forward and backward of its
+linears, norms and attention, FP8 casts) still need a GPU and fail on CPU; nothing else in TE, megatron-core or torch is
+changed for it; it refuses to run on a machine with CUDA, where TE needs no help.
 
 Separately, three fixes are needed whenever Transformer Engine (and Apex) are missing, on CPU or GPU, and
-``fix_without_te()`` applies them:
+``fix_without_te()`` applies them (for the process):
 
 - ``fix_norm_fallback()`` repairs CLIPViTModel's LayerNorm fallback (it defaults to ``torch.nn.LayerNorm``,
   which ``build_module`` cannot construct with a config);
@@ -67,12 +70,23 @@ Separately, three fixes are needed whenever Transformer Engine (and Apex) are mi
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-_MODE: "_CudaToCpuMode | None" = None
+from megatron_vlm.runtime import mcore_patches
+
+#: the entries :func:`enable` applies after :func:`fix_without_te`'s, in order (the registry holds what each replaces)
+LAYER = ("cpu-cuda-stand-ins", "cpu-megatron-rng-state", "cpu-optimizer-kernels", "cpu-compiled-eager",
+         "packed-local-attention", "cpu-moe-dispatcher", "moe-router-torch-gemm", "cpu-device-mode",
+         "cpu-backward-under-mode")
+#: the entries of :func:`fix_without_te`
+WITHOUT_TE = ("clip-norm-without-te", "torch-adam-state-load", "moe-router-torch-gemm")
+#: megatron-core modules whose autograd Functions allocate on the CUDA device in their backward (activation
+#: recomputation, the sequence-parallel gathers and reduce-scatters of linears and mappings, MoE's autograd helpers)
+BACKWARD_MODULES = mcore_patches.BACKWARD_MODULES
 
 
 def _is_cuda(device) -> bool:
@@ -112,67 +126,66 @@ def cuda_available() -> bool:
 
 
 def enable() -> bool:
-    """Install the CPU compatibility layer (idempotent). Returns True if it is active."""
-    global _MODE
+    """Install the CPU compatibility layer for the process (idempotent). Returns True if it is active."""
     if cuda_available():
         raise RuntimeError("the CPU compatibility layer must not be used on a machine with CUDA")
     fix_without_te()
-    if _MODE is not None:
-        return True
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_stream = lambda device=None: CPU_STREAM
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
-    # torch.manual_seed itself calls torch.cuda.manual_seed_all (a no-op without CUDA): leave that alone.
-    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-
-    from megatron.core.tensor_parallel import random as mrandom
-
-    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
-        torch.get_rng_state().clone() if clone else torch.get_rng_state()
-    )
-    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-    use_torch_optimizer_kernels()
-    run_compiled_functions_eagerly()
-    packed_local_attention()
-    moe_on_cpu()
-    _MODE = _CudaToCpuMode()
-    _MODE.__enter__()
-    _backward_under_mode()
+    for name in LAYER:
+        mcore_patches.apply(name)
     return True
 
 
-#: megatron-core modules whose autograd Functions allocate on the CUDA device in their backward (activation
-#: recomputation, the sequence-parallel gathers and reduce-scatters of linears and mappings, MoE's autograd helpers)
-BACKWARD_MODULES = ("megatron.core.tensor_parallel.random", "megatron.core.tensor_parallel.layers",
-                    "megatron.core.tensor_parallel.mappings", "megatron.core.transformer.moe.moe_utils",
-                    "megatron.core.transformer.moe.token_dispatcher")
+def disable() -> None:
+    """Undo the layer and :func:`fix_without_te` (every original back, as the registry recorded it)."""
+    for name in reversed(WITHOUT_TE + LAYER):
+        mcore_patches.undo(name)
 
 
-def _backward_under_mode() -> None:
-    """The autograd engine runs a Function's backward outside the thread-local torch function mode: run the
-    backward of megatron-core's own autograd Functions (:data:`BACKWARD_MODULES`) under the CPU mode too, so the
-    devices they name there (activation recomputation re-running the forward, the buffers of sequence-parallel
+def is_enabled() -> bool:
+    return mcore_patches.is_active("cpu-device-mode")
+
+
+@mcore_patches.implements("cpu-cuda-stand-ins")
+def _cuda_stand_ins(originals: dict) -> dict:
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all (a no-op without CUDA): that one is left alone.
+    return {"torch.cuda:current_device": lambda: 0,
+            "torch.cuda:synchronize": lambda *a, **k: None,
+            "torch.cuda:current_stream": lambda device=None: CPU_STREAM,
+            "torch.cuda:get_rng_state": lambda device="cuda": torch.get_rng_state(),
+            "torch.cuda:set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+            "torch.cuda:manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed))}
+
+
+@mcore_patches.implements("cpu-megatron-rng-state")
+def _megatron_rng_state(originals: dict) -> dict:
+    module = "megatron.core.tensor_parallel.random"
+    return {f"{module}:_get_cuda_rng_state": lambda device="cuda", clone=False, graph_safe=False: (
+                torch.get_rng_state().clone() if clone else torch.get_rng_state()),
+            f"{module}:_set_cuda_rng_state": lambda new_state, device=-1, graph_safe=False:
+                torch.set_rng_state(new_state)}
+
+
+@mcore_patches.implements("cpu-device-mode")
+def _device_mode(originals: dict) -> dict:
+    return {mcore_patches.MODE_STACK: _CudaToCpuMode()}
+
+
+@mcore_patches.implements("cpu-backward-under-mode")
+def _backward_under_mode(originals: dict) -> dict:
+    """The autograd engine runs a Function's backward outside the thread-local torch function mode: the backward of
+    megatron-core's own autograd Functions (:data:`BACKWARD_MODULES`) runs under the CPU mode too, so the devices
+    they name there (activation recomputation re-running the forward, the buffers of sequence-parallel
     reduce-scatters) are rewritten as in the forward."""
-    import importlib
+    values = {}
+    for target, original in originals.items():
+        original = original.__func__ if isinstance(original, staticmethod) else original
 
-    for name in BACKWARD_MODULES:
-        module = importlib.import_module(name)
-        for fn in vars(module).values():
-            if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function) and fn.__module__ == name):
-                continue
-            original = fn.__dict__.get("backward")
-            if original is None or getattr(original, "_cpu_compat", False):
-                continue
-            original = original.__func__ if isinstance(original, staticmethod) else original
+        def backward(ctx, *args, _original=original):
+            with _CudaToCpuMode():
+                return _original(ctx, *args)
 
-            def backward(ctx, *args, _original=original):
-                with _CudaToCpuMode():
-                    return _original(ctx, *args)
-
-            backward._cpu_compat = True
-            fn.backward = staticmethod(backward)
+        values[target] = staticmethod(backward)
+    return values
 
 
 def segments(cu_seqlens, total: int) -> list[tuple[int, int]]:
@@ -185,7 +198,8 @@ def segments(cu_seqlens, total: int) -> list[tuple[int, int]]:
 
 
 def packed_local_attention() -> None:
-    """Teach megatron-core's local ``DotProductAttention`` the 'thd' format of packed sequences (idempotent).
+    """Teach megatron-core's local ``DotProductAttention`` the 'thd' format of packed sequences (idempotent; for the
+    process: registry entry ``packed-local-attention``).
 
     megatron-core's attention squeezes a packed row to ``[t, heads, dim]`` and applies RoPE per ``cu_seqlens``
     segment before its core attention, which for local layers refuses ``packed_seq_params``. The patched forward
@@ -193,11 +207,13 @@ def packed_local_attention() -> None:
     separate sequence ``[n, 1, heads, dim]`` and concatenates the outputs ``[t, 1, hidden]``: per-sample causal
     attention, the same numbers as each sample in its own row. Calls without 'thd' parameters are unchanged.
     Pure torch: it serves local layers on CPU and on CUDA."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    mcore_patches.apply("packed-local-attention")
 
-    original = DotProductAttention.forward
-    if getattr(original, "_packed_thd", False):
-        return
+
+@mcore_patches.implements("packed-local-attention")
+def _packed_local_attention(originals: dict) -> dict:
+    target = "megatron.core.transformer.dot_product_attention:DotProductAttention.forward"
+    original = originals[target]
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
@@ -214,57 +230,64 @@ def packed_local_attention() -> None:
                 for a, b in segments(cu_q, query.shape[0])]
         return torch.cat(outs, dim=0)  # [t, 1, hidden]
 
-    forward._packed_thd = True
-    DotProductAttention.forward = forward
+    return {target: forward}
 
 
-def run_compiled_functions_eagerly() -> None:
-    """Every ``torch.compile``'d function of this process runs as plain eager code (torch's
-    ``force_eager`` compiler stance): the same operations, without Dynamo tracing or Inductor kernels."""
-    torch.compiler.set_stance("force_eager")
+@mcore_patches.implements("cpu-compiled-eager")
+def _compiled_eagerly(originals: dict) -> dict:
+    """Every ``torch.compile``'d function of this process runs as plain eager code (torch's ``force_eager``
+    compiler stance, the object ``torch.compiler.set_stance`` would store): the same operations, without Dynamo
+    tracing or Inductor kernels."""
+    from torch._dynamo.eval_frame import DynamoStance
+
+    return {"torch._dynamo.eval_frame:_stance": DynamoStance("force_eager")}
 
 
-def is_enabled() -> bool:
-    return _MODE is not None
-
-
-def allow_te_construction() -> None:
-    """Let Transformer Engine modules be constructed on this CUDA-less machine (idempotent; see the module
-    docstring for what it does and its limits)."""
+@contextlib.contextmanager
+def te_construction():
+    """Let Transformer Engine modules be constructed on this CUDA-less machine for the time of the block (see the
+    module docstring for what it does and its limits; registry entry ``cpu-te-construction``)."""
     if cuda_available():
         raise RuntimeError("the CPU shim for Transformer Engine must not be used on a machine with CUDA")
+    with mcore_patches.applied("cpu-te-construction"):
+        yield
+
+
+@mcore_patches.implements("cpu-te-construction")
+def _te_construction(originals: dict) -> dict:
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
-    if getattr(torch.cuda.is_available, "_te_construction", False):
-        return
-    real = torch.cuda.is_available
+    real = originals["torch.cuda:is_available"]
     te_init = TransformerEngineBaseModule.__init__.__code__
 
     def is_available() -> bool:
         """True only for the check in ``TransformerEngineBaseModule.__init__``; the real answer elsewhere."""
         return sys._getframe(1).f_code is te_init or real()
 
-    is_available._te_construction = True
-    torch.cuda.is_available = is_available
+    return {"torch.cuda:is_available": is_available}
 
 
 def use_torch_optimizer_kernels() -> None:
     """Point megatron-core's optimizer modules at the implementations its own import picks when neither
-    Transformer Engine nor Apex imports (see the module docstring); idempotent, and a no-op without TE/Apex."""
-    from megatron.core import optimizer as package
-    from megatron.core.optimizer import clip_grads, distrib_optimizer
-    from megatron.core.optimizer import optimizer as base
+    Transformer Engine nor Apex imports (see the module docstring; registry entry ``cpu-optimizer-kernels``)."""
+    mcore_patches.apply("cpu-optimizer-kernels")
+
+
+@mcore_patches.implements("cpu-optimizer-kernels")
+def _optimizer_kernels(originals: dict) -> dict:
     from megatron.core.utils import local_multi_tensor_applier, local_multi_tensor_l2_norm, local_multi_tensor_scale
 
-    package.Adam, package.SGD, package.USING_PYTORCH_OPTIMIZER = torch.optim.AdamW, torch.optim.SGD, True
-    base.multi_tensor_applier, base.multi_tensor_scale_impl = local_multi_tensor_applier, local_multi_tensor_scale
-    clip_grads.multi_tensor_applier = local_multi_tensor_applier
-    clip_grads.l2_norm_impl = local_multi_tensor_l2_norm
-    clip_grads.multi_tensor_scale_impl = local_multi_tensor_scale
-    clip_grads.multi_tensor_scale_tensor_impl = None  # megatron-core 0.19 (TE's fused clip); unused by 0.16
-    distrib_optimizer.Adam = torch.optim.Adam
-    distrib_optimizer.HAVE_APEX_OR_TE = False
-    distrib_optimizer.USING_TE_OPTIMIZER = distrib_optimizer.USING_APEX_OPTIMIZER = False
+    opt, dist, clip = ("megatron.core.optimizer", "megatron.core.optimizer.distrib_optimizer",
+                       "megatron.core.optimizer.clip_grads")
+    return {f"{opt}:Adam": torch.optim.AdamW, f"{opt}:SGD": torch.optim.SGD, f"{opt}:USING_PYTORCH_OPTIMIZER": True,
+            f"{opt}.optimizer:multi_tensor_applier": local_multi_tensor_applier,
+            f"{opt}.optimizer:multi_tensor_scale_impl": local_multi_tensor_scale,
+            f"{clip}:multi_tensor_applier": local_multi_tensor_applier,
+            f"{clip}:l2_norm_impl": local_multi_tensor_l2_norm,
+            f"{clip}:multi_tensor_scale_impl": local_multi_tensor_scale,
+            f"{clip}:multi_tensor_scale_tensor_impl": None,  # megatron-core 0.19 (TE's fused clip); unused by 0.16
+            f"{dist}:Adam": torch.optim.Adam, f"{dist}:HAVE_APEX_OR_TE": False, f"{dist}:USING_TE_OPTIMIZER": False,
+            f"{dist}:USING_APEX_OPTIMIZER": False}
 
 
 class _CpuEvent:
@@ -295,16 +318,14 @@ CPU_STREAM = _CpuStream()
 
 def moe_on_cpu() -> None:
     """megatron-core's MoE layers on CPU (idempotent; see the module docstring)."""
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    for name in ("cpu-moe-dispatcher", "moe-router-torch-gemm"):
+        mcore_patches.apply(name)
 
-    from megatron.core.transformer.moe import token_dispatcher
 
-    moe_utils.te_general_gemm = None
-    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = CPU_STREAM
-    original = moe_utils.maybe_move_tensor_to_cpu
-    if getattr(original, "_cpu_compat", False):
-        return
+@mcore_patches.implements("cpu-moe-dispatcher")
+def _moe_dispatcher(originals: dict) -> dict:
+    utils, dispatcher = "megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.token_dispatcher"
+    original = originals[f"{utils}:maybe_move_tensor_to_cpu"]
 
     def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
         """megatron-core's helper moves only CUDA tensors (and makes them numpy arrays, the all-to-all's split
@@ -313,11 +334,12 @@ def moe_on_cpu() -> None:
             return tensor.numpy()
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    to_host._cpu_compat = True
-    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    return {f"{dispatcher}:MoEAlltoAllTokenDispatcher.cuda_dtoh_stream": CPU_STREAM,
+            f"{utils}:maybe_move_tensor_to_cpu": to_host, f"{dispatcher}:maybe_move_tensor_to_cpu": to_host}
 
 
 def fix_without_te() -> None:
+    """The fixes a process without Transformer Engine and Apex needs (each idempotent, for the process)."""
     fix_norm_fallback()
     fix_torch_adam_state_load()
     fix_moe_router_gemm()
@@ -328,16 +350,23 @@ def fix_moe_router_gemm() -> None:
     from megatron.core.transformer.moe import moe_utils
 
     if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+        mcore_patches.apply("moe-router-torch-gemm")
+
+
+@mcore_patches.implements("moe-router-torch-gemm")
+def _router_torch_gemm(originals: dict) -> dict:
+    return {"megatron.core.transformer.moe.moe_utils:te_general_gemm": None}
 
 
 def fix_torch_adam_state_load() -> None:
     """See the module docstring (idempotent; a no-op for optimizers whose state has no ``step``)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    mcore_patches.apply("torch-adam-state-load")
 
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(original, "_keeps_step", False):
-        return
+
+@mcore_patches.implements("torch-adam-state-load")
+def _torch_adam_state_load(originals: dict) -> dict:
+    target = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states"
+    original = originals[target]
 
     def set_states(self, model_param, tensors):
         if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
@@ -351,16 +380,21 @@ def fix_torch_adam_state_load() -> None:
                 tensors = {**tensors, "step": state["step"]}
         return original(self, model_param, tensors)
 
-    set_states._keeps_step = True
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    return {target: set_states}
 
 
 def fix_norm_fallback() -> None:
     """Make CLIPViTModel's default ln_pre/ln_post build without Transformer Engine (no-op with TE)."""
     from megatron.core.models.vision import clip_vit_model
+
+    if torch.nn.LayerNorm in (clip_vit_model.CLIPViTModel.__init__.__defaults__ or ()):
+        mcore_patches.apply("clip-norm-without-te")
+
+
+@mcore_patches.implements("clip-norm-without-te")
+def _clip_norm(originals: dict) -> dict:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    init = clip_vit_model.CLIPViTModel.__init__
-    defaults = init.__defaults__ or ()
-    if torch.nn.LayerNorm in defaults:
-        init.__defaults__ = tuple(WrappedTorchNorm if d is torch.nn.LayerNorm else d for d in defaults)
+    target = "megatron.core.models.vision.clip_vit_model:CLIPViTModel.__init__.__defaults__"
+    defaults = originals[target] or ()
+    return {target: tuple(WrappedTorchNorm if d is torch.nn.LayerNorm else d for d in defaults)}

@@ -19,14 +19,22 @@ It does nothing once megatron-core is imported (a process that already paid for 
 point (``train/pretrain_vlm.py``) calls it: a GPU rank, or a run with ``--wandb``, imports both exactly as before.
 The converters (``convert/hf_to_megatron.py``, ``convert/megatron_to_hf.py``), which never log, mark wandb alone
 (:func:`mark_not_installed`): Transformer Engine stays importable there, as a checkpoint's layers may be its.
+
+It changes what megatron-core's import sees, so each marker is an entry of the registry of megatron-core patches
+(:mod:`megatron_vlm.runtime.mcore_patches`: ``lean-import-transformer-engine``, ``lean-import-wandb``), checked
+against the megatron-core releases whose fallbacks it relies on, for the process.
 """
 
 from __future__ import annotations
 
 import sys
 
+from megatron_vlm.runtime import mcore_patches
+
 TRANSFORMER_ENGINE = "transformer_engine"
 WANDB = "wandb"
+#: each library's entry in the registry of megatron-core patches
+ENTRIES = {TRANSFORMER_ENGINE: "lean-import-transformer-engine", WANDB: "lean-import-wandb"}
 
 
 def unused(device: str, wandb: bool) -> list[str]:
@@ -47,5 +55,16 @@ def mark_not_installed(names: list[str]) -> list[str]:
         return []
     marked = [name for name in names if name not in sys.modules]
     for name in marked:
-        sys.modules[name] = None
+        mcore_patches.apply(ENTRIES[name])
     return marked
+
+
+def _marker(name: str):
+    def not_installed(originals: dict) -> dict:
+        return {f"sys.modules:{name}": None}  # Python's own "this import fails" marker
+
+    return not_installed
+
+
+for _name, _entry in ENTRIES.items():
+    mcore_patches.implements(_entry)(_marker(_name))

@@ -29,6 +29,8 @@ How a save becomes visible (a crash at any point leaves the previous checkpoint 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -41,63 +43,112 @@ from megatron_vlm.checkpoint import layout as ckpt
 from megatron_vlm.checkpoint import manifest
 from megatron_vlm.files import storage
 from megatron_vlm.model import layer_impl
-from megatron_vlm.runtime import mcore_version
+from megatron_vlm.runtime import mcore_patches, mcore_version
 from megatron_vlm.model.spec import VLMSpec
 
 log = logging.getLogger(__name__)
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _state_at_buffer_offsets() -> None:
-    """Make the distributed optimizer's 'fully_reshardable' state correct when a gradient buffer has several buckets
-    (installed once per process, on megatron-core's class).
+#: the registry's entry that checks the distributed optimizer's saved state (megatron_vlm/runtime/mcore_patches.py)
+OWN_STATE = "optimizer-state-own-values"
+
+
+@mcore_patches.implements(OWN_STATE)
+def _state_at_own_values(originals: dict) -> dict:
+    """The distributed optimizer's 'fully_reshardable' save, checked against each parameter's own values (the
+    registry installs it on megatron-core's class around a save's ``optimizer.sharded_state_dict`` only).
 
     megatron-core 0.16 and 0.19 build that state from :meth:`DistributedOptimizer.get_parameter_state_dp_zero`,
     whose tensors hold each bucket's values with the bucket's end padding left out, one bucket after the other, and
     read each parameter at its ``param_index_map`` offset, which counts that padding. With one bucket (no
     ``--overlap-grad-reduce``) the two agree; with more, every parameter past the first bucket was saved with
     another's values and its tail zero-padded ("param range exceeds unpadded buffer"), and a resume trained from
-    them (measured: the resumed loss 5.75 where the straight run's was 5.28). Fixed upstream by
-    NVIDIA/Megatron-LM#5077; until a lane has it, the save reads tensors laid out at the buffer's own offsets. The
-    load path reads the model-space tensors by each parameter's own range and needs nothing."""
-    import functools
-    import inspect
-
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as cls
-
-    original = getattr(cls, "sharded_param_state_fully_reshardable", None)
-    if original is None or getattr(original, "at_buffer_offsets", False):
-        return
-    if "param range exceeds" not in inspect.getsource(original):  # a megatron-core with the upstream fix
-        return
-
-    def relaid(self, state):
-        for gbuf_idx, buffer in enumerate(self.buffers):
-            buckets = buffer.buckets
-            size = buckets[-1].offset + buckets[-1].grad_data.numel()
-            for world in state[gbuf_idx].values():
-                for key, packed in list(world.items()):
-                    if not torch.is_tensor(packed) or packed.dim() != 1 or len(buckets) == 1:
-                        continue
-                    out, at = packed.new_zeros(size), 0
-                    for b in buckets:
-                        out[b.offset:b.offset + b.numel_unpadded] = packed[at:at + b.numel_unpadded]
-                        at += b.numel_unpadded
-                    world[key] = out
-        return state
+    them (measured: the resumed loss 5.75 where the straight run's was 5.28). NVIDIA/Megatron-LM#5077 fixes the read
+    (the gathered tensors keep their layout). Rather than guess which megatron-core runs, the save looks at what it
+    produced: :func:`_own_values` compares every saved tensor with the parameter's own values in the gathered
+    tensors and replaces the wrong ones, so a megatron-core with the fix passes through unchanged. Loading reads the
+    model-space tensors by each parameter's own range and needs nothing."""
+    target = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_param_state_fully_reshardable"
+    original = originals[target]
 
     @functools.wraps(original)
-    def fixed(self, *args, **kwargs):
+    def checked(self, model_sharded_state_dict, *args, **kwargs):
+        is_loading = kwargs.get("is_loading", args[0] if args else False)
+        gathered = []
         gather = self.get_parameter_state_dp_zero
-        self.get_parameter_state_dp_zero = lambda *a, **k: (lambda s: None if s is None else relaid(self, s))(
-            gather(*a, **k))
+        self.get_parameter_state_dp_zero = lambda *a, **k: gathered.append(gather(*a, **k)) or gathered[-1]
         try:
-            return original(self, *args, **kwargs)
+            out = original(self, model_sharded_state_dict, *args, **kwargs)
         finally:
-            del self.get_parameter_state_dp_zero
+            vars(self).pop("get_parameter_state_dp_zero", None)
+        if is_loading or out is None or gathered[-1:] == [None]:
+            return out
+        if len(gathered) != 1:
+            raise RuntimeError(f"megatron-core's {target} gathered the optimizer state {len(gathered)} times, not "
+                               f"once: the check of {OWN_STATE} does not know this megatron-core ({mcore_patches.DOC})")
+        _own_values(self, gathered[0], model_sharded_state_dict, out)
+        return out
 
-    fixed.at_buffer_offsets = True
-    setattr(cls, "sharded_param_state_fully_reshardable", fixed)
+    return {target: checked}
+
+
+def _place(sharded, key: str) -> tuple:
+    """Which parameter's tensor a sharded tensor (or factory) of key ``key`` is: megatron-core names the layers of a
+    block with one key, told apart by their offset (factories: by their build function)."""
+    return key, getattr(sharded, "global_offset", None), getattr(sharded, "build_fn", None)
+
+
+def _own_values(optimizer, gathered: dict, model_sharded_state_dict, saved: dict) -> int:
+    """Give every tensor of ``saved`` (megatron-core's model-space optimizer state: {param index: {state name:
+    ShardedTensor}}) its parameter's own values, read from ``gathered`` (the tensors
+    ``get_parameter_state_dp_zero`` returned) at the parameter's place: each bucket's values one after the other with
+    its end padding left out, or at the buffer's own offsets, whichever layout the tensors have. Returns how many
+    tensors were wrong. A wrong tensor of a first-bucket parameter (where both layouts agree) means megatron-core
+    saves in a way this check does not know: that raises rather than rewrite what it cannot read."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    place_of = {id(sh.data): _place(sh, sh.key) for sh in nested_values(tensors)}
+    own, first_bucket = {}, set()  # (state name, place) -> the parameter's own values
+    for index, buffer in enumerate(optimizer.buffers):
+        packed, at, size = [], 0, buffer.buckets[-1].offset + buffer.buckets[-1].grad_data.numel()
+        for bucket in buffer.buckets:
+            packed.append(at)
+            at += bucket.numel_unpadded
+        for world in gathered[index].values():
+            for name, values in world.items():
+                if not torch.is_tensor(values) or values.dim() != 1 or name == "step":
+                    continue
+                if values.numel() == at:  # the buckets' values one after the other (megatron-core 0.16, 0.19)
+                    start_of = [b.offset - p for b, p in zip(buffer.buckets, packed)]
+                elif values.numel() == size:  # at the buffer's own offsets
+                    start_of = [0] * len(buffer.buckets)
+                else:
+                    raise RuntimeError(f"the distributed optimizer's gathered '{name}' holds {values.numel()} values, "
+                                       f"neither the buckets' {at} nor the buffer's {size}: {OWN_STATE} does "
+                                       f"not know this megatron-core ({mcore_patches.DOC})")
+                for param, (start, end, bucket) in buffer.param_index_map.items():
+                    place = place_of.get(id(param))
+                    if place is not None:
+                        own[name, place] = values[start - start_of[bucket]:end - start_of[bucket]]
+                        if bucket == 0:
+                            first_bucket.add((name, place))
+    wrong = 0
+    for state in saved.values():
+        for name, t in state.items():
+            prefix = f"optimizer.state.{name}."
+            place = (name, _place(t, t.key[len(prefix):])) if t.key.startswith(prefix) else None
+            right = own.get(place)
+            if right is None or torch.equal(t.data.reshape(-1), right):
+                continue
+            if place in first_bucket:
+                raise RuntimeError(f"megatron-core saved {t.key} with values that are not the parameter's own, in its "
+                                   f"first bucket: {OWN_STATE} does not know this megatron-core ({mcore_patches.DOC})")
+            t.data = right.reshape(t.data.shape)
+            wrong += 1
+    return wrong
 
 
 def _rank_objects(loader_state, rng_state, with_rng: bool = True, with_data: bool = True):
@@ -192,10 +243,10 @@ def _state_dict(model, optimizer, scheduler, iteration, loader_state, with_optim
         # loads rank 0's main-parameter lists): it leaves the optimizer out. Every rank of such a stage (its TP
         # and DP peers, who share its parameters) does the same, so the collectives of a save still match.
         if trains_here(model):
-            # 'fully_reshardable': the distributed optimizer's state resumes at any TP/PP/DP
-            _state_at_buffer_offsets()
-            sd["optimizer"] = optimizer.sharded_state_dict(model_sd if len(chunks) > 1 else model_sd["model"],
-                                                           is_loading=loading, metadata=OPTIM_METADATA)
+            # 'fully_reshardable': the distributed optimizer's state resumes at any TP/PP/DP; a save checks it
+            with contextlib.nullcontext() if loading else mcore_patches.applied(OWN_STATE):
+                sd["optimizer"] = optimizer.sharded_state_dict(model_sd if len(chunks) > 1 else model_sd["model"],
+                                                               is_loading=loading, metadata=OPTIM_METADATA)
         sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     return sd
 

@@ -71,6 +71,8 @@ import contextlib
 
 import torch
 
+from megatron_vlm.runtime import mcore_patches
+
 #: megatron-core's load-balancing types -> the name its router records the loss under
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
               "global_aux_loss": "global_load_balancing_loss"}
@@ -378,19 +380,19 @@ class AuxLossWeight:
 #: the positions of samples among the rows a router is routing right now (set around its routing, for the
 #: capacity count of :func:`_install_token_dropping`)
 _ROUTING = {"valid": None}
+#: the registry's entry of the trainer's token dropping (megatron_vlm/runtime/mcore_patches.py)
+TOKEN_DROPPING = "moe-token-dropping-positions"
 
 
-def _install_token_dropping() -> None:
+@mcore_patches.implements(TOKEN_DROPPING)
+def _install_token_dropping(originals: dict) -> dict:
     """megatron-core's token dropping (``--moe-expert-capacity-factor``) applied to the positions of samples only:
     the capacity is figured on them, and padded positions are routed nowhere. With
     ``--moe-pad-expert-input-to-capacity`` megatron-core's dispatcher figures the capacity over every position
-    itself, so dropping stays as megatron-core does it there. Installed once per process on megatron-core's router
-    module (the name its routing calls)."""
-    from megatron.core.transformer.moe import router as module
-
-    original = module.apply_router_token_dropping
-    if getattr(original, "positions_of_samples", False):
-        return
+    itself, so dropping stays as megatron-core does it there. The registry installs it on megatron-core's router
+    module (the name its routing calls) around one routing call only (:meth:`MoETraining._wrap`)."""
+    target = "megatron.core.transformer.moe.router:apply_router_token_dropping"
+    original = originals[target]
 
     def dropping(probs, routing_map, *args, **kwargs):
         valid = _ROUTING["valid"]
@@ -401,8 +403,7 @@ def _install_token_dropping() -> None:
         out_probs[valid], out_map[valid] = kept_probs, kept_map
         return out_probs, out_map
 
-    dropping.positions_of_samples = True
-    module.apply_router_token_dropping = dropping
+    return {target: dropping}
 
 
 class MoETraining:
@@ -436,7 +437,6 @@ class MoETraining:
         for m in model.modules():
             if isinstance(m, TopKRouter):
                 self._wrap(m)
-        _install_token_dropping()
 
     def _current(self):
         """The micro batch being routed: the one in its forward, or, inside a backward (activation recomputation
@@ -454,7 +454,9 @@ class MoETraining:
                 padding_mask = ~valid
             _ROUTING["valid"] = flat
             try:
-                probs, routing_map = original(logits, padding_mask=padding_mask)
+                with mcore_patches.applied(TOKEN_DROPPING) if router.config.moe_expert_capacity_factor is not None \
+                        else contextlib.nullcontext():
+                    probs, routing_map = original(logits, padding_mask=padding_mask)
             finally:
                 _ROUTING["valid"] = None
             if micro is not None and router.training:

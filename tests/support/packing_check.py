@@ -133,7 +133,14 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
     'thd' attention given one segment for the whole row, the defect the comparison must catch; with ``cp`` > 1 the
     context-parallel attention's mask at contiguous positions instead, :func:`contiguous_cp_mask`),
     ``unpacked_micro_batches`` (the unpacked share in that many micro batches, default 1: virtual pipeline stages
-    need as many micro batches as pipeline stages, packed and unpacked)."""
+    need as many micro batches as pipeline stages, packed and unpacked).
+
+    Each job's result also has ``patches``: every rank's (changes to megatron-core's modules and classes since the
+    rank started that no active registry patch holds, the active patches, those active at the start) after the job
+    (:func:`megatron_vlm.runtime.mcore_patches.unregistered`; the snapshot is taken before anything else runs)."""
+    from megatron_vlm.runtime import mcore_patches
+
+    at_start, started = mcore_patches.snapshot(), mcore_patches.active()
     import copy
 
     from megatron_vlm.checkpoint import layout as ckpt
@@ -216,6 +223,10 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
                         pack_sizes=pack_sizes))
         release(training)
         del training
+        patches: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(patches, (mcore_patches.unregistered(at_start), mcore_patches.active(),
+                                                      started))
+        out[-1]["patches"] = patches
     return out if torch.distributed.get_rank() == 0 else None
 
 

@@ -1,10 +1,10 @@
 """Per-rank jobs of the Transformer Engine tests (tests/test_te.py), run in a local CPU world
 (:func:`megatron_vlm.runtime.spawn.run_world`).
 
-They build models with real Transformer Engine (TE) modules on CPU (the CPU shim,
-:func:`megatron_vlm.runtime.cpu_compat.allow_te_construction`) and check what a GPU user's first steps do before
-any kernel runs: the layer classes and their settings, converted checkpoints loading into TE layers (compared with
-the local layers through megatron's sharded keys), checkpoints saved from TE layers, the FP8 recipe objects and the
+They build models with real Transformer Engine (TE) modules on CPU (the CPU shim
+:func:`megatron_vlm.runtime.cpu_compat.te_construction`, around each build) and check what a GPU user's first steps do
+before any kernel runs: the layer classes and their settings, converted checkpoints loading into TE layers (compared
+with the local layers through megatron's sharded keys), checkpoints saved from TE layers, the FP8 recipe objects and the
 trainer's set-up (mixed precision, DDP, distributed optimizer). TE's kernels cannot run here, so no forward.
 
 Each job re-initialises megatron's parallel groups, so one 2-process world covers TP=1 (DP=2), TP=2 and PP=2.
