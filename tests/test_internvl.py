@@ -364,16 +364,20 @@ def test_tiles_and_pixels_are_hf_image_processors(models):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["InternVL3_5-1B-HF", "InternVL3-2B-HF"])
-def test_input_ids_equal_autoprocessors(name, models):
+@pytest.mark.parametrize("name,video_token,takes_videos", [("InternVL3_5-1B-HF", "<video>", True),
+                                                           ("InternVL3-2B-HF", "<|video_pad|>", False)])
+def test_input_ids_equal_autoprocessors(name, video_token, takes_videos, models):
     """The encoder's ids, each image (frame) token expanded to its tokens, equal ``AutoProcessor``'s for two tiled
     images (the PIL pixels of its image processor equal too; its default torchvision backend within a level), and
-    for a video: ``Frame1: <img>...</img>`` per frame, pixels within 1e-6 of its video processor's."""
+    for a video: ``Frame1: <img>...</img>`` per frame, pixels within 1e-6 of its video processor's. InternVL3's
+    tokenizer names Qwen2.5's ``<|video_pad|>`` as its video token, which its chat template does not write (it writes
+    ``<video>``): HF's processor refuses such a video, and the encoder skips the sample saying why."""
     try:
         import torchvision  # noqa: F401
     except ImportError:
         not_here("HF's InternVLProcessor loads its video processor, which needs torchvision: the 3.11 lane's CPU "
                  "torch has none (tiles and pixels are checked in both lanes)")
+    from megatron.energon import SkipSample
     from transformers import AutoProcessor, GotOcr2ImageProcessorPil
 
     from megatron_vlm.data import videos as vid
@@ -393,15 +397,23 @@ def test_input_ids_equal_autoprocessors(name, models):
     assert _expanded(out, spec) == pil["input_ids"][0].tolist() == auto["input_ids"][0].tolist()
     assert torch.equal(out["images"], pil["pixel_values"])
     assert (out["images"] - auto["pixel_values"]).abs().max() < 0.05  # torchvision's resize: a level or so
-    if enc.chat.video != "<video>":
-        return  # InternVL3's tokenizer names Qwen2.5's <|video_pad|>, which its chat template does not write
+    assert enc.chat.video == proc.video_token == video_token
     video = make_video(12, 48, 32, fps=4)
-    got = enc.encode_conversation(VIDEO, [], "v", [video])
     frames = vid.decode_frames(video, enc.frame_indices(video)).permute(0, 2, 3, 1).numpy()
-    hf = proc(videos=[frames], text=proc.apply_chat_template(VIDEO, tokenize=False), return_tensors="pt")
-    assert _expanded(got, spec) == hf["input_ids"][0].tolist()
-    assert proc.decode(hf["input_ids"][0]).count("Frame") == 3
-    assert (got["images"] - hf["pixel_values"]).abs().max() < 1e-6
+    text = proc.apply_chat_template(VIDEO, tokenize=False)
+    assert (video_token in text) == takes_videos, text
+    if takes_videos:
+        got = enc.encode_conversation(VIDEO, [], "v", [video])
+        hf = proc(videos=[frames], text=text, return_tensors="pt")
+        assert _expanded(got, spec) == hf["input_ids"][0].tolist()
+        assert proc.decode(hf["input_ids"][0]).count("Frame") == 3
+        assert (got["images"] - hf["pixel_values"]).abs().max() < 1e-6
+    else:  # InternVL3: HF refuses the video, and the encoder skips the sample
+        with pytest.raises(ValueError, match=re.escape(f"Found total 0 {video_token} tokens and 1 videos")):
+            proc(videos=[frames], text=text, return_tensors="pt")
+        with pytest.raises(SkipSample):
+            enc.encode_conversation(VIDEO, [], "v", [video])
+        assert list(enc.skips.total) == ["0 image and 0 video parts but 0 images and 1 videos"], enc.skips.total
 
 
 @pytest.mark.slow
