@@ -118,6 +118,28 @@ def test_what_megatron_cannot_build_is_refused_in_one_line(edit, expect):
     assert VLMSpec.from_hf(_config()).arch == "internvl"  # the unedited config builds
 
 
+def test_internvit_6b_at_its_real_size_takes_tp1_only():
+    """InternViT-6B's 25 heads (not padded, as Megatron-LM's NVLM pads them to 32) split over 1 or 5 ranks, and an LM
+    of 64 heads over neither 5: the published InternVL3.5-38B layout (Qwen3-32B's shape) takes --tp 1 only, and
+    every other --tp is refused in one line naming that."""
+    from megatron_vlm.model.spec import ParallelismError
+    from tests.support.internvl_models import QWEN3_8B, VIT_6B
+
+    qwen3_32b = dict(QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64)
+    spec = VLMSpec.from_hf(_config(text=qwen3_32b, vision={k: VIT_6B[k] for k in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "norm_type", "use_qk_norm", "attention_bias")}))
+    assert (spec.vision_num_attention_heads, spec.num_attention_heads, spec.num_query_groups) == (25, 64, 8)
+    assert spec.working_tps() == [1] and spec.check_parallelism(1, 2) == [32, 32]
+    for tp, part in ((2, "num_attention_heads=25 of vision model (its 25 heads split over [1, 5, 25] ranks only"),
+                     (4, "num_attention_heads=25 of vision model"), (5, "num_attention_heads=64 of language model"),
+                     (8, "num_attention_heads=25 of vision model")):
+        with pytest.raises(ParallelismError) as e:
+            spec.check_parallelism(tp, 1)
+        line = str(e.value)
+        assert "\n" not in line and line.startswith(f"tp={tp} does not divide {part}") and \
+            "; choose --tp from [1], the sizes every part of this model splits over" in line, line
+
+
 @pytest.mark.slow
 def test_specs_of_the_published_configs(models):
     """What the spec reads from each config: the InternViT variant, the pixel-shuffled tokens per tile, the image
