@@ -100,7 +100,8 @@ from bench.gpu_steps.cp import check_cp, cp_sample  # noqa: E402,F401
 from bench.gpu_steps.vpp import check_vpp, vpp_split  # noqa: E402,F401
 from bench.gpu_steps.internvl import (INTERNVL_TILE, build_internvl_inputs, check_internvl,  # noqa: E402,F401
                                       internvl_hf_logits)
-from bench.gpu_steps.results import STEP_LABELS, print_table, report, with_ratios, write_results  # noqa: E402,F401
+from bench.gpu_steps.results import (STEP_LABELS, not_measured, print_table, report, verdict, with_ratios,  # noqa: E402,F401
+                                     write_results)
 
 
 def parse(argv=None):
@@ -218,7 +219,7 @@ def main(argv=None, run_command=subprocess.run) -> int:
     rows = with_ratios(rows)
     print_table(rows, info)
     failed = [r for r in rows if r.get("ok") is False]
-    print(f"\n{len(failed)} check(s) failed" if failed else "\nall checks passed")
+    print("\n" + verdict(rows))
     return 1 if failed else 0
 
 

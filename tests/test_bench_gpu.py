@@ -60,14 +60,10 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
                                                      "train_runs.log"]
     # the MoE row: a Qwen3-MoE LLaVA at EP1, local layers on CPU (TE's grouped GEMM on the GPU)
     moe = rows[("moe", "local SequentialMLP, EP1", "fp32")]
-    from tests.support import tiny
-
-    if "qwen3_moe" in tiny.TEXT_FAMILIES:
-        assert moe["ok"] and len(moe["losses"]) == bench.TINY["iters"] and moe["tokens_per_s"] > 0
-        assert moe["tflops"] > 0 and "4 experts (top 2" in moe["note"] and "local" in moe["note"]
-        assert "==== moe_ep1_local: " in (out / "train_runs.log").read_text()
-    else:  # a tree without MoE support reports the row as not measured, and the run still passes
-        assert moe["ok"] is None and "no MoE support" in moe["note"]
+    assert moe["ok"] and len(moe["losses"]) == bench.TINY["iters"] and moe["tokens_per_s"] > 0, moe
+    assert moe["tflops"] > 0 and "4 experts (top 2" in moe["note"] and "local" in moe["note"]
+    assert "==== moe_ep1_local: " in (out / "train_runs.log").read_text()
+    assert not bench.not_measured(list(rows.values()))  # on CPU every check runs (two gloo ranks for CP2, PP2)
     # the context-parallel row: one long sample at CP1 and CP2 (2 gloo ranks here; TE's p2p attention on 2 GPUs)
     cp1, cp2 = rows[("cp", "local, CP1", "fp32")], rows[("cp", "local, CP2", "fp32")]
     assert cp1["ok"] and cp2["ok"] and cp2["diff"] <= 1e-5 and cp2["tolerance"] == 0.02, (cp1, cp2)
@@ -117,6 +113,26 @@ def test_vpp_rows_say_why_one_gpu_measures_nothing(tmp_path):
     rows = bench.check_vpp(a, tmp_path, tmp_path, tmp_path, tmp_path)
     assert [r["impl"] for r in rows] == ["transformer_engine, PP2", "transformer_engine, PP2 x VPP2"]
     assert all(r["ok"] is None and "PP2 needs 2 GPUs, this machine has" in r["note"] for r in rows)
+    assert bench.not_measured(rows) == rows  # named in the verdict, not counted as passed
+
+
+def test_the_verdict_names_every_check_that_did_not_run(tmp_path, capsys):
+    """A row whose check could not run here says so in the closing line, with its reason, beside the checks that
+    passed; reference and throughput rows (no check) do not."""
+    bench = script("bench/gpu.py")
+    rows = [dict(part="logits", impl="HF transformers", dtype="bf16", ok=None, note="the yardstick"),
+            dict(part="logits", impl="local", dtype="fp32", ok=True),
+            dict(part="cp", impl="local, CP2", dtype="bf16", ok=None, note="not measured: CP2 needs 2 GPUs, this "
+                                                                            "machine has 1")]
+    assert bench.verdict(rows) == "all checks passed; 1 not measured: cp local, CP2 (CP2 needs 2 GPUs, this machine " \
+        "has 1)"
+    assert bench.verdict(rows[:1]) == "no check ran"
+    failed = dict(part="moe", impl="local", dtype="bf16", ok=False)
+    assert bench.verdict([*rows, failed]).startswith("1 check(s) failed")
+    results = tmp_path / "gpu_bench.json"
+    bench.write_results(results, {}, rows)
+    assert bench.main(["--report", str(results)]) == 0
+    assert "all checks passed; 1 not measured: cp local, CP2" in capsys.readouterr().out
 
 
 def test_report_of_a_timed_out_run(tmp_path, capsys):
@@ -144,7 +160,9 @@ def test_local_layers_match_hf_on_gpu(tmp_path_factory):
     hf = tiny_llava(tmp_path_factory, "llama", "clip")
     meg = convert_hf_to_megatron(hf, tmp_path_factory.mktemp("gpu_local") / "m")
     rows = bench.check_logits(hf, meg, ["local"], "cuda")
-    assert all(r["ok"] for r in rows if r["ok"] is not None) and len(rows) == 3, rows
+    # the HF yardstick is the one row without a check: a local row that could not be checked fails here
+    assert [(r["impl"], r["dtype"], r["ok"]) for r in rows] == [
+        ("HF transformers", "bf16", None), ("local", "fp32", True), ("local", "bf16", True)], rows
     assert torch.cuda.is_available()
 
 

@@ -542,6 +542,28 @@ def test_verify_refuses_what_does_not_fit(hf_models, tmp_path, capsys):
     assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".*"))
 
 
+def test_a_tensor_that_does_not_fit_its_slot_is_refused_naming_it(tmp_path):
+    """``write_tensor`` (the path the export's extra tensors and the import's computed blocks take, without the
+    writer's own check) holds a tensor to its planned slot: a wrong shape (one row too many: its bytes would run into
+    the next tensor), a wrong dtype, the right bytes in another shape, are refused naming the tensor, and the file
+    keeps the next tensor's bytes."""
+    from safetensors import safe_open
+
+    a, b = torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.full((4,), 7.0)
+    w = SafetensorsWriter(tmp_path, [("a", a.dtype, (2, 3)), ("b", b.dtype, (4,))])
+    try:
+        w.write("b", b)
+        for wrong in (torch.ones(3, 3), a.double(), a.reshape(3, 2), a.to(torch.int32)):
+            with pytest.raises(ValueError, match=r"^a: made .* but its slot in the output file holds torch.float32 "
+                                                 r"\(2, 3\) \(24 bytes\); nothing was written"):
+                file_tensors.write_tensor(w.target("a"), wrong)
+        file_tensors.write_tensor(w.target("a"), a)
+    finally:
+        w.close()
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("a"), a) and torch.equal(f.get_tensor("b"), b)
+
+
 def test_safetensors_writer_plans_shards_and_any_order(tmp_path):
     """Shards of at most the limit, widest dtypes first, written in any order from several threads; safetensors
     and the index agree with what was written."""

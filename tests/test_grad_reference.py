@@ -3,7 +3,8 @@
 The tensors of a tiny Qwen3-MoE LLaVA (one dense layer among three MoE layers) stand for gradients: every rank's
 shards are cut from them with the conversion's rules at TP2 x PP2 x EP2 (experts split over TP, and unsplit:
 ETP1), and assembling them gives back every HF tensor exactly; a shard that did not come back is an error naming
-the tensor (it used to drop the tensor from the comparison without a word).
+the tensor (it used to drop the tensor from the comparison without a word), and so is a whole tensor no rank
+returned, which the comparison finds against HF's trained tensors (HF's frozen ones are not among them).
 """
 
 from __future__ import annotations
@@ -16,14 +17,20 @@ from tests.support import grad_reference
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def hf_dir(tmp_path_factory):
+    from tests.support.tiny import make_tiny_llava
+
+    return make_tiny_llava(tmp_path_factory.mktemp("gradref") / "hf", "qwen3_moe", "clip",
+                           text_overrides=dict(num_hidden_layers=4, mlp_only_layers=[1]))
+
+
+@pytest.fixture(scope="module")
+def model(hf_dir):
     """(spec, {HF name: tensor of every mapping rule})."""
     from megatron_vlm.convert import mapping
     from megatron_vlm.convert.hf_io import HFReader
-    from tests.support.tiny import make_tiny_llava
 
-    hf = make_tiny_llava(tmp_path_factory.mktemp("gradref") / "hf", "qwen3_moe", "clip",
-                         text_overrides=dict(num_hidden_layers=4, mlp_only_layers=[1]))
+    hf = hf_dir
     spec, reader = VLMSpec.from_hf_dir(hf), HFReader(hf)
     on_disk = {mapping.canonical_hf_name(n): n for n in reader.names()}
     return spec, {h: reader.get(on_disk[h]) for rule in mapping.rules(spec) for h in rule.hf}
@@ -79,3 +86,39 @@ def test_frozen_tensors_are_left_out_and_unknown_ones_refused(model):
     with pytest.raises(KeyError, match="not_a_tensor"):
         grad_reference.compare({"not_a_tensor": torch.ones(2)}, {})
     assert grad_reference.compare({"a": torch.tensor([3.0, 0.0])}, {"a": torch.tensor([3.0, 4.0])}) == {"a": 0.8}
+
+
+def test_a_tensor_no_rank_returned_fails_the_comparison(model):
+    """A trained tensor missing from every rank leaves ``assemble`` nothing to merge (as a frozen one); the comparison
+    against HF's trained tensors names it instead of comparing the rest."""
+    spec, hf = model
+    ranks = _ranks(spec, hf, 2, 2, 2, 2)
+    dropped = "language_model.decoder.layers.0.self_attention.linear_proj.weight"
+    for c, local in ranks:
+        if c["pp"] == 0:  # layer 0 (stage 1's local layer 0 is layer 2)
+            local.pop(dropped)
+    mine = grad_reference.assemble(ranks, spec, tp=2, pp=2, ep=2, etp=2)
+    name = "language_model.model.layers.0.self_attn.o_proj.weight"
+    assert name in hf and name not in mine
+    with pytest.raises(grad_reference.MissingGradient, match=r"1 of the \d+ tensors HF trains .*0\.self_attn\.o_proj"):
+        grad_reference.compare(mine, hf)
+    zero = dict(hf, **{name: torch.zeros_like(hf[name])})  # a tensor HF's loss never reaches may be absent
+    assert name not in grad_reference.compare(mine, zero)
+
+
+def test_hf_gradients_are_those_of_the_trained_parameters(hf_dir):
+    """``saved_gradients`` of an HF model with its vision tower frozen: no vision tensor; every trained one, zeros for
+    one the loss did not reach (the projector, on a text-only batch)."""
+    from megatron_vlm.convert.verify import load_hf_model
+
+    hf = load_hf_model(hf_dir)
+    for n, p in hf.named_parameters():
+        p.requires_grad_("vision_tower" not in n)
+    ids = torch.randint(0, 100, (1, 12))
+    hf(input_ids=ids, labels=ids).loss.backward()
+    got = grad_reference.saved_gradients(hf)
+    assert got and not any(n.startswith("vision_tower.") for n in got)
+    projector = [n for n in got if n.startswith("multi_modal_projector.")]
+    assert projector and all(not got[n].any() for n in projector)
+    assert got["language_model.model.embed_tokens.weight"].any()
+    assert all(not p.isnan().any() for p in hf.parameters())  # the weights are back

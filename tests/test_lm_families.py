@@ -270,8 +270,9 @@ def test_qwen3_transformer_engine_layers_load_the_converted_checkpoint(models, w
 
 @pytest.mark.slow
 def test_qwen3_megatron_lm_checkpoints_export(models, tmp_path):
-    """The checkpoints Megatron-LM writes for a Qwen3 LLaVA (torch_dist with TE names and args, legacy rank files;
-    TP2) export with only the HF config, byte for byte; an HF config without q/k norms is refused naming them."""
+    """Checkpoints of a Qwen3 LLaVA in the layout Megatron-LM writes (our imitation, tests.support.worlds: torch_dist
+    with TE names and args, legacy rank files; TP2) export with only the HF config, byte for byte; an HF config
+    without q/k norms is refused naming them."""
     from megatron_vlm.convert.megatron_lm import MismatchError
     from megatron_vlm.runtime.spawn import run_world
     from tests.support import worlds

@@ -1,16 +1,26 @@
 """Checkpoints interoperable with Megatron-LM: export what Megatron-LM writes, write what it reads.
 
-One 2-process world (TP=2) writes, from a converted checkpoint, the checkpoints Megatron-LM's
-``megatron/training/checkpointing.py`` would: torch_dist with Transformer Engine norm names and ``_extra_state``
-objects at ``iter_0000007`` + tracker with ``args``, torch_dist with local names at ``release`` without ``args``,
-and legacy ``mp_rank_XX`` rank files; none carries megatron-vlm's side files. Each is exported with only an HF
-config and compared with the source HF model (logits in fp32 and every tensor's bytes). The same world writes, from
+**What the "Megatron-LM checkpoints" here are: our own imitation of Megatron-LM's format.** Megatron-LM is not
+installed in either lane, so no checkpoint in this module was written by Megatron-LM's code. They are written by
+:mod:`tests.support.worlds` (megatron-core's own model and chunks, saved with megatron-core's ``dist_checkpointing``
+and ``torch.save``) in the layout Megatron-LM's ``megatron/training/checkpointing.py`` gives its files, as read from
+that file's source: the entry names (``model``; ``model0``, ``model1`` for chunks), the key convention, ``args``,
+``checkpoint_version``, the tracker and the ``mp_rank_TT[_PPP][_EEE]`` names. What the tests show is that what we
+read and write agrees with that reading of Megatron-LM's source; a difference between it and what Megatron-LM's code
+really writes would not show here. (The MoE fixture of ``tests/fixtures/mcore-0.16-moe``, by contrast, was written by
+megatron-core 0.16 itself, through the trainer.)
+
+One 2-process world (TP=2) writes, from a converted checkpoint, imitations of the checkpoints Megatron-LM's
+``checkpointing.py`` writes: torch_dist with Transformer Engine norm names and ``_extra_state`` objects at
+``iter_0000007`` + tracker with ``args``, torch_dist with local names at ``release`` without ``args``, and legacy
+``mp_rank_XX`` rank files; none carries megatron-vlm's side files. Each is exported with only an HF config and
+compared with the source HF model (logits in fp32 and every tensor's bytes). The same world writes, from
 megatron-core's own model chunks at PP2 x VPP2 (virtual pipeline stages, issue 51) with the uneven split 4,2, a LLaVA
-of six language layers (chunks of 2, 1, 2, 1 layers) as Megatron-LM saves a list of chunks (torch_dist with
-``model0``/``model1`` entries; legacy rank files with them, each chunk's layers numbered from 0): both export to the
-source HF model byte for byte, and ``hf_to_megatron.py --ckpt-format torch --pp 2 --pp-layers 4,2
---num-virtual-stages-per-pipeline-rank 2 --verify`` (HF's logits against the interleaved schedule's) writes exactly
-Megatron-LM's entries, names and tensors.
+of six language layers (chunks of 2, 1, 2, 1 layers) in the layout Megatron-LM's ``generate_state_dict`` gives a list
+of chunks (torch_dist with ``model0``/``model1`` entries; legacy rank files with them, each chunk's layers numbered
+from 0): our imitation, not a checkpoint of a Megatron-LM run. Both export to the source HF model byte for byte, and
+``hf_to_megatron.py --ckpt-format torch --pp 2 --pp-layers 4,2 --num-virtual-stages-per-pipeline-rank 2 --verify``
+(HF's logits against the interleaved schedule's) writes exactly the imitation's entries, names and tensors.
 """
 
 import json
@@ -37,14 +47,14 @@ pytestmark = pytest.mark.slow
 TOL = 1e-4
 NAME = "llama_clip"
 OTHER = "qwen2_siglip"
-VPP = "pp2vpp2"  # a 6-layer LLaVA as Megatron-LM saves it at PP2 (4,2) x VPP2
+VPP = "pp2vpp2"  # a 6-layer LLaVA in Megatron-LM's layout at PP2 (4,2) x VPP2 (our imitation of it)
 VPP_LAYERS = [4, 2]
 
 
 @pytest.fixture(scope="module")
 def written(hf_models, tmp_path_factory):
-    """Megatron-LM-style checkpoints of llama_clip and of qwen2_siglip (tied embeddings, qkv bias, no class
-    token), written in one world."""
+    """Megatron-LM-style checkpoints (our imitation of its format, :mod:`tests.support.worlds`) of llama_clip and of
+    qwen2_siglip (tied embeddings, qkv bias, no class token), written in one world."""
     from tests.support.tiny import make_tiny_llava
 
     root = tmp_path_factory.mktemp("mlm")
@@ -129,9 +139,10 @@ def test_legacy_tp2_exports_to_hf(hf_models, mlm, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["dist", "legacy"])
 def test_megatron_lm_virtual_pipeline_checkpoints_export(fmt, written, tmp_path):
-    """Megatron-LM's checkpoints of a PP2 (4,2) x VPP2 run (model0/model1 entries; legacy: each chunk's layers
-    numbered from 0, args saying virtual_pipeline_model_parallel_size=2) export with only the HF config to the source
-    model, every tensor's bytes."""
+    """Checkpoints in Megatron-LM's layout of a PP2 (4,2) x VPP2 run (our imitation, written from megatron-core's
+    chunks by tests.support.worlds; model0/model1 entries; legacy: each chunk's layers numbered from 0, args saying
+    virtual_pipeline_model_parallel_size=2) export with only the HF config to the source model, every tensor's
+    bytes."""
     w = written[VPP]
     iter_dir = w["root"] / fmt / "iter_0000003"
     if fmt == "legacy":
@@ -152,9 +163,9 @@ def test_megatron_lm_virtual_pipeline_checkpoints_export(fmt, written, tmp_path)
 
 def test_hf_to_megatron_writes_megatron_lms_virtual_pipeline_rank_files(written, tmp_path, capsys):
     """hf_to_megatron --ckpt-format torch at PP2 (4,2) x VPP2, checked by --verify (HF's fp32 logits against the
-    interleaved schedule's over the four chunks of 2, 1, 2 and 1 layers), writes what Megatron-LM writes: in each rank
-    file the entries model0 and model1 with megatron-core's chunk state dicts' names (local layer numbers) and
-    tensors; the checkpoint records vpp=2, and a layout mismatch on load names the flag."""
+    interleaved schedule's over the four chunks of 2, 1, 2 and 1 layers), writes what the imitation of Megatron-LM's
+    rank files holds: in each rank file the entries model0 and model1 with megatron-core's chunk state dicts' names
+    (local layer numbers) and tensors; the checkpoint records vpp=2, and a layout mismatch on load names the flag."""
     w = written[VPP]
     script("convert/hf_to_megatron.py").main([
         "--hf-dir", str(w["hf"]), "--megatron-dir", str(tmp_path / "meg"), "--ckpt-format", "torch", "--pp", "2",
@@ -264,8 +275,9 @@ def test_hf_only_tensors_are_initialised_without_hf_weights(hf_models, mlm, tmp_
 
 @pytest.fixture(scope="module")
 def moe_written(tmp_path_factory):
-    """A Qwen3-MoE LLaVA (3 MoE layers, 1 dense) as Megatron-LM writes it at TP2 x EP2: torch_dist, and legacy
-    rank files with SequentialMLP's and with TEGroupedMLP's expert names."""
+    """A Qwen3-MoE LLaVA (3 MoE layers, 1 dense) in the layout Megatron-LM writes at TP2 x EP2 (our imitation,
+    tests.support.worlds): torch_dist, and legacy rank files with SequentialMLP's and with TEGroupedMLP's expert
+    names."""
     from tests.support.tiny import make_tiny_llava
 
     root = tmp_path_factory.mktemp("mlm_moe")
@@ -278,8 +290,8 @@ def moe_written(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["dist", "legacy_sequential", "legacy_grouped", "legacy_etp1"])
 def test_megatron_lm_moe_checkpoints_export(kind, moe_written, tmp_path, capsys):
-    """Each exports byte for byte; at ETP1 from the two rank files Megatron-LM writes there (through the command,
-    whose up-front checks read Megatron-LM's mp_rank_TT_EEE names either way)."""
+    """Each exports byte for byte; at ETP1 from the two rank files Megatron-LM writes there (by its source; through
+    the command, whose up-front checks read Megatron-LM's mp_rank_TT_EEE names either way)."""
     hf, mlm = moe_written
     iter_dir = mlm / kind / "iter_0000005"
     if kind != "dist":

@@ -76,10 +76,11 @@ def _vpp_jobs(root, four: dict) -> list[dict]:
     model = dict(megatron_dir=str(four["meg"]), hf_dir=str(four["hf"]), batches="four")
     s2 = dict(VPP_STAGE2, **model)
     return _jobs(root, VPP_CASES, VPP_STAGE1, **model) + [
-        # evaluation: three micro batches asked, two taken at VPP (groups of PP), the same two at PP2
+        # evaluation: three micro batches, not a multiple of PP (the interleaved schedule's groups): all three at
+        # VPP as at PP2
         dict(name="vpp-s2", steps=2, save=str(root / "vpp-s2"), save_after=1, grads=True, evaluate=3,
              **VPP, **s2),
-        dict(name="pp2-s2", steps=2, save=str(root / "pp2-s2"), save_after=1, evaluate=2, pp=2, micro_batch_size=2,
+        dict(name="pp2-s2", steps=2, save=str(root / "pp2-s2"), save_after=1, evaluate=3, pp=2, micro_batch_size=2,
              **s2),
         dict(name="vpp-to-pp2", start=1, steps=1, resume=str(root / "vpp-s2" / "iter_0000001"), pp=2,
              micro_batch_size=2, **s2),
@@ -181,9 +182,10 @@ def test_a_checkpoint_moves_between_virtual_and_plain_pipelines(worlds, four_lay
 
 
 def test_virtual_pipeline_evaluates_as_the_plain_pipeline(worlds):
-    """The trainer's evaluation (forward only, megatron-core's interleaved schedule) after the two steps: asked for
-    three micro batches it takes the first two (micro batches go in groups of PP), and its loss is the PP2 run's on
-    those two, to 1e-5 (the weights differ by fp32 rounding)."""
+    """The trainer's evaluation (forward only, megatron-core's interleaved schedule) after the two steps, of three
+    micro batches: the schedule runs micro batches in groups of PP, so the evaluation fills the third's group with a
+    loss-free copy, and its loss is the PP2 run's on all three, to 1e-5 (the weights differ by fp32 rounding). It used
+    to drop the third micro batch, whose loss moved the mean beyond 1e-5."""
     vpp, plain = worlds["pp2"]["vpp-s2"]["val_loss"], worlds["pp2"]["pp2-s2"]["val_loss"]
     print(f"\nvalidation loss: PP2 x VPP2 {vpp}, PP2 {plain}")
     assert vpp is not None and _rel(vpp, plain) <= RTOL

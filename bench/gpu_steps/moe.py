@@ -42,15 +42,10 @@ def check_moe(a, work: Path, inputs: Path, data: Path) -> list[dict]:
     trained through train/run.py at EP1 on this GPU, with Transformer Engine's grouped GEMM (TEGroupedMLP,
     ``--moe-grouped-gemm``) when ``--impls`` has transformer_engine, else megatron-core's SequentialMLP (local
     layers: the CPU rehearsal). EP2 needs two GPUs; this is the one-GPU number."""
-    from tests.support import tiny
-
     te = "transformer_engine" in a.impls
     impl = "transformer_engine" if te else "local"
     label = "TE grouped GEMM, EP1" if te else "local SequentialMLP, EP1"
     row = dict(part="moe", impl=label, dtype=a.precision)
-    if MOE_FAMILY not in tiny.TEXT_FAMILIES:  # a kit made from a tree before MoE support: nothing to measure
-        return [dict(row, ok=None, note=f"not measured: this tree has no MoE support (no {MOE_FAMILY} in "
-                                        "tests.support.tiny)")]
     try:
         hf, meg = build_moe_inputs(a, inputs)
     except Exception as e:  # report and go on

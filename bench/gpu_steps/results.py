@@ -58,6 +58,29 @@ def print_table(rows: list[dict], info: dict) -> None:
 STEP_LABELS = {124: "  TIMED OUT", 137: "  TIMED OUT", 125: "  skipped: no time left", 126: "  skipped: set-up failed"}
 
 
+#: how a row that holds a check says it could not be run (on this machine: one GPU for a two-rank check, ...)
+NOT_MEASURED = "not measured: "
+
+
+def not_measured(rows: list[dict]) -> list[dict]:
+    """The rows whose check could not run here (``ok`` None and a note saying why), as opposed to the reference and
+    throughput rows, which hold no check."""
+    return [r for r in rows if r.get("ok") is None and str(r.get("note", "")).startswith(NOT_MEASURED)]
+
+
+def verdict(rows: list[dict]) -> str:
+    """The closing line's checks: failed ones, or that all passed, and every row not measured with its reason, so a
+    check that did not run is named rather than counted as passed."""
+    failed = [r for r in rows if r.get("ok") is False]
+    checked = [r for r in rows if r.get("ok") is not None]
+    line = f"{len(failed)} check(s) failed" if failed else "all checks passed" if checked else "no check ran"
+    skipped = not_measured(rows)
+    if skipped:
+        line += f"; {len(skipped)} not measured: " + "; ".join(
+            f"{r['part']} {r['impl']} ({r['note'][len(NOT_MEASURED):]})" for r in skipped)
+    return line
+
+
 def report(results: Path, steps: Path | None = None) -> int:
     """Print the table of a results file (and the steps of bench/gpu_quick.sh); 1 if a check failed or a step did."""
     if not results.is_file():
@@ -77,7 +100,6 @@ def report(results: Path, steps: Path | None = None) -> int:
                 bad_steps.append(st["step"])
     failed = [r for r in data["rows"] if r.get("ok") is False]
     checked = [r for r in data["rows"] if r.get("ok") is not None]
-    print(f"\n{len(failed)} check(s) failed" if failed else "\nall checks passed" if checked else "\nno check ran",
-          end="")
+    print("\n" + verdict(data["rows"]), end="")
     print(f"; step(s) failed: {', '.join(bad_steps)}" if bad_steps else "")
     return 1 if failed or bad_steps or not checked else 0

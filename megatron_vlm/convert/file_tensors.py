@@ -43,12 +43,15 @@ class Located:
 
 @dataclass(frozen=True)
 class Target:
-    """Where an output tensor's bytes go: ``offset`` of the open file ``fd``, preallocated (holes read as zeros)."""
+    """Where an output tensor's bytes go: ``offset`` of the open file ``fd``, preallocated (holes read as zeros); a
+    slot of ``shape`` x ``dtype`` bytes, which the next tensor of the file follows. ``name`` says which tensor it is
+    (in errors)."""
 
     fd: int
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    name: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -98,8 +101,15 @@ def start_writeback(fd: int, offset: int, n: int) -> None:
 
 
 def write_tensor(target: Target, t: torch.Tensor) -> None:
-    """``t``'s bytes (a CPU tensor of the target's dtype and shape) written to ``target``, handed to the disk."""
-    write_all(target.fd, tensor_bytes(t), target.offset)
+    """``t``'s bytes (a CPU tensor of the target's dtype and shape) written to ``target``, handed to the disk. A
+    tensor of another dtype or shape than the target's slot is refused before a byte is written (its bytes would
+    overwrite the next tensor of the file, or leave part of the slot unwritten), naming the tensor."""
+    data = tensor_bytes(t)
+    if t.dtype != target.dtype or tuple(t.shape) != tuple(target.shape) or data.nbytes != target.nbytes:
+        raise ValueError(f"{target.name or 'a tensor'}: made {t.dtype} {tuple(t.shape)} ({data.nbytes} bytes), but "
+                         f"its slot in the output file holds {target.dtype} {tuple(target.shape)} ({target.nbytes} "
+                         "bytes); nothing was written")
+    write_all(target.fd, data, target.offset)
     start_writeback(target.fd, target.offset, target.nbytes)
 
 

@@ -269,13 +269,10 @@ class SafetensorsWriter:
         k, offset, n, dtype, shape = self._slots[name]
         with self._lock:
             self._left.discard(name)
-        return Target(self._files[k][1], offset, dtype, shape)
+        return Target(self._files[k][1], offset, dtype, shape, name)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        t = self.target(name)
-        if tensor.dtype != t.dtype or tuple(tensor.shape) != t.shape:
-            raise ValueError(f"{name}: made {tensor.dtype} {tuple(tensor.shape)}, planned {t.dtype} {t.shape}")
-        write_tensor(t, tensor)
+        write_tensor(self.target(name), tensor)  # it checks the tensor against the planned slot
 
     def close(self) -> None:
         if self._left:

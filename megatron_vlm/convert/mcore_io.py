@@ -455,7 +455,8 @@ class LegacyWriter:
     def target(self, tp_rank: int, pp_rank: int, name: str, ep_rank: int = 0, entry: str = "model"):
         f = self._files[(tp_rank, pp_rank, ep_rank)]
         dtype, shape = f["entries"][(entry, name)]
-        return Target(f["fd"], f["records"][(entry, name)].offset, dtype, shape)
+        return Target(f["fd"], f["records"][(entry, name)].offset, dtype, shape,
+                      f"{name} ({entry} of rank file TP {tp_rank}, PP {pp_rank}, EP {ep_rank})")
 
     def close(self, workers: int = 2) -> None:
         """Write every record's CRC-32 (read back from the page cache in bounded chunks, ``workers`` records at

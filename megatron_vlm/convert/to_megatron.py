@@ -234,7 +234,7 @@ class _DistOutput:
     def _target(self, pc):
         def target():
             fd, offset = self.offsets[pc.key]
-            return Target(fd, offset, pc.sh.dtype, pc.shape)
+            return Target(fd, offset, pc.sh.dtype, pc.shape, f"{pc.name} (its block at {pc.start})")
 
         return target
 

@@ -391,9 +391,13 @@ class VLMSpec:
             ("padded vocab size", self.padded_vocab_size, "language model"),
         )
 
+    def working_tps(self) -> list[int]:
+        """Every tensor-parallel size the shapes allow (each split in :meth:`check_parallelism`), smallest first."""
+        return [t for t in range(1, self.num_query_groups + 1) if all(v % t == 0 for _, v, _ in self._tp_divides())]
+
     def largest_tp(self) -> int:
         """The largest tensor-parallel size the shapes allow (every split in :meth:`check_parallelism`)."""
-        return max(t for t in range(1, self.num_query_groups + 1) if all(v % t == 0 for _, v, _ in self._tp_divides()))
+        return self.working_tps()[-1]
 
     def check_expert_parallelism(self, ep: int = 1, etp: int | None = None) -> None:
         """Validate expert parallelism (``ep`` experts groups, ``etp`` tensor-parallel size inside an expert)
@@ -429,10 +433,13 @@ class VLMSpec:
                     f"megatron-core gives each TP rank whole KV heads; the largest --tp that works is "
                     f"{self.largest_tp()}")
             if value % tp:
+                why = ""
+                if where == "vision model" and name == "num_attention_heads":  # InternViT-6B: 25 heads
+                    why = (f" (its {value} heads split over {[d for d in range(1, value + 1) if value % d == 0]} "
+                           "ranks only: megatron-vlm does not pad attention heads to a multiple of the TP size)")
                 raise ParallelismError(
-                    f"tp={tp} does not divide {name}={value} of {where}; choose --tp from "
-                    f"{_divisors_pow2(value)}"
-                )
+                    f"tp={tp} does not divide {name}={value} of {where}{why}; choose --tp from {self.working_tps()}, "
+                    "the sizes every part of this model splits over")
         if pp_layers:
             if len(pp_layers) != pp or sum(pp_layers) != self.num_layers or min(pp_layers) < 1:
                 raise ParallelismError(

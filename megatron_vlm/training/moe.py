@@ -5,8 +5,9 @@ the routing numbers a user watches for routing collapse.
 config's ``router_aux_loss_coef``, 0 leaves HF LLaVA's plain cross entropy). The trainer's loss is megatron-core's
 per-token cross entropy (summed over the global batch's loss tokens, so that every layout equals HF) plus:
 
-- ``hf`` (the default; :class:`HFLoadBalancing`): the term the model's own HF code adds. transformers' Qwen3-MoE and
-  Mixtral forward adds ``router_aux_loss_coef x load_balancing_loss_func(router logits, attention_mask)``: ONE loss
+- ``hf`` (the default; :class:`HFLoadBalancing`): the term the LM's own HF class adds, inside the VLM (HF's VLM
+  classes add none of their own: coefficient 0 is their objective). transformers' Qwen3-MoE and Mixtral forward
+  adds ``router_aux_loss_coef x load_balancing_loss_func(router logits, attention_mask)``: ONE loss
   over all MoE layers together, ``E x sum_i f_i P_i``, with ``f_i`` the fraction of the top-k choices that went to
   expert i and ``P_i`` the mean router probability (softmax over all experts) of expert i, both over every (MoE
   layer, position) pair of the batch, padding left out. Balanced routing gives top-k. It is computed as HF's forward

@@ -13,6 +13,7 @@ first pipeline stage.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
@@ -196,18 +197,31 @@ def pad_micro_batch(batch, micro_batch_size: int, image_token_id):
         row_tokens=torch.cat([batch.row_tokens, batch.row_tokens.new_zeros(extra)]), **per_image)
 
 
+def loss_free(batch):
+    """``batch`` with no position in the loss (its loss mask zero) and none of a sample's (``row_tokens`` zero, for an
+    MoE model's routing counts): a micro batch that runs through the schedule and adds nothing to the result."""
+    if batch is None:
+        return None
+    fields = {name: torch.zeros_like(getattr(batch, name)) for name in ("loss_mask", "row_tokens")
+              if getattr(batch, name, None) is not None}
+    return dataclasses.replace(batch, **fields)  # an energon batch or a batch_feed.MicroBatch: both dataclasses
+
+
 def evaluate(training, batches: list, cfg, device) -> float | None:
-    """Mean loss per loss token over ``batches`` (this rank's share of the validation set); None if empty."""
+    """Mean loss per loss token over ``batches`` (this rank's share of the validation set); None if empty. With
+    virtual pipeline stages megatron-core's interleaved schedule runs micro batches in groups of PP only, so a count
+    that is not a multiple of PP is filled up with loss-free copies of the last one (:func:`loss_free`): every micro
+    batch is evaluated, and the filling adds nothing to the loss or its token count."""
     n = torch.tensor([len(batches)], device=device)
     torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
     n = int(n.item())
-    if len(training.models) > 1:  # the interleaved schedule runs micro batches in groups of PP (a short split: fewer)
-        from megatron.core import parallel_state as ps
-
-        n -= n % ps.get_pipeline_model_parallel_world_size()
     batches = [pad_micro_batch(b, cfg.micro_batch_size, training.spec.media_token_ids) for b in batches[:n]]
     if not batches:
         return None
+    if len(training.models) > 1:
+        from megatron.core import parallel_state as ps
+
+        batches += [loss_free(batches[-1])] * (-len(batches) % ps.get_pipeline_model_parallel_world_size())
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ddps = training.ddps

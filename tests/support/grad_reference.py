@@ -18,7 +18,11 @@ Three steps, each one function:
 3. :func:`compare` gives each tensor's difference relative to the norm of HF's gradient, where HF's gradients come
    from :func:`tests.support.hf_reference.train` with ``grads=True`` (HF's own model, loss and, for a
    mixture-of-experts model, HF's own ``load_balancing_loss_func``; the names are those HF's ``save_pretrained``
-   writes, :func:`saved_gradients`).
+   writes, of the parameters the stage trains: :func:`saved_gradients`). It covers every tensor: a tensor HF trains
+   that the trainer's side lacks (a tensor no rank returned, which :func:`assemble` cannot tell from a frozen one)
+   fails the comparison naming it, and so does one the trainer returned that HF does not train. Only a tensor whose
+   HF gradient is exactly zero may be absent: a parameter HF's loss never reaches (the CLIP layers after
+   ``vision_feature_layer``, SigLIP's head), which the Megatron model does not hold.
 
 A test therefore reads::
 
@@ -39,6 +43,10 @@ from megatron_vlm.model.spec import VLMSpec
 
 class MissingShard(ValueError):
     """A trained tensor whose shards did not all come back from the ranks."""
+
+
+class MissingGradient(ValueError):
+    """Tensors HF trains (with a gradient) that the trainer's gradients do not hold: left out of a comparison."""
 
 
 def _gather_distributed_optimizer_shards(ddp) -> None:
@@ -87,8 +95,8 @@ def assemble(ranks: list[tuple[dict, dict]], spec: VLMSpec, tp: int = 1, pp: int
              ep: int = 1, etp: int | None = None) -> dict[str, torch.Tensor]:
     """HF-named full gradients from ``ranks``: (coordinates, {local name: gradient}) of every rank of a world at
     ``tp``/``pp``/``ep``/``etp`` (expert TP, default ``tp``) with ``layers`` language layers per stage. Tensors no
-    rank trained (frozen parts) are left out; a tensor with some of its shards missing raises
-    :class:`MissingShard`."""
+    rank returned are left out (frozen parts, or a trained tensor that went missing: :func:`compare` tells them
+    apart against HF's trained tensors); a tensor with some of its shards missing raises :class:`MissingShard`."""
     from megatron_vlm.convert import mapping
 
     layers = layers or spec.check_parallelism(tp, pp)
@@ -116,9 +124,11 @@ def assemble(ranks: list[tuple[dict, dict]], spec: VLMSpec, tp: int = 1, pp: int
 
 
 def saved_gradients(model) -> dict[str, torch.Tensor]:
-    """The gradients of an HF model after its backward, under the names and layouts HF's ``save_pretrained``
-    writes (each expert apart, whatever transformers fuses in memory): HF writes them in place of its weights.
-    The model's weights are restored afterwards; a parameter without a gradient gives zeros."""
+    """The gradients of an HF model's trained parameters (``requires_grad``) after its backward, under the names and
+    layouts HF's ``save_pretrained`` writes (each expert apart, whatever transformers fuses in memory): HF writes them
+    in place of its weights. A trained parameter without a gradient (one the loss did not reach) gives zeros; a
+    frozen one is left out (it is written as NaNs, which no gradient is, and dropped). The model's weights are
+    restored afterwards."""
     from megatron_vlm.convert import mapping
     from megatron_vlm.convert.hf_io import HFReader
 
@@ -126,12 +136,16 @@ def saved_gradients(model) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for p in model.parameters():
             weights[p] = p.data
-            p.data = p.grad if p.grad is not None else torch.zeros_like(p)
+            if not p.requires_grad:
+                p.data = torch.full_like(p, float("nan"))
+            else:
+                p.data = p.grad if p.grad is not None else torch.zeros_like(p)
     try:
         with tempfile.TemporaryDirectory(prefix="hf-grads-") as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             names = HFReader(Path(tmp))
-            return {mapping.canonical_hf_name(n): names.get(n).clone() for n in names.names()}
+            out = {mapping.canonical_hf_name(n): names.get(n).clone() for n in names.names()}
+            return {n: g for n, g in out.items() if not (g.is_floating_point() and bool(g.isnan().all()))}
     finally:
         with torch.no_grad():
             for p, w in weights.items():
@@ -139,12 +153,22 @@ def saved_gradients(model) -> dict[str, torch.Tensor]:
 
 
 def compare(trainer: dict[str, torch.Tensor], hf: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per HF tensor the trainer computed: ``|trainer - hf| / |hf|`` (absolute where HF's gradient is zero, e.g. an
-    expert no token reached in either). A tensor HF has no gradient for is an error."""
+    """Per HF tensor: ``|trainer - hf| / |hf|`` (absolute where HF's gradient is zero, e.g. an expert no token
+    reached in either), for every tensor HF trains. ``hf``: HF's gradients of its trained tensors
+    (:func:`saved_gradients`). A tensor the trainer returned that HF does not train is an error (KeyError), and so
+    is a tensor HF trains that the trainer's side lacks (:class:`MissingGradient`, naming them), unless HF's
+    gradient of it is exactly zero (a parameter HF's loss never reaches, which the Megatron model does not hold)."""
+    missing = sorted(n for n, g in hf.items() if n not in trainer and bool(g.ne(0).any()))
+    if missing:
+        raise MissingGradient(
+            f"{len(missing)} of the {len(hf)} tensors HF trains have no gradient on the trainer's side (no rank "
+            f"returned them, or the trainer froze them): {', '.join(missing[:8])}"
+            + (", ..." if len(missing) > 8 else ""))
     out = {}
     for name, g in trainer.items():
         if name not in hf:
-            raise KeyError(f"the trainer returned a gradient for {name}, which HF's model does not have")
+            raise KeyError(f"the trainer returned a gradient for {name}, which HF's model does not have or does not "
+                           "train")
         ref = hf[name].to(g.dtype)
         diff = float((g - ref).norm())
         scale = float(ref.norm())

@@ -220,8 +220,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     ``unchecked_expert_layout=True`` lifts the refusal of an expert layout the installed megatron-core trains wrong
     (:func:`megatron_vlm.runtime.mcore_version.expert_layout_problem`), to write a fixture of what an older release did.
     ``evaluate`` (a number of micro batches): the trainer's evaluation (:func:`megatron_vlm.training.step.evaluate`)
-    of that many micro batches of the first global batch after the last step, as 'val_loss' (with virtual pipeline
-    stages it takes the largest multiple of PP of them).
+    of that many micro batches of the first global batch after the last step, as 'val_loss' (every one of them, with
+    virtual pipeline stages too).
     ``grads``: also return, as 'grads', every model chunk's (coordinates, local gradients) of the first step, and
     as 'layout' the keyword arguments of :func:`tests.support.grad_reference.assemble` (tp, pp, layers, ep,
     etp), which turns them into HF-named gradients (with virtual pipeline stages each chunk is a stage of a

@@ -83,9 +83,10 @@ def grads_job(megatron_dir, tp: int, batch: ReferenceBatch, targets: torch.Tenso
 
 
 def megatron_lm_checkpoints(jobs: list[tuple[str, str]], seq_length: int = 64) -> None:
-    """For each (converted checkpoint, output dir) of ``jobs``, write at TP=world size under the output dir the
-    checkpoints Megatron-LM would write, with none of megatron-vlm's side files, plus one in megatron-vlm's older
-    ``model.``-prefixed convention:
+    """For each (converted checkpoint, output dir) of ``jobs``, write at TP=world size under the output dir our
+    imitation of the checkpoints Megatron-LM writes (its ``megatron/training/checkpointing.py`` layout, as read from
+    its source; Megatron-LM itself is not installed, so nothing here comes from its code), with none of megatron-vlm's
+    side files, plus one in megatron-vlm's older ``model.``-prefixed convention:
 
     - ``dist_te``: torch_dist, keys without prefix, Transformer Engine norm names, TE ``_extra_state`` objects,
       ``args`` in common.pt, ``iter_0000007`` + tracker (as ``megatron/training/checkpointing.py`` saves);
@@ -94,8 +95,8 @@ def megatron_lm_checkpoints(jobs: list[tuple[str, str]], seq_length: int = 64) -
     - ``old_prefix``: torch_dist under ``model.`` with megatron-vlm's side files (backward compatibility).
 
     A job ``(converted checkpoint, output dir, "pp2vpp2", pp_layers)`` writes, at PP2 (``pp_layers`` language layers
-    per rank, or None) with two virtual pipeline stages per rank, what Megatron-LM writes of its model chunks
-    (:func:`_megatron_lm_vpp_checkpoints`).
+    per rank, or None) with two virtual pipeline stages per rank, the same imitation of what Megatron-LM writes of its
+    model chunks (:func:`_megatron_lm_vpp_checkpoints`).
     """
     for megatron_dir, out_root, *kind in jobs:
         if kind and kind[0] == "pp2vpp2":
@@ -105,10 +106,11 @@ def megatron_lm_checkpoints(jobs: list[tuple[str, str]], seq_length: int = 64) -
 
 
 def _megatron_lm_vpp_checkpoints(megatron_dir, out_root, seq_length: int, pp_layers=None) -> None:
-    """Megatron-LM's checkpoints of a run at PP2 x VPP2 (a 2-process world; ``pp_layers``: an uneven split, Megatron-LM's
-    ``--decoder-first-pipeline-num-layers``), from megatron-core's own model chunks (``model.build_chunks``: chunk ``c``
-    of pipeline rank ``p`` is virtual stage ``c * 2 + p``), with ``args`` and none of megatron-vlm's side files, as
-    ``megatron/training/checkpointing.py``'s ``generate_state_dict`` saves a list of chunks:
+    """Our imitation of Megatron-LM's checkpoints of a run at PP2 x VPP2 (a 2-process world; ``pp_layers``: an uneven
+    split, Megatron-LM's ``--decoder-first-pipeline-num-layers``): megatron-core's own model chunks
+    (``model.build_chunks``: chunk ``c`` of pipeline rank ``p`` is virtual stage ``c * 2 + p``) saved by this function,
+    with ``args`` and none of megatron-vlm's side files, in the layout ``megatron/training/checkpointing.py``'s
+    ``generate_state_dict`` gives a list of chunks (read from its source, not run):
 
     - ``dist``: torch_dist of ``{"model0": chunk 0's sharded state dict, "model1": ...}`` (global layer numbers),
       ``iter_0000003`` + tracker;
@@ -234,8 +236,9 @@ def _megatron_lm_checkpoints(megatron_dir, out_root, seq_length: int) -> None:
 
 
 def megatron_lm_moe_checkpoints(megatron_dir, out_root, seq_length: int = 64) -> None:
-    """The checkpoints Megatron-LM writes of a mixture-of-experts LLaVA, at TP2 x EP2 in a 4-process world (data
-    parallel 2), with Megatron-LM's ``args`` and none of megatron-vlm's side files:
+    """Our imitation of the checkpoints Megatron-LM writes of a mixture-of-experts LLaVA (its layout as read from its
+    source), at TP2 x EP2 in a 4-process world (data parallel 2), with Megatron-LM's ``args`` and none of
+    megatron-vlm's side files:
 
     - ``dist``: torch_dist (keys without prefix, Transformer Engine norm names; experts under megatron-core's
       global expert axis, the same for SequentialMLP and TEGroupedMLP), ``iter_0000005`` + tracker;
