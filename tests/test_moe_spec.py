@@ -216,6 +216,26 @@ def test_tensor_parallel_moe_turns_sequence_parallelism_on():
         settle_with_spec(packed, _spec())
 
 
+def test_sequence_parallelism_turned_on_rechecks_the_context_parallel_length():
+    """MoE at --tp 2 --cp 2: once sequence parallelism is on, every sequence must split into 2 x CP x TP = 8
+    chunks. --seq-length 1028 passes the checks before the spec is read (a multiple of 2 x CP = 4) and used to fail
+    only in the ranks; the settled config is refused in one line naming the flag and the fix."""
+    from megatron_vlm.training.config import ConfigError, TrainConfig
+    from megatron_vlm.training.config.resolve import settle_with_spec
+
+    req = ["--data-path", "d", "--tokenizer-load-dir", "t", "--megatron-load-dir", "m", "--train-iters", "1",
+           "--device", "cpu", "-g", "8", "--tp", "2", "--cp", "2", "--ep", "2", "--mbs", "1", "--gbs", "8"]
+    cfg = TrainConfig.from_args([*req, "--seq-length", "1028"])  # the checks before the spec: 2 x CP divides it
+    with pytest.raises(ConfigError) as e:
+        settle_with_spec(cfg, _spec())
+    assert str(e.value) == (
+        "--seq-length 1028 does not split over the context-parallel ranks: it must be a multiple of 8 (2 x --cp 2 x "
+        "--tp 2, with --sequence-parallel, which the mixture-of-experts language model turns on at --tp 2); use "
+        "--seq-length 1032"), str(e.value)
+    fine = TrainConfig.from_args([*req, "--seq-length", "1032"])
+    assert len(settle_with_spec(fine, _spec())) == 1 and fine.sequence_parallel
+
+
 def test_the_expert_optimizer_rule_is_each_versions():
     """megatron-core 0.16 keeps the experts' optimizer state apart iff EP > 1; 0.19 iff EP > 1 or ETP != TP. 0.16
     cannot train EP1 with ETP != TP (the experts' gradients miss the other TP ranks' tokens): refused."""
