@@ -124,7 +124,8 @@ def _train_jobs(tiny, root) -> list[dict]:
     for m in own:
         for lay, kw in TRAIN_LAYOUTS.items():
             save = dict(save=str(saved), save_after=1) if (m, lay) == ("llava", "ep2dp2") else {}
-            jobs.append(dict(name=f"{m}-{lay}", steps=3, grads=True, **kw, **S2, **own[m], **save))
+            probe = dict(count_syncs=True) if (m, lay) == ("llava", "tp2ep2") else {}
+            jobs.append(dict(name=f"{m}-{lay}", steps=3, grads=True, **kw, **S2, **own[m], **save, **probe))
     llava = own["llava"]
     jobs += [
         dict(name="plain-ep2dp2", steps=1, grads=True, **TRAIN_LAYOUTS["ep2dp2"], **{**S2, "moe_aux_loss_coeff": 0.0},
@@ -132,11 +133,12 @@ def _train_jobs(tiny, root) -> list[dict]:
         dict(name="control-aux_loss-tp2ep2", steps=1, grads=True, moe_router_load_balancing_type="aux_loss",
              **TRAIN_LAYOUTS["tp2ep2"], **S2, **llava),
         dict(name="llava-pp4", steps=1, grads=True, pp=4, micro_batch_size=2, **S2, **llava),
-        dict(name="llava-cp2ep2", steps=1, grads=True, cp=2, ep=2, micro_batch_size=2, **S2, **llava),
+        dict(name="llava-cp2ep2", steps=1, grads=True, cp=2, ep=2, micro_batch_size=2, count_syncs=True, **S2,
+             **llava),
         dict(name="llava-pp2vpp2ep2", steps=1, grads=True, pp=2, num_virtual_stages_per_pipeline_rank=2, ep=2,
-             micro_batch_size=2, **S2, **llava),  # virtual pipeline stages (issue 51)
+             micro_batch_size=2, count_syncs=True, **S2, **llava),  # virtual pipeline stages (issue 51)
         dict(name="recompute-pp2ep2", steps=1, grads=True, recompute_granularity="full", **TRAIN_LAYOUTS["pp2ep2"],
-             **S2, **llava),
+             count_syncs=True, **S2, **llava),
         dict(name="stage1-pp2ep2", steps=1, grads=True, **TRAIN_LAYOUTS["pp2ep2"],
              **{**S2, "stage": 1, "freeze_lm": True}, **llava),
         dict(name="bf16-tp2ep2", steps=6, precision="bf16", **TRAIN_LAYOUTS["tp2ep2"], **S2,
@@ -301,6 +303,22 @@ def test_virtual_pipeline_stages_carry_hfs_objective(world):
     assert worst[1] <= RTOL, worst
     assert rel(r["loss"][0], ref["loss"][0]) <= RTOL, (r["loss"], ref["loss"])
     assert rel(r["moe"][0]["moe_load_balancing_loss"], ref["lb"][0]) <= RTOL
+
+
+@pytest.mark.parametrize("name", ["llava-tp2ep2", "llava-cp2ep2", "recompute-pp2ep2", "llava-pp2vpp2ep2"])
+def test_the_per_router_path_waits_for_no_device(world, name):
+    """The first step of every rank, counted by tests.support.train_jobs.moe_host_syncs: inside every router's
+    routing (megatron-core's, as the trainer wraps it), the HF term's backward and the per-micro-batch calls, no
+    host sync (item, tolist, a tensor's bool/float/int, nonzero), and each micro batch's positions of samples built
+    once per rank, on the device, whatever the routers (three MoE layers over one or two stages, two model chunks
+    a rank, each router run again by recomputation) and the micro batches."""
+    counts = world["runs"][name]["host_syncs"]
+    print(f"\n{name}: per rank {counts}")
+    for rank, c in enumerate(counts):
+        assert c["syncs"] == 0, (rank, c)
+        assert c["micro_batches"] > 0 and c["position_builds"] == (c["micro_batches"] if c["router_calls"] else 0), \
+            (rank, c)
+    assert sum(c["router_calls"] for c in counts) > sum(c["micro_batches"] for c in counts), counts
 
 
 @pytest.mark.parametrize("layout", list(TRAIN_LAYOUTS))

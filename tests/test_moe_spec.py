@@ -325,3 +325,34 @@ def test_a_router_counts_and_balances_the_samples_positions_only():
     flat = valid.reshape(-1)
     assert not capped[~flat].any() and int(capped[flat].sum(0).max()) == 6, capped[flat].sum(0)
     assert sum(numbers["moe_tokens_per_expert"][0]) == int(capped[flat].sum())
+
+
+def test_routing_refuses_a_chunk_or_rows_it_cannot_place():
+    """The trainer numbers each model chunk's micro batches by the chunk the schedule passes to the forward step, and
+    masks the padding by each row's positions of samples: a chunk that is none of the rank's, a call that names no
+    chunk where the rank has several, and a router routing other rows than the batch's are refused, naming what did
+    not match (the chunk used to fall back to chunk 0, and the rows to "every position is a sample")."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_vlm.training.moe import MicroBatchRouting, MoETraining
+
+    config = SimpleNamespace(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+                             sequence_parallel=False, context_parallel_size=1)
+    chunks = [torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)]
+    wrapped = [torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)]  # as the schedule passes them (DDP)
+    moe = MoETraining(chunks, _spec(num_hidden_layers=1), config, "none", 0.0, wrapped=wrapped)
+    batch = SimpleNamespace(row_tokens=torch.tensor([8, 3]))
+    with moe.step(loss_tokens=1.0, micro_batches=1):
+        assert moe.begin(batch, wrapped[1]).index == 0 and moe.begin(batch, wrapped[0]).index == 0
+        with pytest.raises(ValueError, match=r"the forward step ran a Linear that is none of this rank's 2 model "
+                                             r"chunks \(the ones the schedule passes\)"):
+            moe.begin(batch, chunks[0])  # the unwrapped module: not what the schedule runs
+        with pytest.raises(ValueError, match="the forward step named no model chunk, and this rank has 2"):
+            moe.begin(batch)
+    micro = MicroBatchRouting(0, torch.tensor([8, 3]), config, 4, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"micro batch 0: a router routes 3 rows of 8 positions, but the batch gives "
+                                         r"the positions of samples of 2 rows \(row_tokens\)"):
+        micro.valid(8, 3)
+

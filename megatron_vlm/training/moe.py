@@ -13,7 +13,8 @@ per-token cross entropy (summed over the global batch's loss tokens, so that eve
   computes it per batch, per micro batch: the counts, probability sums and positions of the micro batch are summed
   over this rank's MoE layers, over the ranks that hold parts of its sequence (:func:`sequence_group`: the
   tensor-parallel ranks under sequence parallelism; megatron-core's TP x CP group, so context parallelism joins by
-  its group) and over the pipeline stages (:class:`_StageExchange`), and the term is averaged over micro batches and
+  its group) and over the pipeline stages (:class:`_StageExchange`, on a gloo group of each pipeline's ranks),
+  and the term is averaged over micro batches and
   data-parallel ranks, as gradient accumulation averages it. Its gradient reaches each router through its
   probabilities only (the counts are not differentiable: ``d/dP_i = E f_i``), so each router's share is exact once
   the micro batch's counts of every layer are known: each stage sends its counts to the other stages when its
@@ -57,6 +58,14 @@ The numbers go to the console line, ``metrics.jsonl`` and TensorBoard through
 Activation recomputation re-runs a router's forward inside the backward: the statistics are recorded in the first
 forward only, and the recomputed forward takes the micro batch whose backward is running (a hook on the stage's
 output marks it).
+
+**Host syncs.** A router's routing and its share of the term's gradient wait for nothing on the host: the positions
+of samples are made on the device by the micro batch's first router (:func:`held_positions`) and reused by every
+other one, recomputed or not; the statistics, the term's value and its gradient stay on the device, and the values
+are read once per step (:meth:`RoutingStats.collect`). Under pipeline parallelism each stage copies a micro batch's
+statistics to the host once, when its forward of it ends (gloo sends host memory). With
+``--moe-expert-capacity-factor`` the token dropping of the positions of samples (:func:`_install_token_dropping`)
+still reads per router whether a row is padded and selects the positions of samples by a mask.
 
 Virtual pipeline stages (several model chunks per rank) call the forward step once per chunk and micro batch:
 :meth:`MoETraining.begin` numbers each chunk's calls (each chunk takes the micro batches in order), so the chunks of
@@ -134,23 +143,23 @@ def sequence_group(config):
     return ps.get_context_parallel_group()
 
 
-def _held_positions(s_local: int, config, device) -> torch.Tensor:
-    """The positions of the micro batch's rows that this rank's routers see, of ``s_local`` per row: all of them;
-    under context parallelism this CP rank's two chunks of the row's ``2 x CP`` (megatron-core's load-balanced order,
-    :func:`megatron_vlm.model.cp_attention.partition_index`); under sequence parallelism this TP rank's contiguous slice
-    of those (megatron-core scatters the CP rank's sequence in TP chunks)."""
+def held_positions(s_local: int, config, device) -> torch.Tensor:
+    """The positions of the micro batch's rows that this rank's routers see, of ``s_local`` per row, made on
+    ``device`` (no host copy): all of them; under context parallelism this CP rank's two chunks of the row's
+    ``2 x CP`` (megatron-core's load-balanced order, as :func:`megatron_vlm.model.cp_attention.partition_index` lists
+    them); under sequence parallelism this TP rank's contiguous slice of those (megatron-core scatters the CP rank's
+    sequence in TP chunks)."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
     cp = ps.get_context_parallel_world_size()
-    if cp > 1:
-        from megatron_vlm.model.cp_attention import partition_index
-
-        held = partition_index([0, s_local * tp * cp], cp, ps.get_context_parallel_rank())
-    else:
-        held = torch.arange(s_local * tp)
-    start = ps.get_tensor_model_parallel_rank() * s_local if tp > 1 else 0
-    return held[start:start + s_local].to(device)
+    i = torch.arange(s_local, device=device)  # the index among the CP rank's positions
+    if tp > 1:
+        i = i + ps.get_tensor_model_parallel_rank() * s_local
+    if cp == 1:
+        return i
+    c, r = s_local * tp // 2, ps.get_context_parallel_rank()  # the CP rank holds chunks r and 2 x CP - 1 - r of c
+    return torch.where(i < c, r * c + i, (2 * cp - 1 - r) * c + (i - c))
 
 
 class MicroBatchRouting:
@@ -158,26 +167,64 @@ class MicroBatchRouting:
 
     def __init__(self, index: int, row_tokens, config, experts: int, device):
         self.index, self.config = index, config
-        self.row_tokens = None if row_tokens is None else row_tokens.to(device=device, dtype=torch.int64)
         #: this rank's MoE layers: counts of top-k choices per expert, probability sums per expert, positions
         self.stats = torch.zeros(2 * experts + 1, dtype=torch.float64, device=device)
         self.total = None  # the same over the sequence group and every pipeline stage
         self.exchange = None  # (sends, receives) with the other stages
-        self.value = None  # load_balancing_loss_func of the micro batch
+        self.value = None  # load_balancing_loss_func of the micro batch (a tensor: read once per step)
+        self.set_rows(row_tokens)
+
+    def set_rows(self, row_tokens) -> None:
+        """Each row's positions of samples (None: not known, every position counts)."""
+        self.row_tokens = None if row_tokens is None else row_tokens.to(device=self.stats.device, dtype=torch.int64)
+        self._valid = None  # (positions per row, rows, mask): made by the micro batch's first router
 
     def valid(self, s_local: int, rows: int):
-        """[s_local, rows] bool, True where the position holds a sample (None: no information, every position)."""
-        if self.row_tokens is None or self.row_tokens.numel() != rows:
+        """[s_local, rows] bool, True where the position holds a sample (None: no information, every position).
+        Made once per micro batch, on the device; every router of the micro batch (on every model chunk of this
+        rank, recomputed or not) sees the same rows."""
+        if self.row_tokens is None:
             return None
-        positions = _held_positions(s_local, self.config, self.row_tokens.device)
-        return positions[:, None] < self.row_tokens[None, :]
+        if self.row_tokens.numel() != rows:
+            raise ValueError(f"micro batch {self.index}: a router routes {rows} rows of {s_local} positions, but the "
+                             f"batch gives the positions of samples of {self.row_tokens.numel()} rows (row_tokens): "
+                             "the model routes another micro batch than the forward step was given")
+        if self._valid is None:
+            positions = held_positions(s_local, self.config, self.row_tokens.device)
+            self._valid = (s_local, rows, positions[:, None] < self.row_tokens[None, :])
+        elif self._valid[0] != s_local:
+            raise ValueError(f"micro batch {self.index}: a router routes {s_local} positions per row, an earlier "
+                             f"router of the same micro batch {self._valid[0]}: the positions of samples are "
+                             "this rank's part of one sequence for every router")
+        return self._valid[2]
+
+
+def pipeline_gloo_group():
+    """A gloo group of this rank's pipeline (megatron-core's pipeline group's ranks, which may be NCCL and carry
+    the schedule's own traffic): each pipeline's group is made by every rank, in the same order (collective over
+    the world, once), from every rank's pipeline gathered once. gloo connects the members of a group as a full
+    mesh: a group of the world would connect every rank to every rank."""
+    from megatron.core import parallel_state as ps
+
+    ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    device = _device() if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor(ranks, dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(every, mine)
+    group = None
+    for pipeline in sorted({tuple(t.tolist()) for t in every}):
+        made = torch.distributed.new_group(list(pipeline), backend="gloo")
+        if pipeline == tuple(ranks):
+            group = made
+    return group
 
 
 class _StageExchange:
     """Each micro batch's statistics of this pipeline stage to the other stages of its pipeline, and theirs to it:
-    point to point on a gloo group of its own (CPU tensors, tagged by the micro batch), so the schedule's own
-    pipeline traffic is untouched. Sent when a stage's forward of the micro batch ends; received when its backward
-    needs them, which every stage reaches only after the micro batch's forward passed every stage."""
+    point to point on a gloo group of the pipeline's ranks (:func:`pipeline_gloo_group`; CPU tensors, tagged by the
+    micro batch), so the schedule's own pipeline traffic is untouched. Sent when a stage's forward of the micro batch
+    ends; received when its backward needs them, which every stage reaches only after the micro batch's forward
+    passed every stage."""
 
     def __init__(self):
         from megatron.core import parallel_state as ps
@@ -185,14 +232,16 @@ class _StageExchange:
         ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
         me = torch.distributed.get_rank()
         self.peers = [r for r in ranks if r != me]
-        self.group = torch.distributed.new_group(backend="gloo")  # collective: every rank builds it
+        self.group = pipeline_gloo_group()  # collective: every rank makes every pipeline's
 
     def post(self, index: int, stats: torch.Tensor):
+        """The micro batch's statistics out (one device-to-host copy: gloo sends host memory) and the other stages'
+        posted to be received (into pinned memory on a GPU, copied to the device without a wait)."""
         cpu = stats.detach().to("cpu", copy=True)
         sends = [(cpu, torch.distributed.isend(cpu, dst=p, group=self.group, tag=index)) for p in self.peers]
         recvs = []
         for p in self.peers:
-            buf = torch.empty_like(cpu)
+            buf = torch.empty(cpu.shape, dtype=cpu.dtype, pin_memory=stats.is_cuda)
             recvs.append((buf, torch.distributed.irecv(buf, src=p, group=self.group, tag=index)))
         return sends, recvs
 
@@ -232,9 +281,9 @@ class HFLoadBalancing:
         routing_map, scores = compute_routing_scores_for_aux_loss(
             flat, self.topk, "softmax", padding_mask=None if valid is None else ~valid)
         if record:
-            n = flat.new_tensor(flat.shape[0]) if valid is None else valid.sum()
-            micro.stats += torch.cat([routing_map.sum(0).double(), scores.detach().sum(0).double(),
-                                      n.double().reshape(1)])
+            n = torch.full((1,), flat.shape[0], dtype=torch.float64, device=flat.device) if valid is None else \
+                valid.sum().double().reshape(1)
+            micro.stats += torch.cat([routing_map.sum(0).double(), scores.detach().sum(0).double(), n])
         if torch.is_grad_enabled() and scores.requires_grad:
             probs = _LoadBalancingGradient.apply(probs, scores, micro, self)
         return probs
@@ -255,10 +304,10 @@ class HFLoadBalancing:
             if micro.exchange is not None:
                 for buf, work in micro.exchange[1]:
                     work.wait()
-                    total += buf.to(total.device)
+                    total += buf.to(total.device, non_blocking=True)
             e = self.experts
             f, p, n = total[:e], total[e:2 * e], total[2 * e].clamp(min=1.0)
-            micro.value = float(e * ((f / n) * (p / n)).sum())
+            micro.value = e * ((f / n) * (p / n)).sum()  # left on the device: read once per step (finish)
             micro.total = total
         return micro.total
 
@@ -276,9 +325,9 @@ class HFLoadBalancing:
             w = w * scale.double().to(w.device)
         return w.float()
 
-    def finish(self, micros: list) -> list[float]:
-        """After the step's schedule: every micro batch's value (waits for what no backward needed), and the sends
-        completed."""
+    def finish(self, micros: list) -> list:
+        """After the step's schedule: every micro batch's value as a device tensor (waits for what no backward
+        needed), and the sends completed."""
         values = []
         for m in micros:
             self.resolve(m)
@@ -318,7 +367,10 @@ class RoutingStats:
 
         out: dict = {}
         if hf_values is not None:
-            mean = torch.tensor([sum(hf_values), len(hf_values)], dtype=torch.float64, device=device)
+            mean = torch.zeros(2, dtype=torch.float64, device=device)
+            if hf_values:
+                mean[0] = torch.stack([v.to(device) for v in hf_values]).sum()
+            mean[1] = len(hf_values)
             torch.distributed.all_reduce(mean, group=ps.get_data_parallel_group())
             out["moe_load_balancing_loss"] = float(mean[0] / mean[1].clamp(min=1))
         values, sync, clear = _tracker_ops()
@@ -487,7 +539,7 @@ class MoETraining:
             # the row's first row_tokens (refused before launch too, launch/preflight.py)
             raise NotImplementedError("sequence packing with context parallelism for a mixture-of-experts model: the "
                                       "routed padding cannot be told apart; train it unpacked, or at --cp 1")
-        c = next((i for i, w in enumerate(self.wrapped) if w is chunk), 0)
+        c = self._chunk(chunk)
         index = self._calls[c]
         self._calls[c] += 1
         if index == len(self.micros):
@@ -495,9 +547,24 @@ class MoETraining:
                                                  self.spec.num_moe_experts, _device()))
         micro = self.micros[index]
         if micro.row_tokens is None and getattr(batch, "row_tokens", None) is not None:
-            micro.row_tokens = batch.row_tokens.to(device=micro.stats.device, dtype=torch.int64)
+            micro.set_rows(batch.row_tokens)
         self._forward = micro
         return micro
+
+    def _chunk(self, chunk) -> int:
+        """Which of this rank's model chunks ``chunk`` (what the schedule passed the forward step) is."""
+        if chunk is None:
+            if len(self.wrapped) == 1:
+                return 0
+            raise ValueError(f"the forward step named no model chunk, and this rank has {len(self.wrapped)} (virtual "
+                             "pipeline stages): each chunk numbers its own micro batches; pass the chunk the "
+                             "schedule gave the forward step")
+        for i, w in enumerate(self.wrapped):
+            if w is chunk:
+                return i
+        raise ValueError(f"the forward step ran a {type(chunk).__name__} that is none of this rank's "
+                         f"{len(self.wrapped)} model chunks (the ones the schedule passes): its micro batches cannot "
+                         "be numbered; build MoETraining with wrapped= the chunks as the schedule passes them")
 
     def forward_done(self, micro: MicroBatchRouting, output) -> None:
         """This stage's forward of ``micro`` ended with ``output``: the statistics go out, and the output's
