@@ -319,6 +319,9 @@ def test_the_per_router_path_waits_for_no_device(world, name):
         assert c["micro_batches"] > 0 and c["position_builds"] == (c["micro_batches"] if c["router_calls"] else 0), \
             (rank, c)
     assert sum(c["router_calls"] for c in counts) > sum(c["micro_batches"] for c in counts), counts
+    pp = 2 if "pp2" in name else 1  # the stages exchange on a group of each pipeline's ranks (4 ranks: tp-dp-pp)
+    assert all(c["exchange_ranks"] == (None if pp == 1 else [rank % 2, rank % 2 + 2])
+               for rank, c in enumerate(counts)), [c["exchange_ranks"] for c in counts]
 
 
 @pytest.mark.parametrize("layout", list(TRAIN_LAYOUTS))

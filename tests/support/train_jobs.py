@@ -196,14 +196,18 @@ def moe_host_syncs(training, counts: dict):
     syncs (:data:`HOST_SYNCS`, by name) made inside every router's routing (as the trainer wraps it, megatron-core's
     own routing inside), inside the HF term's backward and inside the trainer's per-micro-batch calls
     (``MoETraining.begin`` / ``forward_done``); and ``router_calls``, ``micro_batches`` (``begin`` calls of a
-    rank's first model chunk) and ``position_builds`` (the positions of samples built for a router:
-    ``held_positions``)."""
+    rank's first model chunk), ``position_builds`` (the positions of samples built for a router:
+    ``held_positions``) and ``exchange_ranks`` (the ranks of the pipeline stages' exchange group; None without
+    one)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_vlm.training import moe
 
     inside = [0]
     counts.update({k: 0 for k in ("syncs", "router_calls", "micro_batches", "position_builds")})
+    exchange = getattr(training.moe.hf, "exchange", None)  # the stage exchange's group: its ranks
+    counts["exchange_ranks"] = None if exchange is None else \
+        torch.distributed.get_process_group_ranks(exchange.group)
 
     def scoped(f, key=None, first_chunk_only=False):
         def g(*args, **kwargs):
