@@ -356,3 +356,43 @@ def test_routing_refuses_a_chunk_or_rows_it_cannot_place():
                                          r"the positions of samples of 2 rows \(row_tokens\)"):
         micro.valid(8, 3)
 
+
+def test_a_moe_models_samples_are_hfs_whole_sequence(tmp_path):
+    """The task encoder of a mixture-of-experts model frames a sample as HF's forward takes it: the model's input is
+    the whole conversation (Megatron's tokens and its last label), the labels the same next tokens and one pad label
+    of loss mask 0 (the cross entropy is the same; the routers also see the last position, as HF's do); a dense
+    model keeps Megatron's framing. --seq-length bounds the positions the model sees in both."""
+    from megatron.energon import VQASample
+    from PIL import Image
+
+    import torch
+
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+    from megatron_vlm.data.synthetic import image_array
+    from megatron_vlm.data.task_encoder import whole_sequence
+    from tests.support.tiny import make_tiny_llava
+
+    hf = make_tiny_llava(tmp_path / "moe", "qwen3_moe", "clip")
+    spec = VLMSpec.from_hf_dir(hf)
+    assert whole_sequence(spec) and not whole_sequence(_spec("llama"))
+    sample = VQASample(__key__="a", image=Image.fromarray(image_array((40, 30), 0)), context="what colour ?",
+                       answers="a red square", answer_weights=None, __restore_key__=(), __subflavors__=None,
+                       __sources__=None)
+
+    def both(seq_length):
+        enc = task_encoder_for(spec, hf, seq_length, image_token_id=spec.image_token_id)
+        hf_framed = enc.encode_sample(sample)
+        enc.whole = False  # Megatron's framing, as a dense model's encoder frames it
+        return hf_framed, enc.encode_sample(sample)
+
+    whole, megatron = both(256)
+    assert torch.equal(whole.tokens, torch.cat([megatron.tokens, megatron.labels[-1:]]))
+    assert torch.equal(whole.labels[:-1], megatron.labels) and torch.equal(whole.loss_mask[:-1], megatron.loss_mask)
+    assert whole.loss_mask.sum() == megatron.loss_mask.sum() > 0  # the same predictions: the same cross entropy
+    assert whole.loss_mask[-1] == 0 and whole.num_tokens == megatron.num_tokens + 1 == len(whole.tokens) - 1 + \
+        spec.num_image_tokens
+    cut, kept = both(int(megatron.num_tokens))  # Megatron's sample fills --seq-length; HF's whole one does too
+    assert cut.num_tokens == kept.num_tokens == megatron.num_tokens and torch.equal(cut.tokens, kept.tokens)
+    assert torch.equal(cut.labels[:-1], kept.labels[:-1]) and torch.equal(cut.loss_mask[:-1], kept.loss_mask[:-1])
+    assert cut.loss_mask[-1] == 0  # the label past the positions the model sees is Megatron's framing's only
+

@@ -32,6 +32,10 @@ per-token cross entropy (summed over the global batch's loss tokens, so that eve
   by the global batch's loss tokens over its micro batches.
 - ``none``: no load-balancing term.
 
+**The positions HF routes.** HF's forward routes every position of its input, the last one included (it predicts
+nothing); an MoE model's samples are framed as HF's input (:func:`megatron_vlm.data.task_encoder.whole_sequence`:
+the whole kept sequence, the last position's loss mask 0), so the routers here see exactly HF's positions.
+
 **Padding** (:class:`MicroBatchRouting`): every micro batch carries each row's positions that belong to its samples
 (``row_tokens``: the image-expanded length; the rest of the row is padding to the batch's longest sample,
 ``--seq-length`` under pipeline parallelism, or the FP8 / sequence-parallel multiple). Those positions alone enter
