@@ -66,7 +66,7 @@ def test_moe_settings_megatron_core_receives():
     kw = _moe_config(s, ModelOptions(tp=2, ep=2))
     assert kw["moe_layer_freq"] == [1, 0, 1] and kw["moe_router_pre_softmax"] is False
     assert (kw["expert_model_parallel_size"], kw["expert_tensor_parallel_size"]) == (2, 2)
-    # the default objective is HF's (megatron_vlm.training.moe): megatron-core's routers compute no loss of their own
+    # the default objective is HF's (megatron_vlm.training.moe.hf_objective): megatron-core's routers compute no loss of their own
     assert (kw["moe_router_load_balancing_type"], kw["moe_aux_loss_coeff"]) == ("none", 0.0)
     assert kw["moe_expert_capacity_factor"] is None
     mcore = _moe_config(s, ModelOptions(moe=MoEOptions(load_balancing_type="aux_loss")))
@@ -255,7 +255,7 @@ def test_the_expert_optimizer_rule_is_each_versions():
 
 
 def test_the_objective_is_named_with_its_coefficient():
-    from megatron_vlm.training.moe import OBJECTIVES, describe_objective
+    from megatron_vlm.training.moe.objectives import OBJECTIVES, describe_objective
     from megatron_vlm.training.config import TrainConfig
 
     assert TrainConfig().moe_router_load_balancing_type == OBJECTIVES[0] == "hf"
@@ -269,7 +269,7 @@ def test_the_objective_is_named_with_its_coefficient():
 
 
 def test_a_router_counts_and_balances_the_samples_positions_only():
-    """megatron-core's TopKRouter as the trainer wraps it (megatron_vlm.training.moe.MoETraining), in a one-process
+    """megatron-core's TopKRouter as the trainer wraps it (megatron_vlm.training.moe.orchestration.MoETraining), in a one-process
     world, on a micro batch of two rows of 8 positions whose second row holds a sample of 3 (the rest is padding,
     whose logits favour expert 0 most): HF's term equals transformers' own load_balancing_loss_func with the
     attention mask, value and gradient; the routing numbers count the 11 positions of samples; with capacity factor
@@ -284,7 +284,7 @@ def test_a_router_counts_and_balances_the_samples_positions_only():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from megatron_vlm.runtime.session import single_process_world
-    from megatron_vlm.training.moe import MoETraining
+    from megatron_vlm.training.moe.orchestration import MoETraining
 
     spec = _spec(num_hidden_layers=1)
     s, b, h, e, k = 8, 2, 8, spec.num_moe_experts, spec.moe_router_topk
@@ -336,7 +336,8 @@ def test_routing_refuses_a_chunk_or_rows_it_cannot_place():
 
     import torch
 
-    from megatron_vlm.training.moe import MicroBatchRouting, MoETraining
+    from megatron_vlm.training.moe.micro_batch import MicroBatchRouting
+    from megatron_vlm.training.moe.orchestration import MoETraining
 
     config = SimpleNamespace(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
                              sequence_parallel=False, context_parallel_size=1)

@@ -71,7 +71,7 @@ class VLMBatch(Batch):
     loss_mask: torch.Tensor  # float32 [B, S]
     num_tokens: int  # unpadded positions of the batch with images expanded
     #: int64 [B]: each row's positions with images expanded that hold its samples (a row is padded after them);
-    #: a mixture-of-experts model's routing counts only these (megatron_vlm.training.moe)
+    #: a mixture-of-experts model's routing counts only these (megatron_vlm.training.moe.micro_batch)
     row_tokens: torch.Tensor
 
 

@@ -201,7 +201,7 @@ def moe_host_syncs(training, counts: dict):
     one)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron_vlm.training import moe
+    from megatron_vlm.training.moe import hf_objective, micro_batch
 
     inside = [0]
     counts.update({k: 0 for k in ("syncs", "router_calls", "micro_batches", "position_builds")})
@@ -231,16 +231,16 @@ def moe_host_syncs(training, counts: dict):
 
     moe_training = training.moe
     saved = {name: getattr(torch.Tensor, name) for name in HOST_SYNCS}
-    grad_fn = moe._LoadBalancingGradient.backward
-    positions = moe.held_positions
+    grad_fn = hf_objective._LoadBalancingGradient.backward
+    positions = micro_batch.held_positions
     own = {"begin": moe_training.begin, "forward_done": moe_training.forward_done}
     routers = [(m, m.routing) for chunk in training.models for m in chunk.modules() if isinstance(m, TopKRouter)]
     for m, routing in routers:
         m.routing = scoped(routing, "router_calls")
     moe_training.begin = scoped(own["begin"], "micro_batches", first_chunk_only=True)
     moe_training.forward_done = scoped(own["forward_done"])
-    moe._LoadBalancingGradient.backward = staticmethod(scoped(grad_fn))
-    moe.held_positions = scoped(positions, "position_builds")
+    hf_objective._LoadBalancingGradient.backward = staticmethod(scoped(grad_fn))
+    micro_batch.held_positions = scoped(positions, "position_builds")
     for name, f in saved.items():
         setattr(torch.Tensor, name, counted(name, f))
     try:
@@ -248,8 +248,8 @@ def moe_host_syncs(training, counts: dict):
     finally:
         for name, f in saved.items():
             setattr(torch.Tensor, name, f)
-        moe._LoadBalancingGradient.backward = staticmethod(grad_fn)
-        moe.held_positions = positions
+        hf_objective._LoadBalancingGradient.backward = staticmethod(grad_fn)
+        micro_batch.held_positions = positions
         for name in own:
             delattr(moe_training, name)
         for m, routing in routers:
