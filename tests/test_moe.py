@@ -18,9 +18,13 @@ One 4-process world (``world``) runs every multi-rank check, the logits jobs and
   batch (``tests.support.hf_reference``), at EP2 x DP2 (distributed optimizer), TP2 x EP2 (sequence parallel,
   turned on by the trainer) and PP2 x EP2; losses, the logged load-balancing loss and gradient norms equal HF's over
   three AdamW steps; every gradient also at PP4 (two middle stages) and with full activation recomputation; the
-  routing numbers count the samples' positions only (once, recomputed or not). megatron-core's own ``aux_loss`` at the same coefficient fails the comparison (the control);
-  coefficient 0 gives HF LLaVA's plain cross entropy; stage 1 (only the projector trains) gets the term's gradient
-  through the routers' inputs, as HF does. bf16 at TP2 x EP2 starts at HF's loss within bf16's rounding and falls.
+  routing numbers count the samples' positions only (once, recomputed or not). HF's term is over every position of
+  HF's input, the last one too (the trainer's MoE samples are HF's whole sequences). megatron-core's own
+  ``aux_loss`` at the same coefficient fails the comparison (the control); coefficient 0 gives HF LLaVA's plain
+  cross entropy; stage 1 (only the projector trains) gets the term's gradient through the routers' inputs, as HF
+  does. bf16 at TP2 x EP2 starts at HF's loss within bf16's rounding and falls. In the first step of four layouts
+  no router waits on a host sync, each micro batch's positions of samples are made once per rank, and the stages
+  exchange on their pipeline's ranks only.
 - **Resume** with the distributed optimizer: a checkpoint saved at EP2 x DP2 continues bit-exactly at its layout and,
   resharded by torch_dist, as HF does at PP2 x EP2 and at EP4; at EP1, where megatron-core keeps the experts'
   optimizer state with the other parameters', it is refused naming the version's rule and the fix. At EP1 with the
