@@ -182,6 +182,26 @@ def test_no_add_class_token_accepted_for_siglip(tmp_path, capsys):
     assert rc == 0, err
 
 
+def test_moe_sequence_parallel_lengths_are_checked_before_launch(tmp_path, capsys):
+    """An MoE checkpoint at --tp 2 trains with sequence parallelism (turned on once the spec is read): the sequence
+    must then split into 2 x CP x TP chunks (and into TP chunks with --pp, where every micro batch is --seq-length
+    long). --seq-length 1028 at --cp 2 passed every pre-launch check and failed in the ranks: refused in one line."""
+    moe = make_ckpt(tmp_path / "moe", tiny_spec(text_family="qwen3_moe", num_moe_experts=4, moe_router_topk=2,
+                                                moe_ffn_hidden_size=32))
+    args = [*base_args(tmp_path), "--megatron-load-dir", str(moe), "--mbs", "1", "--gbs", "8"]
+    rc, out, err = dry([*args, "-g", "8", "--tp", "2", "--cp", "2", "--ep", "2", "--seq-length", "1028"], capsys)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert ("--seq-length 1028 does not split over the context-parallel ranks: it must be a multiple of 8 (2 x --cp 2 "
+            "x --tp 2, with --sequence-parallel, which the mixture-of-experts language model turns on at --tp 2); use "
+            "--seq-length 1032") in err
+    rc, out, err = dry([*args, "-g", "8", "--tp", "2", "--pp", "2", "--ep", "2", "--seq-length", "1027"], capsys)
+    assert rc == 2 and ("--seq-length 1027 does not split over the sequence-parallel ranks (with --pp 2 every micro "
+                        "batch is --seq-length long): it must be a multiple of 2 (--tp 2, with --sequence-parallel, "
+                        "which the mixture-of-experts language model turns on at --tp 2); use --seq-length 1028") in err
+    rc, out, err = dry([*args, "-g", "8", "--tp", "2", "--cp", "2", "--ep", "2", "--seq-length", "1032"], capsys)
+    assert rc == 0 and "sequence parallelism on" in err + out and config_of(out).sequence_parallel, err
+
+
 def test_token_ids_must_match_checkpoint(tmp_path, capsys):
     rc, _, err = dry([*base_args(tmp_path), "--image-token-id", "5"], capsys)
     assert rc == 2 and "image token id 5 (--image-token-id/--pad-token-id) differs from 301" in err

@@ -18,9 +18,13 @@ One 4-process world (``world``) runs every multi-rank check, the logits jobs and
   batch (``tests.support.hf_reference``), at EP2 x DP2 (distributed optimizer), TP2 x EP2 (sequence parallel,
   turned on by the trainer) and PP2 x EP2; losses, the logged load-balancing loss and gradient norms equal HF's over
   three AdamW steps; every gradient also at PP4 (two middle stages) and with full activation recomputation; the
-  routing numbers count the samples' positions only (once, recomputed or not). megatron-core's own ``aux_loss`` at the same coefficient fails the comparison (the control);
-  coefficient 0 gives HF LLaVA's plain cross entropy; stage 1 (only the projector trains) gets the term's gradient
-  through the routers' inputs, as HF does. bf16 at TP2 x EP2 starts at HF's loss within bf16's rounding and falls.
+  routing numbers count the samples' positions only (once, recomputed or not). HF's term is over every position of
+  HF's input, the last one too (the trainer's MoE samples are HF's whole sequences). megatron-core's own
+  ``aux_loss`` at the same coefficient fails the comparison (the control); coefficient 0 gives HF LLaVA's plain
+  cross entropy; stage 1 (only the projector trains) gets the term's gradient through the routers' inputs, as HF
+  does. bf16 at TP2 x EP2 starts at HF's loss within bf16's rounding and falls. In the first step of four layouts
+  no router waits on a host sync, each micro batch's positions of samples are made once per rank, and the stages
+  exchange on their pipeline's ranks only.
 - **Resume** with the distributed optimizer: a checkpoint saved at EP2 x DP2 continues bit-exactly at its layout and,
   resharded by torch_dist, as HF does at PP2 x EP2 and at EP4; at EP1, where megatron-core keeps the experts'
   optimizer state with the other parameters', it is refused naming the version's rule and the fix. At EP1 with the
@@ -124,7 +128,8 @@ def _train_jobs(tiny, root) -> list[dict]:
     for m in own:
         for lay, kw in TRAIN_LAYOUTS.items():
             save = dict(save=str(saved), save_after=1) if (m, lay) == ("llava", "ep2dp2") else {}
-            jobs.append(dict(name=f"{m}-{lay}", steps=3, grads=True, **kw, **S2, **own[m], **save))
+            probe = dict(count_syncs=True) if (m, lay) == ("llava", "tp2ep2") else {}
+            jobs.append(dict(name=f"{m}-{lay}", steps=3, grads=True, **kw, **S2, **own[m], **save, **probe))
     llava = own["llava"]
     jobs += [
         dict(name="plain-ep2dp2", steps=1, grads=True, **TRAIN_LAYOUTS["ep2dp2"], **{**S2, "moe_aux_loss_coeff": 0.0},
@@ -132,11 +137,12 @@ def _train_jobs(tiny, root) -> list[dict]:
         dict(name="control-aux_loss-tp2ep2", steps=1, grads=True, moe_router_load_balancing_type="aux_loss",
              **TRAIN_LAYOUTS["tp2ep2"], **S2, **llava),
         dict(name="llava-pp4", steps=1, grads=True, pp=4, micro_batch_size=2, **S2, **llava),
-        dict(name="llava-cp2ep2", steps=1, grads=True, cp=2, ep=2, micro_batch_size=2, **S2, **llava),
+        dict(name="llava-cp2ep2", steps=1, grads=True, cp=2, ep=2, micro_batch_size=2, count_syncs=True, **S2,
+             **llava),
         dict(name="llava-pp2vpp2ep2", steps=1, grads=True, pp=2, num_virtual_stages_per_pipeline_rank=2, ep=2,
-             micro_batch_size=2, **S2, **llava),  # virtual pipeline stages (issue 51)
+             micro_batch_size=2, count_syncs=True, **S2, **llava),  # virtual pipeline stages (issue 51)
         dict(name="recompute-pp2ep2", steps=1, grads=True, recompute_granularity="full", **TRAIN_LAYOUTS["pp2ep2"],
-             **S2, **llava),
+             count_syncs=True, **S2, **llava),
         dict(name="stage1-pp2ep2", steps=1, grads=True, **TRAIN_LAYOUTS["pp2ep2"],
              **{**S2, "stage": 1, "freeze_lm": True}, **llava),
         dict(name="bf16-tp2ep2", steps=6, precision="bf16", **TRAIN_LAYOUTS["tp2ep2"], **S2,
@@ -301,6 +307,25 @@ def test_virtual_pipeline_stages_carry_hfs_objective(world):
     assert worst[1] <= RTOL, worst
     assert rel(r["loss"][0], ref["loss"][0]) <= RTOL, (r["loss"], ref["loss"])
     assert rel(r["moe"][0]["moe_load_balancing_loss"], ref["lb"][0]) <= RTOL
+
+
+@pytest.mark.parametrize("name", ["llava-tp2ep2", "llava-cp2ep2", "recompute-pp2ep2", "llava-pp2vpp2ep2"])
+def test_the_per_router_path_waits_for_no_device(world, name):
+    """The first step of every rank, counted by tests.support.train_jobs.moe_host_syncs: inside every router's
+    routing (megatron-core's, as the trainer wraps it), the HF term's backward and the per-micro-batch calls, no
+    host sync (item, tolist, a tensor's bool/float/int, nonzero), and each micro batch's positions of samples built
+    once per rank, on the device, whatever the routers (three MoE layers over one or two stages, two model chunks
+    a rank, each router run again by recomputation) and the micro batches."""
+    counts = world["runs"][name]["host_syncs"]
+    print(f"\n{name}: per rank {counts}")
+    for rank, c in enumerate(counts):
+        assert c["syncs"] == 0, (rank, c)
+        assert c["micro_batches"] > 0 and c["position_builds"] == (c["micro_batches"] if c["router_calls"] else 0), \
+            (rank, c)
+    assert sum(c["router_calls"] for c in counts) > sum(c["micro_batches"] for c in counts), counts
+    pp = 2 if "pp2" in name else 1  # the stages exchange on a group of each pipeline's ranks (4 ranks: tp-dp-pp)
+    assert all(c["exchange_ranks"] == (None if pp == 1 else [rank % 2, rank % 2 + 2])
+               for rank, c in enumerate(counts)), [c["exchange_ranks"] for c in counts]
 
 
 @pytest.mark.parametrize("layout", list(TRAIN_LAYOUTS))

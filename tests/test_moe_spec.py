@@ -66,7 +66,7 @@ def test_moe_settings_megatron_core_receives():
     kw = _moe_config(s, ModelOptions(tp=2, ep=2))
     assert kw["moe_layer_freq"] == [1, 0, 1] and kw["moe_router_pre_softmax"] is False
     assert (kw["expert_model_parallel_size"], kw["expert_tensor_parallel_size"]) == (2, 2)
-    # the default objective is HF's (megatron_vlm.training.moe): megatron-core's routers compute no loss of their own
+    # the default objective is HF's (megatron_vlm.training.moe.hf_objective): megatron-core's routers compute no loss of their own
     assert (kw["moe_router_load_balancing_type"], kw["moe_aux_loss_coeff"]) == ("none", 0.0)
     assert kw["moe_expert_capacity_factor"] is None
     mcore = _moe_config(s, ModelOptions(moe=MoEOptions(load_balancing_type="aux_loss")))
@@ -216,6 +216,26 @@ def test_tensor_parallel_moe_turns_sequence_parallelism_on():
         settle_with_spec(packed, _spec())
 
 
+def test_sequence_parallelism_turned_on_rechecks_the_context_parallel_length():
+    """MoE at --tp 2 --cp 2: once sequence parallelism is on, every sequence must split into 2 x CP x TP = 8
+    chunks. --seq-length 1028 passes the checks before the spec is read (a multiple of 2 x CP = 4) and used to fail
+    only in the ranks; the settled config is refused in one line naming the flag and the fix."""
+    from megatron_vlm.training.config import ConfigError, TrainConfig
+    from megatron_vlm.training.config.resolve import settle_with_spec
+
+    req = ["--data-path", "d", "--tokenizer-load-dir", "t", "--megatron-load-dir", "m", "--train-iters", "1",
+           "--device", "cpu", "-g", "8", "--tp", "2", "--cp", "2", "--ep", "2", "--mbs", "1", "--gbs", "8"]
+    cfg = TrainConfig.from_args([*req, "--seq-length", "1028"])  # the checks before the spec: 2 x CP divides it
+    with pytest.raises(ConfigError) as e:
+        settle_with_spec(cfg, _spec())
+    assert str(e.value) == (
+        "--seq-length 1028 does not split over the context-parallel ranks: it must be a multiple of 8 (2 x --cp 2 x "
+        "--tp 2, with --sequence-parallel, which the mixture-of-experts language model turns on at --tp 2); use "
+        "--seq-length 1032"), str(e.value)
+    fine = TrainConfig.from_args([*req, "--seq-length", "1032"])
+    assert len(settle_with_spec(fine, _spec())) == 1 and fine.sequence_parallel
+
+
 def test_the_expert_optimizer_rule_is_each_versions():
     """megatron-core 0.16 keeps the experts' optimizer state apart iff EP > 1; 0.19 iff EP > 1 or ETP != TP. 0.16
     cannot train EP1 with ETP != TP (the experts' gradients miss the other TP ranks' tokens): refused."""
@@ -235,7 +255,7 @@ def test_the_expert_optimizer_rule_is_each_versions():
 
 
 def test_the_objective_is_named_with_its_coefficient():
-    from megatron_vlm.training.moe import OBJECTIVES, describe_objective
+    from megatron_vlm.training.moe.objectives import OBJECTIVES, describe_objective
     from megatron_vlm.training.config import TrainConfig
 
     assert TrainConfig().moe_router_load_balancing_type == OBJECTIVES[0] == "hf"
@@ -249,7 +269,7 @@ def test_the_objective_is_named_with_its_coefficient():
 
 
 def test_a_router_counts_and_balances_the_samples_positions_only():
-    """megatron-core's TopKRouter as the trainer wraps it (megatron_vlm.training.moe.MoETraining), in a one-process
+    """megatron-core's TopKRouter as the trainer wraps it (megatron_vlm.training.moe.orchestration.MoETraining), in a one-process
     world, on a micro batch of two rows of 8 positions whose second row holds a sample of 3 (the rest is padding,
     whose logits favour expert 0 most): HF's term equals transformers' own load_balancing_loss_func with the
     attention mask, value and gradient; the routing numbers count the 11 positions of samples; with capacity factor
@@ -264,7 +284,7 @@ def test_a_router_counts_and_balances_the_samples_positions_only():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from megatron_vlm.runtime.session import single_process_world
-    from megatron_vlm.training.moe import MoETraining
+    from megatron_vlm.training.moe.orchestration import MoETraining
 
     spec = _spec(num_hidden_layers=1)
     s, b, h, e, k = 8, 2, 8, spec.num_moe_experts, spec.moe_router_topk
@@ -310,3 +330,75 @@ def test_a_router_counts_and_balances_the_samples_positions_only():
     flat = valid.reshape(-1)
     assert not capped[~flat].any() and int(capped[flat].sum(0).max()) == 6, capped[flat].sum(0)
     assert sum(numbers["moe_tokens_per_expert"][0]) == int(capped[flat].sum())
+
+
+def test_routing_refuses_a_chunk_or_rows_it_cannot_place():
+    """The trainer numbers each model chunk's micro batches by the chunk the schedule passes to the forward step, and
+    masks the padding by each row's positions of samples: a chunk that is none of the rank's, a call that names no
+    chunk where the rank has several, and a router routing other rows than the batch's are refused, naming what did
+    not match (the chunk used to fall back to chunk 0, and the rows to "every position is a sample")."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_vlm.training.moe.micro_batch import MicroBatchRouting
+    from megatron_vlm.training.moe.orchestration import MoETraining
+
+    config = SimpleNamespace(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+                             sequence_parallel=False, context_parallel_size=1)
+    chunks = [torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)]
+    wrapped = [torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)]  # as the schedule passes them (DDP)
+    moe = MoETraining(chunks, _spec(num_hidden_layers=1), config, "none", 0.0, wrapped=wrapped)
+    batch = SimpleNamespace(row_tokens=torch.tensor([8, 3]))
+    with moe.step(loss_tokens=1.0, micro_batches=1):
+        assert moe.begin(batch, wrapped[1]).index == 0 and moe.begin(batch, wrapped[0]).index == 0
+        with pytest.raises(ValueError, match=r"the forward step ran a Linear that is none of this rank's 2 model "
+                                             r"chunks \(the ones the schedule passes\)"):
+            moe.begin(batch, chunks[0])  # the unwrapped module: not what the schedule runs
+        with pytest.raises(ValueError, match="the forward step named no model chunk, and this rank has 2"):
+            moe.begin(batch)
+    micro = MicroBatchRouting(0, torch.tensor([8, 3]), config, 4, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"micro batch 0: a router routes 3 rows of 8 positions, but the batch gives "
+                                         r"the positions of samples of 2 rows \(row_tokens\)"):
+        micro.valid(8, 3)
+
+
+def test_a_moe_models_samples_are_hfs_whole_sequence(tmp_path):
+    """The task encoder of a mixture-of-experts model frames a sample as HF's forward takes it: the model's input is
+    the whole conversation (Megatron's tokens and its last label), the labels the same next tokens and one pad label
+    of loss mask 0 (the cross entropy is the same; the routers also see the last position, as HF's do); a dense
+    model keeps Megatron's framing. --seq-length bounds the positions the model sees in both."""
+    from megatron.energon import VQASample
+    from PIL import Image
+
+    import torch
+
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+    from megatron_vlm.data.synthetic import image_array
+    from megatron_vlm.data.task_encoder import whole_sequence
+    from tests.support.tiny import make_tiny_llava
+
+    hf = make_tiny_llava(tmp_path / "moe", "qwen3_moe", "clip")
+    spec = VLMSpec.from_hf_dir(hf)
+    assert whole_sequence(spec) and not whole_sequence(_spec("llama"))
+    sample = VQASample(__key__="a", image=Image.fromarray(image_array((40, 30), 0)), context="what colour ?",
+                       answers="a red square", answer_weights=None, __restore_key__=(), __subflavors__=None,
+                       __sources__=None)
+
+    def both(seq_length):
+        enc = task_encoder_for(spec, hf, seq_length, image_token_id=spec.image_token_id)
+        hf_framed = enc.encode_sample(sample)
+        enc.whole = False  # Megatron's framing, as a dense model's encoder frames it
+        return hf_framed, enc.encode_sample(sample)
+
+    whole, megatron = both(256)
+    assert torch.equal(whole.tokens, torch.cat([megatron.tokens, megatron.labels[-1:]]))
+    assert torch.equal(whole.labels[:-1], megatron.labels) and torch.equal(whole.loss_mask[:-1], megatron.loss_mask)
+    assert whole.loss_mask.sum() == megatron.loss_mask.sum() > 0  # the same predictions: the same cross entropy
+    assert whole.loss_mask[-1] == 0 and whole.num_tokens == megatron.num_tokens + 1 == len(whole.tokens) - 1 + \
+        spec.num_image_tokens
+    cut, kept = both(int(megatron.num_tokens))  # Megatron's sample fills --seq-length; HF's whole one does too
+    assert cut.num_tokens == kept.num_tokens == megatron.num_tokens and torch.equal(cut.tokens, kept.tokens)
+    assert torch.equal(cut.labels[:-1], kept.labels[:-1]) and torch.equal(cut.loss_mask[:-1], kept.loss_mask[:-1])
+    assert cut.loss_mask[-1] == 0  # the label past the positions the model sees is Megatron's framing's only
+

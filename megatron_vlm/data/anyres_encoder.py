@@ -29,7 +29,7 @@ from megatron.energon.task_encoder.base import stateless
 
 from megatron_vlm.data import videos as vid
 from megatron_vlm.data.task_encoder import VideoNotSupportedError  # noqa: F401 - re-exported (its old home)
-from megatron_vlm.data.task_encoder import (VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, kept_tokens,
+from megatron_vlm.data.task_encoder import (VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, framed, kept_tokens,
                                             refuse_videos)
 
 IMAGE_PROCESSORS = {"llava_next": "LlavaNextImageProcessorPil", "llava_onevision": "LlavaOnevisionImageProcessorPil"}
@@ -185,10 +185,10 @@ class AnyresTaskEncoder(VLMTaskEncoder):
                                              f"seq_length {self.seq_length} tokens")
         # keep x[:m] with text + image/video tokens <= seq_length; media past the cut go with their pixels
         costs = {image_id: image_costs, **({video_id: video_costs} if video_id is not None else {})}
-        m = kept_tokens(x, costs, self.seq_length)
+        m = kept_tokens(x, costs, self.seq_length, self.whole)
         n_img = x[:m].count(image_id)
-        loss_mask = torch.tensor(assistant[1:m + 1], dtype=torch.float32)
-        if loss_mask.sum() == 0:
+        text = framed(x, assistant, m, self.whole, self.pad_token_id)
+        if text["loss_mask"].sum() == 0:
             self.skips.skip(key, "no_answer", "no answer token left within seq_length")
         items = []  # per image / video in token order: its inputs
         image_part = self.image_inputs(images[:n_img], tiled)
@@ -207,9 +207,7 @@ class AnyresTaskEncoder(VLMTaskEncoder):
                 i_vid += 1
         self.skips.kept()
         inputs = {k: torch.cat([it[k] for it in items]) if items else v for k, v in self.image_inputs([]).items()}
-        return dict(tokens=torch.tensor(x[:m], dtype=torch.int64), labels=torch.tensor(x[1:m + 1], dtype=torch.int64),
-                    loss_mask=loss_mask, num_tokens=m - len(items) + int(inputs["num_image_tokens"].sum()),
-                    **inputs)
+        return dict(**text, num_tokens=m - len(items) + int(inputs["num_image_tokens"].sum()), **inputs)
 
     @stateless
     def batch(self, samples: list[AnyresSample]) -> AnyresBatch:

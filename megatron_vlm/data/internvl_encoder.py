@@ -32,7 +32,7 @@ from megatron.energon.task_encoder.base import stateless
 
 from megatron_vlm.data import videos as vid
 from megatron_vlm.data.chat_tokens import ChatTokenizer
-from megatron_vlm.data.task_encoder import (VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, kept_tokens,
+from megatron_vlm.data.task_encoder import (VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, framed, kept_tokens,
                                             refuse_videos)
 
 START, END = "<img>", "</img>"  # InternVL's defaults when the tokenizer names none
@@ -216,18 +216,16 @@ class InternVLTaskEncoder(VLMTaskEncoder):
         if sum(costs) > self.seq_length:
             self.skips.skip(key, "too_long", f"{len(images)} images and {len(videos)} videos need {sum(costs)} > "
                                              f"seq_length {self.seq_length} tokens")
-        m = kept_tokens(x, {image_id: costs}, self.seq_length)  # media whole; past the cut, with their pixels
+        m = kept_tokens(x, {image_id: costs}, self.seq_length, self.whole)  # media whole; past the cut, with pixels
         n = x[:m].count(image_id)
-        loss_mask = torch.tensor(assistant[1:m + 1], dtype=torch.float32)
-        if loss_mask.sum() == 0:
+        ids = [self.image_token_id if t == image_id else t for t in x]
+        text = framed(ids, assistant, m, self.whole, self.pad_token_id)
+        if text["loss_mask"].sum() == 0:
             self.skips.skip(key, "no_answer", "no answer token left within seq_length")
         parts, counts = self.item_pixels(items[:n], pixels, tiles, videos, plans, key)
         self.skips.kept()
-        ids = [self.image_token_id if t == image_id else t for t in x]
         return dict(images=torch.cat(parts) if parts else torch.zeros(0, 3, self.tile, self.tile),
-                    num_image_tiles=torch.tensor(counts, dtype=torch.int32),
-                    tokens=torch.tensor(ids[:m], dtype=torch.int64),
-                    labels=torch.tensor(ids[1:m + 1], dtype=torch.int64), loss_mask=loss_mask,
+                    num_image_tiles=torch.tensor(counts, dtype=torch.int32), **text,
                     num_tokens=m - n + sum(costs[:n]))
 
     # -- per batch ----------------------------------------------------------------------------------

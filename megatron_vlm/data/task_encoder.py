@@ -7,9 +7,13 @@ Per sample (:meth:`VLMTaskEncoder.encode_sample`):
   (LLaVAModel expands it into the image's embeddings; InternVL's encoder, :mod:`megatron_vlm.data.internvl_encoder`,
   writes ``<img>``/``</img>`` around it);
 - Megatron convention: the conversation x[0..n] gives tokens = x[:-1], labels = x[1:], loss_mask = 1
-  where the label is assistant content (answer tokens and the eos closing the turn);
-- truncation to ``seq_length`` counted with images expanded; it removes text from the end and never
-  splits an image (an image past the cut is dropped with its pixels). A sample whose images alone do
+  where the label is assistant content (answer tokens and the eos closing the turn). A mixture-of-experts language
+  model takes HF's framing instead (:func:`whole_sequence`): tokens = x, every position HF's forward routes, labels
+  = x[1:] and one pad label whose loss mask is 0 (the last position predicts nothing), so the cross entropy is the
+  same and the routers also see the last position;
+- truncation to ``seq_length`` counted with images expanded (the positions the model sees: the tokens); it removes
+  text from the end and never splits an image (an image past the cut is dropped with its pixels). A sample whose
+  images alone do
   not fit, or that keeps no answer token, is skipped (counted by reason in :attr:`VLMTaskEncoder.skipped`);
   after ``max_consecutive_skips`` skips in a row the encoder stops the run with the reasons counted
   (:mod:`megatron_vlm.data.skips`);
@@ -67,7 +71,7 @@ class VLMBatch(Batch):
     loss_mask: torch.Tensor  # float32 [B, S]
     num_tokens: int  # unpadded positions of the batch with images expanded
     #: int64 [B]: each row's positions with images expanded that hold its samples (a row is padded after them);
-    #: a mixture-of-experts model's routing counts only these (megatron_vlm.training.moe)
+    #: a mixture-of-experts model's routing counts only these (megatron_vlm.training.moe.micro_batch)
     row_tokens: torch.Tensor
 
 
@@ -120,12 +124,34 @@ def padded_text_length(text_lengths: list[int], image_extra: list[int], multiple
     return columns + (-combined) % multiple
 
 
-def kept_tokens(x: list[int], costs: dict[int, list[int]], seq_length: int) -> int:
-    """How many tokens of the conversation ``x`` a sample keeps (tokens ``x[:m]``, labels ``x[1:m + 1]``) within
+def whole_sequence(spec) -> bool:
+    """Whether the model's input is the whole kept sequence, as HF's forward takes it (tokens ``x``, the last
+    position labelled with nothing), rather than Megatron's ``x[:-1]``: for a mixture-of-experts language model,
+    whose load-balancing statistics are over every position its routers route (HF's ``load_balancing_loss_func``
+    over HF's forward counts the last one too). The cross entropy is the same either way; the last position costs
+    one more position per sample."""
+    return bool(getattr(spec, "is_moe", False))
+
+
+def framed(x: list[int], assistant: list[int], m: int, whole: bool, pad_id: int) -> dict:
+    """``tokens``, ``labels`` and ``loss_mask`` of a sample that keeps ``m`` input tokens of the conversation ``x``
+    (``assistant``: 1 where ``x`` is assistant content): tokens ``x[:m]``; labels ``x[1:m + 1]`` (Megatron's
+    framing), or with ``whole`` (HF's, :func:`whole_sequence`) ``x[1:m]`` and a pad label of loss mask 0 at the last
+    position."""
+    labels, mask = x[1:m + 1], assistant[1:m + 1]
+    if whole and m:
+        labels, mask = x[1:m] + [pad_id], assistant[1:m] + [0]
+    return dict(tokens=torch.tensor(x[:m], dtype=torch.int64), labels=torch.tensor(labels, dtype=torch.int64),
+                loss_mask=torch.tensor(mask, dtype=torch.float32))
+
+
+def kept_tokens(x: list[int], costs: dict[int, list[int]], seq_length: int, whole: bool = False) -> int:
+    """How many input tokens of the conversation ``x`` a sample keeps (tokens ``x[:m]``; :func:`framed`) within
     ``seq_length`` positions, media expanded: ``costs[t]`` lists the positions of each media token ``t`` in the order
-    they come (an image's tiles' tokens, a video's); text is cut from the end, never inside an image or a video."""
+    they come (an image's tiles' tokens, a video's); text is cut from the end, never inside an image or a video.
+    At most ``len(x) - 1`` (the last token is a label only), or ``len(x)`` with ``whole``."""
     m, used, seen = 0, 0, {t: 0 for t in costs}
-    for i in range(len(x) - 1):
+    for i in range(len(x) - (0 if whole else 1)):
         t = x[i]
         cost = costs[t][seen[t]] if t in costs else 1
         if used + cost > seq_length:
@@ -165,6 +191,8 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
                     "tokenizer/ directory of a training checkpoint)")
             spec = VLMSpec.from_hf_dir(self.hf_dir)
         self.spec = spec
+        #: the model's input is the whole kept sequence, HF's framing (a mixture-of-experts LM: whole_sequence)
+        self.whole = whole_sequence(spec)
         #: pad each batch so the image-expanded length is a multiple of this (FP8 GEMMs), None: longest sample
         self.pad_to_multiple_of = pad_to_multiple_of
         self.processor = self._load_processor()
@@ -242,30 +270,14 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
         if len(images) * k > self.seq_length:
             self.skips.skip(key, "too_long",
                             f"{len(images)} images need {len(images) * k} > seq_length {self.seq_length} tokens")
-        # Keep tokens x[:m] (labels x[1:m+1]) with m + (k-1) * images_in(x[:m]) <= seq_length.
-        m, n_img = len(x) - 1, sum(1 for p in positions if p < len(x) - 1)
-        if m + (k - 1) * n_img > self.seq_length:
-            m, used, n_img = 0, 0, 0
-            for i in range(len(x) - 1):
-                cost = k if x[i] == self.image_token_id else 1
-                if used + cost > self.seq_length:
-                    break
-                used += cost
-                m = i + 1
-                n_img += x[i] == self.image_token_id
-        tokens = torch.tensor(x[:m], dtype=torch.int64)
-        labels = torch.tensor(x[1 : m + 1], dtype=torch.int64)
-        loss_mask = torch.tensor(assistant[1 : m + 1], dtype=torch.float32)
-        if loss_mask.sum() == 0:
+        # Keep tokens x[:m] with m + (k-1) * images_in(x[:m]) <= seq_length.
+        m = kept_tokens(x, {self.image_token_id: [k] * len(positions)}, self.seq_length, self.whole)
+        n_img = sum(1 for p in positions if p < m)
+        out = framed(x, assistant, m, self.whole, self.pad_token_id)
+        if out["loss_mask"].sum() == 0:
             self.skips.skip(key, "no_answer", "no answer token left within seq_length")
         self.skips.kept()
-        return dict(
-            images=self.pixel_values(images[:n_img]),
-            tokens=tokens,
-            labels=labels,
-            loss_mask=loss_mask,
-            num_tokens=m + (k - 1) * n_img,
-        )
+        return dict(images=self.pixel_values(images[:n_img]), **out, num_tokens=m + (k - 1) * n_img)
 
     @stateless
     def encode_sample(self, sample: Sample) -> VLMSample:

@@ -73,7 +73,7 @@ class MoEOptions:
     compute what HF's model computes: every token reaches its top-k experts (no capacity, no dropping)."""
 
     aux_loss_coeff: float | None = None  # None: the spec's (HF router_aux_loss_coef)
-    # hf (transformers' load_balancing_loss_func, megatron_vlm.training.moe) | aux_loss | seq_aux_loss |
+    # hf (transformers' load_balancing_loss_func, megatron_vlm.training.moe.hf_objective) | aux_loss | seq_aux_loss |
     # global_aux_loss (megatron-core's) | none
     load_balancing_type: str = "hf"
     z_loss_coeff: float | None = None
@@ -125,8 +125,8 @@ def _moe_config(spec: VLMSpec, opts: ModelOptions) -> dict:
     """TransformerConfig MoE fields: HF's routing (softmax over all experts, top-k, renormalised when
     ``norm_topk_prob``: megatron's top-k of the logits then softmax over them is the same distribution; without
     renormalisation, megatron's pre-softmax), the per-layer MoE pattern (``moe_layer_freq``) and expert
-    parallelism. The ``hf`` load-balancing objective is megatron-vlm's (:mod:`megatron_vlm.training.moe`): megatron-core's
-    routers then compute no loss of their own."""
+    parallelism. The ``hf`` load-balancing objective is megatron-vlm's
+    (:mod:`megatron_vlm.training.moe.hf_objective`): megatron-core's routers then compute no loss of their own."""
     if not spec.is_moe:
         return {}
     moe = opts.moe or MoEOptions()

@@ -25,10 +25,10 @@ that module defines itself); :data:`MODE_STACK` (torch's function-mode stack of 
 value is a mode, pushed on apply and popped on undo).
 
 Left out on purpose: changes to one object megatron-vlm built (a router's ``routing`` wrapped by
-``training/moe.py``, a model's loss function by ``training/objective.py``, ``_language_is_pipeline_parallel`` of a
-model) live and die with that object, and resetting megatron-core's state (``runtime/distributed.py`` forgetting
-process groups and caches) replaces nothing of its code. How to audit a megatron-core upgrade:
-docs/development.md#the-megatron-core-patch-registry.
+``training/moe/orchestration.py``, a model's loss function by ``training/objective.py``,
+``_language_is_pipeline_parallel`` of a model) live and die with that object, and resetting megatron-core's state
+(``runtime/distributed.py`` forgetting process groups and caches) replaces nothing of its code. How to audit a
+megatron-core upgrade: docs/development.md#the-megatron-core-patch-registry.
 
 Pure Python at import (no torch, no megatron-core): ``runtime/lean_imports.py`` uses it before megatron-core is
 imported.
@@ -230,15 +230,15 @@ PATCHES: tuple[Patch, ...] = (
           "around LLaVAModel's construction (model/build.py)", "the scope's end restores both names",
           "tests/test_packing_equivalence.py::test_context_parallel_packs_equal_unpacked_and_cp1",
           "megatron_vlm.model.build"),
-    # ---- training (training/moe.py, training/checkpointing.py) ----------------------------------------------------
+    # ---- training (training/moe/orchestration.py, training/checkpointing.py) ----------------------------------------
     Patch("moe-token-dropping-positions", ("megatron.core.transformer.moe.router:apply_router_token_dropping",),
           "--moe-expert-capacity-factor: megatron-core figures the capacity over every position of the rows; the "
           "trainer's token dropping counts the positions of samples only and routes padding nowhere", _BOTH,
-          "a router of an MoE model in training (training/moe.MoETraining)",
+          "a router of an MoE model in training (training/moe/orchestration.MoETraining)",
           "around one routing call of a router (MoETraining's routing wrapper)",
           "the scope's end restores megatron-core's function",
           "tests/test_moe_spec.py::test_a_router_counts_and_balances_the_samples_positions_only",
-          "megatron_vlm.training.moe"),
+          "megatron_vlm.training.moe.orchestration"),
     Patch("optimizer-state-own-values", (f"{_DIST_OPT}:DistributedOptimizer.sharded_param_state_fully_reshardable",),
           "the distributed optimizer's 'fully_reshardable' save reads each parameter of a multi-bucket buffer at "
           "offsets counting the buckets' end padding, in tensors that leave it out (NVIDIA/Megatron-LM#5077): "

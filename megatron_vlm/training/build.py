@@ -45,7 +45,7 @@ class Training:
     impl: str = "local"  # layer implementation: "transformer_engine" or "local"
     impl_reason: str = ""
     fusions: object = None  # megatron_vlm.model.fusions.Fusions in effect
-    moe: object = None  # megatron_vlm.training.moe.MoETraining of a mixture-of-experts model
+    moe: object = None  # megatron_vlm.training.moe.orchestration.MoETraining of an MoE model
 
     @property
     def model(self) -> torch.nn.Module:
@@ -207,7 +207,7 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     moe = None
     if spec.is_moe:
         from megatron_vlm.model.build import aux_loss_coefficient
-        from megatron_vlm.training.moe import MoETraining
+        from megatron_vlm.training.moe.orchestration import MoETraining
 
         opts = cfg.moe_options()
         moe = MoETraining(models, spec, config, opts.load_balancing_type, aux_loss_coefficient(spec, opts),

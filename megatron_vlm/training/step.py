@@ -32,7 +32,7 @@ class StepResult:
     tokens: int
     images: int
     loss_scale: float = 1.0  # the loss scale the step ran at (fp16; 1 otherwise)
-    moe: dict | None = None  # a mixture-of-experts model's routing numbers (megatron_vlm.training.moe)
+    moe: dict | None = None  # a mixture-of-experts model's routing numbers (megatron_vlm.training.moe.stats)
 
     @property
     def loss(self) -> float:
@@ -54,8 +54,8 @@ def _on(device, t):
 def forward_step(device, data_iterator, model, moe=None):
     """``None`` micro batches (middle pipeline stages) pass no inputs; a packed one (``cu_seqlens``) passes
     megatron's PackedSeqParams (see :mod:`megatron_vlm.data.packing` and :mod:`.batch_feed`). ``moe``: a
-    mixture-of-experts model's :class:`~megatron_vlm.training.moe.MoETraining` in training, told where each micro
-    batch's forward starts and ends on this rank."""
+    mixture-of-experts model's :class:`~megatron_vlm.training.moe.orchestration.MoETraining` in training, told where
+    each micro batch's forward starts and ends on this rank."""
     b = next(data_iterator)
     micro = moe.begin(b, model) if moe is not None else None
     kwargs = {}
@@ -139,8 +139,8 @@ def train_step(training, batches: list, cfg, device) -> StepResult:
     scale = float(optimizer.get_loss_scale()) if cfg.precision == "fp16" else 1.0
     moe = getattr(training, "moe", None)
     with contextlib.ExitStack() as stack:
-        if moe is not None:  # the MoE load-balancing term's weight in this step (megatron_vlm.training.moe)
-            from megatron_vlm.training.moe import global_loss_tokens
+        if moe is not None:  # the MoE load-balancing term's weight in this step (training/moe/)
+            from megatron_vlm.training.moe.orchestration import global_loss_tokens
 
             micro_batches = len(batches) * ps.get_data_parallel_world_size()
             stack.enter_context(moe.step(global_loss_tokens(batches, device), micro_batches))

@@ -72,8 +72,8 @@ def _source(cfg):
 def describe_moe(spec: VLMSpec, config, cfg, moe=None) -> str:
     """The start-up line of an MoE run: the routing the model was built with, its parallel layout, the
     load-balancing objective and its coefficient (``moe``: the run's
-    :class:`~megatron_vlm.training.moe.MoETraining`)."""
-    from megatron_vlm.training.moe import describe_objective
+    :class:`~megatron_vlm.training.moe.orchestration.MoETraining`)."""
+    from megatron_vlm.training.moe.objectives import describe_objective
 
     source = "the HF config's router_aux_loss_coef" if cfg.moe_aux_loss_coeff is None else "--moe-aux-loss-coeff"
     kind = moe.objective if moe is not None else config.moe_router_load_balancing_type

@@ -2,8 +2,11 @@
 
 The trainer's samples (``VLMSample`` / ``AnyresSample``: Megatron tokens with one token per image or video,
 labels shifted by one, a loss mask) are turned into what HF ``LlavaForConditionalGeneration`` /
-``LlavaOnevisionForConditionalGeneration`` take: every image/video token expanded to its count, and ``labels``
-that are -100 except at the positions whose token the trainer's loss predicts. HF's forward with ``labels``
+``LlavaOnevisionForConditionalGeneration`` take: the whole sequence the sample was cut from (the trainer's tokens
+and, in Megatron's framing, the last label after them; a mixture-of-experts model's samples hold the whole sequence
+as their tokens already, :func:`megatron_vlm.data.task_encoder.whole_sequence`), every image/video token expanded
+to its count, and ``labels`` that are -100 except at the positions whose token the trainer's loss predicts. HF's
+forward with ``labels``
 computes its own (shifted, mean) cross entropy over the true vocabulary; a global batch's loss is the sum of
 each sample's HF loss times its label count, over the global batch's label count - the per-token objective the
 trainer normalises over the whole global batch (:mod:`megatron_vlm.training.step`).
@@ -11,9 +14,9 @@ trainer normalises over the whole global batch (:mod:`megatron_vlm.training.step
 A mixture-of-experts language model's objective is its HF model's (``Qwen3MoeForCausalLM``,
 ``MixtralForCausalLM``): the cross entropy plus ``router_aux_loss_coef`` times transformers' own
 ``load_balancing_loss_func`` (of the text model's module), computed per micro batch as HF's forward computes it
-per batch: the router logits of every MoE layer, taken from HF's own routers by forward hooks, with
-``attention_mask`` leaving out every position the trainer does not feed to the model (each sample's last token:
-the trainer's rows stop before it, it is only a label there). The micro batches are the trainer's (consecutive
+per batch: the router logits of every MoE layer over every position of HF's input, taken from HF's own routers by
+forward hooks (no position masked: HF's own framing, the last position routed too). The micro batches are the
+trainer's (consecutive
 ``cfg.micro_batch_size`` samples of a global batch: each data-parallel rank's slice is contiguous), and the term
 is averaged over them, as gradient accumulation averages it. The samples still run through HF one at a time,
 so nothing is padded on HF's side.
@@ -40,7 +43,10 @@ IGNORE = -100
 
 def hf_inputs(sample, spec: VLMSpec) -> dict:
     """HF forward inputs (with ``labels``) of one encoded trainer sample."""
-    x = torch.cat([sample.tokens, sample.labels[-1:]]).tolist()  # the full sequence the sample was cut from
+    from megatron_vlm.data.task_encoder import whole_sequence
+
+    # the full sequence the sample was cut from: its tokens, and in Megatron's framing the last label after them
+    x = sample.tokens.tolist() if whole_sequence(spec) else torch.cat([sample.tokens, sample.labels[-1:]]).tolist()
     media = {spec.image_token_id, *([spec.video_token_id] if spec.video_token_id is not None else [])}
     anyres = hasattr(sample, "num_image_tokens")
     counts = sample.num_image_tokens.tolist() if anyres else [spec.num_image_tokens] * x.count(spec.image_token_id)
@@ -173,19 +179,16 @@ def train(hf_dir, global_batches: list[list], cfg, steps: int | None = None, gra
             ce = 0.0
             if balance is not None:
                 balance[1].clear()
-            masks = []
             for i in group:
                 loss = model(**i).loss * (int((i["labels"] != IGNORE).sum()) / n_total)
                 total += loss.item()
                 ce = ce + loss
-                positions = i["input_ids"].shape[1]  # the trainer feeds every position but the last
-                masks.append(torch.cat([torch.ones(positions - 1), torch.zeros(1)]))
             if balance is not None:
                 routed = balance[1]
                 per_sample = len(routed) // len(group)  # each sample's forward routed every MoE layer in order
                 layers = tuple(torch.cat([routed[k * per_sample + layer] for k in range(len(group))])
                                for layer in range(per_sample))
-                lb = balance[0](layers, attention_mask=torch.cat(masks)[None])
+                lb = balance[0](layers)  # every position of HF's input, as HF's forward of unpadded rows routes them
                 lb_total += float(lb.detach()) / len(micro)
                 ce = ce + coeff * lb / len(micro)
             ce.backward()

@@ -13,6 +13,7 @@ trained whatever the layout.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def job_config(job: dict, n_steps: int, global_batch_size: int):
 
     fields = {k: v for k, v in job.items()
               if k not in ("name", "steps", "start", "save", "save_after", "resume", "reload_weights",
-                           "grads", "megatron_dir", "hf_dir", "batches", "refused",
+                           "grads", "megatron_dir", "hf_dir", "batches", "refused", "count_syncs",
                            "unchecked_expert_layout", "evaluate")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
@@ -184,6 +185,77 @@ def _save(job, step: int, cfg, rt, spec, training, iter_dir, global_batch_size: 
         training.enable_forward_pre_hook()
 
 
+#: what makes the host wait for the device: a value read back (``item``, ``tolist``, a tensor's ``bool``, ``float``,
+#: ``int``) or positions computed from values (``nonzero``)
+HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero")
+
+
+@contextlib.contextmanager
+def moe_host_syncs(training, counts: dict):
+    """Counts into ``counts`` what a mixture-of-experts model's per-router path does (``count_syncs`` jobs): the host
+    syncs (:data:`HOST_SYNCS`, by name) made inside every router's routing (as the trainer wraps it, megatron-core's
+    own routing inside), inside the HF term's backward and inside the trainer's per-micro-batch calls
+    (``MoETraining.begin`` / ``forward_done``); and ``router_calls``, ``micro_batches`` (``begin`` calls of a
+    rank's first model chunk), ``position_builds`` (the positions of samples built for a router:
+    ``held_positions``) and ``exchange_ranks`` (the ranks of the pipeline stages' exchange group; None without
+    one)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_vlm.training.moe import hf_objective, micro_batch
+
+    inside = [0]
+    counts.update({k: 0 for k in ("syncs", "router_calls", "micro_batches", "position_builds")})
+    exchange = getattr(training.moe.hf, "exchange", None)  # the stage exchange's group: its ranks
+    counts["exchange_ranks"] = None if exchange is None else \
+        torch.distributed.get_process_group_ranks(exchange.group)
+
+    def scoped(f, key=None, first_chunk_only=False):
+        def g(*args, **kwargs):
+            if key and not (first_chunk_only and len(moe_training.wrapped) > 1 and
+                            args[1:2] and args[1] is not moe_training.wrapped[0]):
+                counts[key] += 1
+            inside[0] += 1
+            try:
+                return f(*args, **kwargs)
+            finally:
+                inside[0] -= 1
+        return g
+
+    def counted(name, f):
+        def g(self, *args, **kwargs):
+            if inside[0]:
+                counts["syncs"] += 1
+                counts[name] = counts.get(name, 0) + 1
+            return f(self, *args, **kwargs)
+        return g
+
+    moe_training = training.moe
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_SYNCS}
+    grad_fn = hf_objective._LoadBalancingGradient.backward
+    positions = micro_batch.held_positions
+    own = {"begin": moe_training.begin, "forward_done": moe_training.forward_done}
+    routers = [(m, m.routing) for chunk in training.models for m in chunk.modules() if isinstance(m, TopKRouter)]
+    for m, routing in routers:
+        m.routing = scoped(routing, "router_calls")
+    moe_training.begin = scoped(own["begin"], "micro_batches", first_chunk_only=True)
+    moe_training.forward_done = scoped(own["forward_done"])
+    hf_objective._LoadBalancingGradient.backward = staticmethod(scoped(grad_fn))
+    micro_batch.held_positions = scoped(positions, "position_builds")
+    for name, f in saved.items():
+        setattr(torch.Tensor, name, counted(name, f))
+    try:
+        yield counts
+    finally:
+        for name, f in saved.items():
+            setattr(torch.Tensor, name, f)
+        hf_objective._LoadBalancingGradient.backward = staticmethod(grad_fn)
+        micro_batch.held_positions = positions
+        for name in own:
+            delattr(moe_training, name)
+        for m, routing in routers:
+            m.routing = routing
+
+
 def _start(job: dict, cfg, spec, iter_dir, rt):
     """The job's Training, fresh from ``iter_dir``'s weights or resumed as the trainer resumes."""
     from megatron_vlm.training import checkpointing, resume
@@ -222,6 +294,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     ``evaluate`` (a number of micro batches): the trainer's evaluation (:func:`megatron_vlm.training.step.evaluate`)
     of that many micro batches of the first global batch after the last step, as 'val_loss' (every one of them, with
     virtual pipeline stages too).
+    ``count_syncs``: count a mixture-of-experts model's per-router path in the first step (:func:`moe_host_syncs`),
+    every rank's counts as 'host_syncs'.
     ``grads``: also return, as 'grads', every model chunk's (coordinates, local gradients) of the first step, and
     as 'layout' the keyword arguments of :func:`tests.support.grad_reference.assemble` (tp, pp, layers, ep,
     etp), which turns them into HF-named gradients (with virtual pipeline stages each chunk is a stage of a
@@ -288,10 +362,14 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         # it to the other TP ranks of the first/last stage
         reads = batch_feed.reads_data(rt.tp_rank, rt.pp_rank, rt.pp)
         save_after = job.get("save_after", steps) if job.get("save") else None
+        syncs: dict = {}
+        probe = moe_host_syncs(training, syncs) if job.get("count_syncs") else contextlib.nullcontext()
         for k, gb in enumerate(global_batches[first:first + steps], 1):
             mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
                 [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
-            r = train_step(training, batch_feed.distribute(mine, rt.device), cfg, rt.device)
+            batches = batch_feed.distribute(mine, rt.device)
+            with probe if k == 1 else contextlib.nullcontext():  # the first step: the one the gradients are of
+                r = train_step(training, batches, cfg, rt.device)
             losses.append(r.loss)
             norms.append(r.grad_norm)
             scales.append(r.loss_scale)
@@ -315,9 +393,14 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         torch.distributed.all_gather_object(digests, weights_digest(training))
         vals: list = [None] * world
         torch.distributed.all_gather_object(vals, val)
+        if job.get("count_syncs"):
+            every: list = [None] * world
+            torch.distributed.all_gather_object(every, syncs)
         result = {"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
                   "readers": [r for r, x in enumerate(readers) if x], "weights": digests, "moe": moe,
                   "val_loss": next((v for v in vals if v is not None), None)}
+        if job.get("count_syncs"):  # every rank's counts of its per-router path in the first step
+            result["host_syncs"] = every
         if job.get("grads"):  # each chunk's (coordinates, first step's gradients); pp: its stage of the views' pipeline
             mine = [(dict(grad_reference.coordinates(), pp=v.stage), c[0]) for v, c in zip(views, captured)]
             ranks: list = [None] * world

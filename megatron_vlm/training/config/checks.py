@@ -204,25 +204,37 @@ def _check_experts(cfg: ConfigFields) -> list[str]:
 
 
 def _check_context_parallel(cfg: ConfigFields) -> list[str]:
-    """Context parallelism: the lengths it splits (a multiple of 2 x CP, x TP with sequence parallelism, as
-    megatron-core's LLaVAModel shards them; packed sequences: :func:`_check_packing`) and the attention that
-    exchanges keys and values."""
+    """Context parallelism: the attention that exchanges keys and values, and the lengths it splits
+    (:func:`check_sequence_length`)."""
     p: list[str] = []
     if cfg.cp_comm_type is not None and (cfg.cp == 1 or cfg.transformer_impl == "local" or cfg.device == "cpu"):
         p.append(f"--cp-comm-type {cfg.cp_comm_type} applies to Transformer Engine's attention with --cp > 1 on a "
                  "GPU" + ("" if cfg.cp > 1 else " (this run has --cp 1)") + "; local layers all-gather keys and "
                  "values: drop --cp-comm-type")
-    if cfg.cp <= 1 or cfg.tp < 1 or cfg.packing:
-        return p
+    return p + check_sequence_length(cfg)
+
+
+def check_sequence_length(cfg: ConfigFields, sequence_parallel_origin: str = "") -> list[str]:
+    """--seq-length against the chunks megatron-core's LLaVAModel splits every sequence into
+    (:func:`~megatron_vlm.model.context_parallel.length_multiple`: 2 x CP, x TP with sequence parallelism, and the
+    FP8 alignment): under context parallelism, and under sequence parallelism with pipeline parallelism (every micro
+    batch is --seq-length long there). Packed sequences: :func:`_check_packing`. ``sequence_parallel_origin``: why
+    sequence parallelism is on when the user did not ask for it (``resolve.settle_with_spec``)."""
+    if cfg.tp < 1 or cfg.cp < 1 or cfg.packing or not (cfg.cp > 1 or (cfg.sequence_parallel and cfg.pp > 1)):
+        return []
     m = length_multiple(cfg.cp, cfg.tp, bool(cfg.sequence_parallel))
-    why = f"2 x --cp {cfg.cp}" + (f" x --tp {cfg.tp}, with --sequence-parallel" if cfg.sequence_parallel else "")
+    parts = ([f"2 x --cp {cfg.cp}"] if cfg.cp > 1 else []) + \
+        ([f"--tp {cfg.tp}, with --sequence-parallel{sequence_parallel_origin}"] if cfg.sequence_parallel else [])
+    why = " x ".join(parts)
     if cfg.fp8 and math.lcm(m, fp8_align_size(cfg.fp8_recipe)) != m:
         m = math.lcm(m, fp8_align_size(cfg.fp8_recipe))
         why += ", and the FP8 token alignment"
-    if cfg.seq_length % m:
-        p.append(f"--seq-length {cfg.seq_length} does not split over the context-parallel ranks: it must be a "
-                 f"multiple of {m} ({why}); use --seq-length {round_up(cfg.seq_length, m)}")
-    return p
+    if m <= 1 or cfg.seq_length % m == 0:
+        return []
+    ranks = "context-parallel ranks" if cfg.cp > 1 else \
+        f"sequence-parallel ranks (with --pp {cfg.pp} every micro batch is --seq-length long)"
+    return [f"--seq-length {cfg.seq_length} does not split over the {ranks}: it must be a multiple of {m} ({why}); "
+            f"use --seq-length {round_up(cfg.seq_length, m)}"]
 
 
 def _check_virtual_pipeline(cfg: ConfigFields) -> list[str]:

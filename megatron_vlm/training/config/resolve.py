@@ -92,14 +92,16 @@ def settle_with_spec(cfg: ConfigFields, spec) -> list[str]:
     """Settings that follow from the model the run trains, once its spec is read (the launcher, and every rank at
     start-up): a mixture-of-experts language model at --tp > 1 trains with sequence parallelism, which
     megatron-core's MoE layers need with tensor parallelism. Changes ``cfg`` in place and returns notes for the
-    start-up output; raises ConfigError when the settled config fails a check (e.g. --packed-seq-length not a
-    multiple of --tp)."""
+    start-up output; raises ConfigError when the settled config fails a check that sequence parallelism takes part
+    in (--packed-seq-length, or --seq-length under context or pipeline parallelism, not a multiple of the chunks
+    the sequence splits into)."""
     notes: list[str] = []
     if getattr(spec, "is_moe", False) and cfg.tp > 1 and not cfg.sequence_parallel:
         cfg.sequence_parallel = True
         notes.append(f"sequence parallelism on: the mixture-of-experts language model trains at --tp {cfg.tp} "
                      "on a sequence-parallel split (megatron-core's MoE layers need it with tensor parallelism)")
-        problems = checks._check_packing(cfg)  # the checks sequence parallelism takes part in
+        origin = f", which the mixture-of-experts language model turns on at --tp {cfg.tp}"
+        problems = checks._check_packing(cfg) + checks.check_sequence_length(cfg, origin)
         if problems:
             raise ConfigError(checks.join(problems))
     return notes
