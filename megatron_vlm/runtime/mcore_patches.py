@@ -441,29 +441,30 @@ def _uninstall(name: str) -> None:
         raise PatchError("; ".join(errors))
 
 
+def _active_record(name: str, params: dict):
+    """The record of patch ``name``, installed now with ``params`` if it is not active (call under ``_LOCK``); an
+    active one must have the same ``params``. Every use checks the installed megatron-core against the entry."""
+    check(name)
+    record = _ACTIVE.get(name)
+    if record is None:
+        record = _install(name, params)
+    elif record.params != params:
+        raise PatchError(f"patch {name!r} is active with {record.params}, not {params}")
+    return record
+
+
 def apply(name: str, **params) -> None:
     """Install patch ``name`` for the rest of the process (idempotent; until :func:`undo`)."""
-    check(name)
     with _LOCK:
-        record = _ACTIVE.get(name)
-        if record is None:
-            record = _install(name, params)
-        elif record.params != params:
-            raise PatchError(f"patch {name!r} is active with {record.params}, not {params}")
-        record.lasting = True
+        _active_record(name, params).lasting = True
 
 
 @contextlib.contextmanager
 def applied(name: str, **params):
     """Patch ``name`` for the time of the ``with`` block (a no-op while it is active already, e.g. for the process);
     ``params`` go to its implementation. Every use checks the installed megatron-core against the entry."""
-    check(name)
     with _LOCK:
-        record = _ACTIVE.get(name)
-        if record is None:
-            record = _install(name, params)
-        elif record.params != params:
-            raise PatchError(f"patch {name!r} is active with {record.params}, not {params}")
+        record = _active_record(name, params)
         record.holds += 1
     try:
         yield
