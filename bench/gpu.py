@@ -100,8 +100,8 @@ from bench.gpu_steps.cp import check_cp, cp_sample  # noqa: E402,F401
 from bench.gpu_steps.vpp import check_vpp, vpp_split  # noqa: E402,F401
 from bench.gpu_steps.internvl import (INTERNVL_TILE, build_internvl_inputs, check_internvl,  # noqa: E402,F401
                                       internvl_hf_logits)
-from bench.gpu_steps.results import (STEP_LABELS, not_measured, print_table, report, verdict, with_ratios,  # noqa: E402,F401
-                                     write_results)
+from bench.gpu_steps.results import (  # noqa: E402,F401
+    STEP_LABELS, not_measured, print_table, report, verdict, with_ratios, write_results)
 
 
 def parse(argv=None):

@@ -30,9 +30,9 @@ test module that imports megatron-core, Transformer Engine, PyAV or torchvision 
 ``tests.support`` modules it imports, or through the top-level imports of the ``megatron_vlm`` modules it imports),
 that spawns a gloo world (``megatron_vlm.runtime.spawn.run_world``, directly or through ``tests.support``), or that
 starts a command whose run reaches megatron-core (:data:`MCORE_COMMANDS`) as a process the guard does not watch.
-What is left -- an import inside a function of the library, a forked command -- the guard sees when it happens. tests/test_ci_rules.py holds the split to it: a derived module is
-never marked one-lane unless it names ``covered_by`` modules, each of which both lanes run, and which between them
-run every such command it runs.
+What is left -- an import inside a function of the library, a forked command -- the guard sees when it happens.
+tests/test_ci_rules.py holds the split to it: a derived module is never marked one-lane unless it names ``covered_by``
+modules, each of which both lanes run, and which between them run every such command it runs.
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ def commands_named(test_path) -> set[str]:
     and benchmark scripts it names (which run the commands themselves), with the modules of bench/ those import
     (bench/gpu.py's steps, ``bench.gpu_steps``): what its ``covered_by`` modules must run too. Shared fixtures
     (conftest) and tests/support are left out: every module has them."""
-    composite = sorted(str(p.relative_to(ROOT)) for p in [ROOT / "demo" / "run_demo.py", *(ROOT / "bench").glob("*.py")])
+    scripts = [ROOT / "demo" / "run_demo.py", *(ROOT / "bench").glob("*.py")]
+    composite = sorted(str(p.relative_to(ROOT)) for p in scripts)
     helpers = {f"tests.{p.stem}": p for p in (ROOT / "tests").glob("*.py")
                if not p.stem.startswith("test_") and p.stem not in ("conftest", "lanes")}
     for p in sorted((ROOT / "bench").rglob("*.py")):

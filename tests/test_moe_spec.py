@@ -66,7 +66,8 @@ def test_moe_settings_megatron_core_receives():
     kw = _moe_config(s, ModelOptions(tp=2, ep=2))
     assert kw["moe_layer_freq"] == [1, 0, 1] and kw["moe_router_pre_softmax"] is False
     assert (kw["expert_model_parallel_size"], kw["expert_tensor_parallel_size"]) == (2, 2)
-    # the default objective is HF's (megatron_vlm.training.moe.hf_objective): megatron-core's routers compute no loss of their own
+    # the default objective is HF's (megatron_vlm.training.moe.hf_objective): megatron-core's routers compute no loss of
+    # their own
     assert (kw["moe_router_load_balancing_type"], kw["moe_aux_loss_coeff"]) == ("none", 0.0)
     assert kw["moe_expert_capacity_factor"] is None
     mcore = _moe_config(s, ModelOptions(moe=MoEOptions(load_balancing_type="aux_loss")))
@@ -269,9 +270,9 @@ def test_the_objective_is_named_with_its_coefficient():
 
 
 def test_a_router_counts_and_balances_the_samples_positions_only():
-    """megatron-core's TopKRouter as the trainer wraps it (megatron_vlm.training.moe.orchestration.MoETraining), in a one-process
-    world, on a micro batch of two rows of 8 positions whose second row holds a sample of 3 (the rest is padding,
-    whose logits favour expert 0 most): HF's term equals transformers' own load_balancing_loss_func with the
+    """megatron-core's TopKRouter as the trainer wraps it (megatron_vlm.training.moe.orchestration.MoETraining), in a
+    one-process world, on a micro batch of two rows of 8 positions whose second row holds a sample of 3 (the rest is
+    padding, whose logits favour expert 0 most): HF's term equals transformers' own load_balancing_loss_func with the
     attention mask, value and gradient; the routing numbers count the 11 positions of samples; with capacity factor
     1 the capacity is ceil(11 x 2 / 4) = 6 and padding takes none of it (it used to count all 16 positions and route
     the padding); megatron-core's own token dropping is back once the routing calls are over."""

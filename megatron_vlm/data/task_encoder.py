@@ -13,10 +13,9 @@ Per sample (:meth:`VLMTaskEncoder.encode_sample`):
   same and the routers also see the last position;
 - truncation to ``seq_length`` counted with images expanded (the positions the model sees: the tokens); it removes
   text from the end and never splits an image (an image past the cut is dropped with its pixels). A sample whose
-  images alone do
-  not fit, or that keeps no answer token, is skipped (counted by reason in :attr:`VLMTaskEncoder.skipped`);
-  after ``max_consecutive_skips`` skips in a row the encoder stops the run with the reasons counted
-  (:mod:`megatron_vlm.data.skips`);
+  images alone do not fit, or that keeps no answer token, is skipped (counted by reason in
+  :attr:`VLMTaskEncoder.skipped`); after ``max_consecutive_skips`` skips in a row the encoder stops the run with the
+  reasons counted (:mod:`megatron_vlm.data.skips`);
 - image size and image tokens per image from the model's spec (:mod:`megatron_vlm.data.geometry`); an image
   processor whose output size differs from the spec's is refused;
 - pixel values from the model's own HF image processor (``AutoProcessor.from_pretrained``, its PIL backend),
