@@ -28,7 +28,8 @@ def meg(hf_models, tmp_path_factory):
 
 
 @pytest.mark.parametrize("args,expect", [
-    (["--tp", "3"], "tp=3 does not divide num_attention_heads=4 of language model; choose --tp from [1, 2, 4]"),
+    (["--tp", "3"], "tp=3 does not divide num_attention_heads=4 of language model; choose --tp from [1, 2], the sizes "
+                    "every part of this model splits over"),  # 2 KV heads: --tp 4 would not split them
     (["--tp", "8"], "tp=8 does not divide num_attention_heads=4"),
     (["--pp", "3"], "pp=3 does not divide num_layers=2 of language model"),
     (["--pp", "2", "--pp-layers", "2,1"], "--pp-layers 2,1 must give 2 positive counts summing to num_layers=2"),

@@ -149,7 +149,7 @@ def test_a_tp_that_does_not_divide_the_padded_vocabulary_is_refused_before_launc
     problems = check_spec(TrainConfig(tp=tp, seq_length=256), spec, "the model")
     assert len(problems) == 1 and "\n" not in problems[0], problems
     assert problems[0].startswith(f"tp={tp} does not divide padded vocab size=640 of language model; choose --tp "
-                                  "from [1, 2, 4, 8"), problems
+                                  "from [1, 2], the sizes every part of this model splits over"), problems
     divides = tiny_spec(vocab_size=700, **shapes)  # 768 rows: TP 3 and 6 pass
     assert check_spec(TrainConfig(tp=tp, seq_length=256), divides, "the model") == []
 

@@ -53,10 +53,13 @@ def test_packing_runs_with_every_layer_implementation():
     by check_packing_supported); the remaining checks name the flag and the fix."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    from megatron_vlm.runtime import mcore_patches
     from megatron_vlm.training.config import ConfigError, TrainConfig
 
     check_packing_supported("local", "cpu")
-    assert getattr(DotProductAttention.forward, "_packed_thd", False)
+    # megatron's local attention learns 'thd': its forward is the registry's entry's
+    assert mcore_patches.held().get(f"{DotProductAttention.__module__}:DotProductAttention.forward") == \
+        "packed-local-attention"
     check_packing_supported("transformer_engine", "cuda")
     req = ["--data-path", "/d", "--tokenizer-load-dir", "/t", "--init", "--train-iters", "2", "--seq-length", "512"]
     c = TrainConfig.from_args([*req, "--device", "cuda", "--packing-buffer-size", "64", "--packed-seq-length", "2048"])
