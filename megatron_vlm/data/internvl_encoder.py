@@ -34,6 +34,7 @@ from megatron_vlm.data import videos as vid
 from megatron_vlm.data.chat_tokens import ChatTokenizer
 from megatron_vlm.data.task_encoder import (VLMBatch, VLMSample, VLMTaskEncoder, _as_pil, framed, kept_tokens,
                                             refuse_videos)
+from megatron_vlm.model.tokenizer import token_id
 
 START, END = "<img>", "</img>"  # InternVL's defaults when the tokenizer names none
 
@@ -52,8 +53,7 @@ def media_tokens(tokenizer) -> tuple[str, str, str, str | None]:
     start = getattr(tokenizer, "start_image_token", None) or START
     end = getattr(tokenizer, "end_image_token", None) or END
     video = getattr(tokenizer, "video_token", None)
-    vocab = tokenizer.get_vocab()
-    return image, start, end, (video if video in vocab else None)
+    return image, start, end, (video if video and token_id(tokenizer, video) is not None else None)
 
 
 class InternVLChat(ChatTokenizer):

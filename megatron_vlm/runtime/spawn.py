@@ -74,6 +74,11 @@ def _entry(rank: int, world: int, port: int, out_dir: str, env: dict, cwd: str, 
 
         warnings.filterwarnings("ignore")
         logging.getLogger("megatron").setLevel(logging.ERROR)
+    from megatron_vlm.runtime.gc_freeze import freeze_long_lived
+
+    # what the fork server imported (torch, megatron-core, transformers: ~1M objects) lives as long as the rank:
+    # no collection of the jobs' garbage (distributed.destroy_parallel_groups collects after every job) walks it
+    freeze_long_lived()
     try:
         result = fn(*args, **kwargs)
         torch.save({"ok": True, "result": result}, Path(out_dir) / f"rank{rank}.pt")
@@ -83,7 +88,6 @@ def _entry(rank: int, world: int, port: int, out_dir: str, env: dict, cwd: str, 
         raise
     finally:
         from megatron_vlm.runtime.distributed import teardown
-        from megatron_vlm.runtime.gc_freeze import freeze_long_lived
 
         try:
             teardown()

@@ -41,6 +41,24 @@ from megatron_vlm.model.spec import VLMSpec
 IGNORE = -100
 
 
+#: (directory, its files' sizes and times) -> the spec read from it: VLMSpec.from_hf_dir loads the tokenizer to check
+#: the special tokens (~1 s for Qwen's), and a test's references read the same few models again and again
+_SPECS: dict = {}
+
+
+def spec_of(hf_dir) -> VLMSpec:
+    """``VLMSpec.from_hf_dir(hf_dir)``, read once per process while the directory's files stay as they are (a copy:
+    a caller may change its own)."""
+    import copy
+    import os
+
+    state = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(hf_dir) if e.is_file()))
+    key = (os.path.realpath(hf_dir), state)
+    if key not in _SPECS:
+        _SPECS[key] = VLMSpec.from_hf_dir(hf_dir)
+    return copy.deepcopy(_SPECS[key])
+
+
 def hf_inputs(sample, spec: VLMSpec) -> dict:
     """HF forward inputs (with ``labels``) of one encoded trainer sample."""
     from megatron_vlm.data.task_encoder import whole_sequence
@@ -144,7 +162,7 @@ def train(hf_dir, global_batches: list[list], cfg, steps: int | None = None, gra
     from tests.support.grad_reference import saved_gradients
     from megatron_vlm.training.build import optimizer_config
 
-    spec = VLMSpec.from_hf_dir(hf_dir)
+    spec = spec_of(hf_dir)
     oc = optimizer_config(cfg)
     if oc.optimizer != "adam" or not oc.decoupled_weight_decay:
         raise ValueError(f"the HF reference runs AdamW; the trainer's optimizer is {oc.optimizer} "

@@ -97,7 +97,7 @@ def step_peak_jobs(megatron_dir, hf_dir, samples: list, jobs: list[dict]) -> lis
     from megatron_vlm.checkpoint import layout as ckpt
     from megatron_vlm.model.spec import VLMSpec
     from megatron_vlm.runtime import distributed
-    from tests.support.train_jobs import encoder_for, job_config, micro_batches
+    from tests.support.train_jobs import batching_encoder, job_config, micro_batches
     from megatron_vlm.training import batch_feed
     from megatron_vlm.training.build import build_training, release
     from megatron_vlm.training.step import train_step
@@ -109,7 +109,7 @@ def step_peak_jobs(megatron_dir, hf_dir, samples: list, jobs: list[dict]) -> lis
     for job in jobs:
         cfg = job_config({k: v for k, v in job.items() if k != "name"}, 1, len(samples))
         rt = distributed.setup(cfg.tp, cfg.pp, device=cfg.device, seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp)
-        encoder = encoder_for(hf_dir, seq_length=cfg.seq_length, spec=spec, pad_to_multiple_of=pad_multiple(cfg))
+        encoder = batching_encoder(hf_dir, spec, pad_multiple(cfg), cfg.seq_length)
         training = build_training(cfg, spec, init_from=iter_dir)
         reads = batch_feed.reads_data(rt.tp_rank, rt.pp_rank, rt.pp)
         mine = micro_batches(encoder.batch, samples, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
