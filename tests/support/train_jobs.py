@@ -22,7 +22,7 @@ import torch
 from megatron_vlm.checkpoint import layout as ckpt
 from megatron_vlm.runtime.spawn import thread_names
 from megatron_vlm.model.spec import VLMSpec
-from tests.support import chunk_views
+from tests.support import chunk_views, sync_count
 
 #: what every job's TrainConfig has unless the job says otherwise
 BASE = dict(device="cpu", stage=2, freeze_vit=False, lr=2e-3, min_lr=0.0, lr_warmup_fraction=0.0,
@@ -146,7 +146,7 @@ def job_config(job: dict, n_steps: int, global_batch_size: int):
 
     fields = {k: v for k, v in job.items()
               if k not in ("name", "steps", "start", "save", "save_after", "resume", "reload_weights",
-                           "grads", "megatron_dir", "hf_dir", "batches", "refused", "count_syncs",
+                           "grads", "megatron_dir", "hf_dir", "batches", "refused", "count_syncs", "count_step_syncs",
                            "unchecked_expert_layout", "evaluate")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
@@ -309,6 +309,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     ``evaluate`` (a number of micro batches): the trainer's evaluation (:func:`megatron_vlm.training.step.evaluate`)
     of that many micro batches of the first global batch after the last step, as 'val_loss' (every one of them, with
     virtual pipeline stages too).
+    ``count_step_syncs``: count the host syncs of the second step (:mod:`tests.support.sync_count`, the batches
+    the ranks read on the host), every rank's counts by site as 'step_syncs'.
     ``count_syncs``: count a mixture-of-experts model's per-router path in the first step (:func:`moe_host_syncs`),
     every rank's counts as 'host_syncs'.
     ``grads``: also return, as 'grads', every model chunk's (coordinates, local gradients) of the first step, and
@@ -379,12 +381,19 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         save_after = job.get("save_after", steps) if job.get("save") else None
         syncs: dict = {}
         probe = moe_host_syncs(training, syncs) if job.get("count_syncs") else contextlib.nullcontext()
+        step_syncs = None
         for k, gb in enumerate(global_batches[first:first + steps], 1):
             mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
                 [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
             batches = batch_feed.distribute(mine, rt.device)
+            counting = job.get("count_step_syncs") and k == min(2, steps)  # a steady step: the second
+            counter = sync_count.SyncCounter(host=sync_count.batch_tensors(mine) + sync_count.optimizer_host_state(
+                training.optimizer)) if counting else None
             with probe if k == 1 else contextlib.nullcontext():  # the first step: the one the gradients are of
-                r = train_step(training, batches, cfg, rt.device)
+                with counter if counter is not None else contextlib.nullcontext():
+                    r = train_step(training, batches, cfg, rt.device)
+            if counter is not None:
+                step_syncs = counter.by_site()
             losses.append(r.loss)
             norms.append(r.grad_norm)
             scales.append(r.loss_scale)
@@ -416,6 +425,9 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
                   "val_loss": next((v for v in vals if v is not None), None)}
         if job.get("count_syncs"):  # every rank's counts of its per-router path in the first step
             result["host_syncs"] = every
+        if job.get("count_step_syncs"):  # every rank's syncing calls of the second step, by site
+            result["step_syncs"] = [None] * world
+            torch.distributed.all_gather_object(result["step_syncs"], step_syncs)
         if job.get("grads"):  # each chunk's (coordinates, first step's gradients); pp: its stage of the views' pipeline
             mine = [(dict(grad_reference.coordinates(), pp=v.stage), c[0]) for v, c in zip(views, captured)]
             # to rank 0 only (the tests read rank 0's results): every tensor's gradient pickled once, unpickled once
