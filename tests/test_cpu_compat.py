@@ -134,18 +134,22 @@ def test_megatron_autograd_backwards_run_under_the_cpu_mode():
 
 def test_optimizer_names_are_megatron_cores_own_fallbacks():
     """megatron-core's optimizer modules hold what their own import binds without Transformer Engine and Apex
-    (torch's Adam, megatron.core.utils' local multi-tensor functions): with TE installed (the 3.12 lane) they bound
+    (torch's Adam, megatron.core.utils' local multi-tensor applier; the norm and scale on torch's foreach kernels,
+    runtime/optimizer_kernels.py): with TE installed (the 3.12 lane) they bound
     TE's CUDA kernels, which fail on CPU tensors (tests/test_train_parallel.py trains with them in both lanes)."""
     from megatron.core import optimizer
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.optimizer import optimizer as base
-    from megatron.core.utils import local_multi_tensor_applier, local_multi_tensor_l2_norm, local_multi_tensor_scale
+    from megatron.core.utils import local_multi_tensor_applier
+
+    from megatron_vlm.runtime import optimizer_kernels
 
     assert optimizer.Adam is torch.optim.AdamW and optimizer.USING_PYTORCH_OPTIMIZER is True
     assert distrib_optimizer.Adam is torch.optim.Adam and distrib_optimizer.HAVE_APEX_OR_TE is False
     assert base.multi_tensor_applier is local_multi_tensor_applier is clip_grads.multi_tensor_applier
-    assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
-    assert base.multi_tensor_scale_impl is local_multi_tensor_scale is clip_grads.multi_tensor_scale_impl
+    # the norm, clip and copies: torch's foreach kernels in place of megatron's local fallbacks
+    assert clip_grads.l2_norm_impl is optimizer_kernels.l2_norm
+    assert base.multi_tensor_scale_impl is optimizer_kernels.scale is clip_grads.multi_tensor_scale_impl
 
 
 def test_the_layer_undoes_to_megatron_cores_and_torchs_own_objects():

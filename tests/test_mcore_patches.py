@@ -348,3 +348,49 @@ def test_optimizer_state_is_each_parameters_own_whatever_megatron_core_returns(h
             assert checkpointing.OWN_STATE not in mcore_patches.active()
         finally:
             release(training)
+
+
+def test_foreach_optimizer_kernels_equal_megatron_cores_fallbacks():
+    """Entry foreach-optimizer-kernels (runtime/optimizer_kernels.py): megatron-core's get_grad_norm_fp32 (a
+    one-process world) gives the same grad norm through the foreach kernels as through megatron-core's own local
+    fallback (fp32, relative 1e-6: the per-tensor norms are summed in another order), and a norm that leaves one
+    tensor out is told apart; the clip (in place) and the main-parameter copy (fp32 -> bf16, scale 1) equal the
+    fallback's bit for bit."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    from megatron_vlm.runtime import optimizer_kernels
+    from megatron_vlm.runtime.session import single_process_world
+
+    if torch.cuda.is_available():
+        not_here("the one-process world here is a CPU one")
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (32,), (1,), (300, 7), (5, 5, 5)] * 12
+    grads = [torch.randn(s, generator=g) * 10 ** float(torch.randint(-3, 3, (1,), generator=g)) for s in shapes]
+    assert mcore_patches.is_active("foreach-optimizer-kernels")  # the CPU layer of this process applies it
+    with single_process_world("cpu"):
+        ours = clip_grads.get_grad_norm_fp32(grads)
+        largest = max(range(len(grads)), key=lambda i: float(grads[i].norm()))
+        dropped = clip_grads.get_grad_norm_fp32(grads[:largest] + grads[largest + 1:])
+        prior = clip_grads.l2_norm_impl
+        clip_grads.l2_norm_impl = local_multi_tensor_l2_norm
+        try:
+            reference = clip_grads.get_grad_norm_fp32(grads)
+        finally:
+            clip_grads.l2_norm_impl = prior
+    assert abs(ours - reference) <= 1e-6 * reference, (ours, reference)
+    assert abs(dropped - reference) > 1e-6 * reference  # the check tells a wrong norm apart
+    buf = torch.zeros(1, dtype=torch.int)
+    a, b = [t.clone() for t in grads], [t.clone() for t in grads]
+    local_multi_tensor_scale(0, buf, [a, a], 0.37)
+    optimizer_kernels.scale(0, buf, [b, b], 0.37)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    to_a, to_b = [torch.empty_like(t, dtype=torch.bfloat16) for t in grads], [torch.empty_like(t, dtype=torch.bfloat16)
+                                                                             for t in grads]
+    local_multi_tensor_scale(0, buf, [grads, to_a], 1.0)
+    optimizer_kernels.scale(0, buf, [grads, to_b], 1.0)
+    assert all(torch.equal(x, y) for x, y in zip(to_a, to_b))
+    scaled_a, scaled_b = [torch.empty_like(t) for t in grads], [torch.empty_like(t) for t in grads]
+    local_multi_tensor_scale(0, buf, [grads, scaled_a], 0.5)
+    optimizer_kernels.scale(0, buf, [grads, scaled_b], 0.5)
+    assert all(torch.equal(x, y) for x, y in zip(scaled_a, scaled_b))

@@ -19,7 +19,8 @@ makes the same code run on CPU:
   (:func:`use_torch_optimizer_kernels`): with Transformer Engine installed (the 3.12 lane), megatron binds TE's
   CUDA kernels at import -- ``FusedAdam`` and the ``multi_tensor_*`` ops behind grad norms, clipping and
   main-parameter copies -- which fail on CPU tensors; torch's Adam and ``megatron.core.utils``'s
-  ``local_multi_tensor_*`` run instead;
+  ``local_multi_tensor_applier`` run instead, and the norm, clip and copies run on torch's foreach kernels
+  (:mod:`.optimizer_kernels`, entry ``foreach-optimizer-kernels``);
 - megatron-core's ``torch.compile``'d elementwise functions (its ``jit_fuser``: ``quick_gelu``, the bias-GELU/
   SwiGLU/GeGLU fusions) run eagerly (torch's ``force_eager`` stance): on CPU each process would
   otherwise trace and compile them with TorchInductor at its first forward (g++ on a cold cache, ~2-3 s of CPU
@@ -54,7 +55,8 @@ linears, norms and attention, FP8 casts) still need a GPU and fail on CPU; nothi
 changed for it; it refuses to run on a machine with CUDA, where TE needs no help.
 
 Separately, three fixes are needed whenever Transformer Engine (and Apex) are missing, on CPU or GPU, and
-``fix_without_te()`` applies them (for the process):
+``fix_without_te()`` applies them (for the process), with megatron-core's local grad norm, clip and copy fallbacks
+on torch's foreach kernels (:mod:`.optimizer_kernels`: no host sync per parameter tensor):
 
 - ``fix_norm_fallback()`` repairs CLIPViTModel's LayerNorm fallback (it defaults to ``torch.nn.LayerNorm``,
   which ``build_module`` cannot construct with a config);
@@ -76,10 +78,11 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_vlm.runtime import mcore_patches
+from megatron_vlm.runtime import mcore_patches, optimizer_kernels
 
 #: the entries :func:`enable` applies after :func:`fix_without_te`'s, in order (the registry holds what each replaces)
-LAYER = ("cpu-cuda-stand-ins", "cpu-megatron-rng-state", "cpu-optimizer-kernels", "cpu-compiled-eager",
+LAYER = ("cpu-cuda-stand-ins", "cpu-megatron-rng-state", "cpu-optimizer-kernels", optimizer_kernels.NAME,
+         "cpu-compiled-eager",
          "packed-local-attention", "cpu-moe-dispatcher", "moe-router-torch-gemm", "cpu-device-mode",
          "cpu-backward-under-mode")
 #: the entries of :func:`fix_without_te`
@@ -275,16 +278,13 @@ def use_torch_optimizer_kernels() -> None:
 
 @mcore_patches.implements("cpu-optimizer-kernels")
 def _optimizer_kernels(originals: dict) -> dict:
-    from megatron.core.utils import local_multi_tensor_applier, local_multi_tensor_l2_norm, local_multi_tensor_scale
+    from megatron.core.utils import local_multi_tensor_applier
 
     opt, dist, clip = ("megatron.core.optimizer", "megatron.core.optimizer.distrib_optimizer",
                        "megatron.core.optimizer.clip_grads")
     return {f"{opt}:Adam": torch.optim.AdamW, f"{opt}:SGD": torch.optim.SGD, f"{opt}:USING_PYTORCH_OPTIMIZER": True,
             f"{opt}.optimizer:multi_tensor_applier": local_multi_tensor_applier,
-            f"{opt}.optimizer:multi_tensor_scale_impl": local_multi_tensor_scale,
             f"{clip}:multi_tensor_applier": local_multi_tensor_applier,
-            f"{clip}:l2_norm_impl": local_multi_tensor_l2_norm,
-            f"{clip}:multi_tensor_scale_impl": local_multi_tensor_scale,
             f"{clip}:multi_tensor_scale_tensor_impl": None,  # megatron-core 0.19 (TE's fused clip); unused by 0.16
             f"{dist}:Adam": torch.optim.Adam, f"{dist}:HAVE_APEX_OR_TE": False, f"{dist}:USING_TE_OPTIMIZER": False,
             f"{dist}:USING_APEX_OPTIMIZER": False}
@@ -343,6 +343,7 @@ def fix_without_te() -> None:
     fix_norm_fallback()
     fix_torch_adam_state_load()
     fix_moe_router_gemm()
+    optimizer_kernels.use_foreach_kernels()  # megatron-core's norm, clip and copy fallbacks: torch's foreach kernels
 
 
 def fix_moe_router_gemm() -> None:

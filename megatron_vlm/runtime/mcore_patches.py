@@ -127,17 +127,27 @@ PATCHES: tuple[Patch, ...] = (
         "megatron.core.optimizer:Adam", "megatron.core.optimizer:SGD",
         "megatron.core.optimizer:USING_PYTORCH_OPTIMIZER",
         "megatron.core.optimizer.optimizer:multi_tensor_applier",
-        "megatron.core.optimizer.optimizer:multi_tensor_scale_impl",
-        "megatron.core.optimizer.clip_grads:multi_tensor_applier", "megatron.core.optimizer.clip_grads:l2_norm_impl",
-        "megatron.core.optimizer.clip_grads:multi_tensor_scale_impl",
+        "megatron.core.optimizer.clip_grads:multi_tensor_applier",
         "megatron.core.optimizer.clip_grads:multi_tensor_scale_tensor_impl",
         f"{_DIST_OPT}:Adam", f"{_DIST_OPT}:HAVE_APEX_OR_TE", f"{_DIST_OPT}:USING_TE_OPTIMIZER",
         f"{_DIST_OPT}:USING_APEX_OPTIMIZER"),
           "with Transformer Engine installed (the 3.12 lane) megatron-core binds TE's CUDA optimizer kernels at "
           "import (FusedAdam, multi_tensor_*), which fail on CPU tensors: the names get what megatron-core's import "
-          "binds without TE and Apex (torch's Adam, megatron.core.utils' local_multi_tensor_*)", _BOTH,
+          "binds without TE and Apex (torch's Adam, megatron.core.utils' local_multi_tensor_applier; the norm and "
+          "scale kernels: entry foreach-optimizer-kernels)", _BOTH,
           "no CUDA device (cpu_compat.enable)", _CPU_PROCESS, _CPU_UNDO,
           "tests/test_cpu_compat.py::test_optimizer_names_are_megatron_cores_own_fallbacks", _CPU),
+    Patch("foreach-optimizer-kernels", ("megatron.core.optimizer.clip_grads:l2_norm_impl",
+                                        "megatron.core.optimizer.clip_grads:multi_tensor_scale_impl",
+                                        "megatron.core.optimizer.optimizer:multi_tensor_scale_impl"),
+          "megatron-core's local fallbacks for the grad norm, clip and main-parameter copies (no TE, no Apex) take "
+          "one torch.norm per tensor gathered into a host list: a host sync per parameter tensor every step; torch's "
+          "foreach kernels instead (the total stays on the device, get_grad_norm_fp32 reads it once)", _BOTH,
+          "a CUDA process whose megatron-core import found neither TE nor Apex (cpu_compat.fix_without_te), and "
+          "every CPU process (cpu_compat.enable, where TE's kernels cannot run)",
+          "process: every optimizer step of the process", "undo(name) restores megatron-core's bound kernels",
+          "tests/test_mcore_patches.py::test_foreach_optimizer_kernels_equal_megatron_cores_fallbacks",
+          "megatron_vlm.runtime.optimizer_kernels"),
     Patch("cpu-compiled-eager", ("torch._dynamo.eval_frame:_stance",),
           "megatron-core torch.compile's elementwise functions (its jit_fuser: quick_gelu, bias-GELU/SwiGLU); on CPU "
           "every process would trace and compile them with Inductor at its first forward (~2-3 CPU-s): torch's "
