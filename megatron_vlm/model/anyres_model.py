@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 
 import torch
-from megatron.core.models.multimodal.llava_model import LLaVAModel
+
+from megatron_vlm.model.host_layout import HostLayoutLLaVAModel
 
 
-class AnyresLLaVAModel(LLaVAModel):
+class AnyresLLaVAModel(HostLayoutLLaVAModel):
     def __init__(self, *args, anyres, video_token_index=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.anyres = anyres
@@ -46,7 +47,7 @@ class AnyresLLaVAModel(LLaVAModel):
         x = self.vision_projection(x.permute(1, 0, 2).contiguous())  # [seq, tiles, h]
         packed = self.anyres.pack_batch(x.permute(1, 0, 2), image_sizes, num_image_tiles, self.image_newline,
                                         videos)
-        want = int(num_image_tokens.sum())
+        want = int(num_image_tokens.sum()) if self._host_layout is None else self._host_layout.extra["tokens"]
         if packed.shape[0] != want:
             raise ValueError(f"the batch's {len(num_image_tiles)} images pack into {packed.shape[0]} tokens, but "
                              f"num_image_tokens says {want}; count tokens with megatron_vlm.model.anyres")
@@ -54,10 +55,37 @@ class AnyresLLaVAModel(LLaVAModel):
 
     def forward(self, images, input_ids, position_ids, attention_mask, labels=None, loss_mask=None,
                 inference_context=None, num_image_tiles=None, image_token_index=None, runtime_gather_output=None,
-                packed_seq_params=None, *, image_sizes=None, num_image_tokens=None, inference_params=None):
+                packed_seq_params=None, *, image_sizes=None, num_image_tokens=None, inference_params=None,
+                host_layout=None):
         """As ``LLaVAModel.forward``, with ``images`` the tiles of all images ``[sum tiles, 3, H, W]`` (base
         tile first for each image), ``num_image_tiles`` tiles per image and ``image_sizes`` ``[n, 2]`` (h, w)
-        on the first stage, and ``num_image_tokens`` (tokens per image) on the first and last stage (a middle stage needs no inputs)."""
+        on the first stage, and ``num_image_tokens`` (tokens per image) on the first and last stage (a middle stage
+        needs no inputs). ``host_layout``: the micro batch's :meth:`host_layout` (the expanded sequence, which items are videos, the
+        tiles and tokens per image, all from the host batch: no host sync)."""
+        with self._laid_out(host_layout):
+            return self._forward(images, input_ids, attention_mask, labels, loss_mask, num_image_tiles,
+                                 image_token_index, runtime_gather_output, packed_seq_params, image_sizes,
+                                 num_image_tokens, inference_context, inference_params, position_ids)
+
+    def layout_inputs(self, batch) -> tuple:
+        """The tokens with video tokens read as image tokens, and the tokens per image as megatron's tiles."""
+        tokens = batch.tokens
+        if self.video_token_index is not None:
+            tokens = torch.where(tokens == self.video_token_index, self.image_token_index, tokens)
+        return tokens, torch.as_tensor(batch.num_image_tokens, dtype=torch.int)
+
+    def layout_extra(self, batch) -> dict:
+        media = (batch.tokens == self.image_token_index)
+        videos = None
+        if self.video_token_index is not None:
+            is_video = batch.tokens == self.video_token_index
+            videos = is_video[media | is_video].tolist()
+        return dict(videos=videos, tokens=int(torch.as_tensor(batch.num_image_tokens).sum()),
+                    tiles=torch.as_tensor(batch.num_image_tiles).tolist())
+
+    def _forward(self, images, input_ids, attention_mask, labels, loss_mask, num_image_tiles, image_token_index,
+                 runtime_gather_output, packed_seq_params, image_sizes, num_image_tokens, inference_context,
+                 inference_params, position_ids):
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("anyres models do not support megatron inference contexts; export to HF "
                                       "(convert/megatron_to_hf.py) and generate with transformers")
@@ -74,16 +102,18 @@ class AnyresLLaVAModel(LLaVAModel):
         num_image_tokens = torch.as_tensor(num_image_tokens, dtype=torch.int, device=device)  # as megatron's tiles
         image_token_index = image_token_index if image_token_index is not None else self.image_token_index
         videos = None
+        layout = self._host_layout
         if self.video_token_index is not None:  # a video is an image item to megatron, packed as a video
             is_video = input_ids == self.video_token_index
-            videos = is_video[(input_ids == image_token_index) | is_video].tolist()  # items in token order
+            videos = layout.extra["videos"] if layout is not None else \
+                is_video[(input_ids == image_token_index) | is_video].tolist()  # items in token order
             input_ids = torch.where(is_video, image_token_index, input_ids)
         if self.add_encoder:
             if num_image_tokens.numel():
                 if image_sizes is None or num_image_tiles is None:
                     raise ValueError("anyres models need image_sizes and num_image_tiles with the images")
-                image_embeddings = self.image_embeddings(images, torch.as_tensor(image_sizes).tolist(),
-                                                         torch.as_tensor(num_image_tiles).tolist(),
+                tiles = layout.extra["tiles"] if layout is not None else torch.as_tensor(num_image_tiles).tolist()
+                image_embeddings = self.image_embeddings(images, torch.as_tensor(image_sizes).tolist(), tiles,
                                                          num_image_tokens, videos)
             else:
                 image_embeddings = torch.zeros(0, 0, 0, dtype=images.dtype, device=device)

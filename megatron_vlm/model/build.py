@@ -448,7 +448,6 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
     """Build the LLaVAModel chunk of this rank (megatron parallel_state must be initialised); ``vp_stage``: which
     of its chunks with virtual pipeline stages (:func:`build_chunks` builds them all)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.transformer.enums import ModelType
 
     if opts.use_te and not have_te():
@@ -485,7 +484,9 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         lang_spec = _language_block(spec, lang_cfg, lang_spec, opts.use_te, vp_stage)
     local_sp = (opts.sequence_parallel or opts.cp > 1) and not opts.use_te
     core_attention = lang_spec.submodules.self_attention.submodules.core_attention
-    cls, extra = LLaVAModel, {}
+    from megatron_vlm.model.host_layout import HostLayoutLLaVAModel
+
+    cls, extra = HostLayoutLLaVAModel, {}  # megatron-core's LLaVAModel, its image/text layout computed on the host
     if spec.is_internvl:  # megatron-core's InternVL pixel shuffle (2 x 2 patches) before the projector
         extra = dict(pixel_shuffle=True)
     if spec.is_anyres:

@@ -48,7 +48,25 @@ def loss_func(loss_mask, output):
 
 
 def _on(device, t):
-    return None if t is None else t.to(device)
+    """``t`` on ``device``: a non-blocking copy, so the host queues it and goes on (energon's loader pins the host
+    batches on a GPU machine; from pageable memory the copy is a synchronous one, as before)."""
+    return None if t is None else t.to(device, non_blocking=True)
+
+
+def _host_layout(model, b, device):
+    """The micro batch's image/text layout, computed on the host from its host tensors
+    (:mod:`megatron_vlm.model.host_layout`), on ``device``; None for a model without one or a batch held on the
+    device (a tensor-parallel rank's received batch: megatron-core computes the layout there)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    if b.tokens is None or b.tokens.device.type != "cpu":
+        return None
+    try:
+        make = get_attr_wrapped_model(model, "host_layout")
+    except RuntimeError:  # not a megatron-vlm model
+        return None
+    layout = make(b)
+    return None if layout is None else layout.to(device)
 
 
 def forward_step(device, data_iterator, model, moe=None):
@@ -71,6 +89,9 @@ def forward_step(device, data_iterator, model, moe=None):
                                                             ps.get_context_parallel_world_size() > 1)
         if getattr(b, "model_kwargs", None) is not None:  # anyres: image sizes, image tokens per image
             kwargs.update(b.model_kwargs(device))
+        layout = _host_layout(model, b, device)
+        if layout is not None:
+            kwargs["host_layout"] = layout
     out, loss_mask = model(_on(device, b.images), _on(device, b.tokens), None, None, _on(device, b.labels),
                            _on(device, b.loss_mask), None, _on(device, b.num_image_tiles), **kwargs)
     if micro is not None:
