@@ -35,7 +35,7 @@ def worlds(hf_models, tmp_path_factory):
     bf16_ckpt = root / "bf16run"
     one = [
         dict(name="ref", micro_batch_size=8),
-        dict(name="accum", micro_batch_size=2),
+        dict(name="accum", micro_batch_size=2, count_step_syncs=True),
         dict(name="recompute-full", micro_batch_size=8, recompute_granularity="full"),
         dict(name="recompute-block", micro_batch_size=8, recompute_granularity="full", recompute_method="block",
              recompute_num_layers=1),
@@ -52,8 +52,8 @@ def worlds(hf_models, tmp_path_factory):
     fresh = [dict(name="bf16-fresh", micro_batch_size=4, precision="bf16")]
     long = gbs * 3  # nine steps for the bf16 "loss falls" checks
     two = [
-        dict(name="tp2", tp=2, micro_batch_size=8),
-        dict(name="pp2", pp=2, micro_batch_size=4),
+        dict(name="tp2", tp=2, micro_batch_size=8, count_step_syncs=True),
+        dict(name="pp2", pp=2, micro_batch_size=4, count_step_syncs=True),
         dict(name="dp2", micro_batch_size=4),
         dict(name="dp2-dist", micro_batch_size=2, dist_optim=True),
         dict(name="dp2-overlap", micro_batch_size=2, dist_optim=True, overlap_grad_reduce=True,
@@ -100,6 +100,27 @@ def test_bf16_resume_without_optimizer_state_continues_from_checkpoint_weights(w
     # the negative control: without refreshing the fp32 main params the second step starts from random weights
     assert stale["loss"][0] == fresh["loss"][0]
     assert abs(stale["loss"][1] - fresh["loss"][1]) > 0.05, (stale["loss"], fresh["loss"])
+
+
+#: the end of the trainer's step (training/step.py's train_step: the loss, grad norm and counts read back once per
+#: step), which the loop defers to the log interval
+STEP_END = " at megatron_vlm/training/step.py:"
+#: what megatron-core itself reads back once per step: finalize_model_grads' `num_tokens > 0`, the grad norm
+MCORE_PER_STEP = 2
+
+
+@pytest.mark.parametrize("name", ["accum", "tp2", "pp2"])
+def test_a_step_syncs_the_host_a_fixed_few_times(worlds, name):
+    """The second step of a job, counted by tests/support/sync_count.py (the calls that would make the host wait
+    for a GPU, the host batches excepted), by caller: with 4 micro batches (accum) or 2 at TP2 / PP2, ~50 parameter
+    tensors and 2 + 3 layers, megatron-core reads back its two values of the step and nothing else does outside the
+    step's end (no sync per micro batch, layer or tensor: the host layout, the foreach grad norm)."""
+    for rank, sites in enumerate(worlds[name]["step_syncs"]):
+        print(f"{name} rank {rank}: {sum(sites.values())} syncs", *(f"  {n} {k}" for k, n in sites.items()),
+              sep="\n")
+        rest = {k: n for k, n in sites.items() if STEP_END not in k}
+        assert sum(rest.values()) <= MCORE_PER_STEP, (name, rank, rest)
+        assert all(k.split(" at ")[1].startswith("megatron/core/") for k in rest), (name, rank, rest)
 
 
 def test_local_layers_mark_their_norms_for_sequence_parallelism(hf_models):

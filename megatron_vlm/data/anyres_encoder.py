@@ -53,7 +53,7 @@ class AnyresBatch(VLMBatch):
 
     def model_kwargs(self, device) -> dict:
         """Keyword inputs of :class:`~megatron_vlm.model.anyres_model.AnyresLLaVAModel` beyond LLaVAModel's."""
-        return dict(image_sizes=self.image_sizes, num_image_tokens=self.num_image_tokens.to(device))
+        return dict(image_sizes=self.image_sizes, num_image_tokens=self.num_image_tokens.to(device, non_blocking=True))
 
 
 def load_image_processor(hf_dir, arch: str):

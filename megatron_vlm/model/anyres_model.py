@@ -60,8 +60,8 @@ class AnyresLLaVAModel(HostLayoutLLaVAModel):
         """As ``LLaVAModel.forward``, with ``images`` the tiles of all images ``[sum tiles, 3, H, W]`` (base
         tile first for each image), ``num_image_tiles`` tiles per image and ``image_sizes`` ``[n, 2]`` (h, w)
         on the first stage, and ``num_image_tokens`` (tokens per image) on the first and last stage (a middle stage
-        needs no inputs). ``host_layout``: the micro batch's :meth:`host_layout` (the expanded sequence, which items are videos, the
-        tiles and tokens per image, all from the host batch: no host sync)."""
+        needs no inputs). ``host_layout``: the micro batch's :meth:`host_layout` (the expanded sequence, which items
+        are videos, the tiles and tokens per image, all from the host batch: no host sync)."""
         with self._laid_out(host_layout):
             return self._forward(images, input_ids, attention_mask, labels, loss_mask, num_image_tiles,
                                  image_token_index, runtime_gather_output, packed_seq_params, image_sizes,

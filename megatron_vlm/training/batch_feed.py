@@ -9,7 +9,8 @@
   read once per stage that needs it instead of once per GPU. The loader state saved in checkpoints is that of
   TP rank 0 of the first stage (the other reader of the same DP rank reads the same samples).
 - :func:`distribute`: the collective that turns what the readers hold into what every rank's forward step
-  takes: a reader's own batch, a :class:`MicroBatch` received over the tensor-parallel group, or, on middle
+  takes: a reader's own batch, a :class:`MicroBatch` received over the tensor-parallel group (its pixels on the
+  device, the rest copied back to the host, where the reader holds it too), or, on middle
   stages, a :class:`MicroBatch` holding only each row's positions of samples (and a packed batch's boundaries).
 
 Anyres batches (LLaVA-NeXT / OneVision) also carry each image's original size and image-token count, which every
@@ -59,7 +60,7 @@ class MicroBatch:
         """The anyres model's extra inputs, as :class:`~megatron_vlm.data.anyres_encoder.AnyresBatch` gives them."""
         if self.num_image_tokens is None:
             return {}
-        return dict(image_sizes=self.image_sizes, num_image_tokens=self.num_image_tokens.to(device))
+        return dict(image_sizes=self.image_sizes, num_image_tokens=self.num_image_tokens.to(device, non_blocking=True))
 
 
 def _groups():
@@ -102,15 +103,19 @@ def broadcast_micro_batch(batch, device, with_pixels: bool):
     torch.distributed.broadcast(floats, src=src, group=group)
     if sender:
         return batch
+    # everything but the pixels on the host, as the sender holds it: the step computes the image/text layout from
+    # it there (model/host_layout.py) and copies it to the device without waiting; one copy back per micro batch
+    ints = ints.cpu()
+    loss_mask, images = torch.split(floats, [b * s, n_float - b * s])
+    loss_mask = loss_mask.cpu()
     tokens, labels, rows, tiles, cu, sizes, counts = torch.split(ints, [b * s, b * s, b, n_tiles, n_cu, 2 * n_sizes,
                                                                          n_sizes])
-    loss_mask, images = torch.split(floats, [b * s, n_float - b * s])
     anyres = n_anyres >= 0
     return MicroBatch(images=images.view(n, c, h, w) if pixels else None, num_image_tiles=tiles.to(torch.int32),
                       tokens=tokens.view(b, s), labels=labels.view(b, s), loss_mask=loss_mask.view(b, s),
                       num_tokens=num_tokens, row_tokens=rows, cu_seqlens=cu.to(torch.int32) if n_cu else None,
                       max_seqlen=max_seqlen if n_cu else None,
-                      image_sizes=sizes.view(n_sizes, 2).cpu() if anyres else None,
+                      image_sizes=sizes.view(n_sizes, 2) if anyres else None,
                       num_image_tokens=counts.to(torch.int32) if anyres else None)
 
 

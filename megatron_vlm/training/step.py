@@ -85,7 +85,7 @@ def forward_step(device, data_iterator, model, moe=None):
 
             from megatron_vlm.data.packing import packed_seq_params
 
-            kwargs["packed_seq_params"] = packed_seq_params(b.cu_seqlens.to(device), b.max_seqlen,
+            kwargs["packed_seq_params"] = packed_seq_params(_on(device, b.cu_seqlens), b.max_seqlen,
                                                             ps.get_context_parallel_world_size() > 1)
         if getattr(b, "model_kwargs", None) is not None:  # anyres: image sizes, image tokens per image
             kwargs.update(b.model_kwargs(device))

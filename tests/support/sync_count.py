@@ -4,17 +4,17 @@ On a CPU nothing syncs, so :class:`SyncCounter` counts the calls that *would* sy
 tensors live on the device:
 
 - a value read back: ``aten._local_scalar_dense`` (``.item()``, a tensor's ``bool()`` / ``int()`` / ``float()``),
-  ``.tolist()``, ``.numpy()``, ``.cpu()`` (not ``.to("cpu")``: on a CPU run that is the device move itself), ``torch.tensor`` / ``torch.as_tensor`` of a list
-  holding tensors (one read per tensor);
+  ``.tolist()``, ``.numpy()``, ``.cpu()`` (not ``.to("cpu")``: on a CPU run that is the device move itself),
+  ``torch.tensor`` / ``torch.as_tensor`` of a list holding tensors (one read per tensor);
 - a shape from values: ``aten.nonzero`` (``torch.where(mask)``), ``masked_select``, indexing or index_put with a
   boolean mask, ``repeat_interleave`` without ``output_size``, ``unique``;
 
 but only on tensors that would be on the GPU. The host's own tensors (a batch as the loader gives it, and what is
 computed from host tensors alone) are tagged: the counter starts from the tensors it is told are on the host
-(``host=``), a tensor computed (through a torch function) only from host tensors, or made by a factory function
-without a ``device`` argument, is on the host too, and ``Tensor.to(device)`` / ``.cuda()`` / ``.pin_memory()``
-... ``.to`` with a device moves a tensor to the device (on a CPU the result is the same tensor: the counter hands
-out an alias, so the host original keeps its tag). A factory call with any ``device`` argument counts as on the
+(``host=``, and all that ``host_functions`` make); a tensor computed (through a torch function) only from host
+tensors, or made by a factory function without a ``device`` argument, is on the host too; ``Tensor.to`` with a
+device, ``.cuda()`` and ``.pin_memory()`` move a tensor to the device (on a CPU the result is the same tensor: the
+counter hands out an alias, so the host original keeps its tag). A factory call with any ``device`` argument counts as on the
 device (over-counting a deliberate ``device="cpu"``, never under-counting). What the autograd engine runs in the
 backward is on the device.
 
@@ -93,6 +93,12 @@ class _Tags(TorchFunctionMode):
         host = self.counter.host
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         all_host = all(t in host for t in tensors)
+        if self.counter.on_host:  # a function that takes and makes host tensors only
+            out = func(*args, **kwargs)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    host[t] = True
+            return out
         if func in _READS and args and isinstance(args[0], torch.Tensor) and args[0] not in host:
             if func is not torch.Tensor.cpu or args[0].device.type != "meta":
                 self.counter.add(_READS[func])
@@ -109,7 +115,7 @@ class _Tags(TorchFunctionMode):
                 out = out.view(out.shape)  # the device copy (on a CPU the same tensor): a fresh, untagged alias
             return out
         factory_on_host = not tensors and "device" not in kwargs
-        if (tensors and all_host) or factory_on_host:
+        if (tensors and all_host) or factory_on_host or self.counter.on_host:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     host[t] = True
@@ -157,17 +163,21 @@ class _Ops(TorchDispatchMode):
             subject = masks[0] if masks else None
         elif func in _REPEAT and kwargs.get("output_size") is None:
             name, subject = "repeat_interleave", args[0] if args else None
-        if name and isinstance(subject, torch.Tensor) and subject not in host:
+        if name and isinstance(subject, torch.Tensor) and subject not in host and not self.counter.on_host:
             self.counter.add(name)
         return func(*args, **kwargs)
 
 
 class SyncCounter:
     """``with SyncCounter(host=[...]) as c:`` counts the syncing calls in the block (see the module docstring);
-    ``host``: tensors that are on the host (e.g. every tensor of the step's host batches)."""
+    ``host``: tensors that are on the host (e.g. every tensor of the step's host batches); ``host_functions``:
+    ``(owner, name)`` of functions that take host tensors only and so make host tensors only (on a CPU run a factory
+    call's ``device=t.device`` cannot say whether ``t`` would be on the GPU), e.g. the model's host layout."""
 
-    def __init__(self, host=()):
+    def __init__(self, host=(), host_functions=()):
         self.host = WeakIdKeyDictionary()
+        self.on_host = 0  # inside a host function
+        self._functions = [(owner, name, getattr(owner, name)) for owner, name in host_functions]
         for t in host:
             if isinstance(t, torch.Tensor):
                 self.host[t] = True
@@ -191,6 +201,8 @@ class SyncCounter:
                      (torch.cuda, "get_rng_state"): torch.cuda.get_rng_state}
         for (owner, name), f in self._rng.items():
             setattr(owner, name, self._on_host(f))
+        for owner, name, f in self._functions:
+            setattr(owner, name, self._host_function(f))
         self._modes[0].__enter__()
         self._modes[1].__enter__()
         return self
@@ -200,7 +212,18 @@ class SyncCounter:
         self._modes[0].__exit__(*exc)
         for (owner, name), f in self._rng.items():
             setattr(owner, name, f)
+        for owner, name, f in self._functions:
+            setattr(owner, name, f)
         return False
+
+    def _host_function(self, f):
+        def g(*args, **kwargs):
+            self.on_host += 1
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.on_host -= 1
+        return g
 
     def _on_host(self, f):
         def g(*args, **kwargs):
@@ -210,15 +233,15 @@ class SyncCounter:
         return g
 
 
-def batch_tensors(batches) -> list:
-    """Every tensor field of ``batches`` (dataclass batches; None for a middle stage's)."""
+def batch_tensors(batches, skip=()) -> list:
+    """Every tensor field of ``batches`` (dataclass batches; None for a middle stage's) but the fields ``skip``."""
     import dataclasses
 
     out = []
     for b in batches:
         if b is not None and dataclasses.is_dataclass(b):
             out += [getattr(b, f.name) for f in dataclasses.fields(b)
-                    if isinstance(getattr(b, f.name, None), torch.Tensor)]
+                    if f.name not in skip and isinstance(getattr(b, f.name, None), torch.Tensor)]
     return out
 
 

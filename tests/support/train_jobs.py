@@ -324,6 +324,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks. ``batches``
     may also be such a recipe itself, or the job's own list of global batches.
     """
+    from megatron_vlm.model.host_layout import HostLayoutLLaVAModel
     from megatron_vlm.training import batch_feed
     from megatron_vlm.training.build import release
     from megatron_vlm.training.config.resolve import settle_with_spec
@@ -387,8 +388,11 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
                 [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
             batches = batch_feed.distribute(mine, rt.device)
             counting = job.get("count_step_syncs") and k == min(2, steps)  # a steady step: the second
-            counter = sync_count.SyncCounter(host=sync_count.batch_tensors(mine) + sync_count.optimizer_host_state(
-                training.optimizer)) if counting else None
+            # the host batches: a reader's own, a TP rank's received one but its pixels (batch_feed.distribute)
+            host = sync_count.batch_tensors(mine) + sync_count.batch_tensors(batches, skip=("images",))
+            counter = sync_count.SyncCounter(host=host + sync_count.optimizer_host_state(training.optimizer),
+                                             host_functions=[(HostLayoutLLaVAModel, "host_layout")]) \
+                if counting else None
             with probe if k == 1 else contextlib.nullcontext():  # the first step: the one the gradients are of
                 with counter if counter is not None else contextlib.nullcontext():
                     r = train_step(training, batches, cfg, rt.device)
