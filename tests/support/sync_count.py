@@ -294,3 +294,42 @@ class CudaSyncCounter:
 
     total = SyncCounter.total
     by_site = SyncCounter.by_site
+
+
+def main(argv=None) -> None:
+    """``python -m tests.support.sync_count WORK_DIR [WORLD]``: one steady training step of the trainer's step
+    (tests/support/train_jobs.py, CPU) of tiny LLaVAs with 2 and 4 language layers, at micro batch 4 and 2 of a
+    global batch of 8 (2 and 4 micro batches), its host syncs by caller; WORLD ranks at data parallelism."""
+    import argparse
+    from pathlib import Path
+
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+    from megatron_vlm.runtime.spawn import run_world
+    from tests.support.tiny import make_tiny_llava
+    from tests.support.train_jobs import train_jobs, variable_length_batches
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("work_dir", type=Path, help="where the tiny models are made (kept for the next run)")
+    parser.add_argument("world", type=int, nargs="?", default=1, help="ranks (data parallelism)")
+    args = parser.parse_args(argv)
+    layers = (2, 4)
+    for n in layers:
+        hf, meg = args.work_dir / f"hf{n}", args.work_dir / f"meg{n}"
+        if not hf.exists():
+            make_tiny_llava(hf, "llama", "clip", text_overrides={"num_hidden_layers": n})
+        if not meg.exists():
+            convert_hf_to_megatron(hf, meg, tp=1)
+    batches = {n: variable_length_batches(args.work_dir / f"hf{n}", 2) for n in layers}
+    jobs = [dict(name=f"{n} layers, micro batch {m}", micro_batch_size=m, megatron_dir=str(args.work_dir / f"meg{n}"),
+                 hf_dir=str(args.work_dir / f"hf{n}"), batches=n, count_step_syncs=True)
+            for n in layers for m in (4, 2)]
+    for result in run_world(train_jobs, args.world, jobs, None, None, batches)[0]:
+        print(f"== {result['name']}: loss {result['loss']}")
+        for rank, sites in enumerate(result["step_syncs"]):
+            print(f"  rank {rank}: {sum(sites.values())} syncs")
+            for site, n in sites.items():
+                print(f"    {n:4d} {site}")
+
+
+if __name__ == "__main__":
+    main()
