@@ -108,7 +108,7 @@ class HostLayoutLLaVAModel(LLaVAModel):
     def _preprocess_data(self, image_embeddings, language_embeddings, input_ids, loss_mask, labels,
                          use_inference_kv_cache, inference_context, image_token_index, num_image_tiles, **kwargs):
         layout = self._host_layout
-        if layout is None or use_inference_kv_cache or any(v not in (None, False) for v in kwargs.values()):
+        if layout is None or use_inference_kv_cache or any(v is not None and v is not False for v in kwargs.values()):
             return super()._preprocess_data(image_embeddings, language_embeddings, input_ids, loss_mask, labels,
                                             use_inference_kv_cache, inference_context, image_token_index,
                                             num_image_tiles, **kwargs)
