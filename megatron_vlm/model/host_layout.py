@@ -55,6 +55,14 @@ class HostLayout:
                           self.extra)
 
 
+def _given(value) -> bool:
+    """Whether one of megatron-core 0.19's further ``_preprocess_data`` inputs asks for more than the layout holds
+    (packed dynamic resolution, sounds); its forward passes empty sound tensors when there are none."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() > 0
+    return value is not None and value is not False
+
+
 class HostLayoutLLaVAModel(LLaVAModel):
     """``LLaVAModel`` whose forward takes the micro batch's :class:`HostLayout` (``host_layout=``)."""
 
@@ -108,7 +116,7 @@ class HostLayoutLLaVAModel(LLaVAModel):
     def _preprocess_data(self, image_embeddings, language_embeddings, input_ids, loss_mask, labels,
                          use_inference_kv_cache, inference_context, image_token_index, num_image_tiles, **kwargs):
         layout = self._host_layout
-        if layout is None or use_inference_kv_cache or any(v is not None and v is not False for v in kwargs.values()):
+        if layout is None or use_inference_kv_cache or any(_given(v) for v in kwargs.values()):
             return super()._preprocess_data(image_embeddings, language_embeddings, input_ids, loss_mask, labels,
                                             use_inference_kv_cache, inference_context, image_token_index,
                                             num_image_tiles, **kwargs)
