@@ -14,7 +14,8 @@ command there carries at most 64 MiB of files (the working tree plus carried pat
   of a package the image holds (:data:`IMAGE_VERSIONS`) is refused by name;
 - ``te/`` (with ``--te DIR``): Transformer Engine for the H100/H200 (tools/build_te_sm90.py: PyPI's core wheel with
   only its sm_90 code, the torch extension built for the image's torch 2.11) and the dependencies it adds;
-- ``project.tar.gz``: the project's tracked files at ``HEAD`` (``git archive``), so the kit runs without the tree;
+- ``project.tar.gz``: the project's tracked files at ``HEAD`` (``git archive``), so the kit runs without the tree,
+  less what no GPU step reads (:data:`ARCHIVE_LEAVES_OUT`: the megatron-core fixtures, 4.7 MiB of 5.5);
 - ``gpu_quick.sh``: the one script (a copy of bench/gpu_quick.sh), which installs the wheels with
   ``pip install --no-index --find-links`` and runs the measurements;
 - ``KIT.json``: the pins, each file's size and SHA-256, the commit, and the sizes.
@@ -102,6 +103,12 @@ IMAGE_VERSIONS = {"transformers": "5.17.0", "huggingface-hub": "1.33.0", "tokeni
                   "safetensors": "0.8.0", "torch": "2.11.0", "torchvision": "0.26.0"}
 #: of those, what the rehearsal installs at the image's version (pure Python or small wheels)
 REHEARSED = ("transformers", "huggingface-hub", "tokenizers", "safetensors")
+#: tracked paths the kit's project.tar.gz leaves out: no step of bench/gpu_quick.sh reads them, and with them the kit with
+#: Transformer Engine (55.2 MiB) and the 9.4 MiB working tree were 64.6 MiB, over the 64 a device command carries
+ARCHIVE_LEAVES_OUT = {
+    "tests/fixtures": "the megatron-core checkpoint fixtures (7.0 MB; 4.7 MiB of the archive's 5.5): the CPU suite's "
+                      "cross-version and MoE-resume tests read them, no GPU step does",
+}
 #: the Transformer Engine wheels a kit may carry (``--te DIR``: tools/build_te_sm90.py's outputs)
 TE_WHEELS = ("transformer_engine_cu13", "transformer_engine", "transformer_engine_torch")
 
@@ -230,12 +237,14 @@ def collect_wheels(pins: dict[str, str], dest: Path, log, image=GPU_IMAGE, roots
 
 
 def project_archive(dest: Path) -> str:
-    """The tracked files at HEAD as ``dest`` (tar.gz, prefix ``megatron-vlm/``); returns the commit."""
+    """The tracked files at HEAD as ``dest`` (tar.gz, prefix ``megatron-vlm/``), less :data:`ARCHIVE_LEAVES_OUT`;
+    returns the commit."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        subprocess.run(["git", "archive", "--format=tar.gz", "--prefix=megatron-vlm/", "-o", str(dest), "HEAD"],
-                       cwd=ROOT, check=True, capture_output=True)
+        leave_out = [f":(exclude){p}" for p in ARCHIVE_LEAVES_OUT]
+        subprocess.run(["git", "archive", "--format=tar.gz", "--prefix=megatron-vlm/", "-o", str(dest), "HEAD", "--",
+                        ".", *leave_out], cwd=ROOT, check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as e:
         raise KitError(f"git archive of {ROOT} failed ({e}): run this in the project's git checkout") from None
     return commit
