@@ -103,8 +103,8 @@ IMAGE_VERSIONS = {"transformers": "5.17.0", "huggingface-hub": "1.33.0", "tokeni
                   "safetensors": "0.8.0", "torch": "2.11.0", "torchvision": "0.26.0"}
 #: of those, what the rehearsal installs at the image's version (pure Python or small wheels)
 REHEARSED = ("transformers", "huggingface-hub", "tokenizers", "safetensors")
-#: tracked paths the kit's project.tar.gz leaves out: no step of bench/gpu_quick.sh reads them, and with them the kit with
-#: Transformer Engine (55.2 MiB) and the 9.4 MiB working tree were 64.6 MiB, over the 64 a device command carries
+#: tracked paths the kit's project.tar.gz leaves out: no step of bench/gpu_quick.sh reads them, and with them the kit
+#: with Transformer Engine (55.2 MiB) and the 9.4 MiB working tree were 64.6 MiB, over the 64 a device command carries
 ARCHIVE_LEAVES_OUT = {
     "tests/fixtures": "the megatron-core checkpoint fixtures (7.0 MB; 4.7 MiB of the archive's 5.5): the CPU suite's "
                       "cross-version and MoE-resume tests read them, no GPU step does",
