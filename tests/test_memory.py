@@ -193,7 +193,8 @@ def test_dry_run_prints_the_estimate_and_warns(tmp_path, capsys, no_slurm_env): 
     assert not (tmp_path / "job.sh").exists()
 
 
-def test_stage2_on_cuda_sizes_its_micro_batch_from_the_estimate(tmp_path, capsys, monkeypatch, no_slurm_env):  # noqa: F811
+def test_stage2_on_cuda_sizes_its_micro_batch_from_the_estimate(tmp_path, capsys, monkeypatch,
+                                                                no_slurm_env):  # noqa: F811
     """Stage 2 on CUDA without --micro-batch-size: the largest micro batch of 16, 8, 4, 2 whose estimate fits 80% of
     the GPU's memory (and divides the global batch per DP rank, leaving --pp micro batches), instead of 1; on CPU,
     with --micro-batch-size, packing or stage 1, nothing changes. The launcher's --dry-run shows it."""
@@ -208,7 +209,8 @@ def test_stage2_on_cuda_sizes_its_micro_batch_from_the_estimate(tmp_path, capsys
     spec = tiny_spec(num_layers=8, vocab_size=32000, hidden_size=512, ffn_hidden_size=1024, num_attention_heads=8,
                      num_query_groups=8, kv_channels=64)
     cfg = TrainConfig.from_args(["--device", "cuda", "--stage", "2", "--seq-length", "2048", "--data-path", "d",
-                                 "--megatron-load-dir", "m", "--tokenizer-load-dir", "t", "--save-dir", "s", "--train-iters", "10"])
+                                 "--megatron-load-dir", "m", "--tokenizer-load-dir", "t", "--save-dir", "s",
+                                 "--train-iters", "10"])
     assert cfg.micro_batch_size == 1 and cfg.global_batch_size == 128
 
     def need(mbs, fused=True):
