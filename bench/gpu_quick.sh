@@ -32,7 +32,7 @@
 # and prints the table (bench/gpu.py --report). Files in $OUT (at most 8 come back from the GPU machine):
 #   gpu_quick.log  every step's output, appended as it runs     gpu_bench.json  the results, merged after each step
 #   steps.jsonl    one line per step: rc, seconds, limit       train_runs.log  the training runs' own logs
-#   with --perf:   perf_profiles.tar.gz (the Chrome traces, gzip'd, 16 MiB at most), perf_top_ops.txt (the tables)
+#   with --perf:   perf_profiles.tar (the Chrome traces, gzip'd, 16 MiB at most), perf_top_ops.txt (the tables)
 # A step that hits its limit is killed (rc 124/137) and the next one runs; a timed-out command still returns these.
 #
 #   bash bench/gpu_quick.sh [--budget 470]      # on the GPU machine, from the repository root or from the kit

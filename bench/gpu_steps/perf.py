@@ -3,7 +3,7 @@ goes on the lent GPU, in three parts that each fit one step of bench/gpu_quick.s
 
 ``perf_profile``  two profiled iterations of our trainer (``--profile --profile-step-start/-end``, torch.profiler,
                   written under the run's folder) and of the HF + SDPA loop (torch.profiler here): each one's
-                  Chrome trace into ``$OUT/perf_profiles.tar.gz`` (16 MiB at most: a trace that does not fit is left
+                  Chrome trace into ``$OUT/perf_profiles.tar`` (16 MiB at most: a trace that does not fit is left
                   out and named) and its top-ops table into ``$OUT/perf_top_ops.txt``; the throughput of both after
                   the profiled iterations;
 ``perf_shapes``   micro batch ``--mbs`` against ``--gbs`` (one micro batch per step: the difference is per-micro-batch
@@ -29,7 +29,7 @@ from .common import curve_diff, mfu
 #: iterations profiled, and where: right after ``--warmup``; throughput is measured after them
 PROFILE_STEPS = 2
 #: the files the profile step adds to $OUT (bench/gpu_quick.sh's at most 8 files of at most 16 MiB)
-PROFILES = "perf_profiles.tar.gz"
+PROFILES = "perf_profiles.tar"
 TOP_OPS = "perf_top_ops.txt"
 MAX_FILE_BYTES = 16 << 20
 #: the parts bench/gpu.py's --only takes for these steps
@@ -85,7 +85,8 @@ def ours_label(a, mbs: int) -> str:
 
 # ---- perf_profile -------------------------------------------------------------------------------------------
 def trainer_profile(run_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(Chrome traces, top-ops tables) the trainer's --profile wrote under its run folder."""
+    """(Chrome traces, top-ops tables) the trainer's --profile wrote under its run folder
+    (``profile/rankR_iterA-B.trace.json.gz`` and ``....top.txt``, megatron_vlm/training/profiling.py)."""
     files = sorted(p for p in run_dir.rglob("*") if p.is_file())
     traces = [p for p in files if ".json" in p.name and "trace" in p.name]
     tables = [p for p in files if p.suffix == ".txt" and any(w in p.name for w in ("top", "profile", "ops"))]
@@ -100,11 +101,12 @@ def pack_profiles(out: Path, traces: dict[str, bytes], tables: dict[str, str]) -
     import gzip
 
     for name, data in sorted(traces.items(), key=lambda kv: len(kv[1])):
-        packed = gzip.compress(data, 6)
+        done = data[:2] == b"\x1f\x8b"  # the trainer's --profile writes its trace gzip'd already
+        packed = data if done else gzip.compress(data, 6)
         if sum(map(len, kept.values())) + len(packed) > budget:
             left_out.append(name)
             continue
-        kept[name + ".gz"] = packed
+        kept[name if done else name + ".gz"] = packed
     with tarfile.open(out / PROFILES, "w") as tar:
         for name, data in kept.items():
             info = tarfile.TarInfo(name)
