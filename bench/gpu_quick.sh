@@ -22,10 +22,10 @@
 #   attention, where two GPUs are visible), vpp (PP2 x VPP2 against PP2 with TE layers, where two GPUs are
 #   visible), internvl (TE and local layers), pytest (all gpu-marked tests)
 #
-# With --perf (issue 63: where a step's time goes; under 8 minutes, 470 s budget) the steps are env, install, setup and
+# With --perf (issue 63: where a step's time goes; 470 s budget, 540 with --te) the steps are env, install, setup and
 #   perf_profile  two profiled iterations of ours (--profile) and of the HF + SDPA loop (torch.profiler)   (150 s)
 #   perf_shapes   micro batch 4 against 16 (the host's share), SDPA against local attention, packed
-#                 against padded                                                                           (200 s)
+#                 against padded                                                                           (240 s)
 #   perf_te       (with --te) TE bf16, and FP8 tensorwise and delayed, at the fast shape (micro batch 16)  (200 s)
 # with 12 iterations a run (2 of warm-up, 2 profiled); their rows compare each run with the one it names.
 #
@@ -42,8 +42,8 @@
 # Options: --tiny, --te, --perf, --kit DIR (default: the folder of this script when it is a kit, else <repo>/.gpu_kit),
 #          --setup DIR (keep the set-up there, and reuse the one there: a second call skips building it),
 #          --out DIR (default: $OUT, else ./gpu_quick_out), --budget SECONDS (overall deadline, default 470, 560
-#          with --te; with --tiny 1800, and every step limit x4),
-#          --iters N (training iterations, default 30), --keep (keep the scratch folder), -h/--help.
+#          with --te, 540 with --perf --te; with --tiny 1800, and every step limit x4),
+#          --iters N (training iterations, default 30; 12 with --perf), --keep (keep the scratch folder), -h/--help.
 #          PYTHON=... picks the interpreter (default python3).
 set -u
 
@@ -71,7 +71,8 @@ done
 SCALE=1
 [ "$TINY" = 1 ] && SCALE=4
 DEFAULT_BUDGET=470
-[ "$TE" = 1 ] && [ "$PERF" = 0 ] && DEFAULT_BUDGET=560
+[ "$TE" = 1 ] && DEFAULT_BUDGET=560
+[ "$TE" = 1 ] && [ "$PERF" = 1 ] && DEFAULT_BUDGET=540
 ITERS="${ITERS:-$([ "$PERF" = 1 ] && echo 12 || echo 30)}"
 BUDGET="${BUDGET:-$((DEFAULT_BUDGET * SCALE))}"
 case "$BUDGET$ITERS" in *[!0-9]*) echo "gpu_quick.sh: --budget and --iters take whole numbers" >&2; exit 2 ;; esac
@@ -189,7 +190,7 @@ if [ "$PERF" = 1 ]; then
   IMPLS=local
   [ "$TE" = 1 ] && IMPLS=transformer_engine,local
   step perf_profile 150 $GPU --only perf_profile --impls "$IMPLS" "${SIZE[@]}"
-  step perf_shapes 200 $GPU --only perf_shapes --impls "$IMPLS" "${SIZE[@]}"
+  step perf_shapes 240 $GPU --only perf_shapes --impls "$IMPLS" "${SIZE[@]}"
   [ "$TE" = 1 ] && step perf_te 200 $GPU --only perf_te --impls "$IMPLS" --recipes tensorwise,delayed \
     --loss-tolerance 0.01 "${SIZE[@]}"
 elif [ "$TE" = 1 ]; then

@@ -182,18 +182,24 @@ def check_perf_shapes(a, work: Path, hf: Path, data: Path, meg: Path) -> list[di
                   extra=("--micro-batch-size", str(a.gbs)))
     rows.append(_row(big, a, r, small, f"one micro batch of {a.gbs} per step against {a.gbs // a.mbs} of {a.mbs}",
                      mbs=a.gbs))
-    r = train_run(a, work, hf, data, meg, f"perf_mbs{a.mbs}", "local", a.precision) if impl != "local" else None
-    local = f"ours local, mbs {a.mbs}"
-    if r is not None:  # with TE, the local reference of the SDPA row is its own run
-        rows.append(_row(local, a, r, None, "local layers, megatron-core's local attention"))
+    sdpa = f"ours sdpa, mbs {a.mbs}"
     if not trainer_has("--attention-backend", "sdpa"):
-        rows.append(_not_measured(f"ours sdpa, mbs {a.mbs}", a, "train/run.py has no --attention-backend sdpa yet "
-                                  "(issue 63 item 3)"))
-    else:
-        r = train_run(a, work, hf, data, meg, "perf_sdpa", "local", a.precision,
-                      extra=("--attention-backend", "sdpa"))
-        rows.append(_row(f"ours sdpa, mbs {a.mbs}", a, r, local if impl != "local" else small,
-                         "local layers, --attention-backend sdpa (torch's scaled_dot_product_attention)"))
+        # megatron-core's local attention is the local layers' only one: the reference row is the SDPA row's
+        if impl != "local":
+            r = train_run(a, work, hf, data, meg, f"perf_mbs{a.mbs}_local", "local", a.precision)
+            rows.append(_row(f"ours local, mbs {a.mbs}", a, r, None, "local layers, megatron-core's local attention"))
+        rows.append(_not_measured(sdpa, a, "train/run.py has no --attention-backend sdpa yet (issue 63 item 3)"))
+    else:  # both named: where sdpa is the local layers' default on CUDA, the baseline rows are sdpa already
+        local = f"ours local attention, mbs {a.mbs}"
+        r = train_run(a, work, hf, data, meg, f"perf_mbs{a.mbs}_local", "local", a.precision,
+                      extra=("--attention-backend", "local"))
+        rows.append(_row(local, a, r, None, "local layers, --attention-backend local (megatron-core's own)"))
+        r = train_run(a, work, hf, data, meg, "perf_sdpa", "local", a.precision, extra=("--attention-backend", "sdpa"))
+        row = _row(sdpa, a, r, local, "local layers, --attention-backend sdpa (torch's scaled_dot_product_attention)")
+        if "error" not in r and "losses" in rows[-1]:  # the same model and batches: the same losses
+            row.update(diff=curve_diff(r["losses"], rows[-1]["losses"]), tolerance=a.loss_tolerance)
+            row["ok"] = row["diff"] <= a.loss_tolerance
+        rows.append(row)
     r = train_run(a, work, hf, data, meg, "perf_packed", impl, a.precision, extra=packing_flags(a))
     rows.append(_row(f"ours {impl}, packed", a, r, small, "packed: " + " ".join(packing_flags(a))))
     return rows
@@ -214,8 +220,7 @@ def check_perf_te(a, work: Path, hf: Path, data: Path, meg: Path) -> list[dict]:
         bf16, base, rows = earlier["impl"], {"losses": earlier["losses"]}, []
     else:
         base = train_run(a, work, hf, data, meg, f"perf_te_mbs{a.gbs}", "transformer_engine", a.precision, extra=fast)
-        rows = [_row(bf16, a, base, f"ours local, mbs {a.mbs}", "Transformer Engine layers, bf16, the fast shape",
-                     mbs=a.gbs)]
+        rows = [_row(bf16, a, base, None, "Transformer Engine layers, bf16, the fast shape", mbs=a.gbs)]
     expected = set(runnable_recipes())
     for recipe in a.recipes or ("tensorwise", "delayed"):
         key = f"TE FP8 {recipe}, mbs {a.gbs}"
