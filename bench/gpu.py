@@ -46,6 +46,11 @@ What it measures, in one run (each part can be picked with ``--only``):
             layers at ``--vision-hidden`` with its layer scales, 448-px tiles: 256 tokens each after the pixel shuffle)
             on the reference batch of multi-tile images, with each of ``--impls``: fp32 with TF32 off within 1e-4,
             bf16 within the yardstick above.
+``perf_*``  ``perf_profile``, ``perf_shapes``, ``perf_te`` (bench/gpu_quick.sh --perf; bench/gpu_steps/perf.py): where
+            a step's time goes: two profiled iterations of ours and of the HF loop (traces and top-ops tables into
+            $OUT), micro batch --mbs against --gbs (the host's share), SDPA against local attention, packed against
+            padded, and with Transformer Engine: TE bf16, FP8 tensorwise and delayed at the fast shape (micro batch
+            --gbs).
 ``hf``      (bench/gpu_quick.sh) the reference loop: HF ``LlavaForConditionalGeneration`` with SDPA attention trained by
             a plain PyTorch loop (bf16 autocast over fp32 weights, as HF's Trainer runs bf16; AdamW, the trainer's
             schedule and clipping) on the same batches (energon loader + ``VLMTaskEncoder``, same seed) and the same
@@ -100,6 +105,8 @@ from bench.gpu_steps.cp import check_cp, cp_sample  # noqa: E402,F401
 from bench.gpu_steps.vpp import check_vpp, vpp_split  # noqa: E402,F401
 from bench.gpu_steps.internvl import (INTERNVL_TILE, build_internvl_inputs, check_internvl,  # noqa: E402,F401
                                       internvl_hf_logits)
+from bench.gpu_steps import perf  # noqa: E402,F401
+from bench.gpu_steps.perf import PARTS as PERF_PARTS, check_perf_profile, check_perf_shapes, check_perf_te  # noqa: E402
 from bench.gpu_steps.results import (  # noqa: E402,F401
     STEP_LABELS, not_measured, print_table, report, verdict, with_ratios, write_results)
 
@@ -114,7 +121,8 @@ def parse(argv=None):
                    "loop on the same batches), moe (an MoE LLaVA at EP1: TE grouped GEMM, or local layers), cp (one "
                    "long sample at CP1 and at CP2 with TE's p2p attention: losses and peak memory per rank), vpp (PP2 "
                    "x VPP2 against PP2 through train/run.py: equal losses, tokens/s; needs two GPUs), internvl (the "
-                   "InternVL family's logits against HF)")
+                   "InternVL family's logits against HF), perf_profile, perf_shapes, perf_te (bench/gpu_quick.sh "
+                   "--perf: profiles, micro batch and attention comparisons, TE and FP8 at the fast shape)")
     p.add_argument("--inputs", type=Path, default=None, help="set-up folder (HF model, data, converted checkpoint): "
                    "reused when it holds one, else built there and kept")
     p.add_argument("--setup-only", action="store_true", help="build the set-up into --inputs and stop")
@@ -159,10 +167,10 @@ def parse(argv=None):
         p.error(f"--gbs {a.gbs} must be a multiple of --mbs {a.mbs}")
     if a.setup_only and a.inputs is None:
         p.error("--setup-only needs --inputs DIR (where the set-up is kept for the later steps)")
-    unknown = a.only - {"logits", "packing", "train", "fusions", "hf", "moe", "cp", "vpp", "internvl"}
+    unknown = a.only - {"logits", "packing", "train", "fusions", "hf", "moe", "cp", "vpp", "internvl", *PERF_PARTS}
     if unknown:
         p.error(f"--only {','.join(sorted(unknown))}: unknown part(s); pick from logits,packing,train,fusions,hf,moe,"
-                "cp,vpp,internvl")
+                "cp,vpp,internvl," + ",".join(PERF_PARTS))
     return a
 
 
@@ -211,6 +219,9 @@ def main(argv=None, run_command=subprocess.run) -> int:
             rows += check_vpp(a, work, hf, data, meg)
         if "internvl" in a.only and not a.setup_only:
             rows += check_internvl(a, a.inputs or work)
+        for part, check in zip(PERF_PARTS, (check_perf_profile, check_perf_shapes, check_perf_te)):
+            if part in a.only and not a.setup_only:
+                rows += check(a, work, hf, data, meg)
     finally:
         if a.out:
             write_results(a.out, info, rows, {k: str(v) for k, v in vars(a).items()})

@@ -22,29 +22,41 @@
 #   attention, where two GPUs are visible), vpp (PP2 x VPP2 against PP2 with TE layers, where two GPUs are
 #   visible), internvl (TE and local layers), pytest (all gpu-marked tests)
 #
+# With --perf (issue 63: where a step's time goes; 470 s budget, 540 with --te) the steps are env, install, setup and
+#   perf_profile  two profiled iterations of ours (--profile) and of the HF + SDPA loop (torch.profiler)   (150 s)
+#   perf_shapes   micro batch 4 against 16 (the host's share), SDPA against local attention, packed
+#                 against padded                                                                           (240 s)
+#   perf_te       (with --te) TE bf16, and FP8 tensorwise and delayed, at the fast shape (micro batch 16)  (200 s)
+# with 12 iterations a run (2 of warm-up, 2 profiled); their rows compare each run with the one it names.
+#
 # and prints the table (bench/gpu.py --report). Files in $OUT (at most 8 come back from the GPU machine):
 #   gpu_quick.log  every step's output, appended as it runs     gpu_bench.json  the results, merged after each step
 #   steps.jsonl    one line per step: rc, seconds, limit       train_runs.log  the training runs' own logs
+#   with --perf:   perf_profiles.tar (the Chrome traces, gzip'd, 16 MiB at most), perf_top_ops.txt (the tables)
 # A step that hits its limit is killed (rc 124/137) and the next one runs; a timed-out command still returns these.
 #
 #   bash bench/gpu_quick.sh [--budget 470]      # on the GPU machine, from the repository root or from the kit
 #   bash bench/gpu_quick.sh --te                # Transformer Engine + FP8 + the rows above (a kit with te/)
 #   bash bench/gpu_quick.sh --tiny              # CPU, tiny model, a few iterations (the test suite runs this)
-# Options: --tiny, --te, --kit DIR (default: the folder of this script when it is a kit, else <repo>/.gpu_kit),
+#   bash bench/gpu_quick.sh --perf [--te]       # the profile and the speed comparisons only (issue 63)
+# Options: --tiny, --te, --perf, --kit DIR (default: the folder of this script when it is a kit, else <repo>/.gpu_kit),
+#          --setup DIR (keep the set-up there, and reuse the one there: a second call skips building it),
 #          --out DIR (default: $OUT, else ./gpu_quick_out), --budget SECONDS (overall deadline, default 470, 560
-#          with --te; with --tiny 1800, and every step limit x4),
-#          --iters N (training iterations, default 30), --keep (keep the scratch folder), -h/--help.
+#          with --te, 540 with --perf --te; with --tiny 1800, and every step limit x4),
+#          --iters N (training iterations, default 30; 12 with --perf), --keep (keep the scratch folder), -h/--help.
 #          PYTHON=... picks the interpreter (default python3).
 set -u
 
 usage() { sed -n '2,/^set -u/p' "$0" | sed -e '/^set -u/d' -e 's/^# \{0,1\}//'; }
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-TINY=0 TE=0 KEEP=0 KIT="" KIT_GIVEN=0 OUTDIR="${OUT:-}" BUDGET="" ITERS=30
+TINY=0 TE=0 PERF=0 KEEP=0 KIT="" KIT_GIVEN=0 OUTDIR="${OUT:-}" BUDGET="" ITERS="" SETUP_DIR=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) TINY=1 ;;
     --te) TE=1 ;;
+    --perf) PERF=1 ;;
+    --setup) SETUP_DIR="${2:?--setup needs a folder}"; shift ;;
     --keep) KEEP=1 ;;
     --kit) KIT="${2:?--kit needs a folder}"; KIT_GIVEN=1; shift ;;
     --out) OUTDIR="${2:?--out needs a folder}"; shift ;;
@@ -60,6 +72,8 @@ SCALE=1
 [ "$TINY" = 1 ] && SCALE=4
 DEFAULT_BUDGET=470
 [ "$TE" = 1 ] && DEFAULT_BUDGET=560
+[ "$TE" = 1 ] && [ "$PERF" = 1 ] && DEFAULT_BUDGET=540
+ITERS="${ITERS:-$([ "$PERF" = 1 ] && echo 12 || echo 30)}"
 BUDGET="${BUDGET:-$((DEFAULT_BUDGET * SCALE))}"
 case "$BUDGET$ITERS" in *[!0-9]*) echo "gpu_quick.sh: --budget and --iters take whole numbers" >&2; exit 2 ;; esac
 
@@ -147,12 +161,17 @@ if os.environ["TE"] == "1":
     print("transformer_engine", te.__version__ if hasattr(te, "__version__") else "?")'
 }
 
-GPU="$PY bench/gpu.py --inputs $WORK/inputs --work-dir $WORK --out $RESULTS"
+INPUTS="$WORK/inputs"
+[ -n "$SETUP_DIR" ] && mkdir -p "$SETUP_DIR" && INPUTS="$(cd "$SETUP_DIR" && pwd)"
+GPU="$PY bench/gpu.py --inputs $INPUTS --work-dir $WORK --out $RESULTS"
 SIZE=()
-[ "$TINY" = 1 ] && SIZE=(--tiny) || SIZE=(--iters "$ITERS" --warmup 10)
+WARMUP=10
+[ "$PERF" = 1 ] && WARMUP=2
+[ "$TINY" = 1 ] && SIZE=(--tiny) || SIZE=(--iters "$ITERS" --warmup "$WARMUP")
 
 : > "$LOG"
-echo "gpu_quick.sh $([ "$TINY" = 1 ] && echo --tiny) $([ "$TE" = 1 ] && echo --te): project $ROOT, kit $KIT, out $OUTDIR," \
+FLAGS="$([ "$TINY" = 1 ] && echo --tiny) $([ "$TE" = 1 ] && echo --te) $([ "$PERF" = 1 ] && echo --perf)"
+echo "gpu_quick.sh $FLAGS: project $ROOT, kit $KIT, out $OUTDIR," \
   "budget ${BUDGET}s, $(date -u +%FT%TZ)" | tee -a "$LOG"
 if [ "$TE" = 1 ] && [ ! -d "$KIT/te" ]; then
   echo "gpu_quick.sh --te: the kit holds no Transformer Engine build ($KIT/te): make it with tools/gpu_kit.py --te DIR" \
@@ -167,7 +186,14 @@ else
 fi
 step setup 240 $GPU --setup-only "${SIZE[@]}"
 SETUP_RC=$?
-if [ "$TE" = 1 ]; then
+if [ "$PERF" = 1 ]; then
+  IMPLS=local
+  [ "$TE" = 1 ] && IMPLS=transformer_engine,local
+  step perf_profile 150 $GPU --only perf_profile --impls "$IMPLS" "${SIZE[@]}"
+  step perf_shapes 240 $GPU --only perf_shapes --impls "$IMPLS" "${SIZE[@]}"
+  [ "$TE" = 1 ] && step perf_te 200 $GPU --only perf_te --impls "$IMPLS" --recipes tensorwise,delayed \
+    --loss-tolerance 0.01 "${SIZE[@]}"
+elif [ "$TE" = 1 ]; then
   step logits 150 $GPU --only logits --impls transformer_engine,local "${SIZE[@]}"
   step train 300 $GPU --only train --impls local,transformer_engine --recipes delayed,tensorwise --loss-tolerance 0.01 \
     "${SIZE[@]}"

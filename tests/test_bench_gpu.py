@@ -32,7 +32,9 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     kit = tmp_path / "kit"
     fake_wheel(kit / "wheels", "mvlm-kit-probe", "1.0")
     out = tmp_path / "out"
-    res = subprocess.run(["bash", str(ROOT / "bench" / "gpu_quick.sh"), "--tiny", "--kit", str(kit), "--out", str(out)],
+    setup = tmp_path / "setup"  # kept: the --perf rehearsal below reuses it
+    res = subprocess.run(["bash", str(ROOT / "bench" / "gpu_quick.sh"), "--tiny", "--kit", str(kit), "--out", str(out),
+                          "--setup", str(setup)],
                          env=dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path)), capture_output=True,
                          text=True, timeout=1500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
@@ -84,6 +86,86 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     log = (out / "gpu_quick.log").read_text()
     assert "== install: rc 0" in log and "skipped" in log  # pytest: the gpu tests skip without a GPU
     assert bench.curve_diff([1.0, 2.02], [1.0, 2.0]) == pytest.approx(0.01)
+    assert (setup / "megatron").is_dir()
+    perf_rehearsal(bench, setup, tmp_path / "perf")
+
+
+def perf_rehearsal(bench, setup, out):
+    """The parts of ``bench/gpu_quick.sh --perf`` (bench/gpu_steps/perf.py) on the kept set-up, in this process with
+    the training runs forked (no second set-up, no interpreter starts): the profiled runs of ours and of the HF loop
+    with their trace and table in $OUT, micro batch 4 against 2 with the host's share, SDPA against local attention
+    and packed against padded, each compared with the row it names; the TE rows say they need --te."""
+    import signal
+    import tarfile
+
+    from tests.support import forked_cli
+
+    out.mkdir()
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        rc = bench.main(["--tiny", "--only", ",".join(bench.PERF_PARTS), "--inputs", str(setup), "--work-dir",
+                         str(out), "--out", str(out / "gpu_bench.json")], run_command=forked_cli.run)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        bench.use_run_command(subprocess.run)
+    assert rc == 0
+    rows = {r["impl"]: r for r in json.loads((out / "gpu_bench.json").read_text())["rows"]}
+    ours, hf = rows["ours local, mbs 2"], rows[bench.HF_ROW + ", profiled"]
+    assert ours["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0 and hf["ok"], (ours, hf)
+    assert ours["vs_hf"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"])
+    assert bench.curve_diff(ours["losses"], hf["losses"]) < 1e-3  # the same work: fp32, same batches and schedule
+    with tarfile.open(out / bench.perf.PROFILES) as tar:
+        traces = tar.getnames()
+        assert b"traceEvents" in __import__("gzip").decompress(tar.extractfile("hf_trace.json.gz").read())
+    assert "Self CPU" in (out / bench.perf.TOP_OPS).read_text()
+    if bench.perf.trainer_has("--profile"):
+        assert ours["ok"] and any(t.startswith("ours_") for t in traces), traces
+    else:
+        assert rows["ours local, mbs 2, profile"]["note"].startswith("not measured: train/run.py has no --profile")
+    big = rows["ours local, mbs 4"]
+    assert big["ref"] == "ours local, mbs 2" and big["micro_batches"] == 1 and ours["micro_batches"] == 2
+    assert big["speedup"] == pytest.approx(big["tokens_per_s"] / ours["tokens_per_s"]) and "host_share" in big
+    packed = rows["ours local, packed"]
+    assert packed["speedup"] == pytest.approx(packed["tokens_per_s"] / ours["tokens_per_s"])
+    assert "--packed-seq-length 512" in packed["note"] and "host_share" not in packed
+    if bench.perf.trainer_has("--attention-backend", "sdpa"):  # against an explicit local-attention run
+        sdpa = rows["ours sdpa, mbs 2"]
+        assert sdpa["ref"] == "ours local attention, mbs 2" and sdpa["ok"] and sdpa["diff"] < 1e-3, sdpa
+        assert sdpa["speedup"] == pytest.approx(sdpa["tokens_per_s"] / rows[sdpa["ref"]]["tokens_per_s"])
+    else:
+        assert rows["ours sdpa, mbs 2"]["note"].startswith("not measured: train/run.py has no --attention-backend")
+    assert rows["TE bf16, mbs 4"]["note"] == "not measured: Transformer Engine rows need --te (a kit with te/)"
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == [
+        "gpu_bench.json", bench.perf.PROFILES, bench.perf.TOP_OPS, "train_runs.log"]
+
+
+def test_perf_rows_compare_with_the_row_they_name_and_traces_fit_the_file_limit(tmp_path, monkeypatch):
+    """perf_ratios: a row's speed-up over its ``ref``; the one-micro-batch row's host share of the n-micro-batch
+    step, h = (t_n - t_1) / (n - 1), share n h / t_n (here t_4 = 1.0 s, t_1 = 0.7 s: h = 0.1 s, 40%).
+    pack_profiles: traces that would take the archive over the file limit are left out, smallest kept."""
+    import tarfile
+
+    bench = script("bench/gpu.py")
+    rows = bench.with_ratios([
+        dict(part="perf", impl="ours local, mbs 4", dtype="bf16", tokens_per_s=100.0, s_per_iter=1.0,
+             micro_batches=4, note=""),
+        dict(part="perf", impl="ours local, mbs 16", dtype="bf16", tokens_per_s=140.0, s_per_iter=0.7,
+             micro_batches=1, ref="ours local, mbs 4", note="one micro batch of 16"),
+        dict(part="perf", impl="ours local, packed", dtype="bf16", tokens_per_s=150.0, s_per_iter=0.5,
+             micro_batches=4, ref="ours local, mbs 4", note="packed"),
+        dict(part="perf", impl=bench.HF_ROW + ", profiled", dtype="bf16", tokens_per_s=200.0, note="")])
+    assert rows[1]["speedup"] == pytest.approx(1.4) and rows[1]["host_share"] == pytest.approx(0.4)
+    assert "host share of the 4-micro-batch step ~40% (per micro batch 100 ms)" in rows[1]["note"]
+    assert rows[2]["speedup"] == pytest.approx(1.5) and "host_share" not in rows[2]
+    assert [r.get("vs_hf") for r in rows] == [0.5, 0.7, 0.75, None]
+    monkeypatch.setattr(bench.perf, "MAX_FILE_BYTES", (64 << 10) + 3000)
+    big, small = os.urandom(4000), b"x" * 100_000  # random bytes do not compress
+    done = __import__("gzip").compress(b"y" * 1000)  # the trainer's trace comes gzip'd: kept as it is
+    assert bench.perf.pack_profiles(tmp_path, {"big.json": big, "small.json": small, "ours.json.gz": done},
+                                    {"t": "table"}) == ["big.json"]
+    with tarfile.open(tmp_path / bench.perf.PROFILES) as tar:
+        assert tar.getnames() == ["ours.json.gz", "small.json.gz"] and tar.extractfile("ours.json.gz").read() == done
+    assert "big.json: trace left out" in (tmp_path / bench.perf.TOP_OPS).read_text()
 
 
 @pytest.mark.slow  # bash processes (no Python start)

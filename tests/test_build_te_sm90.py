@@ -5,6 +5,7 @@ cuobjdump by the tool itself, bench/GPU.md section 4), the wheel rewrite, and th
 from __future__ import annotations
 
 import base64
+import os
 import hashlib
 import struct
 import zipfile
@@ -121,3 +122,48 @@ def test_build_summary_extrapolates_from_the_measured_objects(tool, tmp_path):
     assert s["extrapolated_total_cpu_h"] == pytest.approx((120 + 60 * 8) / 3600, abs=0.01)
     assert s["extrapolated_total_wall_h_at_this_load"] == pytest.approx((450 + 225 * 8) / 3600, abs=0.01)
     assert "extrapolated_total_cpu_h" not in tool.summary(rows, done=10, total=10, wall=500.0)
+
+
+@pytest.mark.slow  # one pip process
+def test_a_pip_install_into_the_build_venv_leaves_the_lanes_nvidia_packages_alone(tool, tmp_path):
+    """torch-ext's build venv sees the lane's nvidia-* packages through a mirror of links, one per file: a real
+    ``pip install`` of a wheel holding nvidia/ files into that venv (as installing TE's import dependencies there did
+    with torch 2.11's NCCL and cuDNN) replaces the venv's links and leaves the lane's files as they were."""
+    import subprocess
+    import sys
+
+    lane = tmp_path / "lane" / "nvidia"
+    for rel, text in (("cudnn/lib/libcudnn.so.9", "lane cudnn"), ("nccl/include/nccl.h", "lane nccl"),
+                      ("cu13/lib/libcudart.so.13", "lane cudart"), ("cudnn_frontend/include/x.h", "headers")):
+        (lane / rel).parent.mkdir(parents=True, exist_ok=True)
+        (lane / rel).write_text(text)
+    cuda = tmp_path / "cuda"  # the build's CUDA root: its own folders, links into the lane's cu13
+    (cuda / "lib64").mkdir(parents=True)
+    os.symlink(lane / "cu13" / "lib" / "libcudart.so.13", cuda / "lib64" / "libcudart.so.13")
+    (cuda / "lib").symlink_to(cuda / "lib64")
+    prefix = tmp_path / "venv"
+    purelib = prefix / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    nv = purelib / "nvidia"
+    os.makedirs(nv / "cudnn")
+    os.symlink(lane / "nccl", nv / "nccl")  # an older run's linked folder: removed, not followed
+    assert tool.mirror_nvidia(lane, nv, cuda) == 4  # cu13: lib64 and lib (a link to it) each
+    assert (nv / "cudnn" / "lib" / "libcudnn.so.9").read_text() == "lane cudnn" and not (nv / "cudnn_frontend").exists()
+    assert (nv / "cu13" / "lib64" / "libcudart.so.13").read_text() == "lane cudart"
+    # a name no environment has, and --ignore-installed: pip must uninstall nothing of the running lane's (a wheel
+    # named nvidia-cudnn-cu13 would make pip remove the lane's own cuDNN, --prefix or not)
+    whl = fake_wheel(tmp_path / "whl", "mvlm-probe-nvidia-files", "1.0")
+    with zipfile.ZipFile(whl, "a") as z:
+        for rel in ("cudnn/lib/libcudnn.so.9", "nccl/lib/libnccl.so.2", "cu13/lib/libcudart.so.13"):
+            z.writestr(f"nvidia/{rel}", "torch 2.11's")
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index",
+                          "--no-deps", "--no-compile", "--ignore-installed", "--prefix", str(prefix), str(whl)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (nv / "cudnn" / "lib" / "libcudnn.so.9").read_text() == "torch 2.11's"  # the venv's own copy now
+    assert sorted(str(p.relative_to(lane)) for p in lane.rglob("*") if p.is_file()) == [
+        "cu13/lib/libcudart.so.13", "cudnn/lib/libcudnn.so.9", "cudnn_frontend/include/x.h", "nccl/include/nccl.h"]
+    assert [(lane / r).read_text() for r in ("cudnn/lib/libcudnn.so.9", "cu13/lib/libcudart.so.13")] == [
+        "lane cudnn", "lane cudart"]
+    assert not any(p.is_symlink() for p in nv.rglob("*") if p.is_dir())  # real folders: new files land here
+    tool.remove_mirror(nv)
+    assert not nv.exists() and (lane / "nccl" / "include" / "nccl.h").read_text() == "lane nccl"

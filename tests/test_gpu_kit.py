@@ -124,6 +124,8 @@ def test_kit_layout_size_refusal_and_atomic_replace(kit, tmp_path, capsys):
     with tarfile.open(out / "project.tar.gz") as tar:
         tar.extractall(tmp_path / "unpacked", filter="data")
     project = tmp_path / "unpacked" / "megatron-vlm"
+    # less what no GPU step reads (ARCHIVE_LEAVES_OUT): the megatron-core fixtures, 4.7 MiB of the archive's 5.5
+    assert (project / "tests" / "conftest.py").is_file() and not (project / "tests" / "fixtures").exists()
     res = subprocess.run([sys.executable, "bench/gpu.py", "--help"], cwd=project, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(project)))
     assert res.returncode == 0 and "--only" in res.stdout, res.stderr[-2000:]
@@ -168,3 +170,60 @@ def test_kit_with_transformer_engine_carries_its_wheels_and_their_dependencies(k
                         "te/transformer_engine_cu13-2.20.2-py3-none-any.whl",
                         "te/transformer_engine_torch-2.20.2-py3-none-any.whl"]
     assert man["te"]["transformer-engine-torch"] == "2.20.2" and man["left_out"] == ["botocore", "s3fs"]
+
+
+def test_check_te_checks_the_files_plans_the_scratch_install_and_refuses_another_torch(kit, tmp_path, monkeypatch):
+    """``--check --te DIR``: DIR's wheels checked (one of each, METADATA against the name, one version, cp312, the
+    README's SHA-256s); the plan installs them and the kit's te/ dependencies into a scratch venv over the image's
+    torch with --ignore-installed; and it is refused in one line in a Python whose torch is not the image's 2.11
+    (this lane's: 2.13) or that lacks onnx/onnxscript. The import itself runs on the GPU machine."""
+    import hashlib
+
+    te = tmp_path / "te"
+    core = fake_wheel(te, "transformer_engine_cu13", "2.20.2")
+    fake_wheel(te, "transformer_engine", "2.20.2")
+    ext = fake_wheel(te, "transformer_engine_torch", "2.20.2")
+    with pytest.raises(SystemExit, match="not built for CPython 3.12"):
+        kit.te_files_checked(te)
+    ext = ext.rename(te / "transformer_engine_torch-2.20.2-cp312-cp312-linux_x86_64.whl")
+    digest = hashlib.sha256(core.read_bytes()).hexdigest()
+    (te / "README.md").write_text(f"| `{core.name}` (1 MB) | `{digest}` | pruned |\n")
+    assert kit.te_files_checked(te)[0] == core
+    (te / "README.md").write_text(f"| `{core.name}` (1 MB) | `{'0' * 64}` | pruned |\n")
+    with pytest.raises(SystemExit, match="does not match the SHA-256 its README.md lists"):
+        kit.te_files_checked(te)
+    (te / "README.md").unlink()
+    shutil.copyfile(fake_wheel(tmp_path / "other", "transformer_engine", "2.21.0"), te / "transformer_engine-2.20.2-"
+                    "py3-none-any.whl")  # a renamed file: its METADATA says 2.21.0
+    with pytest.raises(SystemExit, match="its METADATA says transformer_engine 2.21.0"):
+        kit.te_files_checked(te)
+    fake_wheel(te, "transformer_engine", "2.20.2")
+    with pytest.raises(SystemExit, match="no wheel of nvdlfw-inspect"):
+        kit.te_check_plan(te, tmp_path / "venv")
+    kit_dir = tmp_path / "kit"
+    dep = fake_wheel(kit_dir / "te", "nvdlfw_inspect", "0.2.2")
+    fake_wheel(kit_dir / "te", "transformer_engine", "9.9")  # the kit's own copy: DIR's wins
+    venv_cmd, pip_cmd, import_cmd = kit.te_check_plan(te, tmp_path / "venv", kit_dir)
+    assert venv_cmd[-3:] == ["--system-site-packages", "--without-pip", str(tmp_path / "venv")]
+    assert "--ignore-installed" in pip_cmd and "--no-index" in pip_cmd and "--no-deps" in pip_cmd
+    assert sorted(Path(w).name for w in pip_cmd if w.endswith(".whl")) == sorted(
+        [dep.name, core.name, "transformer_engine-2.20.2-py3-none-any.whl", ext.name])
+    assert import_cmd[:2] == [str(tmp_path / "venv" / "bin" / "python"), "-c"]
+    assert "transformer_engine.pytorch as te" in import_cmd[2] and "te.Linear" in import_cmd[2]
+    # refusals: another torch (this lane's), another Python, no onnx
+    why = kit.te_refusal("2.13.0+cu130", "3.12")
+    assert "built for torch 2.11.0 (the GPU image's), this Python has torch 2.13.0+cu130: run it on the GPU" in why
+    assert "needs Python 3.12" in kit.te_refusal("2.11.0", "3.11")
+    assert "needs onnxscript" in kit.te_refusal("2.11.0+cu130", "3.12", has=lambda m: m == "onnx")
+    assert kit.te_refusal("2.11.0+cu130", "3.12", has=lambda m: True) is None
+    import importlib.metadata as md
+
+    if md.version("torch").split("+")[0] != "2.11.0":
+        with pytest.raises(SystemExit, match=r"^gpu_kit: --check --te: the Transformer Engine torch extension"):
+            kit.main(["--check", "--te", str(te), "--out", str(kit_dir)])
+    # where it may run, the plan's commands run in order and the first failure is the exit status
+    monkeypatch.setattr(kit, "te_refusal", lambda *a, **k: None)
+    ran = []
+    assert kit.check_te(te, kit_dir, run=lambda cmd: ran.append(cmd) or subprocess.CompletedProcess(
+        cmd, 3 if "-c" in cmd else 0)) == 3
+    assert [c[1] for c in ran] == ["-m", "-m", "-c"]

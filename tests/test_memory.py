@@ -191,3 +191,54 @@ def test_dry_run_prints_the_estimate_and_warns(tmp_path, capsys, no_slurm_env): 
     out = capsys.readouterr()
     assert rc == 0 and out.out.startswith("# memory per GPU (estimate") and "exceeds 0.001 GiB" in out.err
     assert not (tmp_path / "job.sh").exists()
+
+
+def test_stage2_on_cuda_sizes_its_micro_batch_from_the_estimate(tmp_path, capsys, monkeypatch,
+                                                                no_slurm_env):  # noqa: F811
+    """Stage 2 on CUDA without --micro-batch-size: the largest micro batch of 16, 8, 4, 2 whose estimate fits 80% of
+    the GPU's memory (and divides the global batch per DP rank, leaving --pp micro batches), instead of 1; on CPU,
+    with --micro-batch-size, packing or stage 1, nothing changes. The launcher's --dry-run shows it."""
+    import dataclasses
+
+    from megatron_vlm.launch import cli, probe
+    from megatron_vlm.training.config import TrainConfig
+    from megatron_vlm.training.config.resolve import size_micro_batch
+
+    from .launch_helpers import tiny_spec
+
+    spec = tiny_spec(num_layers=8, vocab_size=32000, hidden_size=512, ffn_hidden_size=1024, num_attention_heads=8,
+                     num_query_groups=8, kv_channels=64)
+    cfg = TrainConfig.from_args(["--device", "cuda", "--stage", "2", "--seq-length", "2048", "--data-path", "d",
+                                 "--megatron-load-dir", "m", "--tokenizer-load-dir", "t", "--save-dir", "s",
+                                 "--train-iters", "10"])
+    assert cfg.micro_batch_size == 1 and cfg.global_batch_size == 128
+
+    def need(mbs, fused=True):
+        trial = dataclasses.replace(cfg, micro_batch_size=mbs)
+        return max(s.total for s in memory.estimate(spec, memory.Layout.of_config(trial, fused, spec))) / memory.GIB
+
+    c = dataclasses.replace(cfg)
+    assert "--micro-batch-size 16: stage 2 on CUDA sizes" in size_micro_batch(c, spec, 80.0, True)
+    assert c.micro_batch_size == 16
+    limit = (need(4) + need(8)) / 2 / 0.8  # 4 fits 80% of it, 8 does not
+    c = dataclasses.replace(cfg)
+    assert size_micro_batch(c, spec, limit, True) and c.micro_batch_size == 4
+    assert need(4, fused=False) > need(4)  # local attention keeps the score matrices: a smaller micro batch
+    c = dataclasses.replace(cfg)
+    assert size_micro_batch(c, spec, need(1) / 0.8 * 1.01, True) is None and c.micro_batch_size == 1
+    for other in (dict(device="cpu"), dict(stage=1), dict(micro_batch_size=2), dict(packing_buffer_size=64)):
+        c = dataclasses.replace(cfg, **other)
+        assert size_micro_batch(c, spec, 80.0, True) is None and c.micro_batch_size == other.get("micro_batch_size",
+                                                                                                  1), other
+    c = dataclasses.replace(cfg, global_batch_size=16, pp=4, gpus=4)  # 16 per rank: 4 micro batches of 4 keep PP4 fed
+    assert size_micro_batch(c, spec, 80.0, True) and c.micro_batch_size == 4
+    # the launcher: a probe that reports one 80 GiB GPU, a dry run of stage 2 without --micro-batch-size
+    monkeypatch.setattr(probe, "run_probe", lambda *a, **k: {"torch": "2.x", "device_count": 1,
+                                                           "memory": [80 << 30]})
+    args = [a for a in base_args(tmp_path) if a != "cpu"]
+    args[args.index("--device") + 1: args.index("--device") + 1] = ["cuda"]
+    assert cli.main([*args, "--stage", "2", "--dry-run"], repo_root=REPO) == 0
+    out = capsys.readouterr()
+    assert "--micro-batch-size 16: stage 2 on CUDA sizes its micro batch from the memory estimate" in out.out + out.err
+    assert cli.main([*args, "--stage", "2", "--micro-batch-size", "2", "--dry-run"], repo_root=REPO) == 0
+    assert "sizes its micro batch" not in "".join(capsys.readouterr())

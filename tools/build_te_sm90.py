@@ -485,6 +485,49 @@ def prune_wheel(core_wheel: Path, out: Path, archs: set[int], cuobjdump: str | N
 
 
 # ---- the torch extension for another torch (the GPU image's) ------------------------------------------------------
+def mirror_tree(src: Path, dst: Path) -> int:
+    """``dst`` as a copy of ``src``'s directories (real ones, linked directories followed) holding one symbolic link
+    per file; returns the number of links. A ``pip install`` into ``dst`` replaces a file's link (pip unlinks a file
+    before it writes one) and makes new files in ``dst``'s own directories: nothing is written through into ``src``,
+    as it was through a linked directory (``os.symlink(src, dst)``)."""
+    n = 0
+    for here, dirs, files in os.walk(src, followlinks=True):
+        rel = Path(here).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for f in files:
+            os.symlink(Path(here) / f, dst / rel / f)
+            n += 1
+    return n
+
+
+def remove_mirror(nv: Path) -> None:
+    """Remove ``nv`` (a mirror of :func:`mirror_tree`, or an older run's linked directories) without following a
+    link: the lane's files stay."""
+    if nv.is_symlink():
+        nv.unlink()
+    elif nv.is_dir():
+        for sub in nv.iterdir():
+            if sub.is_symlink():
+                sub.unlink()
+        shutil.rmtree(nv)  # rmtree removes links, never what they point to
+
+
+def mirror_nvidia(site_nvidia: Path, nv: Path, cuda: Path) -> int:
+    """The build venv's ``nvidia/`` (``nv``): each of ``site_nvidia``'s CUDA 13 packages (the lane's) mirrored file by
+    file (:func:`mirror_tree`), with ``cu13`` the CUDA root made for the build; returns the number of links.
+
+    It was a link per package folder, and a ``pip install`` into the build venv then wrote through the links into
+    the lane: installing TE's import dependencies there pulled in torch 2.11's NCCL, cuDNN and cuSPARSELt over the
+    lane's, and ``import torch`` then failed in .venv-py312 (undefined symbol ``ncclCommResume``)."""
+    remove_mirror(nv)
+    nv.mkdir(parents=True)
+    n = 0
+    for sub in sorted(site_nvidia.iterdir()):
+        if sub.is_dir() and sub.name != "cudnn_frontend":
+            n += mirror_tree(cuda if sub.name == "cu13" else sub, nv / sub.name)
+    return n
+
+
 def torch_extension(torch_version: str, work: Path, out: Path, site: Path, constraints: Path, archs: str,
                     jobs: int, nice: int, core_wheel: Path) -> dict:
     """Compile ``transformer-engine-torch`` (PyPI's sdist, at the core wheel's version) against PyPI's
@@ -521,18 +564,18 @@ def torch_extension(torch_version: str, work: Path, out: Path, site: Path, const
     # nvidia/cu13 replaced by the CUDA root made for the build (nvcc's own headers, crt/, merged in)
     cuda = work / "cuda" if (work / "cuda" / "bin" / "nvcc").is_file() else toolchain(work, site, constraints)
     nv = purelib / "nvidia"
-    nv.mkdir(exist_ok=True)
-    for sub in (site / "nvidia").iterdir():
-        if sub.is_dir() and not (nv / sub.name).exists() and sub.name != "cudnn_frontend":
-            os.symlink(cuda if sub.name == "cu13" else sub, nv / sub.name)
+    mirror_nvidia(site / "nvidia", nv, cuda)
     env = dict(os.environ, **install_te.BUILD_ENV, NVTE_CUDA_ARCHS=archs, MAX_JOBS=str(jobs), CUDA_HOME=str(cuda),
                CUDA_PATH=str(cuda), PATH=f"{cuda / 'bin'}:{venv / 'bin'}:{os.environ.get('PATH', '')}")
     build_dir = work / "wheel"
     shutil.rmtree(build_dir, ignore_errors=True)
     t0 = time.time()
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    run(["nice", "-n", str(nice), py, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-binary",
-         "transformer-engine-torch", f"transformer-engine-torch=={te_version_}", "-w", build_dir], env=env)
+    try:
+        run(["nice", "-n", str(nice), py, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-binary",
+             "transformer-engine-torch", f"transformer-engine-torch=={te_version_}", "-w", build_dir], env=env)
+    finally:  # the mirror is the build's alone: the venv is left without it, as pip would make it
+        remove_mirror(nv)
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     built = sorted(build_dir.glob("transformer_engine_torch-*.whl"))
     if not built:

@@ -14,7 +14,8 @@ command there carries at most 64 MiB of files (the working tree plus carried pat
   of a package the image holds (:data:`IMAGE_VERSIONS`) is refused by name;
 - ``te/`` (with ``--te DIR``): Transformer Engine for the H100/H200 (tools/build_te_sm90.py: PyPI's core wheel with
   only its sm_90 code, the torch extension built for the image's torch 2.11) and the dependencies it adds;
-- ``project.tar.gz``: the project's tracked files at ``HEAD`` (``git archive``), so the kit runs without the tree;
+- ``project.tar.gz``: the project's tracked files at ``HEAD`` (``git archive``), so the kit runs without the tree,
+  less what no GPU step reads (:data:`ARCHIVE_LEAVES_OUT`: the megatron-core fixtures, 4.7 MiB of 5.5);
 - ``gpu_quick.sh``: the one script (a copy of bench/gpu_quick.sh), which installs the wheels with
   ``pip install --no-index --find-links`` and runs the measurements;
 - ``KIT.json``: the pins, each file's size and SHA-256, the commit, and the sizes.
@@ -39,6 +40,13 @@ leaves the old kit (or none), never half of one. It refuses (one line, exit 1) w
   python tools/gpu_kit.py --te /tmp/te-sm90/wheels    # with Transformer Engine (bench/GPU.md)
   python tools/gpu_kit.py --out .gpu_kit --max-mib 60
   .venv-py312/bin/python tools/gpu_kit.py --check     # rehearse the kit's script (--tiny) in an image-like venv
+  python tools/gpu_kit.py --check --te .gpu_kit/te     # on the GPU machine: TE installs and imports (torch 2.11)
+
+``--check --te DIR`` checks DIR's TE wheels (one of each, METADATA against the file name, one version, cp312, the
+SHA-256s its README.md lists) and then, in the GPU image's Python 3.12 with its torch 2.11 (refused in one line
+elsewhere: the lanes' torch is 2.13, and no CUDA torch is fetched here), installs them with the kit's te/ wheels
+into a scratch venv over that Python's packages and imports ``transformer_engine.pytorch`` (which needs the image's
+onnx and onnxscript and the carried nvdlfw-inspect); on a GPU it runs one ``te.Linear`` forward and backward.
 """
 
 from __future__ import annotations
@@ -102,6 +110,12 @@ IMAGE_VERSIONS = {"transformers": "5.17.0", "huggingface-hub": "1.33.0", "tokeni
                   "safetensors": "0.8.0", "torch": "2.11.0", "torchvision": "0.26.0"}
 #: of those, what the rehearsal installs at the image's version (pure Python or small wheels)
 REHEARSED = ("transformers", "huggingface-hub", "tokenizers", "safetensors")
+#: tracked paths the kit's project.tar.gz leaves out: no step of bench/gpu_quick.sh reads them, and with them the kit
+#: with Transformer Engine (55.2 MiB) and the 9.4 MiB working tree were 64.6 MiB, over the 64 a device command carries
+ARCHIVE_LEAVES_OUT = {
+    "tests/fixtures": "the megatron-core checkpoint fixtures (7.0 MB; 4.7 MiB of the archive's 5.5): the CPU suite's "
+                      "cross-version and MoE-resume tests read them, no GPU step does",
+}
 #: the Transformer Engine wheels a kit may carry (``--te DIR``: tools/build_te_sm90.py's outputs)
 TE_WHEELS = ("transformer_engine_cu13", "transformer_engine", "transformer_engine_torch")
 
@@ -230,12 +244,14 @@ def collect_wheels(pins: dict[str, str], dest: Path, log, image=GPU_IMAGE, roots
 
 
 def project_archive(dest: Path) -> str:
-    """The tracked files at HEAD as ``dest`` (tar.gz, prefix ``megatron-vlm/``); returns the commit."""
+    """The tracked files at HEAD as ``dest`` (tar.gz, prefix ``megatron-vlm/``), less :data:`ARCHIVE_LEAVES_OUT`;
+    returns the commit."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        subprocess.run(["git", "archive", "--format=tar.gz", "--prefix=megatron-vlm/", "-o", str(dest), "HEAD"],
-                       cwd=ROOT, check=True, capture_output=True)
+        leave_out = [f":(exclude){p}" for p in ARCHIVE_LEAVES_OUT]
+        subprocess.run(["git", "archive", "--format=tar.gz", "--prefix=megatron-vlm/", "-o", str(dest), "HEAD", "--",
+                        ".", *leave_out], cwd=ROOT, check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as e:
         raise KitError(f"git archive of {ROOT} failed ({e}): run this in the project's git checkout") from None
     return commit
@@ -429,6 +445,129 @@ def check(kit_dir: Path, constraints: Path) -> int:
         return res.returncode
 
 
+#: what ``import transformer_engine.pytorch`` needs besides torch and the TE wheels: the GPU image has onnx and
+#: onnxscript, the kit's te/ carries nvdlfw-inspect (and pydantic ...)
+TE_IMPORT_NEEDS = ("onnx", "onnxscript")
+TE_CARRIED_NEEDS = ("nvdlfw-inspect",)
+#: the check the scratch venv runs: TE imports against this torch, and on a GPU one TE layer runs forward and backward
+TE_IMPORT_CHECK = """import torch, transformer_engine, transformer_engine.pytorch as te, transformer_engine_torch
+print("torch", torch.__version__, "| transformer_engine", transformer_engine.__version__, "| cuda",
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+if torch.cuda.is_available():
+    layer = te.Linear(256, 256, params_dtype=torch.bfloat16).cuda()
+    x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).float().sum().backward()
+    torch.cuda.synchronize()
+    print("te.Linear forward and backward on", torch.cuda.get_device_name(), "ok")
+"""
+
+
+def _wheel_meta(whl: Path) -> dict:
+    with zipfile.ZipFile(whl) as z:
+        meta = next((n for n in z.namelist() if n.endswith(".dist-info/METADATA")), None)
+        if meta is None:
+            raise KitError(f"{whl} holds no .dist-info/METADATA: not a wheel (rebuild it)")
+        text = z.read(meta).decode("utf-8", "replace")
+    return dict(ln.split(": ", 1) for ln in text.splitlines() if ln.startswith(("Name: ", "Version: ")))
+
+
+def te_files_checked(te_dir: Path) -> list[Path]:
+    """The TE wheels of ``te_dir`` (:func:`te_wheels`), checked: each a wheel whose METADATA names the project and
+    version of its file name, the three at one version, the torch extension for CPython 3.12, and each wheel's
+    SHA-256 the one ``te_dir``'s README.md lists for it (where it lists one: ../shared/wheels' READMEs do)."""
+    wheels = te_wheels(te_dir)
+    versions = {}
+    for whl in wheels:
+        meta = _wheel_meta(whl)
+        name, version = whl.name.split("-")[:2]
+        if norm(meta.get("Name", "")) != norm(name) or meta.get("Version") != version:
+            raise KitError(f"{whl.name}: its METADATA says {meta.get('Name')} {meta.get('Version')}, not {name} "
+                           f"{version}: the file was renamed or rebuilt wrongly")
+        versions[whl.name] = version
+    if len(set(versions.values())) != 1:
+        raise KitError(f"the TE wheels in {te_dir} are of different versions ({', '.join(versions)}): take the three "
+                       "from one build (tools/build_te_sm90.py)")
+    ext = wheels[TE_WHEELS.index("transformer_engine_torch")]
+    if f"-cp{PY_VERSION.replace('.', '')}-" not in ext.name:
+        raise KitError(f"{ext.name} is not built for CPython {PY_VERSION}, the GPU image's Python")
+    readme = te_dir / "README.md"
+    listed = dict(re.findall(r"`([^`]+\.whl)`[^|]*\|\s*`([0-9a-f]{64})`", readme.read_text())) if readme.is_file() \
+        else {}
+    for whl in wheels:
+        if whl.name in listed and sha256(whl) != listed[whl.name]:
+            raise KitError(f"{whl} does not match the SHA-256 its README.md lists ({listed[whl.name][:12]}...): a "
+                           "changed or truncated copy; fetch it again")
+    return wheels
+
+
+def te_check_plan(te_dir: Path, venv: Path, kit_dir: Path | None = None) -> list[list[str]]:
+    """The commands of ``--check --te``: a scratch venv over this Python's packages (the GPU image's torch, onnx,
+    onnxscript), the TE wheels of ``te_dir`` and every other wheel there and in the kit's te/ installed into it
+    (``--no-index --no-deps --ignore-installed``: pip then removes nothing of this Python's), and the import check."""
+    wheels = {norm(w.name.split("-", 1)[0]): w for w in te_files_checked(te_dir)}
+    for folder in (te_dir, *([kit_dir / "te"] if kit_dir and (kit_dir / "te").is_dir() else [])):
+        for whl in sorted(folder.glob("*.whl")):
+            wheels.setdefault(norm(whl.name.split("-", 1)[0]), whl)
+    missing = [n for n in TE_CARRIED_NEEDS if n not in wheels]
+    if missing:
+        raise KitError(f"no wheel of {', '.join(missing)} in {te_dir} or the kit's te/ (TE's import needs it): build "
+                       "the kit with --te (make gpu-kit TE=...) and pass --te .gpu_kit/te")
+    py = venv / "bin" / "python"
+    return [[sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+            [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index", "--no-deps",
+             "--ignore-installed", "--no-compile", *map(str, wheels.values())],
+            [str(py), "-c", TE_IMPORT_CHECK]]
+
+
+def te_refusal(torch_version: str | None, python: str, has=None) -> str | None:
+    """Why ``--check --te`` cannot run in this Python (one line), or None: the extension is for the GPU image's
+    Python and torch (:data:`IMAGE_VERSIONS`), and TE's import needs :data:`TE_IMPORT_NEEDS` there."""
+    import importlib.util
+
+    has = has or (lambda m: importlib.util.find_spec(m) is not None)
+    want = IMAGE_VERSIONS["torch"]
+    if python != PY_VERSION:
+        return f"--check --te needs Python {PY_VERSION} (the GPU image's; the extension is cp312), this is {python}"
+    if torch_version is None or torch_version.split("+")[0] != want:
+        return (f"--check --te: the Transformer Engine torch extension is built for torch {want} (the GPU image's), "
+                f"this Python has torch {torch_version or 'none'}: run it on the GPU machine (python "
+                f"tools/gpu_kit.py --check --te .gpu_kit/te), or build the extension for this torch "
+                f"(tools/build_te_sm90.py torch-ext --torch {(torch_version or want).split('+')[0]})")
+    lacking = [m for m in TE_IMPORT_NEEDS if not has(m)]
+    if lacking:
+        return f"--check --te: import transformer_engine.pytorch needs {', '.join(lacking)}, which this Python lacks " \
+               "(the GPU image has them): run it on the GPU machine"
+    return None
+
+
+def check_te(te_dir: Path, kit_dir: Path | None, run=subprocess.run) -> int:
+    """``--check --te DIR``: the files checked, then (on the GPU machine: its Python 3.12 and torch 2.11) the TE
+    wheels installed into a scratch venv and ``import transformer_engine.pytorch`` (a TE layer run on its GPU);
+    refused in one line where this Python is not the image's. Exit status of the import check."""
+    import importlib.metadata as md
+
+    if not te_dir.is_dir():
+        raise KitError(f"--te {te_dir} is not a folder: pass the TE wheels' folder (../shared/wheels/te-sm90-torch2.11 "
+                       "or a kit's te/)")
+    te_files_checked(te_dir)
+    try:
+        torch_version = md.version("torch")
+    except md.PackageNotFoundError:
+        torch_version = None
+    why = te_refusal(torch_version, "%d.%d" % sys.version_info[:2])
+    if why:
+        raise KitError(why)
+    with tempfile.TemporaryDirectory(prefix="gpu-kit-te-") as tmp:
+        for cmd in te_check_plan(te_dir, Path(tmp) / "venv", kit_dir):
+            print("+", " ".join(cmd[:3] + ["..."] if cmd[1] == "-c" else cmd), flush=True)
+            res = run(cmd)
+            if res.returncode:
+                print(f"gpu_kit --check --te: FAILED (exit {res.returncode})")
+                return res.returncode
+    print(f"gpu_kit --check --te: Transformer Engine from {te_dir} imports against torch {torch_version}")
+    return 0
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(allow_abbrev=False,
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -441,7 +580,9 @@ def parse(argv=None):
                    "DIR (transformer_engine_cu13 pruned to sm_90, transformer_engine, transformer_engine_torch built "
                    "for the image's torch: tools/build_te_sm90.py) and their dependencies, in the kit's te/")
     p.add_argument("--check", action="store_true", help="build nothing: rehearse the kit at --out (its script, "
-                   "--tiny) in a venv that has only the GPU image's packages; exit status of that run")
+                   "--tiny) in a venv that has only the GPU image's packages; exit status of that run. With --te DIR: "
+                   "check DIR's TE wheels, install them into a scratch venv over this Python's torch (the GPU "
+                   "image's 2.11; refused elsewhere) and import transformer_engine.pytorch")
     return p.parse_args(argv)
 
 
@@ -452,6 +593,8 @@ def main(argv=None) -> int:
     except ImportError:
         raise KitError(f"{sys.executable} has no 'packaging': run with the project's venv "
                        "(make gpu-kit uses .venv-py312/bin/python)") from None
+    if a.check and a.te:
+        return check_te(a.te.resolve(), a.out.resolve())
     if a.check:
         return check(a.out.resolve(), a.constraints.resolve())
     build(a.out, a.constraints.resolve(), a.max_mib, te_dir=a.te.resolve() if a.te else None)

@@ -12,6 +12,7 @@ order and writes the results; the code of a step is here.
 - ``cp``: context parallelism, CP1 vs CP2 on one long sample (part ``cp``);
 - ``vpp``: PP2 x VPP2 against PP2 (part ``vpp``);
 - ``internvl``: the InternVL family's logits against HF (part ``internvl``);
+- ``perf``: where a step's time goes (parts ``perf_profile``, ``perf_shapes``, ``perf_te``: bench/gpu_quick.sh --perf);
 - ``results``: the results file (rows merged as they come), the ratios to the HF loop, the table and the report.
 
 Only the standard library is imported at module level: ``bench/gpu.py --help`` and ``--report`` need no torch.

@@ -14,14 +14,17 @@ from .common import mfu, train_bench
 HF_ROW = "HF + SDPA loop"
 
 
-def hf_loop(a, hf: Path, data: Path) -> dict:
+def hf_loop(a, hf: Path, data: Path, profile: tuple[int, int] | None = None) -> dict:
     """Train HF's LLaVA (SDPA attention) in a plain PyTorch loop on our batches; bench/train.py's summary of it.
 
     Same data (energon loader, ``VLMTaskEncoder``, seed; each image token expanded as the HF processor writes it),
     same trained parts (stage 2: LM + projector; the ViT frozen), AdamW with the trainer's defaults (3% linear
     warm-up, cosine decay, gradient clipping 1.0), gradient accumulation to ``--gbs``. bf16 as HF's Trainer runs
     it: fp32 weights and optimizer, matmuls under bf16 autocast. Each iteration ends with a device sync, so its
-    time stamp is the step's end."""
+    time stamp is the step's end.
+
+    ``profile=(start, end)``: iterations ``start + 1`` to ``end`` run under torch.profiler (CPU, and CUDA on a GPU);
+    the summary then holds its Chrome trace (``trace``, bytes) and its top-ops table (``table``)."""
     import math
 
     import torch
@@ -52,7 +55,13 @@ def hf_loop(a, hf: Path, data: Path) -> dict:
     enc = VLMTaskEncoder(hf, a.seq_length)
     data_iter = iter(build_train_loader(data, enc, a.mbs, 0, 1, a.num_workers, a.seed))
     rows = []
+    prof = None
     for it in range(1, a.iters + 1):
+        if profile and it == profile[0] + 1:
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                            if dev.type == "cuda" else [])
+            prof = torch.profiler.profile(activities=acts)
+            prof.__enter__()
         batches = [tb.hf_batch(next(data_iter), enc.image_token_id, enc.tokens_per_image, enc.pad_token_id)
                    for _ in range(a.gbs // a.mbs)]
         n_loss = sum(int((b["labels"] != -100).sum()) for b in batches)
@@ -73,10 +82,20 @@ def hf_loop(a, hf: Path, data: Path) -> dict:
         rows.append({"iteration": it, "loss": loss_value, "samples": a.gbs, "time": time.time(),
                      "tokens": sum(b["num_tokens"] for b in batches),
                      "images": sum(b["pixel_values"].shape[0] for b in batches)})
+        if prof is not None and it == profile[1]:
+            prof.__exit__(None, None, None)
         if it % max(1, a.iters // 5) == 0:
             print(f"HF + SDPA iteration {it}/{a.iters}: loss {loss_value:.4f}", flush=True)
     out = tb.summarize(rows, t0, a.warmup, tb.step_flops(argparse.Namespace(stage=2), hf))
     out["name"] = HF_ROW
+    if prof is not None:
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            out["trace"] = Path(f.name).read_bytes()
+        out["table"] = prof.key_averages().table(sort_by="self_cuda_time_total" if dev.type == "cuda" else
+                                                 "self_cpu_time_total", row_limit=30)
     return out
 
 

@@ -12,12 +12,17 @@ from .hf_loop import HF_ROW
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-    """Each training row's speed-up over the HF + SDPA loop (``vs_hf``), where both were measured."""
-    ref = next((r for r in rows if r.get("impl") == HF_ROW and r.get("tokens_per_s")), None)
-    for r in rows:
-        if ref and r.get("part") == "train" and r is not ref and r.get("tokens_per_s"):
-            r["vs_hf"] = r["tokens_per_s"] / ref["tokens_per_s"]
-    return rows
+    """Each training row's speed-up over the HF + SDPA loop (``vs_hf``), where both were measured: the ``train``
+    rows over the ``hf`` step's loop, the ``perf`` rows over the profiled loop of their own step (bench/gpu_steps/
+    perf.py, which also fills their speed-ups over the rows they name)."""
+    from .perf import perf_ratios
+
+    for part, name in (("train", HF_ROW), ("perf", HF_ROW + ", profiled")):
+        ref = next((r for r in rows if r.get("impl") == name and r.get("tokens_per_s")), None)
+        for r in rows:
+            if ref and r.get("part") == part and r is not ref and r.get("tokens_per_s"):
+                r["vs_hf"] = r["tokens_per_s"] / ref["tokens_per_s"]
+    return perf_ratios(rows)
 
 
 def write_results(out: Path, info: dict, rows: list[dict], args: dict | None = None) -> None:

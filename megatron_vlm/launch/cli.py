@@ -120,6 +120,14 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
     if cfg.container and cfg.dry_run:
         notes.append(f"dry run: GPU/FP8 checks run inside the {cfg.container} container at launch")
 
+    if spec is not None and request.micro_batch_size is None:  # stage 2 on CUDA: a micro batch that fits, not 1
+        from megatron_vlm.launch import sizing
+        from megatron_vlm.training.config.resolve import size_micro_batch
+
+        note = size_micro_batch(cfg, spec, sizing.device_limit_gib(cfg, facts)[0], cfg.transformer_impl ==
+                                "transformer_engine" or facts.get("transformer_engine") is True)
+        if note:
+            notes.append(note)
     problems = preflight.check_hardware(cfg, facts) if "device_count" in facts else []
     origin = "--image-token-id/--pad-token-id"
     tok = facts.get("tokenizer")

@@ -138,7 +138,8 @@ class ConfigFields:
         metavar="N")
     micro_batch_size: int | None = _f(
         ("--micro-batch-size", "--mbs"), "Samples per GPU per forward pass. Default: 16 (stage 1), "
-        "1 (stage 2).", "int", None, "parallel")
+        "1 (stage 2; on CUDA sized from the memory estimate instead: the largest of 16, 8, 4, 2 that fits 80% of "
+        "the GPU's memory, docs/training.md).", "int", None, "parallel")
     global_batch_size: int | None = _f(
         ("--global-batch-size", "--gbs"), "Samples per optimizer step over all data-parallel ranks; "
         "must be a multiple of micro batch x data-parallel size. Default: 256 (stage 1), 128 (stage 2).",

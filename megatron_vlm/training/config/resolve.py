@@ -1,5 +1,7 @@
 """Resolution: fill what the user left open (environment defaults, stage defaults, ``--smoke-test``
-shrinking, tensorboard dir, precision), make paths absolute, and validate (:mod:`.checks`).
+shrinking, tensorboard dir, precision), make paths absolute, and validate (:mod:`.checks`); once the model and the
+GPUs are known (the launcher), stage 2's micro batch on CUDA sized from the memory estimate
+(:func:`size_micro_batch`).
 
 Precedence of a value: command line > YAML > environment (``env_defaults``) > ``--smoke-test`` shrinking > stage
 default > field default; ``--smoke-test`` forces its sizes whatever was asked and says so in ``resolution_notes``.
@@ -105,3 +107,38 @@ def settle_with_spec(cfg: ConfigFields, spec) -> list[str]:
         if problems:
             raise ConfigError(checks.join(problems))
     return notes
+
+
+#: the micro batch sizes stage 2 on CUDA may default to, largest first (stage 1's default is 16)
+SIZED_MICRO_BATCHES = (16, 8, 4, 2)
+#: the share of a GPU's memory the sized micro batch's estimate may take: the estimate leaves out the CUDA context,
+#: NCCL/cuBLAS workspaces and fragmentation (1-3 GB), and its activations are a formula's
+SIZING_HEADROOM = 0.8
+
+
+def size_micro_batch(cfg: ConfigFields, spec, limit_gib: float | None, fused_attention: bool) -> str | None:
+    """Stage 2 on CUDA without --micro-batch-size: the largest of :data:`SIZED_MICRO_BATCHES` whose memory estimate
+    (:mod:`megatron_vlm.model.memory`) fits :data:`SIZING_HEADROOM` of ``limit_gib``, that divides --global-batch-size
+    per data-parallel rank and leaves the pipeline at least --pp micro batches; in place of micro batch 1, whose
+    step launches every layer once per sample (the host-bound configuration: docs/training.md, "Stages"). Sets
+    ``cfg.micro_batch_size`` and returns the note for the start-up output, or None (left at 1). The launcher calls it
+    once, where the GPUs' memory is known, and writes the result into the run's config, so every rank reads the
+    same. ``fused_attention``: whether the attention keeps no score matrices (Transformer Engine)."""
+    from megatron_vlm.model import memory
+
+    if cfg.stage != 2 or cfg.device != "cuda" or cfg.packing or cfg.smoke_test or cfg.micro_batch_size != 1 \
+            or not limit_gib:
+        return None
+    per_rank = cfg.global_batch_size // max(cfg.dp, 1)
+    for mbs in SIZED_MICRO_BATCHES:
+        if per_rank % mbs or per_rank // mbs < cfg.pp:
+            continue
+        trial = dataclasses.replace(cfg, micro_batch_size=mbs)
+        stages = memory.estimate(spec, memory.Layout.of_config(trial, fused_attention=fused_attention, spec=spec))
+        need = max(st.total for st in stages) / memory.GIB
+        if need <= SIZING_HEADROOM * limit_gib:
+            cfg.micro_batch_size = mbs
+            return (f"--micro-batch-size {mbs}: stage 2 on CUDA sizes its micro batch from the memory estimate "
+                    f"({need:.1f} GiB of {limit_gib:g} GiB per GPU; at most {SIZING_HEADROOM:.0%}) instead of 1; pass "
+                    "--micro-batch-size to choose")
+    return None
