@@ -78,6 +78,23 @@ def test_sdpa_attention_in_the_layer_specs():
     assert cores(layer_specs(False, cp=2, attention="local"))[0] is ContextParallelAttention
 
 
+def test_te_attention_kernel_reaches_the_transformer_configs(hf_models):
+    """With TE layers an explicit flash / fused / unfused goes to every TransformerConfig's attention_backend (megatron-
+    core's language model sets TE's NVTE_*_ATTN switches from it); auto, and local layers, keep megatron's default."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_vlm.model.build import ModelOptions, language_config, vision_config
+    from megatron_vlm.model.spec import VLMSpec
+
+    spec = VLMSpec.from_hf_dir(hf_models["llama_clip"])
+    for backend in ("flash", "fused", "unfused"):
+        opts = ModelOptions(use_te=True, attention_backend=backend)
+        assert language_config(spec, opts).attention_backend == vision_config(spec, opts).attention_backend == \
+            AttnBackend[backend]
+    for opts in (ModelOptions(use_te=True), ModelOptions(attention_backend="sdpa")):
+        assert language_config(spec, opts).attention_backend == AttnBackend.auto
+
+
 def test_config_flags():
     from megatron_vlm.training.config import ConfigError, TrainConfig
 

@@ -537,6 +537,8 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         # and data-parallel ranks' micro batches differ in length: every micro batch is padded to the full
         # sequence length, as megatron's LLaVAModel pads for pipeline parallelism (the flag it pads by).
         model._language_is_pipeline_parallel = True
+    if opts.fusions is not None:  # gradient-accumulation fusion in TE's linears only (without apex)
+        opts.fusions.apply_to_te_linears(model)
     model.model_type = ModelType.encoder_or_decoder
     return model
 

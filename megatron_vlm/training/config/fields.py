@@ -295,7 +295,8 @@ class ConfigFields:
     # ---- kernel fusions (see megatron_vlm.model.fusions) ---------------------------------------------------------
     gradient_accumulation_fusion: bool | None = _fusion(
         "gradient_accumulation_fusion", "Accumulate weight gradients inside the GEMM into the fp32 main_grad "
-        "buffers (Transformer Engine linears; apex's fused_weight_gradient_mlp_cuda for local layers).")
+        "buffers (Transformer Engine linears; apex's fused_weight_gradient_mlp_cuda for local layers and, with "
+        "Transformer Engine, for the output layer, which stays unfused without it).")
     bias_activation_fusion: bool | None = _fusion(
         "bias_activation_fusion", "Fused SwiGLU in the language model's MLP (--no-bias-gelu-fusion is accepted "
         "as the same switch; the vision encoder's and projector's GELU are never fused, as megatron's fused "
