@@ -29,7 +29,7 @@ fp16 with megatron-core's dynamic loss scaling trains on CPU too: an overflowing
 backs off, and a resume continues bit-exactly (loss, grad norm and loss scale).
 
 ``--attention-backend sdpa`` (issue 63: torch's scaled_dot_product_attention as the language and vision core attention)
-joins the 4-rank worlds at TP2 x DP2 and TP2 x PP2 (LLaVA) and PP2 x DP2 (OneVision), stage 2, as HF for three steps.
+joins the 4-rank worlds at TP2 x DP2 and TP2 x PP2 (LLaVA) and PP2 x DP2 (OneVision): the first stage-2 step as HF's.
 
 Context parallelism (issue 49), in the same 4-rank worlds: the LLaVA's first stage-2 step at CP4, TP2 x CP2 (sequence
 parallel), PP2 x CP2 and CP2 x DP2 (distributed optimizer) has HF's loss, grad norm and every gradient tensor (fp32,
@@ -106,7 +106,7 @@ VIDEO_LAYOUTS = {
 }
 VIDEO_SEQ = 256
 #: --attention-backend sdpa (torch's scaled_dot_product_attention as megatron's core attention, language and vision)
-#: at these 4-rank layouts, stage 2, three AdamW steps against HF as the local attention's jobs above
+#: at these 4-rank layouts, stage 2: the first step's loss, grad norm and gradients against HF's
 SDPA_LAYOUTS = {"llava": ("tp2dp2", "tp2pp2"), "onevision": ("pp2dp2",)}
 MOE_CP = dict(cp=2, ep=2, micro_batch_size=2)
 
@@ -196,7 +196,7 @@ def runs(models):
                         **STAGES[2]))
         four = [dict(name=f"{m}-s{s}-{lay}", steps=3, grads=True, **kw, **STAGES[s])
                 for s in STAGES for lay, kw in LAYOUTS.items()]
-        four += [dict(name=f"{m}-s2-{lay}-sdpa", steps=3, grads=True, attention_backend="sdpa", **LAYOUTS[lay],
+        four += [dict(name=f"{m}-s2-{lay}-sdpa", steps=1, grads=True, attention_backend="sdpa", **LAYOUTS[lay],
                       **STAGES[2]) for lay in SDPA_LAYOUTS[m]]
         if m == "llava":  # bf16 over nine steps, and resume between layouts
             long = gbs * 3
@@ -312,11 +312,11 @@ def test_every_gradient_tensor_equals_hfs(runs, model, stage, layout):
 
 @pytest.mark.parametrize("model,layout", [(m, lay) for m, lays in SDPA_LAYOUTS.items() for lay in lays])
 def test_sdpa_attention_trains_as_hf(runs, model, layout):
-    """--attention-backend sdpa: three stage-2 AdamW steps at TP2 x DP2 and TP2 x PP2 (LLaVA: GQA, CLIP) and PP2 x DP2
-    (OneVision: SigLIP, anyres tiles) give HF's losses and grad norms, and the first step HF's every gradient."""
+    """--attention-backend sdpa: the first stage-2 step at TP2 x DP2 and TP2 x PP2 (LLaVA: GQA, CLIP) and PP2 x DP2
+    (OneVision: SigLIP, anyres tiles) has HF's loss, grad norm and every trained tensor's gradient (one step: what
+    the attention changes is all in it; the AdamW steps after it are the layouts' own jobs')."""
     r, ref = runs[f"{model}-s2-{layout}-sdpa"], runs[f"{model}-s2-hf"]
-    assert close(r["loss"], ref["loss"], RTOL), (r["loss"], ref["loss"])
-    assert close(r["grad_norm"], ref["grad_norm"], RTOL), (r["grad_norm"], ref["grad_norm"])
+    assert len(r["loss"]) == 1
     _first_step_equals_hf(r, ref)
 
 
