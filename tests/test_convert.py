@@ -51,6 +51,9 @@ def world_logits(hf_models, converted, tmp_path_factory):
             keys.append((name, "torch_dist", tp, pp))
         jobs.append({"megatron_dir": str(converted[(name, "torch")]), "tp": 2, "pp": 2})
         keys.append((name, "torch", 2, 2))
+        # the core attention on torch's scaled_dot_product_attention (--attention-backend sdpa): GQA, TP, PP
+        jobs.append({"megatron_dir": str(converted[(name, "torch_dist")]), "tp": 2, "pp": 2, "attention": "sdpa"})
+        keys.append((name, "sdpa", 2, 2))
     jobs.append({"megatron_dir": str(converted[("llama3_clip", "uneven")]), "tp": 1, "pp": 2, "pp_layers": [2, 1]})
     keys.append(("llama3_clip", "uneven", 1, 2))
     # torch_dist saved by a TP=2 model (megatron's multi-rank save), then loaded at TP=1 and at PP=2.
@@ -97,6 +100,17 @@ def test_legacy_format_logits(name, hf_models, world_logits):
     spec = VLMSpec.from_hf_dir(hf_models[name])
     ref = hf_logits(hf_models[name], batches[name])
     assert max_logit_diff(ref, results[(name, "torch", 2, 2)], spec.vocab_size) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_sdpa_attention_logits(name, hf_models, world_logits):
+    """--attention-backend sdpa (torch's fused attention as megatron's core attention, language and vision) at
+    TP2 x PP2 gives HF's fp32 logits, as megatron's local attention does."""
+    results, batches = world_logits
+    spec = VLMSpec.from_hf_dir(hf_models[name])
+    ref = hf_logits(hf_models[name], batches[name])
+    assert max_logit_diff(ref, results[(name, "sdpa", 2, 2)], spec.vocab_size) < TOL
 
 
 @pytest.mark.slow

@@ -34,11 +34,16 @@ def test_defaults_per_device_and_layers():
     with pytest.raises(ValueError, match="--gradient-accumulation-fusion cannot run here: megatron's own linears .*"
                                          "need apex's fused_weight_gradient_mlp_cuda.*install apex"):
         fusions.resolve({**AUTO, "gradient_accumulation_fusion": True}, "cuda", "local", NOTHING)
-    # with TE layers too: the language model's output layer is megatron's ColumnParallelLinear, which refuses
-    # to build with the fusion but without apex's extension
-    te_only = fusions.resolve(AUTO, "cuda", "transformer_engine", {**EVERYTHING, "fused_weight_gradient_mlp_cuda": False})
-    assert te_only.values["gradient_accumulation_fusion"] is False
-    assert "output layer" in te_only.reasons["gradient_accumulation_fusion"]
+    # with TE layers but without apex: TE's linears fuse it; the language model's output layer, megatron's
+    # ColumnParallelLinear, refuses to build with it, so the TransformerConfigs get False (issue 63)
+    no_apex = {**EVERYTHING, "fused_weight_gradient_mlp_cuda": False}
+    for req in (AUTO, {**AUTO, "gradient_accumulation_fusion": True}):
+        te_only = fusions.resolve(req, "cuda", "transformer_engine", no_apex)
+        assert te_only.values["gradient_accumulation_fusion"] is True and te_only.te_linears_only
+        assert "output layer" in te_only.reasons["gradient_accumulation_fusion"]
+        assert not any(te_only.config_kwargs(p)["gradient_accumulation_fusion"] for p in fusions.PARTS)
+    assert not te.te_linears_only and te.config_kwargs("language")["gradient_accumulation_fusion"]  # apex: all
+    assert not fusions.resolve(AUTO, "cuda", "local", NOTHING).te_linears_only
     with pytest.raises(ValueError, match="--rope-fusion cannot run here: device cpu.*run on --device cuda"):
         fusions.resolve({**AUTO, "apply_rope_fusion": True}, "cpu", "local")
     assert "gradient_accumulation_fusion=on (automatic: apex fused_weight_gradient_mlp_cuda)" in te.summary()

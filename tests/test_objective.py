@@ -159,3 +159,4 @@ def test_packing_with_local_layers_on_cuda_says_it_is_slow():
 
     assert "Python loop over every pack's segments" in packing_note("local", "cuda")
     assert packing_note("transformer_engine", "cuda") is None and packing_note("local", "cpu") is None
+    assert packing_note("local", "cuda", "sdpa") is None  # one masked scaled_dot_product_attention call per pack

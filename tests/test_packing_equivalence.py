@@ -17,6 +17,8 @@ behind the CPU compatibility layer, megatron's per-segment RoPE), with the train
   in the same world): a packing defect shows as an error larger than the precision's own;
 - the negative control: the same packs with attention across the samples of a pack (the local 'thd' attention
   given one segment for the whole row) fail these checks, at PP2 and for the OneVision at DP2;
+- ``--attention-backend sdpa`` (issue 63: one scaled_dot_product_attention per pack with the block-diagonal causal
+  mask of its ``cu_seqlens``) at TP2 (LLaVA) and PP2 (OneVision), with its control (one segment per row) at DP2;
 - context parallelism (issue 49) at CP2: packs split per sample over the two ranks (each sample padded to 2 x CP in
   its own segment) give the unpacked step's loss and every gradient, for the LLaVA and the OneVision (videos
   included), and the unpacked CP2 step is the unpacked CP1 (DP2) one; the control: the CP attention's mask at
@@ -77,6 +79,10 @@ def results(hf_models, tmp_path_factory):
         dict(name="llava-cp2", cp=2, samples="llava-mixed", **LLAVA),
         dict(name="ov-cp2", cp=2, samples="ov-mixed", **OV),
         dict(name="llava-cp2-broken", cp=2, samples="llava-mixed", broken=True, **LLAVA),
+        # --attention-backend sdpa: one masked kernel per pack (the block-diagonal causal mask of its cu_seqlens)
+        dict(name="llava-tp2-sdpa", tp=2, samples="llava-mixed", attention_backend="sdpa", **LLAVA),
+        dict(name="ov-pp2-sdpa", pp=2, samples="ov-mixed", attention_backend="sdpa", **OV),
+        dict(name="llava-dp2-sdpa-broken", samples="llava-mixed", attention_backend="sdpa", broken=True, **LLAVA),
         dict(name="llava-pp2vpp2", pp=2, num_virtual_stages_per_pipeline_rank=2, samples="llava4-mixed",
              unpacked_micro_batches=2, **dict(LLAVA, model="llava4")),
     ]
@@ -92,7 +98,7 @@ def fp32_failures(r: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["llava-tp2", "llava-pp2", "llava-dp2", "llava-identical", "ov-tp2", "ov-pp2",
-                                  "ov-dp2", "llava-pp2vpp2"])
+                                  "ov-dp2", "llava-pp2vpp2", "llava-tp2-sdpa", "ov-pp2-sdpa"])
 def test_packed_step_equals_unpacked_in_fp32(results, name):
     r = results[name]
     assert not fp32_failures(r), (fp32_failures(r), r)
@@ -114,7 +120,7 @@ def test_packed_bf16_within_bf16s_own_error(results, name):
     assert r["loss_rel"] <= max(r["precision_loss_rel"], RTOL), r
 
 
-@pytest.mark.parametrize("name", ["llava-pp2-broken", "ov-dp2-broken"])
+@pytest.mark.parametrize("name", ["llava-pp2-broken", "ov-dp2-broken", "llava-dp2-sdpa-broken"])
 def test_attention_across_samples_fails_the_check(results, name):
     r = results[name]
     assert fp32_failures(r) and r["grad_rel"] > 1e-2 and r["loss_rel"] > 1e-5, r

@@ -238,6 +238,21 @@ def test_trainer_setup_with_te_matches_local_layers(world):
     assert [r["sequence_parallel"] for r in t["tp2_s2_te_sp"]] == [True, True]
 
 
+def test_gradient_accumulation_fusion_in_te_linears_only(world):
+    """A GPU user's config with TE layers and no apex (this lane): every TE linear accumulates its weight gradient
+    into main_grad inside the GEMM (TE's fuse_wgrad_accumulation), megatron's own output layer does not (it cannot
+    build with the fusion without apex's fused_weight_gradient_mlp_cuda); local layers on CPU fuse nothing."""
+    for name in ("s2_te", "tp2_s2_te_sp"):
+        for r in world["trainer"][name]:
+            off = {cls for cls, on in r["wgrad_fusion"] if not on}
+            fused = {cls for cls, on in r["wgrad_fusion"] if on}
+            assert off == {"megatron.ColumnParallelLinear"}, (name, r["wgrad_fusion"])  # the output layer
+            assert {"megatron.TELayerNormColumnParallelLinear", "megatron.TERowParallelLinear",
+                    "megatron.TEColumnParallelLinear"} <= fused, (name, fused)
+    for r in world["trainer"]["s2_local"]:
+        assert not any(on for _, on in r["wgrad_fusion"]), r["wgrad_fusion"]
+
+
 def test_local_layers_train_on_cpu_with_te_installed(world):
     """With TE installed megatron-core binds TE's CUDA kernels (FusedAdam, multi-tensor norms) and TE's norm for
     the ViT's ln_pre; on CPU the local layers still train: one bf16 step of each stage."""

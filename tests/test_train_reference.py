@@ -28,6 +28,9 @@ TP2 x PP2 x VPP2 and at PP4 and continues as the straight run and HF.
 fp16 with megatron-core's dynamic loss scaling trains on CPU too: an overflowing first step is skipped, the scale
 backs off, and a resume continues bit-exactly (loss, grad norm and loss scale).
 
+``--attention-backend sdpa`` (issue 63: torch's scaled_dot_product_attention as the language and vision core attention)
+joins the 4-rank worlds at TP2 x DP2 and TP2 x PP2 (LLaVA) and PP2 x DP2 (OneVision): the first stage-2 step as HF's.
+
 Context parallelism (issue 49), in the same 4-rank worlds: the LLaVA's first stage-2 step at CP4, TP2 x CP2 (sequence
 parallel), PP2 x CP2 and CP2 x DP2 (distributed optimizer) has HF's loss, grad norm and every gradient tensor (fp32,
 1e-5), and so do stage 1 at CP4 for both models and the OneVision's stage 2 (anyres tiles) at CP4; bf16 at
@@ -102,6 +105,9 @@ VIDEO_LAYOUTS = {
     "tp2cp2-sp": dict(tp=2, cp=2, sequence_parallel=True, micro_batch_size=2),
 }
 VIDEO_SEQ = 256
+#: --attention-backend sdpa (torch's scaled_dot_product_attention as megatron's core attention, language and vision)
+#: at these 4-rank layouts, stage 2: the first step's loss, grad norm and gradients against HF's
+SDPA_LAYOUTS = {"llava": ("tp2dp2", "tp2pp2"), "onevision": ("pp2dp2",)}
 MOE_CP = dict(cp=2, ep=2, micro_batch_size=2)
 
 #: virtual pipeline stages (issue 51), on models of four language layers (one per chunk at PP2 x VPP2): the layouts of
@@ -190,6 +196,8 @@ def runs(models):
                         **STAGES[2]))
         four = [dict(name=f"{m}-s{s}-{lay}", steps=3, grads=True, **kw, **STAGES[s])
                 for s in STAGES for lay, kw in LAYOUTS.items()]
+        four += [dict(name=f"{m}-s2-{lay}-sdpa", steps=1, grads=True, attention_backend="sdpa", **LAYOUTS[lay],
+                      **STAGES[2]) for lay in SDPA_LAYOUTS[m]]
         if m == "llava":  # bf16 over nine steps, and resume between layouts
             long = gbs * 3
             one.append(dict(name="bf16-tp1", micro_batch_size=4, precision="bf16", steps=9, **STAGES[2]))
@@ -300,6 +308,16 @@ def test_every_gradient_tensor_equals_hfs(runs, model, stage, layout):
     assert parts == trained, sorted(rel)  # every trained part compared, and nothing frozen
     worst = max(rel, key=rel.get)
     assert rel[worst] <= GRAD_TENSOR_RTOL, (worst, rel[worst])
+
+
+@pytest.mark.parametrize("model,layout", [(m, lay) for m, lays in SDPA_LAYOUTS.items() for lay in lays])
+def test_sdpa_attention_trains_as_hf(runs, model, layout):
+    """--attention-backend sdpa: the first stage-2 step at TP2 x DP2 and TP2 x PP2 (LLaVA: GQA, CLIP) and PP2 x DP2
+    (OneVision: SigLIP, anyres tiles) has HF's loss, grad norm and every trained tensor's gradient (one step: what
+    the attention changes is all in it; the AdamW steps after it are the layouts' own jobs')."""
+    r, ref = runs[f"{model}-s2-{layout}-sdpa"], runs[f"{model}-s2-hf"]
+    assert len(r["loss"]) == 1
+    _first_step_equals_hf(r, ref)
 
 
 def test_weight_decay_is_megatrons(runs):

@@ -36,12 +36,72 @@ def test_choose_implementation(monkeypatch):
     assert layer_impl.choose(None, "cuda") == ("transformer_engine", "automatic: Transformer Engine imports on CUDA")
 
 
+def test_choose_attention_backend():
+    """--attention-backend: megatron-core's AttnBackend names plus sdpa; auto by device and layers; every refusal
+    one line naming the flag and the fix."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    assert set(layer_impl.ATTENTION_BACKENDS) == {b.name for b in AttnBackend} | {"sdpa"}
+    choose = layer_impl.choose_attention
+    assert choose(None, "local", "cuda")[0] == "sdpa"  # the GPU path without Transformer Engine
+    assert choose(None, "local", "cpu")[0] == "local"
+    assert choose(None, "local", "cuda", cp=2)[0] == "local"  # CP's reference attention
+    assert choose(None, "transformer_engine", "cuda")[0] == "auto"
+    for b in ("flash", "fused", "unfused"):
+        assert choose(b, "transformer_engine", "cuda")[0] == b
+    assert choose("sdpa", "local", "cpu") == ("sdpa", "--attention-backend sdpa")
+    for args, msg in [(("sdpa", "transformer_engine", "cuda"), "pass --transformer-impl local for sdpa"),
+                      (("local", "transformer_engine", "cuda"), "use auto, flash, fused or unfused"),
+                      (("flash", "local", "cuda"), "use --transformer-impl transformer_engine"),
+                      (("sdpa", "local", "cuda", 2), "does not run context parallelism \\(--cp 2\\)"),
+                      (("math", "local", "cuda"), "must be one of auto, flash")]:
+        with pytest.raises(ValueError, match=msg) as e:
+            choose(*args)
+        assert "\n" not in str(e.value)
+
+
+def test_sdpa_attention_in_the_layer_specs():
+    """sdpa puts megatron_vlm's SDPAttention (megatron-core's DotProductAttention subclass) into the language and
+    vision layer specs of local layers; local keeps megatron's DotProductAttention; CP keeps its own attention."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_vlm.model.build import layer_specs
+    from megatron_vlm.model.cp_attention import ContextParallelAttention
+    from megatron_vlm.model.sdpa_attention import SDPAttention
+
+    def cores(specs):
+        return [s.submodules.self_attention.submodules.core_attention for s in specs[:2]]
+
+    assert issubclass(SDPAttention, DotProductAttention)
+    assert cores(layer_specs(False, attention="sdpa")) == [SDPAttention, SDPAttention]
+    assert cores(layer_specs(False, attention="local")) == [DotProductAttention, DotProductAttention]
+    assert cores(layer_specs(False, cp=2, attention="local"))[0] is ContextParallelAttention
+
+
+def test_te_attention_kernel_reaches_the_transformer_configs(hf_models):
+    """With TE layers an explicit flash / fused / unfused goes to every TransformerConfig's attention_backend (megatron-
+    core's language model sets TE's NVTE_*_ATTN switches from it); auto, and local layers, keep megatron's default."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_vlm.model.build import ModelOptions, language_config, vision_config
+    from megatron_vlm.model.spec import VLMSpec
+
+    spec = VLMSpec.from_hf_dir(hf_models["llama_clip"])
+    for backend in ("flash", "fused", "unfused"):
+        opts = ModelOptions(use_te=True, attention_backend=backend)
+        assert language_config(spec, opts).attention_backend == vision_config(spec, opts).attention_backend == \
+            AttnBackend[backend]
+    for opts in (ModelOptions(use_te=True), ModelOptions(attention_backend="sdpa")):
+        assert language_config(spec, opts).attention_backend == AttnBackend.auto
+
+
 def test_config_flags():
     from megatron_vlm.training.config import ConfigError, TrainConfig
 
     req = ["--data-path", "/d", "--tokenizer-load-dir", "/t", "--init", "--train-iters", "2"]
     c = TrainConfig.from_args([*req, "--device", "cuda", "--fp8", "--fp8-recipe", "tensorwise", "--fp8-format", "e4m3"])
     assert (c.fp8_recipe, c.fp8_format, c.transformer_impl) == ("tensorwise", "e4m3", None)
+    assert TrainConfig.from_args([*req, "--device", "cpu", "--attention-backend", "sdpa"]).attention_backend == "sdpa"
     for argv, msg in [
         (["--device", "cuda", "--fp8", "--seq-length", "1000"], "must be a multiple of 16, the token alignment of "
                                                                   "FP8 GEMMs; use --seq-length 1008"),
@@ -49,6 +109,11 @@ def test_config_flags():
         (["--device", "cuda", "--fp8", "--transformer-impl", "local"], "--fp8 needs --transformer-impl "
                                                                         "transformer_engine"),
         (["--device", "cpu", "--transformer-impl", "transformer_engine"], "needs a CUDA GPU"),
+        (["--device", "cpu", "--attention-backend", "flash"], "--attention-backend flash is a Transformer Engine"),
+        (["--device", "cuda", "--transformer-impl", "transformer_engine", "--attention-backend", "sdpa"],
+         "--attention-backend sdpa is the core attention of local layers"),
+        (["--device", "cpu", "--attention-backend", "sdpa", "--cp", "2", "--seq-length", "64"],
+         "--attention-backend sdpa does not run context parallelism"),
     ]:
         with pytest.raises(ConfigError, match=msg.replace("(", r"\(")):
             TrainConfig.from_args([*req, *argv])

@@ -49,6 +49,9 @@ class ModelOptions:
     bf16: bool = False
     fp16: bool = False
     use_te: bool = False  # Transformer Engine layers (--transformer-impl transformer_engine)
+    # --attention-backend (megatron_vlm.model.layer_impl.choose_attention): auto, flash, fused, unfused with TE layers;
+    # local or sdpa (megatron_vlm.model.sdpa_attention) with local layers; auto resolved for the device when built
+    attention_backend: str = "auto"
     fp8: bool = False
     fp8_recipe: str = "delayed"  # megatron-core Fp8Recipe name (see megatron_vlm.model.fp8.RECIPES)
     fp8_format: str = "hybrid"  # e4m3 | hybrid
@@ -108,11 +111,24 @@ def _common(opts: ModelOptions, part: str) -> dict:
         attention_dropout=0.0,
         hidden_dropout=0.0,
         **(opts.fusions or Fusions()).config_kwargs(part),
+        **_te_attention_backend(opts),
         init_method_std=opts.init_method_std,
         deterministic_mode=opts.deterministic,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=opts.perform_initialization,
     )
+
+
+def _te_attention_backend(opts: ModelOptions) -> dict:
+    """The TransformerConfig's ``attention_backend`` with Transformer Engine layers and an explicit kernel (flash,
+    fused or unfused; megatron-core's language model sets TE's ``NVTE_*_ATTN`` switches from it). Otherwise its
+    default (auto): local and sdpa attention are layer-spec choices, and megatron-core's ``local`` would switch off
+    TE's kernels for every later model of the process."""
+    if not opts.use_te or opts.attention_backend in (None, "auto"):
+        return {}
+    from megatron.core.transformer.enums import AttnBackend
+
+    return dict(attention_backend=AttnBackend[opts.attention_backend])
 
 
 def aux_loss_coefficient(spec: VLMSpec, moe: MoEOptions) -> float:
@@ -313,7 +329,7 @@ def _local_core_attention(originals: dict, core_attention) -> dict:
     return {f"{llava}:TEDotProductAttention": core_attention, f"{llava}:HAVE_TE": True}
 
 
-def layer_specs(use_te: bool, qk_layernorm: bool = False, cp: int = 1):
+def layer_specs(use_te: bool, qk_layernorm: bool = False, cp: int = 1, attention: str = "local"):
     """(language, vision, projector) layer specs; the ViT attention is bidirectional like CLIP/SigLIP.
 
     The local language layers use megatron-core's WrappedTorchNorm (torch RMSNorm): its local spec picks apex's
@@ -322,6 +338,8 @@ def layer_specs(use_te: bool, qk_layernorm: bool = False, cp: int = 1):
     ``q_norm``/``k_norm``. The language spec is a dense layer's; :func:`moe_layer_spec` makes an MoE layer's.
     ``cp`` > 1 with local layers: the language attention is
     :class:`~megatron_vlm.model.cp_attention.ContextParallelAttention` (TE's attention does CP itself).
+    ``attention`` ``sdpa`` with local layers (:func:`~megatron_vlm.model.layer_impl.choose_attention`): the language
+    and vision core attention is :class:`~megatron_vlm.model.sdpa_attention.SDPAttention`.
     """
     from megatron.core.models.multimodal import llava_spec
     from megatron.core.models.vision import vit_layer_specs
@@ -353,6 +371,11 @@ def layer_specs(use_te: bool, qk_layernorm: bool = False, cp: int = 1):
             from megatron_vlm.model.cp_attention import ContextParallelAttention
 
             language.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+        elif attention == "sdpa":
+            from megatron_vlm.model.sdpa_attention import SDPAttention
+
+            for layer_spec in (language, vision):
+                layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
         # Save local layer norms under the Transformer Engine names, as megatron's GPT local spec does, so
         # a torch_dist checkpoint loads into either spec (convert on CPU, train with TE on GPU).
         for layer_spec in (language, vision):
@@ -476,7 +499,8 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=True)
-    lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te, spec.qk_layernorm, opts.cp)
+    attention, _ = attention_backend(opts)
+    lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te, spec.qk_layernorm, opts.cp, attention)
     if spec.is_internvl:
         vit_spec, proj_spec = _internvit_specs(spec, vit_spec, opts.use_te)
     lang_cfg = language_config(spec, opts)
@@ -514,8 +538,19 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         # and data-parallel ranks' micro batches differ in length: every micro batch is padded to the full
         # sequence length, as megatron's LLaVAModel pads for pipeline parallelism (the flag it pads by).
         model._language_is_pipeline_parallel = True
+    if opts.fusions is not None:  # gradient-accumulation fusion in TE's linears only (without apex)
+        opts.fusions.apply_to_te_linears(model)
     model.model_type = ModelType.encoder_or_decoder
     return model
+
+
+def attention_backend(opts: ModelOptions) -> tuple[str, str]:
+    """(backend, why) of ``opts.attention_backend`` for this model's layers, on this process's device (CUDA when
+    it is visible): :func:`megatron_vlm.model.layer_impl.choose_attention`."""
+    from megatron_vlm.model.layer_impl import choose_attention
+
+    impl = "transformer_engine" if opts.use_te else "local"
+    return choose_attention(opts.attention_backend, impl, "cuda" if torch.cuda.is_available() else "cpu", opts.cp)
 
 
 def _internvit_specs(spec: VLMSpec, vit_spec, use_te: bool):

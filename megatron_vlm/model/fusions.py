@@ -6,7 +6,9 @@ into effective values for a device and layer implementation:
 
 - automatic: on where it works (CUDA; with Transformer Engine layers all of them, as Megatron-LM enables them,
   plus the fused cross-entropy), off where it cannot (CPU; local layers without the CUDA extension a fusion
-  needs), each with the reason, which the trainer logs at start-up;
+  needs), each with the reason, which the trainer logs at start-up. Gradient-accumulation fusion with Transformer
+  Engine layers but without apex's extension runs in TE's linears only (:attr:`Fusions.te_linears_only`: megatron's
+  own output layer cannot build with it; Megatron-LM turns the fusion off altogether there);
 - asked for where it cannot work: an error naming the flag and the fix.
 
 Which sub-model gets what: the language model (SwiGLU, RoPE) takes every fusion. The vision encoder and projector
@@ -72,6 +74,11 @@ def default_probes() -> dict[str, bool]:
     }
 
 
+#: the reason of gradient-accumulation fusion with Transformer Engine layers and without apex's extension
+TE_LINEARS_ONLY = ("Transformer Engine's linears (the output layer, megatron's own ColumnParallelLinear, stays unfused "
+                   "without apex's fused_weight_gradient_mlp_cuda)")
+
+
 @dataclass(frozen=True)
 class _Needs:
     """Where a fusion runs on CUDA: with Transformer Engine layers (``with_te``: why; None: TE layers alone are not
@@ -87,10 +94,11 @@ class _Needs:
 
 #: fusions that need more than CUDA (the others run wherever CUDA does)
 NEEDS = {
-    # Not with TE layers alone: the language model's output layer is megatron's own ColumnParallelLinear even
-    # then, and it refuses to build with the fusion unless apex's extension imports.
+    # With TE layers: TE's linears fuse it themselves; the language model's output layer is megatron's own
+    # ColumnParallelLinear even then, which refuses to build with the fusion unless apex's extension imports, so
+    # without apex only the TE linears fuse (Fusions.te_linears_only, apply_to_te_linears).
     "gradient_accumulation_fusion": _Needs(
-        None, "fused_weight_gradient_mlp_cuda", "apex fused_weight_gradient_mlp_cuda",
+        TE_LINEARS_ONLY, "fused_weight_gradient_mlp_cuda", "apex fused_weight_gradient_mlp_cuda",
         "megatron's own linears (local layers; with Transformer Engine, the language model's output layer) need "
         "apex's fused_weight_gradient_mlp_cuda, which does not import",
         "install apex with its CUDA extensions"),
@@ -114,7 +122,8 @@ def _availability(name: str, device: str, impl: str, probes: dict[str, bool]) ->
     needs = NEEDS.get(name)
     if needs is None:
         return True, "CUDA"
-    if impl == "transformer_engine" and needs.with_te:
+    if impl == "transformer_engine" and needs.with_te and not (needs.with_te == TE_LINEARS_ONLY and needs.probe
+                                                               and probes.get(needs.probe)):
         return True, needs.with_te
     if needs.probe and probes.get(needs.probe):
         return True, needs.probe_ok
@@ -127,12 +136,36 @@ class Fusions:
 
     values: dict[str, bool] = field(default_factory=lambda: {f.name: False for f in FUSIONS})
     reasons: dict[str, str] = field(default_factory=dict)
+    #: on for Transformer Engine's linears only (gradient-accumulation fusion without apex): the TransformerConfigs
+    #: get False, so that megatron's own linears build, and :meth:`apply_to_te_linears` turns it on in TE's
+    te_linears_only: bool = False
 
     def config_kwargs(self, part: str) -> dict[str, bool]:
         """TransformerConfig keyword arguments for sub-model ``part`` (language, vision or projector)."""
         if part not in PARTS:
             raise ValueError(f"unknown sub-model {part!r}; one of {', '.join(PARTS)}")
-        return {f.name: bool(self.values[f.name]) and part in f.parts for f in FUSIONS}
+        out = {f.name: bool(self.values[f.name]) and part in f.parts for f in FUSIONS}
+        if self.te_linears_only:
+            out["gradient_accumulation_fusion"] = False
+        return out
+
+    def apply_to_te_linears(self, model) -> int:
+        """With :attr:`te_linears_only`: every Transformer Engine linear of ``model`` (megatron-core's TE wrappers:
+        ``TELayerNormColumnParallelLinear``, ``TERowParallelLinear``, ``TEColumnParallelLinear``, TE's grouped
+        linears) accumulates its weight gradient inside the GEMM into the parameter's fp32 ``main_grad`` (TE's
+        ``fuse_wgrad_accumulation``, which they take from the TransformerConfig's ``gradient_accumulation_fusion``
+        when built and read at every forward); megatron's own linears are left as built. Returns how many
+        linears it set (0 without it). Needs megatron-core DDP's ``main_grad`` buffers (training)."""
+        if not (self.te_linears_only and self.values["gradient_accumulation_fusion"]):
+            return 0
+        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+        n = 0
+        for module in model.modules():
+            if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
+                module.fuse_wgrad_accumulation = True
+                n += 1
+        return n
 
     def summary(self) -> str:
         """One line for the start-up log: ``name[, name...]=on|off (why)``, each reason said once (``all off
@@ -185,4 +218,8 @@ def resolve(req: dict[str, bool | None], device: str, impl: str, probes: dict[st
         else:
             out.values[f.name] = bool(want)
             out.reasons[f.name] = f.on_flag if want else f.off_flags[0]
+        if f.name == "gradient_accumulation_fusion" and out.values[f.name] and why == TE_LINEARS_ONLY:
+            out.te_linears_only = True
+            if want:
+                out.reasons[f.name] += f" ({TE_LINEARS_ONLY})"
     return out

@@ -4,6 +4,8 @@ Owns:
 - the choice between Transformer Engine layers and megatron-core's local layers (``--transformer-impl``, named as
   in Megatron-LM): :func:`choose` picks Transformer Engine when it imports on a CUDA device, local layers
   otherwise, and says why;
+- the core attention of those layers (``--attention-backend``, Megatron-LM's flag and megatron-core's
+  ``AttnBackend`` choices plus ``sdpa``): :func:`choose_attention` (see :data:`ATTENTION_BACKENDS`);
 - the checkpoint keys that differ between the two, so that a checkpoint written with either loads into either:
 
   * norm weights: local layers save their layer norms under the Transformer Engine names
@@ -27,6 +29,11 @@ import logging
 import re
 
 IMPLS = ("transformer_engine", "local")
+#: ``--attention-backend`` choices: megatron-core's ``AttnBackend`` names (flash, fused, unfused: Transformer Engine's
+#: attention kernels; local: megatron-core's ``DotProductAttention``; auto) and ``sdpa``, the core attention on torch's
+#: ``scaled_dot_product_attention`` (:mod:`megatron_vlm.model.sdpa_attention`) for local layers
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
+TE_ATTENTION = ("auto", "flash", "fused", "unfused")
 EXTRA_STATE = "_extra_state"
 
 # Local-spec layer norm names -> the Transformer Engine fused names (checkpoint keys).
@@ -84,6 +91,42 @@ def choose(requested: str | None, device: str, fp8: bool = False) -> tuple[str, 
     if ok:
         return "transformer_engine", "automatic: Transformer Engine imports on CUDA"
     return "local", f"automatic: Transformer Engine does not import ({why})"
+
+
+def choose_attention(requested: str | None, impl: str, device: str, cp: int = 1) -> tuple[str, str]:
+    """(backend, why) of ``--attention-backend`` ``requested`` (None: auto) for layer implementation ``impl`` on
+    ``device`` with context parallelism ``cp``. The backend is one of :data:`ATTENTION_BACKENDS` but ``auto`` only
+    with Transformer Engine layers (TE's attention picks its kernel); local layers get ``local`` or ``sdpa``.
+
+    ``auto``: Transformer Engine layers run TE's attention, which picks flash, fused or unfused itself (as in
+    Megatron-LM). Local layers run ``sdpa`` on CUDA (a fused flash / memory-efficient kernel: the GPU path without
+    TE, e.g. a plain PyPI install or ROCm) and megatron-core's ``local`` attention on CPU; under context
+    parallelism (``cp`` > 1) local layers run megatron-vlm's CP reference attention, which is ``local``. Asked for
+    where it cannot run: a ``ValueError`` naming the flag and the fix."""
+    requested = requested or "auto"
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {requested}: must be one of {', '.join(ATTENTION_BACKENDS)}")
+    if impl == "transformer_engine":
+        if requested not in TE_ATTENTION:
+            raise ValueError(f"--attention-backend {requested} is the core attention of local layers; with "
+                             "--transformer-impl transformer_engine use auto, flash, fused or unfused (Transformer "
+                             f"Engine's attention), or pass --transformer-impl local for {requested}")
+        return requested, ("automatic: Transformer Engine's attention picks its kernel" if requested == "auto"
+                           else f"--attention-backend {requested} (Transformer Engine's attention)")
+    if requested in ("flash", "fused", "unfused"):
+        raise ValueError(f"--attention-backend {requested} is a Transformer Engine attention kernel; use "
+                         "--transformer-impl transformer_engine, or --attention-backend sdpa / local with local layers")
+    if requested == "sdpa" and cp > 1:
+        raise ValueError(f"--attention-backend sdpa does not run context parallelism (--cp {cp}); use "
+                         "--attention-backend local (megatron's attention on all-gathered keys and values) or "
+                         "Transformer Engine layers")
+    if requested != "auto":
+        return requested, f"--attention-backend {requested}"
+    if cp > 1:
+        return "local", f"automatic: context parallelism (--cp {cp}) with local layers runs megatron's local attention"
+    if device == "cuda":
+        return "sdpa", "automatic: local layers on CUDA run torch's scaled_dot_product_attention"
+    return "local", f"automatic: local layers on {device} run megatron-core's local attention"
 
 
 def is_extra_state(key: str) -> bool:

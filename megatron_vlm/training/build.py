@@ -93,7 +93,9 @@ def _only(chunks: list, name: str):
     return chunks[0]
 
 
-def model_options(cfg, spec: VLMSpec, impl: str, fusions=None):
+def model_options(cfg, spec: VLMSpec, impl: str, fusions=None, attention: str | None = None):
+    """megatron-core model options of a run: ``impl`` as :func:`megatron_vlm.model.layer_impl.choose` chose it,
+    ``attention`` as :func:`~megatron_vlm.model.layer_impl.choose_attention` did (None: ``--attention-backend``)."""
     from megatron_vlm.model.build import ModelOptions
 
     dtype = compute_dtype(cfg)
@@ -101,6 +103,7 @@ def model_options(cfg, spec: VLMSpec, impl: str, fusions=None):
         tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, cp_comm_type=cfg.cp_comm_type, pp_layers=cfg.pp_layers, vpp=cfg.vpp_size(spec),
         seq_length=cfg.lm_seq_length, params_dtype=dtype,
         bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16", use_te=impl == "transformer_engine",
+        attention_backend=attention or getattr(cfg, "attention_backend", None) or "auto",
         fp8=cfg.fp8, fp8_recipe=cfg.fp8_recipe, fp8_format=cfg.fp8_format,
         deterministic=cfg.deterministic, recompute_granularity=cfg.recompute_granularity,
         recompute_method=cfg.recompute_method, recompute_num_layers=cfg.recompute_num_layers,
@@ -134,14 +137,15 @@ def optimizer_config(cfg):
     )
 
 
-def packing_note(impl: str, device: str) -> str | None:
-    """What the log says once when packing runs a slow path: local layers on CUDA run megatron's local attention
-    once per packed sample, a Python loop over each pack's ``cu_seqlens`` (on CPU that is the only path)."""
-    if impl == "transformer_engine" or device != "cuda":
+def packing_note(impl: str, device: str, attention: str = "local") -> str | None:
+    """What the log says once when packing runs a slow path: local layers on CUDA with ``--attention-backend local``
+    run megatron's local attention once per packed sample, a Python loop over each pack's ``cu_seqlens`` (on CPU
+    that is the default path; ``sdpa`` runs one masked call per pack)."""
+    if impl == "transformer_engine" or device != "cuda" or attention == "sdpa":
         return None
     return ("sequence packing with local layers on CUDA: megatron's local attention runs once per packed sample (a "
             "Python loop over every pack's segments), far slower than Transformer Engine's fused 'thd' attention; "
-            "use --transformer-impl transformer_engine where Transformer Engine is installed")
+            "use --attention-backend sdpa, or --transformer-impl transformer_engine where Transformer Engine is installed")
 
 
 def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
@@ -170,13 +174,15 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
     dtype = compute_dtype(cfg)
     device = "cuda" if cfg.device == "cuda" else "cpu"
     impl, why = layer_impl.choose(cfg.transformer_impl, device, cfg.fp8)
+    attention, attention_why = layer_impl.choose_attention(cfg.attention_backend, impl, device, cfg.cp)
+    why = f"{why}; attention {attention} ({attention_why})"
     if cfg.packing:
         check_packing_supported(impl, device)
-        note = packing_note(impl, device)
+        note = packing_note(impl, device, attention)
         if note and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
             log.warning(note)
     fusions = fusions_mod.resolve(fusions_mod.requested(cfg), device, impl)
-    models = build_chunks(spec, model_options(cfg, spec, impl, fusions))
+    models = build_chunks(spec, model_options(cfg, spec, impl, fusions, attention))
     if torch.cuda.is_available() and cfg.device != "cpu":
         for m in models:
             m.cuda()

@@ -129,8 +129,9 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
 
     ``models``: name -> (converted Megatron dir, HF dir). Job keys: ``name``, ``model`` (a key of ``models``),
     ``samples`` (a key of ``sample_sets``: lists of encoded-sample fields), ``packed_seq_length``,
-    TrainConfig fields (tp, pp, cp, precision, ...), ``broken`` (attention across the samples of a pack: the local
-    'thd' attention given one segment for the whole row, the defect the comparison must catch; with ``cp`` > 1 the
+    TrainConfig fields (tp, pp, cp, precision, attention_backend, ...), ``broken`` (attention across the samples of a
+    pack: the local 'thd' attention, or sdpa's mask, given one segment for the whole row, the defect the comparison
+    must catch; with ``cp`` > 1 the
     context-parallel attention's mask at contiguous positions instead, :func:`contiguous_cp_mask`),
     ``unpacked_micro_batches`` (the unpacked share in that many micro batches, default 1: virtual pipeline stages
     need as many micro batches as pipeline stages, packed and unpacked).
@@ -145,6 +146,7 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
 
     from megatron_vlm.checkpoint import layout as ckpt
     from megatron_vlm.data.packing import packing_task_encoder_for
+    from megatron_vlm.model import sdpa_attention
     from megatron_vlm.model.cp_attention import ContextParallelAttention
     from megatron_vlm.runtime import cpu_compat
     from megatron_vlm.model.spec import VLMSpec
@@ -191,11 +193,13 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
         ucfg.micro_batch_size = k
         training = build_training(cfg, spec, init_from=iter_dir)
         results, grads = {}, {}
-        segments, mask = cpu_compat.segments, ContextParallelAttention.mask
+        segments, mask, sdpa_mask = cpu_compat.segments, ContextParallelAttention.mask, sdpa_attention.segment_mask
         for name, batches, c, packing in (("unpacked", unpacked, ucfg, False), ("packed", packs, cfg, True)):
             if job.get("broken") and packing:
                 if cfg.cp > 1:
                     ContextParallelAttention.mask = contiguous_cp_mask
+                elif cfg.attention_backend == "sdpa":
+                    sdpa_attention.segment_mask = lambda cu, total, causal: sdpa_mask(cu[[0, -1]], total, causal)
                 else:
                     cpu_compat.segments = lambda cu, total: [(0, total)]
             try:
@@ -203,6 +207,7 @@ def equivalence_jobs(jobs: list[dict], models: dict, sample_sets: dict) -> list 
                 r = train_step(training, fed, c, rt.device)
             finally:
                 cpu_compat.segments, ContextParallelAttention.mask = segments, mask
+                sdpa_attention.segment_mask = sdpa_mask
             results[name] = r
             grads[name] = _grads(training)
         layout = (job["model"], job["samples"], cfg.tp, cfg.pp)

@@ -328,6 +328,13 @@ def trainer_job(job: dict, megatron_dir, hf_dir) -> dict:
                                                 if n.endswith("self_attention.core_attention")}, key=str)
     report["attention"] = sorted({_class(m) for n, m in training.model.named_modules()
                                   if n.endswith("self_attention.core_attention")})
+    # gradient-accumulation fusion (issue 63): TE's linears fused (fuse_wgrad_accumulation), megatron's own
+    # linears (the output layer) as their gradient_accumulation_fusion says
+    report["wgrad_fusion"] = sorted({(_class(m), bool(getattr(m, "fuse_wgrad_accumulation",
+                                                              getattr(m, "gradient_accumulation_fusion", False))))
+                                     for m in training.model.modules()
+                                     if hasattr(m, "fuse_wgrad_accumulation") or
+                                     hasattr(m, "gradient_accumulation_fusion")})
     if job.get("packing_samples"):
         report["packing"] = _packing_report(cfg, spec, hf_dir, job["packing_samples"], training, rt)
     if job.get("step"):

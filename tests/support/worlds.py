@@ -13,29 +13,33 @@ from megatron_vlm.convert.verify import ReferenceBatch, megatron_forward_logits
 from megatron_vlm.model.spec import VLMSpec
 
 
-def _model_for(iter_dir, tp, pp, seq_length, pp_layers=None, ep: int = 1, etp: int | None = None):
+def _model_for(iter_dir, tp, pp, seq_length, pp_layers=None, ep: int = 1, etp: int | None = None,
+               attention: str = "auto"):
     from megatron_vlm.model.build import ModelOptions, build_model
     from megatron_vlm.runtime import distributed
 
     distributed.setup(tp, pp, device="cpu", ep=ep, etp=etp)
     spec = VLMSpec.load(iter_dir)
     model = build_model(spec, ModelOptions(tp=tp, pp=pp, pp_layers=pp_layers, seq_length=seq_length,
-                                           perform_initialization=False, ep=ep, etp=etp))
+                                           perform_initialization=False, ep=ep, etp=etp,
+                                           attention_backend=attention))
     ckpt.load_model_weights(model, iter_dir)
     model.eval()
     return model
 
 
 def logits_jobs(jobs: list[dict], batch: ReferenceBatch | None = None) -> list:
-    """Each job: {megatron_dir, tp, pp, pp_layers?, save_to?, batch?} (``batch``: the job's own reference batch,
-    else the common one). Returns logits per job (on one rank)."""
+    """Each job: {megatron_dir, tp, pp, pp_layers?, save_to?, batch?, attention?} (``batch``: the job's own reference
+    batch, else the common one; ``attention``: ``--attention-backend``, default auto). Returns logits per job (on one
+    rank)."""
     from megatron.core import parallel_state as ps
 
     out = []
     for job in jobs:
         job_batch = job.get("batch", batch)
         iter_dir = ckpt.resolve_iteration_dir(job["megatron_dir"])
-        model = _model_for(iter_dir, job["tp"], job["pp"], job_batch.combined_length, job.get("pp_layers"))
+        model = _model_for(iter_dir, job["tp"], job["pp"], job_batch.combined_length, job.get("pp_layers"),
+                           attention=job.get("attention", "auto"))
         logits = megatron_forward_logits(model, job_batch)
         if job.get("save_to"):  # re-save from this TP/PP with megatron's dist_checkpointing
             meta = ckpt.CheckpointMeta.load(iter_dir)

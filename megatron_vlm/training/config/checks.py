@@ -11,6 +11,7 @@ from megatron_vlm.model.context_parallel import length_multiple, round_up
 from megatron_vlm.model.fp8 import align_size as fp8_align_size
 from megatron_vlm.model.fusions import BY_NAME as FUSIONS
 from megatron_vlm.model.fusions import problems as fusion_problems
+from megatron_vlm.model.layer_impl import choose_attention
 from megatron_vlm.training.config.fields import STAGE_DEFAULTS, ConfigFields
 from megatron_vlm.training.config.fields import flag as _flag
 
@@ -106,6 +107,7 @@ def check_consistency(cfg: ConfigFields) -> list[str]:
                      f"{lo or hi}" + (f" or {hi}" if lo else "") + " (or change --micro-batch-size)")
     p += _check_experts(cfg)
     p += _check_context_parallel(cfg)
+    p += _check_attention(cfg)
     if cfg.pp_layers is not None and (len(cfg.pp_layers) != cfg.pp or min(cfg.pp_layers) < 1):
         p.append(f"--pp-layers {','.join(map(str, cfg.pp_layers))}: give {cfg.pp} positive layer counts, "
                  f"one per pipeline stage of --pp {cfg.pp}")
@@ -201,6 +203,20 @@ def _check_experts(cfg: ConfigFields) -> list[str]:
         p.append("--moe-grouped-gemm needs Transformer Engine layers on a GPU (TEGroupedMLP); drop it for "
                  "--transformer-impl local or --device cpu")
     return p
+
+
+def _check_attention(cfg: ConfigFields) -> list[str]:
+    """--attention-backend against the layers it needs (where the command line fixes them: --transformer-impl, or
+    --device cpu's local layers) and context parallelism (:func:`~megatron_vlm.model.layer_impl.choose_attention`;
+    the build checks the rest once Transformer Engine's import is known)."""
+    impl = cfg.transformer_impl or ("local" if cfg.device == "cpu" else None)
+    if cfg.attention_backend in (None, "auto") or impl is None and cfg.attention_backend != "sdpa":
+        return []
+    try:
+        choose_attention(cfg.attention_backend, impl or "local", cfg.device or "cuda", cfg.cp)
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def _check_context_parallel(cfg: ConfigFields) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 from megatron_vlm.model.fp8 import FORMATS as FP8_FORMATS
 from megatron_vlm.model.fp8 import RECIPES as FP8_RECIPES
 from megatron_vlm.model.fusions import BY_NAME as FUSIONS
+from megatron_vlm.model.layer_impl import ATTENTION_BACKENDS
 
 CONFIG_FILE = "config.yaml"
 
@@ -283,10 +284,20 @@ class ConfigFields:
         "by --fp8) or local (megatron-core's own). Default: transformer_engine when it imports on CUDA, else local "
         "(the choice is logged at start-up). Checkpoints load into either.", "choice", None, "optim",
         choices=("transformer_engine", "local"))
+    attention_backend: str | None = _f(
+        ("--attention-backend",), "Core attention (Megatron-LM's flag; megatron-core's AttnBackend names plus sdpa). "
+        "With Transformer Engine layers: auto (TE picks), flash, fused or unfused, TE's kernels. With local layers: "
+        "sdpa (torch's scaled_dot_product_attention: fused flash / memory-efficient kernels, causal GQA for the "
+        "language model, unmasked for the vision encoder, per sample for packed sequences) or local (megatron-core's "
+        "DotProductAttention: the full score matrix and an fp32 softmax per head). Default auto: TE's attention with "
+        "TE layers, sdpa for local layers on CUDA, local on CPU and under --cp > 1 (sdpa refuses context "
+        "parallelism). The choice is logged at start-up.", "choice", None, "optim",
+        choices=ATTENTION_BACKENDS)
     # ---- kernel fusions (see megatron_vlm.model.fusions) ---------------------------------------------------------
     gradient_accumulation_fusion: bool | None = _fusion(
         "gradient_accumulation_fusion", "Accumulate weight gradients inside the GEMM into the fp32 main_grad "
-        "buffers (Transformer Engine linears; apex's fused_weight_gradient_mlp_cuda for local layers).")
+        "buffers (Transformer Engine linears; apex's fused_weight_gradient_mlp_cuda for local layers and, with "
+        "Transformer Engine, for the output layer, which stays unfused without it).")
     bias_activation_fusion: bool | None = _fusion(
         "bias_activation_fusion", "Fused SwiGLU in the language model's MLP (--no-bias-gelu-fusion is accepted "
         "as the same switch; the vision encoder's and projector's GELU are never fused, as megatron's fused "
