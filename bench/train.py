@@ -205,7 +205,8 @@ def run_hf(a, work: Path, hf: Path, data: Path, precision: str = "fp32") -> dict
 
 # ---- torch ops dispatched per iteration ------------------------------------------------------------------
 #: (path fragment, where an op comes from), the first match of the innermost frame outside torch that names one
-_SOURCES = (("megatron/core/optimizer", "optimizer (megatron-core)"), ("megatron/core/distributed", "DDP (megatron-core)"),
+_SOURCES = (("megatron/core/optimizer", "optimizer (megatron-core)"),
+            ("megatron/core/distributed", "DDP (megatron-core)"),
             ("megatron/core/pipeline_parallel", "schedule (megatron-core)"),
             ("megatron/core/", "layers (megatron-core)"), ("megatron_vlm/", "megatron-vlm"),
             ("transformers/", "model (HF transformers)"), ("bench/train.py", "training loop"))
