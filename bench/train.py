@@ -14,6 +14,10 @@ torch threads. Measured per side, each in a fresh process:
   (ours: ``train/run.py`` -> torchrun -> ``train/pretrain_vlm.py``; HF: python start, imports, model load);
 - the loss of every iteration: the two curves must agree (same model, data and optimizer), which shows that
   both loops do the same work; their largest difference is printed.
+- the torch ops one iteration dispatches (the second, each side in one more process; ``--no-count-ops`` skips it),
+  counted at torch's dispatcher (forward, backward and optimizer alike: on a GPU each is a kernel launch and host
+  time), and where they come from: megatron-core's layers, schedule, DDP and optimizer, megatron-vlm, HF's model,
+  torch's autograd engine (the backward of torch's own ops) and optimizer. Target: ours <= 1.5x HF's.
 
 Target: ours / HF tokens/s >= 0.8 at TP=1, in each precision (``--precisions fp32,bf16``: ours in megatron's
 bf16 mixed precision, HF under bf16 autocast). Rows: HF loop, ours at TP=1, ours at DP=2 (``--dp 2``, the default:
@@ -25,6 +29,7 @@ bf16 mixed precision, HF under bf16 autocast). Rows: HF loop, ours at TP=1, ours
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -77,16 +82,21 @@ def thread_env(threads: int) -> dict:
 
 
 # ---- our side: the user-facing launcher --------------------------------------------------------------
+def our_flags(a, work: Path, hf: Path, data: Path, meg: Path, name: str, tp: int, precision: str, iters: int) -> list:
+    """The trainer's flags for our side (train/run.py's, which train/pretrain_vlm.py accepts as well)."""
+    return ["--device", "cpu", "--tp", str(tp), "--stage", str(a.stage), "--precision", precision,
+            "--megatron-load-dir", str(meg), "--tokenizer-load-dir", str(hf), "--data-path", str(data),
+            "--save-dir", str(work / "runs"), "--name", name, "--no-save", "--train-iters", str(iters),
+            "--micro-batch-size", str(a.mbs), "--global-batch-size", str(a.gbs), "--lr", str(a.lr),
+            "--seq-length", str(a.seq_length), "--num-workers", str(a.num_workers), "--seed", str(a.seed),
+            "--log-interval", str(iters)]
+
+
 def run_ours(a, work: Path, hf: Path, data: Path, meg: Path, tp: int, precision: str = "fp32", dp: int = 1) -> dict:
     name = f"ours_tp{tp}_dp{dp}_{precision}"
     procs = tp * dp
-    cmd = [sys.executable, "train/run.py", "--device", "cpu", "-g", str(procs), "--tp", str(tp), "--stage", str(a.stage),
-           "--precision", precision,
-           "--megatron-load-dir", str(meg), "--tokenizer-load-dir", str(hf), "--data-path", str(data),
-           "--save-dir", str(work / "runs"), "--name", name, "--no-save", "--train-iters", str(a.iters),
-           "--micro-batch-size", str(a.mbs), "--global-batch-size", str(a.gbs), "--lr", str(a.lr),
-           "--seq-length", str(a.seq_length), "--num-workers", str(a.num_workers), "--seed", str(a.seed),
-           "--log-interval", str(a.iters)]
+    cmd = [sys.executable, "train/run.py", "-g", str(procs)] + our_flags(a, work, hf, data, meg, name, tp, precision,
+                                                                         a.iters)
     t0 = time.time()
     subprocess.run(cmd, check=True, cwd=ROOT, env=thread_env(max(1, a.threads // procs)), stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL if not a.verbose else None)
@@ -155,6 +165,8 @@ def hf_worker(a) -> None:
         batches = [hf_batch(next(data), enc.image_token_id, enc.tokens_per_image, enc.pad_token_id)
                    for _ in range(accum)]
         n_loss = sum(int((b["labels"] != -100).sum()) for b in batches)
+        counter = op_counter() if a.ops_out and it == 2 else contextlib.nullcontext()
+        counter.__enter__()
         opt.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for b in batches:
@@ -167,6 +179,9 @@ def hf_worker(a) -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
+        counter.__exit__(None, None, None)
+        if a.ops_out and it == 2:
+            Path(a.ops_out).write_text(json.dumps(counter.counts))
         out.write(json.dumps({"iteration": it, "loss": loss_sum / n_loss, "samples": a.gbs,
                               "tokens": sum(b["num_tokens"] for b in batches),
                               "images": sum(b["pixel_values"].shape[0] for b in batches), "time": time.time()}) + "\n")
@@ -186,6 +201,105 @@ def run_hf(a, work: Path, hf: Path, data: Path, precision: str = "fp32") -> dict
                    stderr=None if a.verbose else subprocess.DEVNULL)
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     return summarize(rows, t0, a.warmup, step_flops(a, hf))
+
+
+# ---- torch ops dispatched per iteration ------------------------------------------------------------------
+#: (path fragment, where an op comes from), the first match of the innermost frame outside torch that names one
+_SOURCES = (("megatron/core/optimizer", "optimizer (megatron-core)"),
+            ("megatron/core/distributed", "DDP (megatron-core)"),
+            ("megatron/core/pipeline_parallel", "schedule (megatron-core)"),
+            ("megatron/core/", "layers (megatron-core)"), ("megatron_vlm/", "megatron-vlm"),
+            ("transformers/", "model (HF transformers)"), ("bench/train.py", "training loop"))
+
+
+def op_source(frame) -> str:
+    """Where the op dispatched under ``frame`` comes from: the autograd engine (the backward of torch's own ops),
+    torch's optimizers and gradient clipping, or the innermost frame outside torch (and outside the CPU layer's
+    device mode, which forwards every call) that :data:`_SOURCES` names."""
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if path.endswith("megatron_vlm/runtime/cpu_compat.py"):
+            pass
+        elif "/torch/" in path:
+            if path.endswith("torch/autograd/graph.py") and frame.f_code.co_name == "_engine_run_backward":
+                return "autograd engine (backward of torch ops)"
+            if "/torch/optim/" in path:
+                return "optimizer (torch)"
+            if path.endswith("torch/nn/utils/clip_grad.py"):
+                return "gradient clipping (torch)"
+        else:
+            for fragment, source in _SOURCES:
+                if fragment in path:
+                    return source
+        frame = frame.f_back
+    return "other"
+
+
+def op_counter():
+    """A ``TorchDispatchMode`` that counts the aten ops dispatched while it is active (forward, backward and
+    optimizer alike: each would be a kernel launch on a GPU), by :func:`op_source`: ``.counts`` (source -> ops)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.counts[op_source(sys._getframe(1))] += 1
+            return func(*args, **(kwargs or {}))
+
+    return OpCounter()
+
+
+def count_our_ops(a) -> None:
+    """Runs in its own process (``--ours-ops-worker``): our trainer in this process (train/pretrain_vlm.py's main,
+    one rank), counting the ops of its second step (the first makes megatron-core's lazy state)."""
+    import torch
+
+    from megatron_vlm.training import step
+
+    torch.set_num_threads(a.threads)
+    original, seen, counts = step.train_step, [], {}
+
+    def counted(*args, **kwargs):
+        seen.append(1)
+        if len(seen) != 2:
+            return original(*args, **kwargs)
+        with op_counter() as c:
+            out = original(*args, **kwargs)
+        counts.update(c.counts)
+        return out
+
+    step.train_step = counted
+    sys.path.insert(0, str(ROOT / "train"))
+    import pretrain_vlm
+
+    pretrain_vlm.main(a.ours_flags)
+    Path(a.ops_out).write_text(json.dumps(counts))
+    os._exit(0)
+
+
+def count_ops(a, work: Path, hf: Path, data: Path, meg: Path, precision: str) -> dict:
+    """{side: {source: ops}} of one iteration (the second) of each side, each counted in its own process."""
+    out = {}
+    for side in ("hf", "ours"):
+        path = work / f"ops_{side}_{precision}.json"
+        if side == "hf":
+            cmd = [sys.executable, __file__, "--hf-worker", "--hf-dir", str(hf), "--data-dir", str(data),
+                   "--hf-out", str(work / "hf_ops.jsonl"), "--precision", precision, "--ops-out", str(path),
+                   "--iters=2"] + [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in (
+                       "stage", "mbs", "gbs", "lr", "seq_length", "num_workers", "seed", "threads")]
+        else:
+            flags = our_flags(a, work, hf, data, meg, f"ops_{precision}", 1, precision, 2)
+            cmd = [sys.executable, __file__, "--ours-ops-worker", "--ops-out", str(path), f"--threads={a.threads}",
+                   "--ours-flags", *flags]
+        subprocess.run(cmd, check=True, cwd=ROOT, env=thread_env(a.threads), stdout=subprocess.DEVNULL,
+                       stderr=None if a.verbose else subprocess.DEVNULL)
+        out[side] = json.loads(path.read_text())
+    return out
 
 
 # ---- numbers ---------------------------------------------------------------------------------------------
@@ -246,6 +360,16 @@ def report(a, precision: str, results: dict) -> None:
           flush=True)
 
 
+def report_ops(precision: str, ops: dict) -> None:
+    """Ops per iteration of each side, and where they come from (:func:`op_source`)."""
+    hf, ours = sum(ops["hf"].values()), sum(ops["ours"].values())
+    print(f"torch ops dispatched in one iteration ({precision}; the second): HF {hf}, ours {ours}: {ours / hf:.2f}x "
+          "HF (target <= 1.5)")
+    for side in ("hf", "ours"):
+        rows = sorted(ops[side].items(), key=lambda kv: -kv[1])
+        print(f"  {'HF' if side == 'hf' else 'ours':4s} " + ", ".join(f"{k} {v}" for k, v in rows), flush=True)
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(allow_abbrev=False,
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -277,6 +401,11 @@ def parse(argv=None):
     p.add_argument("--hf-dir", help=argparse.SUPPRESS)
     p.add_argument("--data-dir", help=argparse.SUPPRESS)
     p.add_argument("--hf-out", help=argparse.SUPPRESS)
+    p.add_argument("--no-count-ops", dest="count_ops", action="store_false", help="skip counting the torch ops "
+                   "of one iteration of each side (two more processes per precision, ~10 s each)")
+    p.add_argument("--ours-ops-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ops-out", help=argparse.SUPPRESS)
+    p.add_argument("--ours-flags", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -284,6 +413,9 @@ def main(argv=None) -> int:
     a = parse(argv)
     if a.hf_worker:
         hf_worker(a)
+        return 0
+    if a.ours_ops_worker:
+        count_our_ops(a)
         return 0
     if a.gbs % a.mbs:
         raise SystemExit(f"--gbs {a.gbs} must be a multiple of --mbs {a.mbs}")
@@ -309,6 +441,8 @@ def main(argv=None) -> int:
               f"{os.getloadavg()[0]:.1f}", flush=True)
         for precision in a.precisions.split(","):
             report(a, precision, run_all(a, work, hf, data, meg, precision))
+            if a.count_ops:
+                report_ops(precision, count_ops(a, work, hf, data, meg, precision))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -168,3 +168,58 @@ def test_the_layer_undoes_to_megatron_cores_and_torchs_own_objects():
     finally:
         cpu_compat.enable()
     assert cpu_compat.is_enabled() and torch.zeros(2, device="cuda").device.type == "cpu"
+
+
+def test_a_step_runs_without_the_device_mode():
+    """A training step (``cpu_compat.step_scope``, around ``training/step.train_step``) runs without the per-op device
+    mode: torch calls are torch's own there (a CUDA device fails, as torch has no CUDA), and the megatron-core code of
+    a step that names the CUDA device makes CPU tensors all the same: the factory calls of its modules (the causal
+    mask, the global memory buffer, the schedule's token count) and the functions that move tensors or check their
+    CUDA type (the gradient clip, rotary embeddings). The clip gives torch's own clip_grad_norm_'s gradients. With
+    either entry undone the same calls fail (the negative controls)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.transformer.utils import get_default_causal_mask
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    from megatron_vlm.runtime import mcore_patches
+
+    def device_mode_on() -> bool:
+        return any(isinstance(torch._C._get_function_stack_at(i), cpu_compat._CudaToCpuMode)
+                   for i in range(torch._C._len_torch_function_stack()))
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    grads = [torch.randn_like(p) * 3 for p in params]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, g in zip(reference, grads):
+        r.grad = g.clone()
+    norm = float(torch.nn.utils.clip_grad_norm_(reference, 1.0))
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)
+
+    def step_calls():
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
+        return (get_default_causal_mask(4), GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "probe"),
+                rope(6), clip_grads.torch.zeros([], dtype=torch.int, device="cuda"))
+
+    assert device_mode_on()
+    with cpu_compat.step_scope():
+        assert not device_mode_on() and cpu_compat.in_step()
+        with pytest.raises((AssertionError, RuntimeError)):  # torch's own: no CUDA in this build / on this machine
+            torch.zeros(1, device="cuda")
+        made = step_calls()
+        assert all(t.device.type == "cpu" for t in made)
+        assert torch.equal(made[0], torch.triu(torch.ones(4, 4), diagonal=1).bool())
+        for p, r in zip(params, reference):
+            assert torch.allclose(p.grad, r.grad, rtol=1e-6, atol=0)
+        for name in ("cpu-step-factories", "cpu-step-mode-sites"):  # each piece is needed
+            mcore_patches.undo(name)
+            try:
+                with pytest.raises((AssertionError, RuntimeError)):
+                    step_calls()
+            finally:
+                mcore_patches.apply(name)
+    assert device_mode_on() and not cpu_compat.in_step()
+    assert torch.zeros(1, device="cuda").device.type == "cpu"

@@ -11,6 +11,15 @@ makes the same code run on CPU:
 - the same mode around the backward of megatron-core's autograd Functions (the autograd engine runs them where
   the thread-local mode is not active): activation recomputation re-runs the forward there, sequence parallelism
   reduce-scatters into buffers made on ``torch.cuda.current_device()``;
+- a training step without that mode (:func:`step_scope`, around ``training/step.train_step``): the mode's Python
+  ``__torch_function__`` runs for every torch call (~30k per step at the kit's depth, ~4 us each, and it sends
+  ``torch.nn.functional`` through torch's Python override path), so inside a step the CUDA devices megatron-core
+  names are rewritten at their sources instead: the modules of :data:`STEP_MODULES` see a ``torch`` whose factory
+  functions make CPU tensors, and the few functions of :data:`STEP_MODE_FUNCTIONS` that move tensors with
+  ``Tensor.cuda()`` / ``.to(<cuda>)`` or assert a CUDA ``Tensor.type()`` run under the mode; the backward wrappers
+  above leave the mode off inside a step. The lists were found by recording every rewrite the mode made inside the
+  steps of the training tests (TP, SP, PP, VPP, CP, packing, recomputation, MoE); a CUDA device left elsewhere in a
+  step fails loudly, naming its call site;
 - CPU stand-ins for ``torch.cuda.current_device / synchronize / current_stream / get_rng_state /
   set_rng_state / manual_seed`` (``current_stream`` is torch's no-op CPU stream whose recorded events can be
   waited on, :data:`CPU_STREAM`: megatron-core 0.19's DDP grad sync waits on the current stream's events) (the "CUDA" RNG state *is* the CPU default generator's state, so megatron's RNG tracker
@@ -73,7 +82,9 @@ on torch's foreach kernels (:mod:`.optimizer_kernels`: no host sync per paramete
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -82,9 +93,8 @@ from megatron_vlm.runtime import mcore_patches, optimizer_kernels
 
 #: the entries :func:`enable` applies after :func:`fix_without_te`'s, in order (the registry holds what each replaces)
 LAYER = ("cpu-cuda-stand-ins", "cpu-megatron-rng-state", "cpu-optimizer-kernels", optimizer_kernels.NAME,
-         "cpu-compiled-eager",
-         "packed-local-attention", "cpu-moe-dispatcher", "moe-router-torch-gemm", "cpu-device-mode",
-         "cpu-backward-under-mode")
+         "cpu-compiled-eager", "packed-local-attention", "cpu-moe-dispatcher", "moe-router-torch-gemm",
+         "cpu-step-factories", "cpu-step-mode-sites", "cpu-device-mode", "cpu-backward-under-mode")
 #: the entries of :func:`fix_without_te`
 WITHOUT_TE = ("clip-norm-without-te", "torch-adam-state-load", "moe-router-torch-gemm")
 #: megatron-core modules whose autograd Functions allocate on the CUDA device in their backward (activation
@@ -122,6 +132,92 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
+
+
+#: torch's factory functions that take a ``device`` (and ``pin_memory``): :func:`_cpu_torch`'s
+FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "rand", "randn", "randint", "randperm",
+             "eye", "linspace", "empty_like", "zeros_like", "ones_like", "full_like", "empty_strided")
+#: megatron-core modules whose factory calls make tensors on the CUDA device in a training step, and the step's
+#: functions that move tensors to it or check its tensor types (the registry holds both lists)
+STEP_MODULES, STEP_MODE_FUNCTIONS = mcore_patches.STEP_MODULES, mcore_patches.STEP_MODE_FUNCTIONS
+
+
+def _cpu_factory(factory):
+    def make(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return factory(*args, **kwargs)
+
+    make.__name__ = make.__qualname__ = factory.__name__
+    make.__doc__ = factory.__doc__
+    return make
+
+
+def _cpu_torch():
+    """A module that is torch for its reader, except that :data:`FACTORIES` make CPU tensors where they are asked
+    for CUDA ones (and unpinned where pinned): the ``torch`` of :data:`STEP_MODULES` on CPU."""
+    import types
+
+    ns = types.ModuleType("torch", torch.__doc__)
+    ns.__dict__.update(vars(torch))
+    ns.__dict__.pop("__getattr__", None)
+    ns.__getattr__ = lambda name: getattr(torch, name)  # torch's lazily imported submodules (PEP 562)
+    for name in FACTORIES:
+        setattr(ns, name, _cpu_factory(getattr(torch, name)))
+    return ns
+
+
+#: whether this thread runs a training step without the device mode (:func:`step_scope`)
+_STEP = threading.local()
+
+
+def in_step() -> bool:
+    return getattr(_STEP, "active", False)
+
+
+@contextlib.contextmanager
+def step_scope():
+    """The training step without the per-op device mode (a no-op unless the layer is on and its mode is the innermost
+    torch function mode). Every torch call of megatron-core otherwise goes through the mode's Python
+    ``__torch_function__`` (~4 us each, ~30k per step of the kit's depth, with ``torch.nn.functional`` taking torch's
+    Python override path): the step's own CUDA devices are rewritten at their sources instead, by
+    ``cpu-step-factories`` (:data:`STEP_MODULES`' factory calls) and ``cpu-step-mode-sites``
+    (:data:`STEP_MODE_FUNCTIONS` run under the mode). A CUDA device left anywhere else in a step fails loudly (torch
+    has no CUDA) and names its call site: add it there."""
+    mode = mcore_patches.values("cpu-device-mode")[mcore_patches.MODE_STACK] if is_enabled() else None
+    depth = torch._C._len_torch_function_stack()
+    if mode is None or in_step() or not depth or torch._C._get_function_stack_at(depth - 1) is not mode:
+        yield
+        return
+    torch._C._pop_torch_function_stack()
+    _STEP.active = True
+    try:
+        yield
+    finally:
+        _STEP.active = False
+        torch._C._push_on_torch_function_stack(mode)
+
+
+@mcore_patches.implements("cpu-step-factories")
+def _step_factories(originals: dict) -> dict:
+    cpu_torch = _cpu_torch()
+    return {target: cpu_torch for target in originals}
+
+
+@mcore_patches.implements("cpu-step-mode-sites")
+def _step_mode_sites(originals: dict) -> dict:
+    values = {}
+    for target, original in originals.items():
+        def under_mode(*args, _original=original, **kwargs):
+            if not in_step():
+                return _original(*args, **kwargs)
+            with _CudaToCpuMode():
+                return _original(*args, **kwargs)
+
+        values[target] = functools.wraps(original)(under_mode)
+    return values
 
 
 def cuda_available() -> bool:
@@ -184,6 +280,8 @@ def _backward_under_mode(originals: dict) -> dict:
         original = original.__func__ if isinstance(original, staticmethod) else original
 
         def backward(ctx, *args, _original=original):
+            if in_step():  # the step's devices are rewritten at their sources (step_scope)
+                return _original(ctx, *args)
             with _CudaToCpuMode():
                 return _original(ctx, *args)
 

@@ -94,6 +94,32 @@ _BOTH = ("0.16", "0.19")
 BACKWARD_MODULES = ("megatron.core.tensor_parallel.random", "megatron.core.tensor_parallel.layers",
                     "megatron.core.tensor_parallel.mappings", _MOE_UTILS, _DISPATCHER)
 
+#: megatron-core modules that make tensors on the CUDA device in a training step (their factory calls name
+#: device="cuda" or torch.cuda.current_device()): the schedules' token counts, the pipeline's receive buffers, the
+#: tensor- and sequence-parallel gathers and reduce-scatters, the global memory buffer, the causal mask, the grad
+#: norm and clip, rotary embeddings under context parallelism, the MoE router, dispatcher and experts, 0.19's
+#: LLaVA sound embeddings and grad-norm groups, the optimizers' flags and the grad buffers
+STEP_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication",
+                "megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings",
+                "megatron.core.tensor_parallel.random", "megatron.core.utils", "megatron.core.transformer.utils",
+                "megatron.core.optimizer.clip_grads", "megatron.core.models.common.embeddings.rope_utils",
+                "megatron.core.models.common.embeddings.rotary_pos_embedding",
+                "megatron.core.transformer.moe.router", "megatron.core.transformer.moe.moe_utils",
+                "megatron.core.transformer.moe.token_dispatcher", "megatron.core.transformer.moe.experts",
+                "megatron.core.transformer.moe.moe_layer", "megatron.core.models.multimodal.llava_model",
+                "megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer",
+                "megatron.core.optimizer.grad_scaler", "megatron.core.distributed.finalize_model_grads",
+                "megatron.core.distributed.param_and_grad_buffer")
+#: megatron-core functions of a training step that move tensors with Tensor.cuda() / .to(<cuda>) or check
+#: Tensor.type(): they run under the device mode in cpu_compat.step_scope (few ops each)
+STEP_MODE_FUNCTIONS = (
+    "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",  # asserts grad.type() is a CUDA type
+    "megatron.core.optimizer.optimizer:clip_grad_by_total_norm_fp32",  # the name optimizer.py imports
+    "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.get_emb",  # inv_freq.to(cuda)
+    "megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",  # pinned index .cuda()
+    "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank",  # its import
+    "megatron.core.transformer.moe.router:Router.gating")  # weight.data.to(cuda)
+
 PATCHES: tuple[Patch, ...] = (
     # ---- what megatron-core's import sees (runtime/lean_imports.py) -----------------------------------------------
     Patch("lean-import-transformer-engine", ("sys.modules:transformer_engine",),
@@ -173,6 +199,17 @@ PATCHES: tuple[Patch, ...] = (
           "no CUDA device (cpu_compat.enable), or Transformer Engine not imported (cpu_compat.fix_without_te)",
           "process: a process without TE (or without CUDA) routes with torch's matmul throughout", _CPU_UNDO,
           "tests/test_cpu_compat.py::test_moe_router_and_dispatcher_run_on_cpu", _CPU),
+    Patch("cpu-step-factories", tuple(f"{m}:torch" for m in STEP_MODULES),
+          "megatron-core makes tensors on device='cuda' / torch.cuda.current_device() in a training step (schedules, "
+          "pipeline receive buffers, TP/SP gathers, the global memory buffer, the causal mask, grad norm and clip, "
+          "MoE): their modules' `torch` is torch with factory functions that make CPU tensors, so that the step runs "
+          "without the per-op device mode (cpu_compat.step_scope)", _BOTH, "no CUDA device (cpu_compat.enable)",
+          _CPU_PROCESS, _CPU_UNDO, "tests/test_cpu_compat.py::test_a_step_runs_without_the_device_mode", _CPU),
+    Patch("cpu-step-mode-sites", STEP_MODE_FUNCTIONS,
+          "the functions of a training step that move tensors with Tensor.cuda() / .to(cuda) or assert a CUDA "
+          "Tensor.type() (clip, rotary embeddings, CP's RoPE indices, the MoE router) run under the device mode "
+          "inside cpu_compat.step_scope (unchanged outside it)", _BOTH, "no CUDA device (cpu_compat.enable)",
+          _CPU_PROCESS, _CPU_UNDO, "tests/test_cpu_compat.py::test_a_step_runs_without_the_device_mode", _CPU),
     Patch("cpu-device-mode", (MODE_STACK,),
           "megatron-core hard-codes device='cuda' / torch.cuda.current_device() in factory calls and .cuda(): a "
           "TorchFunctionMode rewrites CUDA devices to the CPU (and pin_memory off, Tensor.cuda() a no-op)", _BOTH,
@@ -506,6 +543,11 @@ def is_active(name: str) -> bool:
 def originals(name: str) -> dict:
     """The values an active patch's targets had before it (for tests)."""
     return dict(_ACTIVE[name].originals)
+
+
+def values(name: str) -> dict:
+    """What an active patch installed, by target (the mode of a :data:`MODE_STACK` target)."""
+    return dict(_ACTIVE[name].values)
 
 
 def held() -> dict[str, str]:

@@ -20,6 +20,8 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron_vlm.runtime.cpu_compat import step_scope
+
 _NO_INPUTS = SimpleNamespace(images=None, tokens=None, labels=None, loss_mask=None, num_image_tiles=None)
 
 
@@ -146,6 +148,7 @@ def _iterators(batches: list, ddps: list):
     return its[0] if len(its) == 1 else its
 
 
+@step_scope()  # on CPU: the step runs without the CPU layer's per-op device mode (runtime/cpu_compat.py)
 def train_step(training, batches: list, cfg, device) -> StepResult:
     """Forward/backward over this rank's micro batches of one global batch, then the optimizer step."""
     from megatron.core import parallel_state as ps
