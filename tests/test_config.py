@@ -263,6 +263,8 @@ def test_profile_ranges_and_timing_flags():
     c = cfg_of("-g", "2", "--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "0,1",
                "--timing-log-level", "2", "--timing-log-option", "max", "--no-log-throughput", "--use-pytorch-profiler")
     assert (c.profile, c.profile_step_start, c.profile_step_end, c.profile_ranks) == (True, 2, 4, [0, 1])
+    spaced = cfg_of("-g", "4", "--profile", "--profile-step-end", "12", "--profile-ranks", "1", "3")  # MLM's form
+    assert spaced.profile_ranks == [1, 3]
     assert (c.timing_log_level, c.timing_log_option, c.log_throughput) == (2, "max", False)
     d = cfg_of("--train-iters", "5")
     assert (d.profile, d.profile_ranks, d.timing_log_level, d.timing_log_option, d.log_throughput) == (

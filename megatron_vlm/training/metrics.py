@@ -1,8 +1,11 @@
-"""Training metrics: throughput, ETA, console lines, TensorBoard events and (optionally) Weights & Biases.
+"""Training metrics: throughput, timers, ETA, console lines, TensorBoard events and (optionally) Weights & Biases.
 
 ``<run_dir>/metrics.jsonl`` gets one record per iteration (loss, lr, grad norm, samples, tokens, images and model
-FLOPs of the global batch, wall-clock ``time`` when the iteration ended) and one per evaluation (``val_loss``);
-benchmarks and the demo read their curves and throughput from it.
+FLOPs of the global batch, wall-clock ``time`` when the iteration ended, the step's ``timers`` in seconds,
+:mod:`.timers`) and one per evaluation (``val_loss``); benchmarks and the demo read their curves and throughput from
+it. The records are written at each log interval and before each evaluation and checkpoint: a step leaves its
+numbers on the device (:class:`~megatron_vlm.training.step.StepResult`) and one host read takes those of all the
+iterations since the last write, so the loop syncs once per log interval, not per step.
 
 Throughput counts real work: ``tokens`` are the image-expanded positions of the samples themselves (never the
 padding of a row or of a pack), samples are samples (a pack counts the samples in it), and the model FLOPs behind
@@ -52,7 +55,7 @@ class MetricsLogger:
         self.t_last = time.time()
         self.window = self._empty_window()
         self.pending: list = []  # (iteration, StepResult or None when skipped, lr, time)
-        self.last_grad_norm = None
+        self.last_grad_norm = self.last_lr = self.last_moe = None  # of the newest record
         self.tb = None
         self.wandb = None
         self.history_path = Path(cfg.run_dir) / "metrics.jsonl" if enabled else None

@@ -434,8 +434,9 @@ class ConfigFields:
     profile_step_end: int = _f(
         ("--profile-step-end",), "--profile stops after this iteration: it records iterations A+1 to B "
         "(B - A of them).", "int", 12, "log")
-    profile_ranks: list[int] = _f(("--profile-ranks",), "Comma-separated global ranks that --profile records.",
-                                  "intlist", None, "log", factory=lambda: [0], metavar="RANKS")
+    profile_ranks: list[int] = _f(("--profile-ranks",), "The global ranks that --profile records, comma- or (as "
+                                  "Megatron-LM) space-separated. Default: 0.", "intlist", None, "log",
+                                  factory=lambda: [0], metavar="RANKS", nargs=True)
     smoke_test: bool = _f(
         ("--smoke-test",), "Shrink the run to check that it starts: forces TP=PP=1, micro batch 1, global batch = "
         f"data-parallel size, logs every step, {SMOKE_TEST_TRAIN_ITERS} iterations unless --train-iters is given. "
