@@ -106,11 +106,11 @@ class MetricsLogger:
 
     def _record(self, iteration: int, r, values, lr: float, t: float, timers: dict | None) -> dict:
         if r is None:  # --skip-train-iteration-range
-            loss_sum, loss_tokens, samples, tokens, images, grad_norm, moe = 0.0, 0.0, 0, 0, 0, None, None
+            loss_sum, loss_tokens, samples, tokens, images, squares, grad_norm, moe = 0.0, 0.0, 0, 0, 0, 0, None, None
         else:
-            loss_sum, loss_tokens, samples, tokens, images, grad_norm = next(values)
+            loss_sum, loss_tokens, samples, tokens, images, squares, grad_norm = next(values)
             moe = r.moe
-        flops = self.flops(samples, tokens, images) if self.flops is not None and samples else 0.0
+        flops = self.flops(samples, tokens, images, squares) if self.flops is not None and samples else 0.0
         w = self.window
         w["flops"] += flops
         w["loss_sum"] += loss_sum
@@ -259,7 +259,7 @@ def _fmt_eta(seconds: float) -> str:
 
 def _read(results: list):
     """The host numbers of ``results`` (StepResults of trained iterations), as an iterator of (loss sum, loss tokens,
-    samples, tokens, images, grad norm) per result: every device tensor among them read with one copy."""
+    samples, tokens, images, squares, grad norm) per result: every device tensor among them read with one copy."""
     import torch
 
     if not results:
@@ -270,5 +270,5 @@ def _read(results: list):
         at = [i for i, g in enumerate(norms) if torch.is_tensor(g)]
         for i, v in zip(at, torch.stack([norms[i].reshape(()) for i in at]).tolist()):
             norms[i] = v
-    return iter((row[0], row[1], int(row[2]), int(row[3]), int(row[4]), None if g is None else float(g))
+    return iter((row[0], row[1], int(row[2]), int(row[3]), int(row[4]), row[5], None if g is None else float(g))
                 for row, g in zip(rows, norms))

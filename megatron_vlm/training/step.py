@@ -29,7 +29,8 @@ class StepResult:
     once at a log interval or a checkpoint (:mod:`.metrics`), so the step itself reads nothing back. The properties
     read them one by one (a host sync each: for tools and tests)."""
 
-    values: torch.Tensor  # float64 [loss sum, loss tokens, samples, tokens, images] of the global batch (all DP ranks)
+    values: torch.Tensor  # float64 [loss sum, loss tokens, samples, tokens, images, squares] of the global batch
+    # (all DP ranks; squares: the sum of the samples' squared lengths, for the FLOPs of attention)
     grad_norm: float | torch.Tensor | None  # before clipping, as megatron's optimizer returns it; None when skipped
     loss_scale: float = 1.0  # the loss scale the step ran at (fp16; 1 otherwise)
     moe: dict | None = None  # a mixture-of-experts model's routing numbers (megatron_vlm.training.moe.stats)
@@ -193,21 +194,35 @@ def train_step(training, batches: list, cfg, device, timers=None) -> StepResult:
 
 
 def _counts(fed: list, device) -> torch.Tensor:
-    """[samples, tokens, images] of this rank's micro batches ``fed``, a float64 tensor on ``device``, made without
-    reading a device tensor back: the host's numbers go over in one (pinned, non-blocking) copy, the image counts
-    of batches already on the device are summed there."""
+    """[samples, tokens, images, squares] of this rank's micro batches ``fed``, a float64 tensor on ``device``
+    (``squares``: the sum of the samples' squared lengths, attention's work in :mod:`.flops`), made without reading a
+    device tensor back: the host's numbers go over in one (pinned, non-blocking) copy, those of batches already on
+    the device (received over the TP group) are summed there."""
     samples = sum(getattr(b, "num_samples", None) or b.tokens.shape[0] for b in fed)  # packs hold several
-    tiles = [b.num_image_tiles for b in fed]
-    on_host = [t.sum(dtype=torch.float64) for t in tiles if t.device.type == "cpu"]
+    parts = [(b.num_image_tiles.to(torch.float64).sum(), _squares(b)) for b in fed]
+    on_host = [torch.stack(p) for p in parts if p[0].device.type == "cpu"]
     host = torch.cat([torch.tensor([samples, sum(b.num_tokens for b in fed)], dtype=torch.float64),
-                      torch.stack(on_host).sum().reshape(1) if on_host else torch.zeros(1, dtype=torch.float64)])
+                      torch.stack(on_host).sum(0) if on_host else torch.zeros(2, dtype=torch.float64)])
     if getattr(device, "type", str(device)) == "cuda":
         host = host.pin_memory()
     counts = host.to(device, non_blocking=True)
-    on_device = [t.to(device).sum(dtype=torch.float64) for t in tiles if t.device.type != "cpu"]
+    on_device = [torch.stack([a.to(device), b.to(device)]) for a, b in parts if a.device.type != "cpu"]
     if on_device:
-        counts[2] += torch.stack(on_device).sum()
+        counts[2:] += torch.stack(on_device).sum(0)
     return counts
+
+
+def _squares(batch) -> torch.Tensor:
+    """The sum of the squared lengths of ``batch``'s samples: each row's real positions (``row_tokens``), or a
+    pack's sample segments (the first ``num_samples`` of its ``cu_seqlens``; the rest is the pack's padding, and a
+    pack received over the TP group, which has no sample count, counts every segment)."""
+    cu = getattr(batch, "cu_seqlens", None)
+    if cu is not None:
+        n = getattr(batch, "num_samples", None) or cu.numel() - 1
+        lengths = cu[1:n + 1] - cu[:n]
+    else:
+        lengths = batch.row_tokens
+    return lengths.to(torch.float64).square().sum()
 
 
 def pad_micro_batch(batch, micro_batch_size: int, image_token_id):
