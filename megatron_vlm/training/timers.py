@@ -129,14 +129,14 @@ def over_ranks(window: dict[str, float], option: str, device) -> dict:
     max}, {phase: [min, max]} or {phase: [rank 0, rank 1, ...]}. Collective over the world (all ranks hold the
     same phases, in the same order); a single process returns its own numbers in the same form."""
     names = sorted(window)
-    mine = torch.tensor([window[k] for k in names], dtype=torch.float64, device=device)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if world > 1:
+        mine = torch.tensor([window[k] for k in names], dtype=torch.float64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         torch.distributed.all_gather(gathered, mine)
         table = torch.stack(gathered).tolist()  # [rank][phase]
     else:
-        table = [mine.tolist()]
+        table = [[window[k] for k in names]]
     out = {}
     for j, name in enumerate(names):
         col = [row[j] for row in table]
