@@ -42,7 +42,7 @@ def test_phases_of_an_iteration_at_each_level(level):
         parts = [first[k] for k in ("data-wait", "forward-backward", "optimizer", "loss-reduce")]
         assert sum(parts) == pytest.approx(first["step"], rel=1e-9)  # the phases partition the step
         assert first["forward-backward"] >= 0.05 and first["data-wait"] >= 0.02 and first["optimizer"] >= 0.01
-        assert first["forward-backward"] < 0.05 + 0.04  # what was not paused takes no time
+        assert first["loss-reduce"] < first["forward-backward"]  # the unpaused phase, against the longest pause
     if level == 2:
         assert first["data-wait"] == pytest.approx(first["batch-load"] + first["batch-distribute"], rel=1e-9)
 

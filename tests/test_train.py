@@ -165,7 +165,8 @@ def step_timers_throughput_and_profile(out: str, run_dir, ls: dict, profiled: in
              and i not in (profiled - 1, profiled + 1)]
     assert len(quiet) >= 4, quiet
     gaps = {i: ls[i]["time"] - ls[i - 1]["time"] for i in quiet}
-    assert all(ls[i]["timers"]["step"] <= gaps[i] for i in quiet), [(ls[i]["timers"]["step"], gaps[i]) for i in quiet]
+    assert all(ls[i]["timers"]["step"] <= gaps[i] + 1e-3 for i in quiet), [(ls[i]["timers"]["step"], gaps[i])
+                                                                            for i in quiet]  # (two clocks)
     assert sum(ls[i]["timers"]["step"] for i in quiet) >= 0.9 * sum(gaps.values()), (quiet, gaps)
     assert re.search(r"time ms \(all over ranks\): step [\d.]+/[\d.]+, data-wait ", out), out[-3000:]
     events = EventAccumulator(str(run_dir / "tensorboard"))
