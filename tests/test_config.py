@@ -255,3 +255,30 @@ def test_impossible_context_parallel_requests_name_the_fix():
     assert "tp x cp x data-parallel size is a multiple of 4" in error_of("-g", "2", "--cp", "2", "--ep", "4",
                                                                          "--gbs", "4", "--mbs", "4")
     assert cfg_of("-g", "2", "--cp", "2", "--seq-length", "128", "--gbs", "4", "--mbs", "4").cp == 2  # fine
+
+
+def test_profile_ranges_and_timing_flags():
+    """Megatron-LM's names; a range that records nothing or runs past the run, and ranks outside it, are refused
+    in one line each (checked only with --profile: the defaults 10-12 need not fit a short run without it)."""
+    c = cfg_of("-g", "2", "--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "0,1",
+               "--timing-log-level", "2", "--timing-log-option", "max", "--no-log-throughput", "--use-pytorch-profiler")
+    assert (c.profile, c.profile_step_start, c.profile_step_end, c.profile_ranks) == (True, 2, 4, [0, 1])
+    spaced = cfg_of("-g", "4", "--profile", "--profile-step-end", "12", "--profile-ranks", "1", "3")  # MLM's form
+    assert spaced.profile_ranks == [1, 3]
+    assert (c.timing_log_level, c.timing_log_option, c.log_throughput) == (2, "max", False)
+    d = cfg_of("--train-iters", "5")
+    assert (d.profile, d.profile_ranks, d.timing_log_level, d.timing_log_option, d.log_throughput) == (
+        False, [0], 1, "minmax", True)
+    assert error_of("--profile", "--profile-step-start", "5", "--profile-step-end", "5") == (
+        "--profile-step-end 5 with --profile-step-start 5: the range records iterations A+1 to B; give B > A, e.g. "
+        "--profile-step-end 6")
+    assert "--profile-step-end 3 with --profile-step-start 5: " in error_of(
+        "--profile", "--profile-step-start", "5", "--profile-step-end", "3")
+    assert "--profile-step-start -1: must not be negative" in error_of("--profile", "--profile-step-start", "-1")
+    assert error_of("--profile", "--profile-step-end", "101") == (
+        "--profile-step-end 101: the run ends at --train-iters 100; give B <= 100")
+    assert error_of("-g", "2", "--profile", "--profile-ranks", "0,2") == (
+        "--profile-ranks 0,2: ranks run from 0 to 1; drop 2")
+    for bad in (("--timing-log-level", "3"), ("--timing-log-option", "mean")):
+        with pytest.raises(SystemExit):
+            cfg_of(*bad)

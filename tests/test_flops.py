@@ -55,3 +55,29 @@ def test_backward_rules():
 
 def test_no_peak_on_cpu():
     assert peak_flops(torch.device("cpu")) is None
+
+
+def test_attention_counts_each_sample_over_its_own_length(hf_models):
+    """Two samples of different lengths (each its own forward and backward, no padding): torch's FLOP counter
+    equals StepFlops given the sum of their squared lengths; the batch mean length (the count without it)
+    under-counts their attention."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlavaForConditionalGeneration
+
+    hf_dir = hf_models["mistral_clip_full"]
+    spec = VLMSpec.from_hf_dir(hf_dir)
+    model = LlavaForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                          attn_implementation="eager")
+    k = spec.num_image_tokens
+    g = torch.Generator().manual_seed(0)
+    lengths = [k + 3, k + 40]
+    with FlopCounterMode(display=False) as counter:
+        for n in lengths:
+            ids = torch.randint(3, 200, (1, n), generator=g)
+            ids[0, 1:1 + k] = spec.image_token_id
+            pixels = torch.randn(1, 3, spec.image_size, spec.image_size, generator=g)
+            model(input_ids=ids, pixel_values=pixels).logits.float().pow(2).mean().backward()
+    flops = StepFlops(spec, True, True, True)
+    exact = flops(samples=2, tokens=sum(lengths), images=2, squares=sum(n * n for n in lengths))
+    assert exact == counter.get_total_flops()
+    assert flops(samples=2, tokens=sum(lengths), images=2) < exact

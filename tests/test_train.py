@@ -108,10 +108,13 @@ def test_resume_at_another_layout(setup, bf16_full):
 
 
 def test_stage1_freezes_lm_and_vit_and_skips_iterations(setup, tmp_path):
-    run(args(setup, "stage1", "--tp", "2", "--stage", "1", "--global-batch-size", "8",
-             "--skip-train-iteration-range", "3-4", iters=14, lr="1e-2"))
+    out = run(args(setup, "stage1", "--tp", "2", "--stage", "1", "--global-batch-size", "8",
+                   "--skip-train-iteration-range", "3-4", "--no-log-throughput", "--timing-log-level", "0",
+                   iters=14, lr="1e-2"))
     ls = losses(setup["root"] / "ckpt" / "stage1")
     assert [i for i in sorted(ls) if ls[i]["skipped"]] == [3, 4]
+    assert all(("timers" in r) != r["skipped"] and set(r.get("timers", {"step": 0})) == {"step"} for r in ls.values())
+    assert "time ms (minmax over ranks): step " in out and " ms/iter" in out and "real tokens/s" not in out
     falls(ls, factor=0.98)  # only the projector learns in stage 1
     # (a TP=2 resume, where only TP rank 0 reads data and saves its position, is exact in test_remote_storage)
     out = convert_megatron_to_hf(setup["root"] / "ckpt" / "stage1", tmp_path / "hf")
@@ -126,15 +129,64 @@ def test_stage1_freezes_lm_and_vit_and_skips_iterations(setup, tmp_path):
     assert verify_checkpoint(out, setup["root"] / "ckpt" / "stage1", tp=2, pp=1) < 1e-4
 
 
-def test_pp2_loss_falls_with_validation(setup):
+def test_pp2_loss_falls_with_validation_and_logs_timers_throughput_and_a_profile(setup):
     # micro batch 5 leaves a partial last validation batch, which PP stages must still exchange in full shape
-    run(args(setup, "pp2", "--pp", "2", "--stage", "2", "--global-batch-size", "10", "--micro-batch-size", "5",
-             "--save-interval", "100", "--eval-interval", "6", "--eval-iters", "10", iters=12))
-    falls(losses(setup["root"] / "ckpt" / "pp2"))
-    val = val_losses(setup["root"] / "ckpt" / "pp2")
+    out = run(args(setup, "pp2", "--pp", "2", "--stage", "2", "--global-batch-size", "10", "--micro-batch-size", "5",
+                   "--save-interval", "100", "--eval-interval", "6", "--eval-iters", "10", "--timing-log-level", "2",
+                   "--timing-log-option", "all", "--profile", "--profile-step-start", "2", "--profile-step-end", "3",
+                   "--profile-ranks", "0,1", iters=12))
+    run_dir = setup["root"] / "ckpt" / "pp2"
+    ls = losses(run_dir)
+    falls(ls)
+    val = val_losses(run_dir)
     assert sorted(val) == [6, 12] and val[12] < val[6]
     # the training curves, drawn at the end by the rank that wrote metrics.jsonl (the last stage's, rank 1)
-    assert (setup["root"] / "ckpt" / "pp2" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    step_timers_throughput_and_profile(out, run_dir, ls, profiled=3)
+
+
+def step_timers_throughput_and_profile(out: str, run_dir, ls: dict, profiled: int) -> None:
+    """Every iteration's timers (level 2) partition its step, and the step is the iteration's time where nothing
+    else ran between two (no log, evaluation or profile write); tokens/s in TensorBoard are the window's real
+    tokens over its wall time; the profile of iteration ``profiled`` on both ranks, within its cap."""
+    import gzip
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    parts = ("data-wait", "forward-backward", "optimizer", "loss-reduce")
+    for r in ls.values():
+        t = r["timers"]
+        assert set(t) == {"step", "batch-load", "batch-distribute", *parts}, t
+        assert sum(t[k] for k in parts) == pytest.approx(t["step"], rel=1e-9) and min(t.values()) >= 0
+        assert t["data-wait"] == pytest.approx(t["batch-load"] + t["batch-distribute"], rel=1e-9)
+    # not after a log (4), an evaluation (6), a stop-flag check (10), nor the profiler's start or trace write
+    quiet = [i for i in ls if i - 1 in ls and (i - 1) % 4 and (i - 1) % 6 and (i - 1) % 10
+             and i not in (profiled - 1, profiled + 1)]
+    assert len(quiet) >= 4, quiet
+    gaps = {i: ls[i]["time"] - ls[i - 1]["time"] for i in quiet}
+    assert all(ls[i]["timers"]["step"] <= gaps[i] + 1e-3 for i in quiet), [(ls[i]["timers"]["step"], gaps[i])
+                                                                            for i in quiet]  # (two clocks)
+    assert sum(ls[i]["timers"]["step"] for i in quiet) >= 0.9 * sum(gaps.values()), (quiet, gaps)
+    assert re.search(r"time ms \(all over ranks\): step [\d.]+/[\d.]+, data-wait ", out), out[-3000:]
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert {"timers/forward-backward-max", "timers/step-min", "perf/iteration_ms"} <= set(events.Tags()["scalars"])
+    tps = {e.step: e.value for e in events.Scalars("perf/tokens_per_s")}
+    assert sorted(tps) == [4, 8, 12]
+    for a, b in ((4, 8), (8, 12)):  # the window's wall: from the log after iteration a to the one after b
+        want = sum(ls[i]["tokens"] for i in range(a + 1, b + 1)) / (ls[b]["time"] - ls[a]["time"])
+        assert tps[b] == pytest.approx(want, rel=0.1), (tps, want)
+    files = sorted(p.name for p in (run_dir / "profile").iterdir())
+    stems = [f"rank{r}_iter{profiled}-{profiled}" for r in (0, 1)]
+    assert files == sorted(f"{s}.{kind}" for s in stems for kind in ("top.txt", "trace.json.gz")), files
+    for stem in stems:
+        trace = run_dir / "profile" / f"{stem}.trace.json.gz"
+        assert trace.stat().st_size <= 16 * 2**20
+        names = {e.get("name") for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]}
+        assert {"forward-backward", "optimizer", "batch-load"} <= names and "aten::mm" in names, sorted(names)[:50]
+        table = (run_dir / "profile" / f"{stem}.top.txt").read_text()
+        assert "Top ops by host (CPU) self time" in table and "Nothing was cut" in table, table[-2000:]
 
 
 DP2 = ("--tp", "1", "--dist-optim", "--stage", "2", "--global-batch-size", "8", "--save-interval", "100",

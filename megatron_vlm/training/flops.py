@@ -17,8 +17,9 @@ weight matmuls, 2x its attention matmuls), except the gradient of its own input 
 (the patch convolution's input is the image; the projector's after a frozen vision encoder); a frozen part that
 gradients still pass through (the frozen language model of stage 1, on the way to the projector) computes
 activation gradients only; a frozen part with nothing trained before it (the frozen vision encoder) has no
-backward. Sequence lengths are taken as the batch mean, which under-counts attention slightly for uneven
-lengths (a conservative MFU).
+backward. Attention counts each sample over its own length: the step gives the sum of the squared sample lengths
+(``squares``: a row's real positions, a pack's sample segments), never ``--seq-length`` or a row's padding; without
+it the batch mean length stands in, which under-counts attention for uneven lengths.
 
 ``peak_flops(device)`` is the dense bf16 peak of known NVIDIA GPUs (FP8 doubles it); unknown devices
 (and CPUs) have none, so MFU is only reported where the peak is known.
@@ -62,10 +63,11 @@ class PartFlops:
         return fwd + activation_grads + (self.weights if trained else 0)
 
 
-def _attention_block(tokens: float, seq: float, hidden: int, q_dim: int, kv_dim: int, out_dim: int) -> PartFlops:
-    """QKV + output projection (weights) and scores + values (attention) for ``tokens`` tokens of length ``seq``."""
+def _attention_block(tokens: float, pairs: float, hidden: int, q_dim: int, kv_dim: int, out_dim: int) -> PartFlops:
+    """QKV + output projection (weights) and scores + values (attention) for ``tokens`` tokens whose sequences
+    hold ``pairs`` (query, key) pairs in all: the sum of their squared lengths."""
     weights = 2 * tokens * hidden * (q_dim + 2 * kv_dim) + 2 * tokens * q_dim * out_dim
-    attention = 2 * 2 * tokens * seq * q_dim
+    attention = 2 * 2 * pairs * q_dim
     return PartFlops(weights, attention)
 
 
@@ -82,7 +84,7 @@ class StepFlops:
         seq = patches + (1 if s.has_class_token else 0)
         h, f = s.vision_hidden_size, s.vision_ffn_hidden_size
         conv = 2 * images * patches * 3 * s.patch_size**2 * h
-        layer = _attention_block(images * seq, seq, h, h, h, h)
+        layer = _attention_block(images * seq, images * seq * seq, h, h, h, h)
         mlp = 2 * images * seq * 2 * h * f
         n = s.vit_num_layers
         return PartFlops(conv + n * (layer.weights + mlp), n * layer.attention, entry=conv)
@@ -93,11 +95,13 @@ class StepFlops:
         fc1 = 2 * tokens * s.projector_input_size * s.hidden_size
         return PartFlops(fc1 + 2 * tokens * s.hidden_size * s.hidden_size, 0.0, entry=fc1)
 
-    def language(self, samples: float, tokens: float) -> PartFlops:
+    def language(self, samples: float, tokens: float, squares: float | None = None) -> PartFlops:
+        """``squares``: the sum of the samples' squared lengths (attention's work); None: ``samples`` samples of
+        the mean length."""
         s = self.spec
-        seq = tokens / max(samples, 1)
+        pairs = squares if squares is not None else tokens * (tokens / max(samples, 1))
         q_dim, kv_dim = s.num_attention_heads * s.kv_channels, s.num_query_groups * s.kv_channels
-        layer = _attention_block(tokens, seq, s.hidden_size, q_dim, kv_dim, s.hidden_size)
+        layer = _attention_block(tokens, pairs, s.hidden_size, q_dim, kv_dim, s.hidden_size)
         n_moe = len(s.moe_layers)
         dense = 2 * tokens * 3 * s.hidden_size * s.ffn_hidden_size  # gate, up, down
         moe = 2 * tokens * (s.hidden_size * s.num_moe_experts + s.moe_router_topk * 3 * s.hidden_size
@@ -108,10 +112,11 @@ class StepFlops:
         mlps = (n - n_moe) * dense + n_moe * moe
         return PartFlops(n * layer.weights + mlps + logits, n * layer.attention, entry=qkv)
 
-    def __call__(self, samples: float, tokens: float, images: float) -> float:
+    def __call__(self, samples: float, tokens: float, images: float, squares: float | None = None) -> float:
         """FLOPs of forward + backward for ``samples`` samples of ``tokens`` tokens in all (image tokens
-        included) holding ``images`` images."""
-        parts = (self.vision(images), self.projector(images), self.language(samples, tokens))
+        included) holding ``images`` images (images or anyres tiles, each its patches); ``squares``: the sum of the
+        samples' squared lengths (:meth:`language`)."""
+        parts = (self.vision(images), self.projector(images), self.language(samples, tokens, squares))
         total, upstream_trained = 0.0, False
         for part, trained in zip(parts, self.train):
             total += part.step(trained, grads_pass=upstream_trained)

@@ -27,18 +27,43 @@ _NO_INPUTS = SimpleNamespace(images=None, tokens=None, labels=None, loss_mask=No
 
 @dataclass
 class StepResult:
-    loss_sum: float  # summed token losses of the global batch (all DP ranks)
-    loss_tokens: float  # loss tokens of the global batch
-    grad_norm: float | None  # before clipping; None when the step was skipped (fp16 overflow)
-    samples: int
-    tokens: int
-    images: int
+    """What a training step gives the loop, left on the device: the loop's metrics read every iteration's numbers at
+    once at a log interval or a checkpoint (:mod:`.metrics`), so the step itself reads nothing back. The properties
+    read them one by one (a host sync each: for tools and tests)."""
+
+    values: torch.Tensor  # float64 [loss sum, loss tokens, samples, tokens, images, squares] of the global batch
+    # (all DP ranks; squares: the sum of the samples' squared lengths, for the FLOPs of attention)
+    grad_norm: float | torch.Tensor | None  # before clipping, as megatron's optimizer returns it; None when skipped
     loss_scale: float = 1.0  # the loss scale the step ran at (fp16; 1 otherwise)
     moe: dict | None = None  # a mixture-of-experts model's routing numbers (megatron_vlm.training.moe.stats)
 
+    def _host(self, i: int) -> float:
+        return self.values[i].item()
+
+    @property
+    def loss_sum(self) -> float:  # summed token losses of the global batch
+        return self._host(0)
+
+    @property
+    def loss_tokens(self) -> float:  # loss tokens of the global batch
+        return self._host(1)
+
+    @property
+    def samples(self) -> int:
+        return int(self._host(2))
+
+    @property
+    def tokens(self) -> int:
+        return int(self._host(3))
+
+    @property
+    def images(self) -> int:
+        return int(self._host(4))
+
     @property
     def loss(self) -> float:
-        return self.loss_sum / max(self.loss_tokens, 1.0)
+        loss_sum, loss_tokens = self.values[:2].tolist()
+        return loss_sum / max(loss_tokens, 1.0)
 
 
 def loss_func(loss_mask, output):
@@ -149,8 +174,9 @@ def _iterators(batches: list, ddps: list):
 
 
 @step_scope()  # on CPU: the step runs without the CPU layer's per-op device mode (runtime/cpu_compat.py)
-def train_step(training, batches: list, cfg, device) -> StepResult:
-    """Forward/backward over this rank's micro batches of one global batch, then the optimizer step."""
+def train_step(training, batches: list, cfg, device, timers=None) -> StepResult:
+    """Forward/backward over this rank's micro batches of one global batch, then the optimizer step. ``timers``: the
+    loop's :class:`~megatron_vlm.training.timers.StepTimers`, marked at the end of each phase."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -174,20 +200,53 @@ def train_step(training, batches: list, cfg, device) -> StepResult:
             num_microbatches=len(batches), seq_length=cfg.lm_seq_length, micro_batch_size=cfg.micro_batch_size,
             forward_only=False)
     routing = moe.collect(len(batches), device) if moe is not None else None
+    if timers is not None:
+        timers.mark("forward-backward")
     ok, grad_norm, _ = optimizer.step()
     training.scheduler.step(increment=1)
+    if timers is not None:
+        timers.mark("optimizer")
     total = _reduce_losses(losses, device)
     # the logged loss comes from the last stage: share it with the whole pipeline so every rank reports it
     torch.distributed.broadcast(total, src=ps.get_pipeline_model_parallel_last_rank(),
                                 group=ps.get_pipeline_model_parallel_group())
-    fed = [b for b in batches if b is not None and b.tokens is not None]  # middle stages hold no data
-    samples = sum(getattr(b, "num_samples", None) or b.tokens.shape[0] for b in fed)  # packs hold several
-    counts = torch.tensor([samples, sum(b.num_tokens for b in fed), sum(int(b.num_image_tiles.sum()) for b in fed)],
-                          device=device, dtype=torch.float64)
+    counts = _counts([b for b in batches if b is not None and b.tokens is not None], device)  # middle stages: none
     torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
-    samples, tokens, images = (int(c) for c in counts.tolist())
-    return StepResult(total[0].item(), total[1].item(), float(grad_norm) if ok else None, samples, tokens, images,
-                      scale, routing)
+    if timers is not None:
+        timers.mark("loss-reduce")
+    return StepResult(torch.cat([total, counts]), grad_norm if ok else None, scale, routing)
+
+
+def _counts(fed: list, device) -> torch.Tensor:
+    """[samples, tokens, images, squares] of this rank's micro batches ``fed``, a float64 tensor on ``device``
+    (``squares``: the sum of the samples' squared lengths, attention's work in :mod:`.flops`), made without reading a
+    device tensor back: the host's numbers go over in one (pinned, non-blocking) copy, those of batches already on
+    the device (received over the TP group) are summed there."""
+    samples = sum(getattr(b, "num_samples", None) or b.tokens.shape[0] for b in fed)  # packs hold several
+    parts = [(b.num_image_tiles.to(torch.float64).sum(), _squares(b)) for b in fed]
+    on_host = [torch.stack(p) for p in parts if p[0].device.type == "cpu"]
+    host = torch.cat([torch.tensor([samples, sum(b.num_tokens for b in fed)], dtype=torch.float64),
+                      torch.stack(on_host).sum(0) if on_host else torch.zeros(2, dtype=torch.float64)])
+    if getattr(device, "type", str(device)) == "cuda":
+        host = host.pin_memory()
+    counts = host.to(device, non_blocking=True)
+    on_device = [torch.stack([a.to(device), b.to(device)]) for a, b in parts if a.device.type != "cpu"]
+    if on_device:
+        counts[2:] += torch.stack(on_device).sum(0)
+    return counts
+
+
+def _squares(batch) -> torch.Tensor:
+    """The sum of the squared lengths of ``batch``'s samples: each row's real positions (``row_tokens``), or a
+    pack's sample segments (the first ``num_samples`` of its ``cu_seqlens``; the rest is the pack's padding, and a
+    pack received over the TP group, which has no sample count, counts every segment)."""
+    cu = getattr(batch, "cu_seqlens", None)
+    if cu is not None:
+        n = getattr(batch, "num_samples", None) or cu.numel() - 1
+        lengths = cu[1:n + 1] - cu[:n]
+    else:
+        lengths = batch.row_tokens
+    return lengths.to(torch.float64).square().sum()
 
 
 def pad_micro_batch(batch, micro_batch_size: int, image_token_id):

@@ -3,7 +3,11 @@
 ``<run dir>/loss.png`` at the end) and signals (SIGTERM/SIGINT save, then stop).
 
 The parts live beside it: :mod:`.build` (model, mixed precision, DDP, optimizer, schedule), :mod:`.step`
-(one training step, evaluation), :mod:`.resume` (what a resume restores), :mod:`.checkpointing` (save/load).
+(one training step, evaluation), :mod:`.resume` (what a resume restores), :mod:`.checkpointing` (save/load),
+:mod:`.metrics` (the records and the console line), :mod:`.timers` (where each step's time goes) and
+:mod:`.profiling` (``--profile``). The loop reads nothing back from the device per step: the losses and counts wait
+on the device until a log interval or a checkpoint, and the stop flag is checked every ``STOP_CHECK_INTERVAL``
+iterations and at every log, evaluation and save point.
 ``train(cfg)`` runs on every rank started by torchrun (see ``train/run.py``); ``cfg`` is the resolved
 :class:`~megatron_vlm.training.config.TrainConfig`.
 """
@@ -27,8 +31,14 @@ from megatron_vlm.model.spec import VLMSpec
 from megatron_vlm.training import batch_feed, checkpointing, step
 from megatron_vlm.training.flops import StepFlops, peak_flops
 from megatron_vlm.training.metrics import MetricsLogger
+from megatron_vlm.training.profiling import StepProfiler
+from megatron_vlm.training.timers import StepTimers
 
 log = logging.getLogger("megatron_vlm.train")
+
+# iterations between two checks of the stop flag (SIGTERM/SIGINT), which also runs at every log, evaluation and
+# save point: each check is an all-reduce read back on the host
+STOP_CHECK_INTERVAL = 10
 
 
 class _StopFlag:
@@ -260,9 +270,11 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
         ckpt.copy_tokenizer(cfg.tokenizer_load_dir, cfg.checkpoint_dir)  # so every checkpoint exports on its own
     is_logger = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0 \
         and ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    timers = StepTimers(rt.device, cfg.timing_log_level)
     metrics = MetricsLogger(cfg, cfg.train_iters, enabled=is_logger, start_iter=iteration,
                             flops=StepFlops(run.spec, *training.trained_parts), world_size=rt.world_size,
-                            peak_flops=peak_flops(rt.device, cfg.fp8))
+                            peak_flops=peak_flops(rt.device, cfg.fp8), timers=timers, device=rt.device)
+    profiler = StepProfiler(cfg, rt.rank, iteration, timers)
     if rt.rank == 0:
         trainable = sum(p.numel() for _, p in training.named_parameters() if p.requires_grad)
         total = sum(p.numel() for _, p in training.named_parameters())
@@ -276,35 +288,52 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
     first_iter_time = None
     last_saved = iteration if run.resumed else None
     while iteration < cfg.train_iters:
-        batches = batch_feed.distribute([next(data) if data is not None else None for _ in range(cfg.grad_accum)],
-                                        rt.device)
+        profiler.before(iteration + 1)
+        timers.begin()
+        fetched = [next(data) if data is not None else None for _ in range(cfg.grad_accum)]
+        timers.mark("batch-load")
+        batches = batch_feed.distribute(fetched, rt.device)
+        timers.mark("batch-distribute")
         iteration += 1
         if any(a <= iteration <= b for a, b in cfg.skip_train_iteration_range):
             training.scheduler.step(increment=1)
+            timers.discard()
             if rt.rank == 0:
                 log.info("iteration %d skipped (--skip-train-iteration-range)", iteration)
-            metrics.step(iteration, 0.0, 0.0, 0, 0, 0, training.lr(), None, skipped=True)
+            metrics.step(iteration, None, training.lr(), skipped=True)
         else:
-            r = step.train_step(training, batches, cfg, rt.device)
+            r = step.train_step(training, batches, cfg, rt.device, timers)
+            timers.end()
             if r.grad_norm is None and rt.rank == 0:  # fp16: megatron's scaler found inf/nan gradients
                 log.warning("iteration %d skipped: fp16 gradients overflowed at loss scale %g; the scaler backs off "
                             "(loss scale now %g)", iteration, r.loss_scale, training.optimizer.get_loss_scale().item())
-            metrics.step(iteration, r.loss_sum, r.loss_tokens, r.samples, r.tokens, r.images, training.lr(),
-                         r.grad_norm, moe=r.moe)
-        if cfg.eval_iters > 0 and (iteration % cfg.eval_interval == 0 or iteration == cfg.train_iters):
+            metrics.step(iteration, r, training.lr())
+        profiler.after(iteration)
+        last = iteration == cfg.train_iters
+        log_point = iteration % cfg.log_interval == 0 or last
+        eval_point = cfg.eval_iters > 0 and (iteration % cfg.eval_interval == 0 or last)
+        save_point = cfg.save and (iteration % cfg.save_interval == 0 or last)
+        if log_point:
+            metrics.log(iteration)
+        if eval_point:
             metrics.validation(iteration, evaluate(cfg, run))
         if first_iter_time is None:
             first_iter_time = time.time() - t_launch
             if rt.rank == 0:
                 log.info("time to first iteration: %.1f s", first_iter_time)
-        stopping = stop.agreed(rt.device)
-        if cfg.save and (iteration % cfg.save_interval == 0 or iteration == cfg.train_iters or stopping):
+        # the signal check is a collective with a host sync: every STOP_CHECK_INTERVAL iterations and wherever the
+        # loop stops to log, evaluate or save anyway
+        stopping = (log_point or eval_point or save_point or iteration % STOP_CHECK_INTERVAL == 0) and \
+            stop.agreed(rt.device)
+        if save_point or (cfg.save and stopping):
+            metrics.flush()  # the records of every iteration the checkpoint holds
             save(cfg, run, iteration)
             last_saved = iteration
         if stopping:
             if rt.rank == 0:
                 log.warning("stopped by signal at iteration %d (checkpoint saved)", iteration)
             break
+    profiler.close()
     metrics.close()
     if is_logger:  # the rank that wrote metrics.jsonl draws it (rank 0 unless PP > 1); never fails the run
         from megatron_vlm.eval.plot import write_run_figure

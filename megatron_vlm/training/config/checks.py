@@ -106,6 +106,7 @@ def check_consistency(cfg: ConfigFields) -> list[str]:
                      f"{cfg.micro_batch_size} x data-parallel {cfg.dp} = {unit}; pass --global-batch-size "
                      f"{lo or hi}" + (f" or {hi}" if lo else "") + " (or change --micro-batch-size)")
     p += _check_experts(cfg)
+    p += _check_profile(cfg)
     p += _check_context_parallel(cfg)
     p += _check_attention(cfg)
     if cfg.pp_layers is not None and (len(cfg.pp_layers) != cfg.pp or min(cfg.pp_layers) < 1):
@@ -311,3 +312,26 @@ def _check_packing(cfg: ConfigFields) -> list[str]:
         p.append(f"--packed-seq-length {cfg.packed_seq_length}: with {why} it must be a multiple of {align}; use "
                  f"--packed-seq-length {up}")
     return p
+
+
+def _check_profile(cfg) -> list[str]:
+    """Bad ``--profile*`` values (:mod:`megatron_vlm.training.profiling`), one line each."""
+    if not cfg.profile:
+        return []
+    p = []
+    a, b = cfg.profile_step_start, cfg.profile_step_end
+    if a < 0:
+        p.append(f"--profile-step-start {a}: must not be negative (the profile starts after iteration A)")
+    if b <= a:
+        p.append(f"--profile-step-end {b} with --profile-step-start {a}: the range records iterations A+1 to B; "
+                 f"give B > A, e.g. --profile-step-end {a + 1}")
+    elif cfg.train_iters is not None and b > cfg.train_iters:
+        p.append(f"--profile-step-end {b}: the run ends at --train-iters {cfg.train_iters}; give B <= "
+                 f"{cfg.train_iters}")
+    world = getattr(cfg, "world_size", None)
+    bad = [r for r in cfg.profile_ranks if r < 0 or (world is not None and r >= world)]
+    if bad:
+        p.append(f"--profile-ranks {','.join(map(str, cfg.profile_ranks))}: ranks run from 0 to "
+                 f"{(world or 1) - 1}; drop {','.join(map(str, bad))}")
+    return p
+

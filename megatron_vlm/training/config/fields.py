@@ -418,6 +418,37 @@ class ConfigFields:
                             "log")
     tensorboard_dir: str | None = _f(("--tensorboard-dir",), "TensorBoard log directory. Default: "
                                      "<save-dir>/<name>/tensorboard.", "path", None, "log", metavar="DIR")
+    log_throughput: bool = _f(
+        ("--log-throughput",), "Samples/s, real tokens/s (image-expanded positions of the samples, never padding), "
+        "model TFLOP/s per GPU and MFU (known GPUs) in the console line and TensorBoard every --log-interval "
+        "(Megatron-LM's flag; on by default here: it costs no sync). metrics.jsonl records the counts and FLOPs "
+        "either way.", "bool", True, "log")
+    timing_log_level: int = _f(
+        ("--timing-log-level",), "What the step timers report every --log-interval (Megatron-LM's levels): 0 the "
+        "step only; 1 the step, data-wait, forward-backward, optimizer and loss-reduce; 2 also data-wait's two "
+        "halves (batch-load, batch-distribute) and, on a GPU, the host's time beside the device's. The timers "
+        "add no sync or barrier at any level (docs/training.md#step-timers).", "choice", 1, "log",
+        choices=(0, 1, 2))
+    timing_log_option: str = _f(
+        ("--timing-log-option",), "How the timers are reported over the ranks: max, minmax (the fastest and the "
+        "slowest rank) or all (every rank). One all-gather per --log-interval.", "choice", "minmax", "log",
+        choices=("max", "minmax", "all"))
+    profile: bool = _f(
+        ("--profile",), "Record iterations --profile-step-start+1 to --profile-step-end with torch.profiler on the "
+        "--profile-ranks: a gzipped Chrome trace (at most 16 MiB) and a table of the top kernels and host ops in "
+        "<save-dir>/<name>/profile/.", "flag", False, "log")
+    use_pytorch_profiler: bool = _f(
+        ("--use-pytorch-profiler",), "Accepted for Megatron-LM's scripts: --profile always uses torch.profiler "
+        "here.", "flag", False, "log")
+    profile_step_start: int = _f(
+        ("--profile-step-start",), "--profile starts after this many iterations (Megatron-LM's counting: steps "
+        "from 0), with one warm-up iteration before when it is above 0.", "int", 10, "log")
+    profile_step_end: int = _f(
+        ("--profile-step-end",), "--profile stops after this iteration: it records iterations A+1 to B "
+        "(B - A of them).", "int", 12, "log")
+    profile_ranks: list[int] = _f(("--profile-ranks",), "The global ranks that --profile records, comma- or (as "
+                                  "Megatron-LM) space-separated. Default: 0.", "intlist", None, "log",
+                                  factory=lambda: [0], metavar="RANKS", nargs=True)
     smoke_test: bool = _f(
         ("--smoke-test",), "Shrink the run to check that it starts: forces TP=PP=1, micro batch 1, global batch = "
         f"data-parallel size, logs every step, {SMOKE_TEST_TRAIN_ITERS} iterations unless --train-iters is given. "

@@ -54,6 +54,14 @@ class _DeprecatedFlag(argparse.Action):
         print(f"{parser.prog}: warning: {option_string} is deprecated: {self.why}", file=sys.stderr, flush=True)
 
 
+class _IntLists(argparse.Action):
+    """An ``intlist`` field that also takes Megatron-LM's space-separated form (``nargs=True`` in its metadata):
+    ``--profile-ranks 0 1`` and ``--profile-ranks 0,1`` give the same list."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [x for part in values for x in part])
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argument parser. Only flags the user gave appear in the parsed namespace."""
     parser = argparse.ArgumentParser(allow_abbrev=False, 
@@ -89,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
             choices = m["choices"]
             typ = type(choices[0])
             g.add_argument(*flags, type=typ, choices=choices, **kw)
+        elif kind == "intlist" and m.get("nargs"):
+            g.add_argument(*flags, type=parse_int_list, nargs="+", action=_IntLists, **kw)
         elif kind == "intlist":
             g.add_argument(*flags, type=parse_int_list, **kw)
         elif kind == "ranges":
