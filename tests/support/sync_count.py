@@ -199,6 +199,8 @@ class SyncCounter:
         # RNG states are host tensors on a GPU too (megatron's RNG tracker compares the CPU generator's)
         self._rng = {(torch, "get_rng_state"): torch.get_rng_state,
                      (torch.cuda, "get_rng_state"): torch.cuda.get_rng_state}
+        for torch_seen in _torch_copies():  # the CPU layer's step modules read a copy of torch (cpu-step-factories)
+            self._rng[(torch_seen, "get_rng_state")] = torch_seen.get_rng_state
         for (owner, name), f in self._rng.items():
             setattr(owner, name, self._on_host(f))
         for owner, name, f in self._functions:
@@ -333,3 +335,17 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _torch_copies() -> list:
+    """The stand-ins for the ``torch`` module that modules hold instead of torch itself (the CPU layer gives the
+    megatron-core modules of a training step a copy whose factories make CPU tensors: runtime/cpu_compat.py)."""
+    import sys
+    import types
+
+    seen = {}
+    for module in list(sys.modules.values()):
+        t = getattr(module, "torch", None) if isinstance(module, types.ModuleType) else None
+        if isinstance(t, types.ModuleType) and t is not torch and t.__name__ == "torch":
+            seen[id(t)] = t
+    return list(seen.values())
