@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--hidden", type=int, default=256, help="LM hidden size")
     p.add_argument("--layers", type=int, default=4, help="LM layers")
     p.add_argument("--heads", type=int, default=8, help="LM attention heads")

@@ -210,13 +210,17 @@ def _step_factories(originals: dict) -> dict:
 def _step_mode_sites(originals: dict) -> dict:
     values = {}
     for target, original in originals.items():
+        static = isinstance(original, staticmethod)  # an autograd Function's forward
+        original = original.__func__ if static else original
+
         def under_mode(*args, _original=original, **kwargs):
             if not in_step():
                 return _original(*args, **kwargs)
             with _CudaToCpuMode():
                 return _original(*args, **kwargs)
 
-        values[target] = functools.wraps(original)(under_mode)
+        wrapped = functools.wraps(original)(under_mode)
+        values[target] = staticmethod(wrapped) if static else wrapped
     return values
 
 

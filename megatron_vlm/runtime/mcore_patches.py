@@ -111,14 +111,16 @@ STEP_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipe
                 "megatron.core.optimizer.grad_scaler", "megatron.core.distributed.finalize_model_grads",
                 "megatron.core.distributed.param_and_grad_buffer")
 #: megatron-core functions of a training step that move tensors with Tensor.cuda() / .to(<cuda>) or check
-#: Tensor.type(): they run under the device mode in cpu_compat.step_scope (few ops each)
+#: Tensor.type() or make tensors with a Tensor method (new_empty): they run under the device mode in
+#: cpu_compat.step_scope (few ops each)
 STEP_MODE_FUNCTIONS = (
     "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",  # asserts grad.type() is a CUDA type
     "megatron.core.optimizer.optimizer:clip_grad_by_total_norm_fp32",  # the name optimizer.py imports
     "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.get_emb",  # inv_freq.to(cuda)
     "megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",  # pinned index .cuda()
     "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank",  # its import
-    "megatron.core.transformer.moe.router:Router.gating")  # weight.data.to(cuda)
+    "megatron.core.transformer.moe.router:Router.gating",  # weight.data.to(cuda)
+    "megatron.core.tensor_parallel.mappings:_AllToAll.forward")  # MoE's uneven all-to-all: input.new_empty(cuda)
 
 PATCHES: tuple[Patch, ...] = (
     # ---- what megatron-core's import sees (runtime/lean_imports.py) -----------------------------------------------
@@ -207,7 +209,7 @@ PATCHES: tuple[Patch, ...] = (
           _CPU_PROCESS, _CPU_UNDO, "tests/test_cpu_compat.py::test_a_step_runs_without_the_device_mode", _CPU),
     Patch("cpu-step-mode-sites", STEP_MODE_FUNCTIONS,
           "the functions of a training step that move tensors with Tensor.cuda() / .to(cuda) or assert a CUDA "
-          "Tensor.type() (clip, rotary embeddings, CP's RoPE indices, the MoE router) run under the device mode "
+          "Tensor.type() (clip, rotary embeddings, CP's RoPE indices, the MoE router and its uneven all-to-all) run under the device mode "
           "inside cpu_compat.step_scope (unchanged outside it)", _BOTH, "no CUDA device (cpu_compat.enable)",
           _CPU_PROCESS, _CPU_UNDO, "tests/test_cpu_compat.py::test_a_step_runs_without_the_device_mode", _CPU),
     Patch("cpu-device-mode", (MODE_STACK,),
