@@ -55,7 +55,7 @@ def test_gpu_quick_tiny_runs_every_step_on_cpu(tmp_path):
     # same model, batches, optimizer and schedule in fp32: the two loops do the same work
     assert bench.curve_diff(hf["losses"], ours["losses"]) < 1e-3
     assert ours["vs_hf"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"])
-    assert "local (--transformer-impl local)" in ours["note"]
+    assert "local (--transformer-impl local; attention local (" in ours["note"]
     runs = (out / "train_runs.log").read_text()  # every run's log in one file (at most 8 files come back)
     assert "==== bf16_local: " in runs
     assert sorted(p.name for p in out.iterdir()) == ["gpu_bench.json", "gpu_quick.log", "steps.jsonl",

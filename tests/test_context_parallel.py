@@ -124,6 +124,28 @@ def test_packed_mask_keeps_each_sample_to_itself():
         assert torch.equal(~_mask(cu, 2, rank), same & (keys[None, :] <= queries[:, None]))
 
 
+def test_mask_is_built_once_per_micro_batch(monkeypatch):
+    """Every layer of a micro batch asks for the same mask: it is built (and its cu_seqlens read to the host) once,
+    and again for a new micro batch's boundaries, a changed tensor, another rank or causality."""
+    built = []
+    real = cp_attention.partition_index
+    monkeypatch.setattr(cp_attention, "partition_index", lambda *a: built.append(a) or real(*a))
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    first = cp_attention.attention_mask(cu, 2, 0, True, "cpu")
+    n = len(built)
+    assert all(cp_attention.attention_mask(cu, 2, 0, True, "cpu") is first for _ in range(3)) and len(built) == n
+    fresh = cp_attention.attention_mask(cu.clone(), 2, 0, True, "cpu")  # the next micro batch: built again
+    assert fresh is not first and torch.equal(fresh, first) and len(built) == 2 * n
+    row = cp_attention.attention_mask([0, 16], 2, 1, True, "cpu")  # an unpacked row: by its length
+    assert cp_attention.attention_mask([0, 16], 2, 1, True, "cpu") is row
+    for other in ([0, 16], 2, 0, True), ([0, 16], 2, 1, False), ([0, 32], 2, 1, True):
+        assert cp_attention.attention_mask(*other, "cpu") is not row
+    same = cp_attention.attention_mask(cu, 2, 0, True, "cpu")
+    cu[1] = 4  # changed in place: not the mask of the old boundaries
+    changed = cp_attention.attention_mask(cu, 2, 0, True, "cpu")
+    assert changed is not same and not torch.equal(changed, same)
+
+
 def test_length_rule():
     assert [length_multiple(1), length_multiple(2), length_multiple(4), length_multiple(2, 2, True),
             length_multiple(1, 2, True), length_multiple(2, 2, False)] == [1, 4, 8, 8, 2, 4]

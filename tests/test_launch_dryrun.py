@@ -142,6 +142,23 @@ def test_context_parallel_request(tmp_path, capsys, monkeypatch):
     rc, out, err = dry([*args, "--device", "cuda", "-g", "4", "--cp", "2", "--tp", "2", "--cp-comm-type", "a2a"],
                        capsys)
     assert rc == 2 and "the 2 heads and 1 KV heads" in err
+    # a GPU runtime where Transformer Engine does not import: --cp is refused unless local layers are asked for,
+    # and their estimate holds CP's reference attention (gathered keys and values, S/CP x S scores per head)
+    from megatron_vlm.launch import sizing
+
+    planned = []
+    real = sizing.fused_attention
+    monkeypatch.setattr(sizing, "fused_attention", lambda cfg, facts: planned.append(real(cfg, facts)) or planned[-1])
+    for te, extra in ((True, []), (False, []), (False, ["--transformer-impl", "local"])):
+        monkeypatch.setattr("megatron_vlm.launch.probe.run_probe", lambda *a, **k: {
+            "device_count": 4, "transformer_engine": te, "transformer_engine_error": "ModuleNotFoundError: no TE"})
+        rc, out, err = dry([*args, "--device", "cuda", "-g", "2", "--cp", "2", *extra], capsys)
+        if te is False and not extra:
+            assert rc == 2 and "--cp 2 on CUDA needs Transformer Engine's attention, and Transformer Engine does not " \
+                "import here (ModuleNotFoundError: no TE); install it" in err and "--transformer-impl local" in err
+            continue
+        assert rc == 0, err
+    assert planned == [True, False]  # TE's attention keeps no scores; the reference attention's are estimated
 
 
 def test_data_checks(tmp_path, capsys):

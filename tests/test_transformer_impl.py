@@ -32,8 +32,30 @@ def test_choose_implementation(monkeypatch):
     assert impl == "local" and "does not import (ImportError: no TE)" in why
     with pytest.raises(ValueError, match="--fp8 needs Transformer Engine, which does not import here"):
         layer_impl.choose(None, "cuda", fp8=True)
+    # CP on a GPU without TE: refused rather than the CPU reference attention silently; local layers asked for run it
+    with pytest.raises(ValueError, match="--cp 2 on CUDA needs Transformer Engine's attention, and Transformer "
+                                         "Engine does not import here \\(ImportError: no TE\\).*--transformer-impl local"):
+        layer_impl.choose(None, "cuda", cp=2)
+    assert layer_impl.choose("local", "cuda", cp=2)[0] == "local"
     monkeypatch.setattr(layer_impl, "te_status", lambda: (True, ""))
     assert layer_impl.choose(None, "cuda") == ("transformer_engine", "automatic: Transformer Engine imports on CUDA")
+    assert layer_impl.choose(None, "cuda", cp=2)[0] == "transformer_engine"
+
+
+def test_planned_attention_and_its_score_matrices():
+    """The layers and attention the launcher plans for the memory estimate are the ones the ranks choose: score
+    matrices are kept by megatron's local attention only (CPU, and CP's reference attention), not by TE's or sdpa."""
+    plan = layer_impl.planned
+    assert plan(None, None, "cuda", 1, True) == ("transformer_engine", "auto")
+    assert plan(None, None, "cuda", 1, None) == ("transformer_engine", "auto")  # not asked: the GPU path
+    assert plan(None, None, "cuda", 1, False) == ("local", "sdpa")
+    assert plan("local", None, "cuda", 2, True) == ("local", "local")
+    assert plan(None, None, "cpu", 1, None) == ("local", "local")
+    assert plan(None, "sdpa", "cpu", 1, None) == ("local", "sdpa")
+    no_scores = {args: layer_impl.keeps_no_scores(*plan(*args)) for args in [
+        (None, None, "cuda", 1, True), (None, None, "cuda", 1, False), ("local", None, "cuda", 2, True),
+        (None, None, "cpu", 1, None), (None, "sdpa", "cpu", 1, None)]}
+    assert list(no_scores.values()) == [True, True, False, False, True], no_scores
 
 
 def test_choose_attention_backend():

@@ -107,7 +107,8 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
         else:
             prefix = [sys.executable]
         full_env = {**os.environ, **env}
-        facts = probe.run_probe(prefix, full_env, repo_root, want_cuda, cfg.fp8 and want_cuda, tok_dir)
+        facts = probe.run_probe(prefix, full_env, repo_root, want_cuda, cfg.fp8 and want_cuda, tok_dir,
+                                te=want_cuda and cfg.transformer_impl != "local")  # which layers and attention
     elif tok_dir:  # only the tokenizer, read by this host's python: no CUDA, so no process to start
         facts = probe.probe(False, False, tok_dir)
     if request.device is None and "device_count" in facts:
@@ -124,8 +125,7 @@ def prepare(argv: list[str] | None, repo_root: str) -> tuple[TrainConfig, Comman
         from megatron_vlm.launch import sizing
         from megatron_vlm.training.config.resolve import size_micro_batch
 
-        note = size_micro_batch(cfg, spec, sizing.device_limit_gib(cfg, facts)[0], cfg.transformer_impl ==
-                                "transformer_engine" or facts.get("transformer_engine") is True)
+        note = size_micro_batch(cfg, spec, sizing.device_limit_gib(cfg, facts)[0], sizing.fused_attention(cfg, facts))
         if note:
             notes.append(note)
     problems = preflight.check_hardware(cfg, facts) if "device_count" in facts else []

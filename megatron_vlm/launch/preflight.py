@@ -612,7 +612,8 @@ def _check_spec_files(ckpt_dir, it_dir, flag: str) -> list[str]:
 
 
 def check_hardware(cfg: TrainConfig, facts: dict) -> list[str]:
-    """GPU count and FP8 support, from ``probe`` facts of the runtime that will train."""
+    """GPU count, FP8 support and context parallelism's attention, from ``probe`` facts of the runtime that will
+    train."""
     problems: list[str] = []
     if cfg.device != "cuda":
         return problems
@@ -624,6 +625,10 @@ def check_hardware(cfg: TrainConfig, facts: dict) -> list[str]:
         which = f" of --gpu-ids {','.join(map(str, cfg.gpu_ids))}" if cfg.gpu_ids else ""
         problems.append(f"-g {cfg.gpus} but only {n} CUDA GPU(s){which} are visible{where}; lower -g"
                         + (" or fix --gpu-ids" if cfg.gpu_ids else ""))
+    if cfg.cp > 1 and cfg.transformer_impl is None and facts.get("transformer_engine") is False:
+        from megatron_vlm.model.layer_impl import cp_without_te
+
+        problems.append(cp_without_te(cfg.cp, facts.get("transformer_engine_error", "")))
     if cfg.fp8:
         if not facts.get("transformer_engine"):
             err = facts.get("transformer_engine_error", "")

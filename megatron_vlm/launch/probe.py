@@ -1,6 +1,6 @@
 """Facts about the runtime that will train, asked of that runtime itself (host python or the container).
 
-``python -m megatron_vlm.launch.probe [--cuda] [--fp8] [--tokenizer DIR]`` prints one JSON line: the visible
+``python -m megatron_vlm.launch.probe [--cuda] [--fp8] [--te] [--tokenizer DIR]`` prints one JSON line: the visible
 CUDA devices, their memory and their compute capabilities, whether Transformer Engine imports, and the image/pad token ids
 of a tokenizer. The launcher runs it as a subprocess (``run_probe``) whenever CUDA or a container is involved, so
 that the launcher never initialises CUDA itself, and so that a container's torch/Transformer Engine is what gets
@@ -17,7 +17,7 @@ import sys
 from typing import Mapping
 
 
-def probe(cuda: bool, fp8: bool, tokenizer: str | None) -> dict:
+def probe(cuda: bool, fp8: bool, tokenizer: str | None, te: bool = False) -> dict:
     facts: dict = {}
     if cuda or fp8:
         import torch
@@ -28,7 +28,7 @@ def probe(cuda: bool, fp8: bool, tokenizer: str | None) -> dict:
         if fp8 and facts["device_count"]:
             facts["capabilities"] = [list(torch.cuda.get_device_capability(i))
                                      for i in range(facts["device_count"])]
-    if fp8:
+    if fp8 or te:
         try:
             import transformer_engine.pytorch  # noqa: F401
 
@@ -52,10 +52,10 @@ class ProbeError(RuntimeError):
 
 
 def run_probe(prefix: list[str], env: Mapping[str, str], cwd: str, cuda: bool, fp8: bool,
-              tokenizer: str | None) -> dict:
+              tokenizer: str | None, te: bool = False) -> dict:
     """Run the probe as ``prefix + ['-m', 'megatron_vlm.launch.probe', ...]``; return its facts."""
     argv = list(prefix) + ["-m", "megatron_vlm.launch.probe"]
-    argv += (["--cuda"] if cuda else []) + (["--fp8"] if fp8 else [])
+    argv += (["--cuda"] if cuda else []) + (["--fp8"] if fp8 else []) + (["--te"] if te and not fp8 else [])
     argv += ["--tokenizer", tokenizer] if tokenizer else []
     try:
         res = subprocess.run(argv, env=dict(env), cwd=cwd, capture_output=True, text=True, timeout=600)
@@ -73,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--cuda", action="store_true", help="count CUDA devices")
     ap.add_argument("--fp8", action="store_true", help="also report capabilities and Transformer Engine")
+    ap.add_argument("--te", action="store_true", help="report whether Transformer Engine imports")
     ap.add_argument("--tokenizer", help="report image/pad token ids of this tokenizer directory")
     a = ap.parse_args(argv)
-    print(json.dumps(probe(a.cuda, a.fp8, a.tokenizer)), flush=True)
+    print(json.dumps(probe(a.cuda, a.fp8, a.tokenizer, a.te)), flush=True)
     return 0
 
 

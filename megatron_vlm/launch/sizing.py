@@ -1,8 +1,9 @@
 """The memory estimate the launcher prints with ``--dry-run`` and checks before a launch.
 
 :mod:`megatron_vlm.model.memory` does the arithmetic (no torch); this module picks its inputs -- the spec
-the run will build (``preflight.load_spec``), the resolved config, whether the attention is fused (Transformer
-Engine on CUDA unless ``--transformer-impl local``) -- and the limit to compare with: ``--gpu-memory-gb``, else
+the run will build (``preflight.load_spec``), the resolved config, whether its attention keeps score matrices (the
+layers and attention its ranks will choose, :func:`megatron_vlm.model.layer_impl.planned`, with whether Transformer
+Engine imports in the runtime that will train, as the probe found) -- and the limit to compare with: ``--gpu-memory-gb``, else
 the smallest visible GPU's memory as the probe reported it (none on CPU).
 """
 
@@ -23,9 +24,15 @@ def device_limit_gib(cfg, facts: dict) -> tuple[float | None, str]:
     return None, ""
 
 
+def fused_attention(cfg, facts: dict) -> bool:
+    """Whether the run's core attention keeps no score matrices, from the probe's facts (``transformer_engine``:
+    whether it imports there; absent: not asked, and taken as importing on CUDA)."""
+    return memory.attention_keeps_no_scores(cfg, facts.get("transformer_engine"))
+
+
 def estimate_lines(cfg, spec, facts: dict) -> tuple[list[str], str | None]:
     """The estimate's lines and, when it exceeds the limit, a warning."""
-    layout = memory.Layout.of_config(cfg, spec=spec)
+    layout = memory.Layout.of_config(cfg, fused_attention=fused_attention(cfg, facts), spec=spec)
     stages = memory.estimate(spec, layout)
     limit, source = device_limit_gib(cfg, facts)
     lines = memory.format_estimate(stages, layout, limit, source)

@@ -214,14 +214,37 @@ class ContextParallelAttention(_core_attention_base()):
         return super().forward(query, key, value, mask, attention_bias=attention_bias, **kwargs)
 
     def mask(self, cu_seqlens, cp: int, rank: int, device) -> torch.Tensor:
-        """``[1, 1, this rank's positions, all positions]``, True where a query may not see a key (megatron's
-        mask convention): a key of another packed sample, or (causal) a later position. Keys are in the order of
-        the all-gather: rank 0's positions, then rank 1's, ..."""
-        cu = torch.as_tensor([int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)])
-        q = partition_index(cu, cp, rank)
-        k = torch.cat([partition_index(cu, cp, r) for r in range(cp)])
-        seg_q, seg_k = (torch.bucketize(x, cu[1:], right=True) for x in (q, k))
-        hidden = seg_q[:, None] != seg_k[None, :]
-        if self.causal:
-            hidden |= k[None, :] > q[:, None]
-        return hidden[None, None].to(device)
+        """:func:`attention_mask` for this attention's causality (built once per micro batch, not per layer)."""
+        return attention_mask(cu_seqlens, cp, rank, self.causal, device)
+
+
+#: the last mask :func:`attention_mask` built, and what it was built for: every layer of a micro batch asks for
+#: the same one (the same ``cu_seqlens`` tensor of its packed parameters, or the same row length)
+_LAST_MASK: list = []
+
+
+def attention_mask(cu_seqlens, cp: int, rank: int, causal: bool, device) -> torch.Tensor:
+    """``[1, 1, this rank's positions, all positions]``, True where a query may not see a key (megatron's mask
+    convention): a key of another packed sample, or (causal) a later position. Keys are in the order of the
+    all-gather: rank 0's positions, then rank 1's, ...
+
+    Built on the host and copied to ``device`` once per micro batch: the layers after the first get the same mask
+    back (a ``cu_seqlens`` tensor is recognised as the same object, unchanged since, which also skips reading it to
+    the host again; a list of boundaries by its values)."""
+    tensor = torch.is_tensor(cu_seqlens)
+    key = (cu_seqlens if tensor else tuple(int(x) for x in cu_seqlens), cu_seqlens._version if tensor else 0, cp,
+           rank, causal, torch.device(device))
+    if _LAST_MASK:
+        last, mask = _LAST_MASK
+        if (last[0] is key[0] if tensor else last[0] == key[0]) and last[1:] == key[1:]:
+            return mask
+    cu = torch.as_tensor([int(x) for x in (cu_seqlens.tolist() if tensor else cu_seqlens)])
+    q = partition_index(cu, cp, rank)
+    k = torch.cat([partition_index(cu, cp, r) for r in range(cp)])
+    seg_q, seg_k = (torch.bucketize(x, cu[1:], right=True) for x in (q, k))
+    hidden = seg_q[:, None] != seg_k[None, :]
+    if causal:
+        hidden |= k[None, :] > q[:, None]
+    mask = hidden[None, None].to(device)
+    _LAST_MASK[:] = [key, mask]
+    return mask

@@ -62,11 +62,23 @@ def te_status() -> tuple[bool, str]:
     return True, ""
 
 
-def choose(requested: str | None, device: str, fp8: bool = False) -> tuple[str, str]:
-    """(implementation, why) for ``--transformer-impl`` ``requested`` (None: automatic) on ``device``.
+def cp_without_te(cp: int, why: str) -> str:
+    """The refusal of context parallelism on CUDA where Transformer Engine does not import and local layers were not
+    asked for: they would run the CPU reference attention (:mod:`megatron_vlm.model.cp_attention`) silently."""
+    return (f"--cp {cp} on CUDA needs Transformer Engine's attention, and Transformer Engine does not import here "
+            f"({why}); install it (bench/GPU.md, or the NGC container in containers/), or pass --transformer-impl "
+            "local to run the reference CP attention (the whole sequence's keys and values and an S/CP x S score "
+            "matrix per head on every rank: for checks, not for speed)")
 
-    Automatic: Transformer Engine when it imports on CUDA, local layers otherwise. Transformer Engine asked for
-    where it cannot run, or FP8 without it, is an error naming the fix.
+
+def choose(requested: str | None, device: str, fp8: bool = False, cp: int = 1) -> tuple[str, str]:
+    """(implementation, why) for ``--transformer-impl`` ``requested`` (None: automatic) on ``device`` with context
+    parallelism ``cp``.
+
+    Automatic: Transformer Engine when it imports on CUDA, local layers otherwise; but not context parallelism on
+    CUDA without it (:func:`cp_without_te`: only an explicit ``--transformer-impl local`` runs the reference CP
+    attention there). Transformer Engine asked for where it cannot run, or FP8 without it, is an error naming the
+    fix.
     """
     if requested not in (None, *IMPLS):
         raise ValueError(f"--transformer-impl {requested}: must be one of {', '.join(IMPLS)}")
@@ -90,7 +102,34 @@ def choose(requested: str | None, device: str, fp8: bool = False) -> tuple[str, 
             "automatic: --fp8 needs Transformer Engine"
     if ok:
         return "transformer_engine", "automatic: Transformer Engine imports on CUDA"
+    if cp > 1:
+        raise ValueError(cp_without_te(cp, why))
     return "local", f"automatic: Transformer Engine does not import ({why})"
+
+
+def planned(requested: str | None, backend: str | None, device: str | None, cp: int,
+            te_imports: bool | None) -> tuple[str, str]:
+    """(implementation, core attention) that a run's ranks will choose (:func:`choose`, :func:`choose_attention`),
+    decided before they start (the launcher's memory estimate): ``te_imports`` says whether Transformer Engine
+    imports in the runtime that will train (None: not asked, taken as importing on CUDA). A choice the ranks would
+    refuse gives what the request names, or local layers (the launcher's checks report the refusal)."""
+    device = device or "cuda"
+    if requested in IMPLS:
+        impl = requested
+    else:
+        impl = "transformer_engine" if device == "cuda" and te_imports is not False else "local"
+    try:
+        attention = choose_attention(backend, impl, device, cp)[0]
+    except ValueError:
+        attention = backend or "local"
+    return impl, attention
+
+
+def keeps_no_scores(impl: str, attention: str) -> bool:
+    """Whether the core attention keeps no ``S x S`` score matrices for its backward (the memory estimate's
+    ``fused_attention``): Transformer Engine's attention and torch's ``scaled_dot_product_attention`` (``sdpa``,
+    flash / memory-efficient kernels) keep none; megatron-core's local attention keeps scores and probabilities."""
+    return impl == "transformer_engine" or attention == "sdpa"
 
 
 def choose_attention(requested: str | None, impl: str, device: str, cp: int = 1) -> tuple[str, str]:

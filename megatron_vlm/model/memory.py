@@ -27,7 +27,8 @@ the inputs of the two norms and of the QKV and FC1 GEMMs (replicated over TP, sp
 and Q/K/V, the attention output, FC1's output and the SwiGLU output (split over TP) -- Korthikanti et al.'s
 accounting for a GQA/SwiGLU layer. Attention without a fused kernel (megatron's local layers) also keeps the
 score and probability matrices (``2 x heads x S^2`` per sample, split over TP); Transformer Engine's fused
-attention keeps none. ``--recompute-granularity selective`` drops those matrices; ``full`` keeps only each
+attention and torch's ``scaled_dot_product_attention`` (``--attention-backend sdpa``) keep none: the estimate
+follows the attention the run's ranks will choose (:func:`attention_keeps_no_scores`). ``--recompute-granularity selective`` drops those matrices; ``full`` keeps only each
 recomputed layer's input (plus one layer's activations while it is recomputed). The last stage adds the fp32
 logits and their softmax (``2 x 4 B x S x padded vocab / TP``); a trained vision encoder adds its layers' share
 for up to one image feature per position. With packing, a micro batch is one ``--packed-seq-length`` row.
@@ -70,7 +71,7 @@ class Layout:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
-    fused_attention: bool = True  # Transformer Engine's attention keeps no S x S matrices
+    fused_attention: bool = True  # Transformer Engine's attention and sdpa keep no S x S matrices
     trained: tuple[bool, bool, bool] = (False, True, True)  # vision encoder, projector, language model
 
     @classmethod
@@ -78,7 +79,7 @@ class Layout:
         """The run's layout (``spec``: the model, which the number of virtual pipeline stages depends on)."""
         parts = cfg.trained_parts
         if fused_attention is None:
-            fused_attention = cfg.device != "cpu" and cfg.transformer_impl != "local"
+            fused_attention = attention_keeps_no_scores(cfg)
         vpp = cfg.vpp_size(spec) if spec is not None and getattr(cfg, "virtual_pipeline", False) else 1
         return cls(tp=cfg.tp, pp=cfg.pp, dp=max(cfg.dp, 1), cp=cfg.cp, ep=cfg.ep, etp=cfg.etp,
                    pp_layers=tuple(cfg.pp_layers) if cfg.pp_layers else None, vpp=vpp,
@@ -125,6 +126,16 @@ class Params:
 
     def trainable(self, trained: tuple[bool, bool, bool]) -> int:
         return sum(n for n, t in zip((self.vision, self.projector, self.language), trained) if t)
+
+
+def attention_keeps_no_scores(cfg, te_imports: bool | None = None) -> bool:
+    """Whether the run's core attention keeps no ``S x S`` score matrices (:attr:`Layout.fused_attention`): the
+    layers and attention its ranks will choose (:func:`megatron_vlm.model.layer_impl.planned`; ``te_imports``: whether
+    Transformer Engine imports where it trains, None: not asked)."""
+    from megatron_vlm.model import layer_impl
+
+    impl, attention = layer_impl.planned(cfg.transformer_impl, cfg.attention_backend, cfg.device, cfg.cp, te_imports)
+    return layer_impl.keeps_no_scores(impl, attention)
 
 
 def language_attention_params(spec, tp: int) -> int:

@@ -173,7 +173,7 @@ def build_training(cfg, spec: VLMSpec, init_from=None) -> Training:
             raise ValueError(problem)
     dtype = compute_dtype(cfg)
     device = "cuda" if cfg.device == "cuda" else "cpu"
-    impl, why = layer_impl.choose(cfg.transformer_impl, device, cfg.fp8)
+    impl, why = layer_impl.choose(cfg.transformer_impl, device, cfg.fp8, cfg.cp)
     attention, attention_why = layer_impl.choose_attention(cfg.attention_backend, impl, device, cfg.cp)
     why = f"{why}; attention {attention} ({attention_why})"
     if cfg.packing:
