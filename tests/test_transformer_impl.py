@@ -34,7 +34,8 @@ def test_choose_implementation(monkeypatch):
         layer_impl.choose(None, "cuda", fp8=True)
     # CP on a GPU without TE: refused rather than the CPU reference attention silently; local layers asked for run it
     with pytest.raises(ValueError, match="--cp 2 on CUDA needs Transformer Engine's attention, and Transformer "
-                                         "Engine does not import here \\(ImportError: no TE\\).*--transformer-impl local"):
+                                         "Engine does not import here \\(ImportError: no TE\\).*"
+                                         "--transformer-impl local"):
         layer_impl.choose(None, "cuda", cp=2)
     assert layer_impl.choose("local", "cuda", cp=2)[0] == "local"
     monkeypatch.setattr(layer_impl, "te_status", lambda: (True, ""))

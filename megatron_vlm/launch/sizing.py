@@ -3,8 +3,8 @@
 :mod:`megatron_vlm.model.memory` does the arithmetic (no torch); this module picks its inputs -- the spec
 the run will build (``preflight.load_spec``), the resolved config, whether its attention keeps score matrices (the
 layers and attention its ranks will choose, :func:`megatron_vlm.model.layer_impl.planned`, with whether Transformer
-Engine imports in the runtime that will train, as the probe found) -- and the limit to compare with: ``--gpu-memory-gb``, else
-the smallest visible GPU's memory as the probe reported it (none on CPU).
+Engine imports in the runtime that will train, as the probe found) -- and the limit to compare with:
+``--gpu-memory-gb``, else the smallest visible GPU's memory as the probe reported it (none on CPU).
 """
 
 from __future__ import annotations

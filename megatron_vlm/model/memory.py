@@ -28,7 +28,8 @@ and Q/K/V, the attention output, FC1's output and the SwiGLU output (split over 
 accounting for a GQA/SwiGLU layer. Attention without a fused kernel (megatron's local layers) also keeps the
 score and probability matrices (``2 x heads x S^2`` per sample, split over TP); Transformer Engine's fused
 attention and torch's ``scaled_dot_product_attention`` (``--attention-backend sdpa``) keep none: the estimate
-follows the attention the run's ranks will choose (:func:`attention_keeps_no_scores`). ``--recompute-granularity selective`` drops those matrices; ``full`` keeps only each
+follows the attention the run's ranks will choose (:func:`attention_keeps_no_scores`).
+``--recompute-granularity selective`` drops those matrices; ``full`` keeps only each
 recomputed layer's input (plus one layer's activations while it is recomputed). The last stage adds the fp32
 logits and their softmax (``2 x 4 B x S x padded vocab / TP``); a trained vision encoder adds its layers' share
 for up to one image feature per position. With packing, a micro batch is one ``--packed-seq-length`` row.
