@@ -3,10 +3,10 @@ Megatron configs from an HF config.
 
 ``VLMSpec.from_hf(llava_config, tokenizer)`` reads an HF ``LlavaConfig``; ``spec.language_config(...)``,
 ``spec.vision_config(...)``, ``spec.projection_config(...)`` and ``spec.llava_kwargs()`` give what
-megatron-core's ``LLaVAModel`` needs; ``spec.to_hf_config()`` goes back. Qwen2.5-VL (``model_type`` 'qwen2_5_vl', :func:`_qwen_vl_spec`) is read from its own
-config: its windowed ViT with 2-D rotary positions, the 2 x 2 patch merger and the Qwen2 LM with M-RoPE
-(``mrope_section``). The spec is saved as JSON next to
-every Megatron checkpoint (``SPEC_FILE``) so that a checkpoint alone tells what it holds.
+megatron-core's ``LLaVAModel`` needs; ``spec.to_hf_config()`` goes back. Qwen2.5-VL (``model_type``
+'qwen2_5_vl', :func:`_qwen_vl_spec`) is read from its own config: its windowed ViT with 2-D rotary positions, the
+2 x 2 patch merger and the Qwen2 LM with M-RoPE (``mrope_section``). The spec is saved as JSON next to every
+Megatron checkpoint (``SPEC_FILE``) so that a checkpoint alone tells what it holds.
 """
 
 from __future__ import annotations
