@@ -30,12 +30,23 @@ class QwenReferenceBatch:
     images_per_sample: list[int]
     position_ids: torch.Tensor  # [3, B, S] M-RoPE positions (transformers' get_rope_index)
     image_token_id: int
+    merge: int = 2  # spatial_merge_size: patches per token along each side
 
     variable_length = True
 
     @property
+    def num_image_tokens(self) -> torch.Tensor:
+        """Tokens per image (merged patches); not None: the samples differ in length (``verify.valid_positions``)."""
+        return self.grid_thw.prod(-1) // self.merge ** 2
+
+    @property
     def num_samples(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def hf_input_ids(self) -> torch.Tensor:
+        """HF's input ids: the same expanded tokens (the processor expands the images, not the model)."""
+        return self.tokens
 
     @property
     def combined_length(self) -> int:
@@ -112,4 +123,4 @@ def qwen_reference_batch(spec, seed: int = 0, samples=SAMPLES) -> QwenReferenceB
         ids = torch.tensor(r)[None]
         positions[:, b:b + 1, :len(r)] = mrope_position_ids(cfg, ids, grid[first:first + counts[b]], image)
         first += counts[b]
-    return QwenReferenceBatch(tokens, [len(r) for r in rows], images, grid, counts, positions, image)
+    return QwenReferenceBatch(tokens, [len(r) for r in rows], images, grid, counts, positions, image, merge)

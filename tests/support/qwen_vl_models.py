@@ -69,3 +69,36 @@ def qwen_vl_hf_model(out_dir, seed: int = 0, **text_overrides) -> Path:
     model.save_pretrained(str(out))  # the hub's on-disk names (model.*, visual.*, lm_head.weight)
     (out / "config.json").write_text(json.dumps(fields, indent=2))  # as published (flat), not as transformers writes
     return out
+
+
+def logit_diffs(jobs: list[dict]) -> list[float] | None:
+    """Per-rank job of tests/test_qwen_vl.py: each job {megatron_dir, tp, pp, batch, ref_file, vocab, control?} loads
+    the checkpoint at (tp, pp) and returns, on rank 0, the max |logit diff| against HF's logits in ``ref_file``.
+    ``control``: ``"flat"`` feeds 1-D positions instead of M-RoPE; ``"no_windows"`` gives every ViT layer full
+    attention (both must fail)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_vlm.checkpoint import layout as ckpt
+    from megatron_vlm.convert.verify import max_logit_diff, megatron_forward_logits
+    from tests.support.worlds import _model_for
+
+    out = []
+    for job in jobs:
+        batch = job["batch"]
+        model = _model_for(ckpt.resolve_iteration_dir(job["megatron_dir"]), job["tp"], job["pp"],
+                           batch.combined_length)
+        control = job.get("control")
+        if control == "flat":
+            batch = batch.flat_positions()
+        elif control == "no_windows" and model.vision_model is not None:
+            model.vision_model.full_attention = set(range(len(model.vision_model.decoder.layers)))
+        logits = megatron_forward_logits(model, batch)
+        mine = None
+        if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+            ref = torch.load(job["ref_file"], mmap=True)
+            mine = max_logit_diff(ref, logits[:, : ref.shape[1]], job["vocab"], batch)
+        del model, logits
+        gathered: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, mine)
+        out.append(next(g for g in gathered if g is not None))
+    return out if torch.distributed.get_rank() == 0 else None

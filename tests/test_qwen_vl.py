@@ -1,0 +1,157 @@
+"""Qwen2.5-VL (HF ``Qwen2_5_VLForConditionalGeneration``) converted to megatron-core and back, held against HF.
+
+Model: the published Qwen2.5-VL-7B-Instruct config (``../shared/hub``, flat, legacy tensor names ``model.*`` /
+``visual.*``), shrunk in size only (:mod:`tests.support.qwen_vl_models`), random weights, around its real tokenizer;
+its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
+
+- **Logits**: fp32 against HF's own model on two samples with images of two sizes (one spanning 2 x 2 windows of the
+  ViT's windowed attention, a row of three windows the last partial, and a small one), expanded as the processor
+  expands them: ``hf_to_megatron --verify`` at TP1 (in this process), and TP2 and PP2 from that torch_dist
+  checkpoint in one 2-process world (1e-4; measured ~6e-6).
+- **Controls** (the same world): Megatron fed 1-D positions instead of M-RoPE's 3-D ones, and Megatron's ViT with full
+  attention in every layer (no windows), must both differ from HF far beyond the tolerance.
+- **Round trips**: HF -> Megatron -> HF byte for byte with dtypes and names: the TP1 torch_dist checkpoint, and legacy
+  rank files at TP2 x PP2 (the ViT's fused q/k/v and SwiGLU biases split over TP).
+- **Refusals**: Qwen3-VL / Qwen2-VL configs, and training a Qwen2.5-VL checkpoint, in one line naming them, before
+  anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+
+import pytest
+import torch
+
+from megatron_vlm.convert.hf_io import HFReader
+from megatron_vlm.model.spec import VLMSpec
+
+from .conftest import script
+
+TOL = 1e-4  # fp32 logits, as --verify's default
+#: (tp, pp, control) of the 2-process world
+JOBS = [(2, 1, None), (1, 2, None), (1, 1, "flat"), (1, 1, "no_windows")]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from tests.support.qwen_vl_models import qwen_vl_hf_model
+
+    return qwen_vl_hf_model(tmp_path_factory.mktemp("qwen_vl") / "hf")
+
+
+@pytest.fixture(scope="module")
+def converted(model, tmp_path_factory):
+    """``hf_to_megatron --verify`` at TP1 (torch_dist: it loads at any layout); (checkpoint dir, printed diff)."""
+    from megatron_vlm.cli import run_cli
+
+    out = tmp_path_factory.mktemp("qwen_vl_meg") / "tp1"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = run_cli(script("convert/hf_to_megatron.py").main,
+                     ["--hf-dir", str(model), "--megatron-dir", str(out), "--verify", "--tolerance", str(TOL)])
+    assert rc == 0, buf.getvalue()
+    return out, float(re.search(r"verify: max \|logit diff\| .* = (\S+) <=", buf.getvalue()).group(1))
+
+
+@pytest.fixture(scope="module")
+def world(model, converted, tmp_path_factory):
+    """{(tp, pp, control): max |logit diff| vs HF} from one 2-process world."""
+    from megatron_vlm.convert.verify import hf_logits, reference_batch
+    from megatron_vlm.runtime.spawn import run_world
+    from tests.support import qwen_vl_models
+
+    spec = VLMSpec.from_hf_dir(model)
+    batch = reference_batch(spec)
+    ref = tmp_path_factory.mktemp("qwen_vl_ref") / "hf_logits.pt"
+    torch.save(hf_logits(model, batch), ref)
+    jobs = [dict(megatron_dir=str(converted[0]), tp=tp, pp=pp, batch=batch, ref_file=str(ref),
+                 vocab=spec.vocab_size, control=control) for tp, pp, control in JOBS]
+    return dict(zip(JOBS, run_world(qwen_vl_models.logit_diffs, 2, jobs)[0]))
+
+
+def test_spec_of_the_published_config(model):
+    """What the spec reads from the hub's flat 7B config (shrunk): the families, M-RoPE sections, the ViT's windows
+    and full-attention layers, the image token, and the vocabulary beyond the tokenizer's."""
+    from transformers import AutoTokenizer
+
+    s = VLMSpec.from_hf_dir(model)
+    assert (s.arch, s.text_family, s.vision_family, s.qkv_bias, s.tie_word_embeddings) == \
+        ("qwen2_5_vl", "qwen2", "qwen2_5_vit", True, False)
+    assert (s.mrope_section, s.fullatt_block_indexes, s.window_size, s.spatial_merge_size, s.temporal_patch_size) == \
+        ([4, 6, 6], [1, 3], 112, 2, 2)
+    assert (s.image_token, s.image_token_id, s.pad_token_id, s.vocab_size, s.rotary_base) == \
+        ("<|image_pad|>", 151655, 151643, 152064, 1e6)
+    assert len(AutoTokenizer.from_pretrained(str(model))) == 151665 < s.vocab_size
+    assert s.working_tps() == [1, 2] and s.projector_input_size == 4 * s.vision_hidden_size
+    assert "model.layers.0.self_attn.q_proj.bias" in HFReader(model).names()  # the hub's legacy names
+
+
+@pytest.mark.slow
+def test_verify_at_tp1(converted):
+    """``hf_to_megatron --verify`` (fp32 logits of HF's own model against megatron-core's, TP1) within 1e-4."""
+    print(f"\nQwen2.5-VL: --verify max |logit diff| at TP1 {converted[1]:.2g}")
+    assert converted[1] < TOL
+
+
+@pytest.mark.slow
+def test_logits_match_hf_at_tp2_and_pp2(world):
+    diffs = {k[:2]: v for k, v in world.items() if k[2] is None}
+    print("\nQwen2.5-VL: max |logit diff| vs HF per (TP, PP): " + ", ".join(f"{k}: {v:.2g}" for k, v in diffs.items()))
+    assert set(diffs) == {(2, 1), (1, 2)} and max(diffs.values()) < TOL, diffs
+
+
+@pytest.mark.slow
+def test_controls_flat_positions_and_no_windows_fail(world):
+    """The comparison sees M-RoPE and the windows: 1-D positions, or full attention in every ViT layer, differ from HF
+    far beyond the tolerance."""
+    flat, full = world[(1, 1, "flat")], world[(1, 1, "no_windows")]
+    print(f"\nQwen2.5-VL controls: 1-D positions {flat:.2g}, no windows {full:.2g}")
+    assert flat > 100 * TOL and full > 100 * TOL
+
+
+def _assert_same_bytes(src, out):
+    a, b = HFReader(src), HFReader(out)
+    assert a.names() == b.names()
+    for n in a.names():
+        ta, tb = a.get(n), b.get(n)
+        assert ta.dtype == tb.dtype and torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), n
+
+
+@pytest.mark.slow
+def test_round_trip_is_byte_identical(model, converted, tmp_path):
+    """HF -> Megatron -> HF: every tensor byte for byte with its dtype, under the hub's names, from the TP1 torch_dist
+    checkpoint and from legacy rank files at TP2 x PP2; the config keeps the fields that decide the model."""
+    from megatron_vlm.convert.to_hf import convert_megatron_to_hf
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+
+    out = convert_megatron_to_hf(converted[0], tmp_path / "hf")
+    _assert_same_bytes(model, out)
+    a, b = (json.loads((d / "config.json").read_text()) for d in (model, out))
+    for k in ("image_token_id", "video_token_id", "vision_start_token_id", "tie_word_embeddings"):
+        assert a[k] == b[k], k
+    assert b["vision_config"]["fullatt_block_indexes"] == [1, 3]
+    assert VLMSpec.from_hf_dir(out).mrope_section == VLMSpec.from_hf_dir(model).mrope_section
+    for f in ("tokenizer_config.json", "preprocessor_config.json", "chat_template.json"):
+        assert (out / f).read_bytes() == (model / f).read_bytes(), f
+    legacy = convert_hf_to_megatron(model, tmp_path / "legacy", ckpt_format="torch", tp=2, pp=2)
+    _assert_same_bytes(model, convert_megatron_to_hf(legacy, tmp_path / "hf_legacy"))
+
+
+@pytest.mark.parametrize("model_type,name", [("qwen3_vl", "Qwen3-VL"), ("qwen3_vl_moe", "Qwen3-VL-MoE"),
+                                             ("qwen2_vl", "Qwen2-VL")])
+def test_other_qwen_vl_families_are_refused_in_one_line(model_type, name, tmp_path, capsys):
+    """``hf_to_megatron`` refuses the Qwen-VL families it does not convert yet, naming them, and writes nothing."""
+    from megatron_vlm.cli import run_cli
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": model_type}))
+    out = tmp_path / "meg"
+    rc = run_cli(script("convert/hf_to_megatron.py").main, ["--hf-dir", str(src), "--megatron-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"{name} (model_type '{model_type}') is not supported yet" in err[0], err
+    assert not out.exists()
