@@ -2,8 +2,8 @@
 only, around its real tokenizer, processor config and chat template; random weights.
 
 Shrunk: the LM to 2 layers of hidden 128 (4 heads of 32, 2 KV heads; M-RoPE sections scaled with the head: 4/6/6
-over half of its 32), the ViT to 4 layers of hidden 64 (4 heads of 16), full attention in layers 1 and 3 (the published model: the
-last of every 8); the vocabulary (152,064 rows over the tokenizer's 151,665), token ids, patch, temporal patch,
+over half of its 32), the ViT to 4 layers of hidden 64 (4 heads of 16), full attention in layers 1 and 3 (the
+published model: the last of every 8); the vocabulary (152,064 rows over the tokenizer's 151,665), token ids, patch, temporal patch,
 merge, window size (112 px), norms and rope bases stay as published. The hub's config is flat (its text fields at the
 top), as transformers reads it.
 """
@@ -45,9 +45,7 @@ def randomize(model, seed: int) -> None:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "norm1" in name or "norm2" in name or "ln_q" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 1:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            else:
+            else:  # biases and matrices
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
