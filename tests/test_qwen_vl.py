@@ -12,8 +12,9 @@ its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
   attention in every layer (no windows), must both differ from HF far beyond the tolerance.
 - **Round trips**: HF -> Megatron -> HF byte for byte with dtypes and names: the TP1 torch_dist checkpoint, and legacy
   rank files at TP2 x PP2 (the ViT's fused q/k/v and SwiGLU biases split over TP).
-- **Refusals**: Qwen3-VL / Qwen2-VL configs, and training a Qwen2.5-VL checkpoint, in one line naming them, before
-  anything is written.
+- **Refusals**: Qwen3-VL / Qwen3-VL-MoE / Qwen2-VL configs, training a Qwen2.5-VL checkpoint (``train/run.py``) and
+  its data pipeline (the task encoder), and videos given to the model, in one line naming them, before anything is
+  written.
 """
 
 from __future__ import annotations
@@ -155,3 +156,45 @@ def test_other_qwen_vl_families_are_refused_in_one_line(model_type, name, tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and f"{name} (model_type '{model_type}') is not supported yet" in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_training_and_its_data_are_refused_in_one_line(model, converted, tmp_path, capsys):
+    """``train/run.py`` with a Qwen2.5-VL checkpoint stops before anything is written, with one line naming the
+    family (the launcher's pre-launch check; the trainer's start-up makes the same one), and the data pipeline's task
+    encoder refuses the model's directory (images, videos and the chat template are not wired for it yet)."""
+    from megatron_vlm.data.task_encoder import VLMTaskEncoder
+    from megatron_vlm.launch import cli
+    from megatron_vlm.model.spec import UnsupportedArchitectureError
+
+    from .launch_helpers import REPO, base_args
+
+    rc = cli.main([*base_args(tmp_path, ids=False), "--megatron-load-dir", str(converted[0]), "--dry-run"],
+                  repo_root=REPO)
+    err = capsys.readouterr().err.strip().splitlines()
+    want = "training of Qwen2.5-VL (model_type 'qwen2_5_vl') is not supported yet"
+    assert rc == 2 and len(err) == 1 and want in err[0], err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        VLMTaskEncoder(model, 256)
+    assert "\n" not in str(e.value) and "the data pipeline (task encoder: images, videos, chat template) of " \
+        "Qwen2.5-VL (model_type 'qwen2_5_vl') is not supported yet" in str(e.value)
+
+
+@pytest.mark.slow
+def test_videos_are_refused_by_the_model(converted):
+    """The model takes images only: video inputs, or the video token in the tokens, are refused in one line."""
+    from megatron_vlm.checkpoint import layout as ckpt
+    from megatron_vlm.runtime.session import single_process_world
+    from tests.support.worlds import _model_for
+
+    with single_process_world():
+        model = _model_for(ckpt.resolve_iteration_dir(converted[0]), 1, 1, 64)
+        ids = torch.tensor([[1, 2, 151656, 3]])
+        positions = torch.arange(4)[None, None].expand(3, 1, 4)
+        for kwargs in (dict(input_ids=ids), dict(input_ids=ids[:, [0, 1, 3]], pixel_values_videos=torch.zeros(4, 8),
+                                                 position_ids=positions[..., :3])):
+            with pytest.raises(ValueError) as e:
+                model(**{"position_ids": positions, **kwargs})
+            assert "\n" not in str(e.value) and "videos of Qwen2.5-VL" in str(e.value) and \
+                "are not supported yet" in str(e.value), str(e.value)

@@ -649,7 +649,7 @@ def _build_qwen_vl(spec: VLMSpec, opts: ModelOptions, pre_process: bool, post_pr
         qwen_vit.vision_layer_spec(vit_spec, LocalNorm), qwen_merger_config(spec, opts),
         MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), geometry, spec.image_token_id,
         LocalNorm, pre_process=pre_process, post_process=post_process, tie_word_embeddings=spec.tie_word_embeddings,
-        rotary_base=spec.rotary_base, vp_stage=vp_stage)
+        rotary_base=spec.rotary_base, vp_stage=vp_stage, video_token_id=spec.hf_config.get("video_token_id"))
 
 
 def _build_llava(cls, spec: VLMSpec, opts: ModelOptions, lang_cfg, lang_spec, vit_spec, proj_spec, pre_process: bool,

@@ -51,7 +51,8 @@ def _model_class():
         def __init__(self, language_config, language_spec, vocab_size: int, max_sequence_length: int,
                      vision_config, vision_spec, projection_config, projection_spec, geometry: dict,
                      image_token_id: int, norm, pre_process: bool = True, post_process: bool = True,
-                     tie_word_embeddings: bool = False, rotary_base: float = 10000.0, vp_stage: int | None = None):
+                     tie_word_embeddings: bool = False, rotary_base: float = 10000.0, vp_stage: int | None = None,
+                     video_token_id: int | None = None):
             super().__init__(config=language_config)
             from megatron.core.models.gpt import GPTModel
 
@@ -59,7 +60,7 @@ def _model_class():
 
             self.pre_process, self.post_process = pre_process, post_process
             self.add_encoder, self.add_decoder = pre_process, True
-            self.image_token_id = image_token_id
+            self.image_token_id, self.video_token_id = image_token_id, video_token_id
             self.max_sequence_length = max_sequence_length
             self.pad_to_max = language_config.pipeline_model_parallel_size > 1
             self.vision_model = self.vision_projection = None
@@ -106,6 +107,12 @@ def _model_class():
             """``images``: the processor's ``pixel_values`` ``[patches, C x T x P x P]`` of every image in the micro
             batch, ``image_grid_thw`` ``[images, 3]``; ``input_ids`` ``[b, s]`` with each image's tokens expanded;
             ``position_ids`` ``[3, b, s]`` (:func:`mrope_position_ids`). Returns ``(logits or loss, loss_mask)``."""
+            videos = sorted(k for k in kwargs if "video" in k)
+            if not videos and input_ids is not None and self.video_token_id is not None and \
+                    bool((input_ids == self.video_token_id).any()):
+                videos = [f"video token {self.video_token_id} in input_ids"]
+            if videos:
+                raise ValueError(f"videos of Qwen2.5-VL ({', '.join(videos)}) are not supported yet; give images only")
             if position_ids is None or position_ids.dim() != 3 or position_ids.shape[0] != 3:
                 raise ValueError("QwenVLModel needs position_ids [3, batch, seq] (M-RoPE): compute them with "
                                  "megatron_vlm.model.qwen_vl.mrope_position_ids")

@@ -37,6 +37,10 @@ ARCHS = {
     "internvl": ("InternVLConfig", "InternVLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
 }
+#: what a Qwen2.5-VL spec refuses beyond conversion and verification (issue 64's first slice)
+QWEN_VL_ONLY_CONVERSION = ("{what} of Qwen2.5-VL (model_type 'qwen2_5_vl') is not supported yet: megatron-vlm "
+                           "converts it HF <-> Megatron and verifies its logits (convert/hf_to_megatron.py --verify, "
+                           "convert/megatron_to_hf.py), nothing more so far")
 #: Qwen2.5-VL's own vision encoder (HF model_type 'qwen2_5_vl_vision'): only inside a Qwen2.5-VL model
 QWEN_VIT = "qwen2_5_vit"
 #: model types of the Qwen-VL family that megatron-vlm does not convert yet -> the one line that refuses each
@@ -171,6 +175,12 @@ class VLMSpec:
         """Qwen2.5-VL: images at their own resolution (a variable count of ``<|image_pad|>`` tokens, expanded by the
         processor), its windowed ViT, the patch merger, M-RoPE."""
         return self.arch == "qwen2_5_vl"
+
+    def check_supported(self, what: str) -> None:
+        """Refuse ``what`` (training, its data, ...) for a family that megatron-vlm converts but does not run there
+        yet: one line naming the family and ``what``."""
+        if self.is_qwen_vl:
+            raise UnsupportedArchitectureError(QWEN_VL_ONLY_CONVERSION.format(what=what))
 
     @property
     def projector_input_size(self) -> int:
