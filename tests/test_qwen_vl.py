@@ -7,7 +7,8 @@ its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
 - **Logits**: fp32 against HF's own model on two samples with images of two sizes (one spanning 2 x 2 windows of the
   ViT's windowed attention, a row of three windows the last partial, and a small one), expanded as the processor
   expands them: ``hf_to_megatron --verify`` at TP1 (in this process), and TP2 and PP2 from that torch_dist
-  checkpoint in one 2-process world (1e-4; measured ~6e-6).
+  checkpoint in one 2-process world (1e-4; measured ~6e-6); the same config with Qwen2.5-VL-3B's tied embeddings at
+  TP1 and PP2.
 - **Controls** (the same world): Megatron fed 1-D positions instead of M-RoPE's 3-D ones, and Megatron's ViT with full
   attention in every layer (no windows), must both differ from HF far beyond the tolerance.
 - **Round trips**: HF -> Megatron -> HF byte for byte with dtypes and names: the TP1 torch_dist checkpoint, and legacy
@@ -33,8 +34,9 @@ from megatron_vlm.model.spec import VLMSpec
 from .conftest import script
 
 TOL = 1e-4  # fp32 logits, as --verify's default
-#: (tp, pp, control) of the 2-process world
-JOBS = [(2, 1, None), (1, 2, None), (1, 1, "flat"), (1, 1, "no_windows")]
+#: (model, tp, pp, control) of the 2-process world ("tied": the 7B config with Qwen2.5-VL-3B's tied embeddings)
+JOBS = [("7B", 2, 1, None), ("7B", 1, 2, None), ("7B", 1, 1, "flat"), ("7B", 1, 1, "no_windows"),
+        ("tied", 1, 1, None), ("tied", 1, 2, None)]
 
 
 @pytest.fixture(scope="module")
@@ -59,18 +61,34 @@ def converted(model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world(model, converted, tmp_path_factory):
-    """{(tp, pp, control): max |logit diff| vs HF} from one 2-process world."""
+def tied(tmp_path_factory):
+    """The 7B config with tied embeddings (Qwen2.5-VL-3B's ``tie_word_embeddings``: no ``lm_head`` on disk), converted
+    at TP1; (HF dir, checkpoint dir)."""
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+    from tests.support.qwen_vl_models import qwen_vl_hf_model
+
+    root = tmp_path_factory.mktemp("qwen_vl_tied")
+    src = qwen_vl_hf_model(root / "hf", seed=3, tie_word_embeddings=True)
+    return src, convert_hf_to_megatron(src, root / "meg")
+
+
+@pytest.fixture(scope="module")
+def world(model, converted, tied, tmp_path_factory):
+    """{(model, tp, pp, control): max |logit diff| vs HF} from one 2-process world."""
     from megatron_vlm.convert.verify import hf_logits, reference_batch
     from megatron_vlm.runtime.spawn import run_world
     from tests.support import qwen_vl_models
 
-    spec = VLMSpec.from_hf_dir(model)
-    batch = reference_batch(spec)
-    ref = tmp_path_factory.mktemp("qwen_vl_ref") / "hf_logits.pt"
-    torch.save(hf_logits(model, batch), ref)
-    jobs = [dict(megatron_dir=str(converted[0]), tp=tp, pp=pp, batch=batch, ref_file=str(ref),
-                 vocab=spec.vocab_size, control=control) for tp, pp, control in JOBS]
+    root = tmp_path_factory.mktemp("qwen_vl_ref")
+    sources = {"7B": (model, converted[0]), "tied": tied}
+    refs = {}
+    for name, (src, _) in sources.items():
+        spec = VLMSpec.from_hf_dir(src)
+        batch = reference_batch(spec)
+        torch.save(hf_logits(src, batch), root / f"{name}.pt")
+        refs[name] = (batch, root / f"{name}.pt", spec.vocab_size)
+    jobs = [dict(megatron_dir=str(sources[name][1]), tp=tp, pp=pp, batch=refs[name][0], ref_file=str(refs[name][1]),
+                 vocab=refs[name][2], control=control) for name, tp, pp, control in JOBS]
     return dict(zip(JOBS, run_world(qwen_vl_models.logit_diffs, 2, jobs)[0]))
 
 
@@ -100,16 +118,20 @@ def test_verify_at_tp1(converted):
 
 @pytest.mark.slow
 def test_logits_match_hf_at_tp2_and_pp2(world):
-    diffs = {k[:2]: v for k, v in world.items() if k[2] is None}
-    print("\nQwen2.5-VL: max |logit diff| vs HF per (TP, PP): " + ", ".join(f"{k}: {v:.2g}" for k, v in diffs.items()))
-    assert set(diffs) == {(2, 1), (1, 2)} and max(diffs.values()) < TOL, diffs
+    """TP2 and PP2 of the 7B layout, and TP1 and PP2 with tied embeddings (the last stage's copy of the embedding as
+    its output layer), within 1e-4 of HF."""
+    diffs = {k[:3]: v for k, v in world.items() if k[3] is None}
+    print("\nQwen2.5-VL: max |logit diff| vs HF per (model, TP, PP): " +
+          ", ".join(f"{k}: {v:.2g}" for k, v in diffs.items()))
+    assert set(diffs) == {("7B", 2, 1), ("7B", 1, 2), ("tied", 1, 1), ("tied", 1, 2)}, diffs
+    assert max(diffs.values()) < TOL, diffs
 
 
 @pytest.mark.slow
 def test_controls_flat_positions_and_no_windows_fail(world):
     """The comparison sees M-RoPE and the windows: 1-D positions, or full attention in every ViT layer, differ from HF
     far beyond the tolerance."""
-    flat, full = world[(1, 1, "flat")], world[(1, 1, "no_windows")]
+    flat, full = world[("7B", 1, 1, "flat")], world[("7B", 1, 1, "no_windows")]
     print(f"\nQwen2.5-VL controls: 1-D positions {flat:.2g}, no windows {full:.2g}")
     assert flat > 100 * TOL and full > 100 * TOL
 
@@ -123,9 +145,10 @@ def _assert_same_bytes(src, out):
 
 
 @pytest.mark.slow
-def test_round_trip_is_byte_identical(model, converted, tmp_path):
+def test_round_trip_is_byte_identical(model, converted, tied, tmp_path):
     """HF -> Megatron -> HF: every tensor byte for byte with its dtype, under the hub's names, from the TP1 torch_dist
-    checkpoint and from legacy rank files at TP2 x PP2; the config keeps the fields that decide the model."""
+    checkpoint and from legacy rank files at TP2 x PP2, and the tied model (no ``lm_head`` written back); the config
+    keeps the fields that decide the model."""
     from megatron_vlm.convert.to_hf import convert_megatron_to_hf
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 
@@ -140,6 +163,10 @@ def test_round_trip_is_byte_identical(model, converted, tmp_path):
         assert (out / f).read_bytes() == (model / f).read_bytes(), f
     legacy = convert_hf_to_megatron(model, tmp_path / "legacy", ckpt_format="torch", tp=2, pp=2)
     _assert_same_bytes(model, convert_megatron_to_hf(legacy, tmp_path / "hf_legacy"))
+    tied_out = convert_megatron_to_hf(tied[1], tmp_path / "hf_tied")
+    _assert_same_bytes(tied[0], tied_out)
+    assert "lm_head.weight" not in HFReader(tied_out).names()
+    assert json.loads((tied_out / "config.json").read_text())["tie_word_embeddings"] is True
 
 
 @pytest.mark.parametrize("model_type,name", [("qwen3_vl", "Qwen3-VL"), ("qwen3_vl_moe", "Qwen3-VL-MoE"),
