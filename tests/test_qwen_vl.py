@@ -9,6 +9,7 @@ its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
   expands them: ``hf_to_megatron --verify`` at TP1 (in this process), and TP2 and PP2 from that torch_dist
   checkpoint in one 2-process world (1e-4; measured ~6e-6); the same config with Qwen2.5-VL-3B's tied embeddings at
   TP1 and PP2.
+- **M-RoPE**: megatron-core's ``MultimodalRotaryEmbedding`` equals HF's rotary at the batch's 3-D positions.
 - **Controls** (the same world): Megatron fed 1-D positions instead of M-RoPE's 3-D ones, and Megatron's ViT with full
   attention in every layer (no windows), must both differ from HF far beyond the tolerance.
 - **Round trips**: HF -> Megatron -> HF byte for byte with dtypes and names: the TP1 torch_dist checkpoint, and legacy
@@ -225,3 +226,29 @@ def test_videos_are_refused_by_the_model(converted):
                 model(**{"position_ids": positions, **kwargs})
             assert "\n" not in str(e.value) and "videos of Qwen2.5-VL" in str(e.value) and \
                 "are not supported yet" in str(e.value), str(e.value)
+
+
+def test_megatron_mrope_equals_hf_rotary(model):
+    """megatron-core's ``MultimodalRotaryEmbedding`` (``GPTModel``'s ``mrope``) gives HF's ``Qwen2_5_VLRotaryEmbedding``
+    angles at the reference batch's 3-D positions (transformers' ``get_rope_index``), section by section; 1-D positions
+    give others."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+    from transformers import AutoConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+
+    from megatron_vlm.convert.verify import reference_batch
+    from megatron_vlm.runtime.session import single_process_world
+
+    spec = VLMSpec.from_hf_dir(model)
+    batch = reference_batch(spec)
+    hf = Qwen2_5_VLRotaryEmbedding(AutoConfig.from_pretrained(str(model)).text_config)
+    x = torch.zeros(1, dtype=torch.float32)
+    with single_process_world():
+        mrope = MultimodalRotaryEmbedding(kv_channels=spec.kv_channels, rotary_percent=1.0,
+                                          rotary_base=spec.rotary_base)
+        for positions, same in ((batch.position_ids, True), (batch.flat_positions().position_ids, False)):
+            emb = mrope(positions, spec.mrope_section).float().cpu()  # [s, b, 1, head dim] angles
+            cos, sin = hf(x, batch.position_ids)  # HF's at the 3-D positions, [b, s, head dim]
+            mine = (emb.cos()[:, :, 0].transpose(0, 1), emb.sin()[:, :, 0].transpose(0, 1))
+            diff = max((a - b).abs().max().item() for a, b in zip(mine, (cos, sin)))
+            assert (diff < 1e-6) == same, diff
