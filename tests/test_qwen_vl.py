@@ -14,9 +14,10 @@ its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
   attention in every layer (no windows), must both differ from HF far beyond the tolerance.
 - **Round trips**: HF -> Megatron -> HF byte for byte with dtypes and names: the TP1 torch_dist checkpoint, and legacy
   rank files at TP2 x PP2 (the ViT's fused q/k/v and SwiGLU biases split over TP).
-- **Refusals**: Qwen3-VL / Qwen3-VL-MoE / Qwen2-VL configs, training a Qwen2.5-VL checkpoint (``train/run.py``) and
-  its data pipeline (the task encoder), and videos given to the model, in one line naming them, before anything is
-  written.
+- **Names**: transformers 4.5x's layout (``model.language_model.*``, ``model.visual.*``) is read as the hub's.
+- **Refusals**: Qwen3-VL / Qwen3-VL-MoE / Qwen2-VL configs, config settings it cannot reproduce, training a
+  Qwen2.5-VL checkpoint (``train/run.py``) and its data pipeline (the task encoder), and videos given to the model, in
+  one line naming them, before anything is written.
 """
 
 from __future__ import annotations
@@ -252,3 +253,43 @@ def test_megatron_mrope_equals_hf_rotary(model):
             mine = (emb.cos()[:, :, 0].transpose(0, 1), emb.sin()[:, :, 0].transpose(0, 1))
             diff = max((a - b).abs().max().item() for a, b in zip(mine, (cos, sin)))
             assert (diff < 1e-6) == same, diff
+
+
+@pytest.mark.parametrize("edit,expect", [
+    (dict(use_sliding_window=True), "use_sliding_window true is not supported"),
+    (dict(rope_scaling={"type": "mrope", "mrope_section": [4, 6, 4]}), "mrope_section [4, 6, 4] must give 3 sections"),
+    (dict(vision=dict(out_hidden_size=64)), "the vision out_hidden_size 64 differs from the language hidden_size 128"),
+    (dict(vision=dict(window_size=14)), "vision window_size 14 is smaller than one merged patch (28 px)"),
+    (dict(vision=dict(fullatt_block_indexes=[1, 7])), "fullatt_block_indexes [1, 7] are not layers of the 4-layer"),
+])
+def test_what_megatron_cannot_build_is_refused_in_one_line(edit, expect):
+    """Settings of a Qwen2.5-VL config that this conversion cannot reproduce, one line each naming the setting."""
+    from megatron_vlm.model.spec import UnsupportedArchitectureError
+    from tests.support.qwen_vl_models import small_config
+
+    cfg = small_config()
+    vision = edit.pop("vision", None)
+    cfg.update(edit)
+    if vision:
+        cfg["vision_config"] = dict(cfg["vision_config"], **vision)
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        VLMSpec.from_hf(cfg)
+    assert "\n" not in str(e.value) and expect in str(e.value), str(e.value)
+    assert VLMSpec.from_hf(small_config()).arch == "qwen2_5_vl"  # the unedited config builds
+
+
+def test_transformers_4_names_are_read_as_the_hub_names(model, tmp_path):
+    """Checkpoints transformers 4.5x wrote (``model.language_model.*``, ``model.visual.*``) are read under the hub's
+    names (``model.*``, ``visual.*``), which the rules use and the export writes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    old = tmp_path / "hf"
+    shutil.copytree(model, old)
+    w = load_file(str(old / "model.safetensors"))
+    renamed = {("model.language_model." + k[6:] if k.startswith("model.") else
+                "model." + k if k.startswith("visual.") else k): v for k, v in w.items()}
+    assert any(k.startswith("model.visual.") for k in renamed) and "lm_head.weight" in renamed
+    save_file(renamed, str(old / "model.safetensors"), metadata={"format": "pt"})
+    assert HFReader(old).names() == HFReader(model).names()
