@@ -14,6 +14,7 @@ its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
   attention in every layer (no windows), must both differ from HF far beyond the tolerance.
 - **Round trips**: HF -> Megatron -> HF byte for byte with dtypes and names: the TP1 torch_dist checkpoint, and legacy
   rank files at TP2 x PP2 (the ViT's fused q/k/v and SwiGLU biases split over TP).
+- **Memory**: the estimate ``--verify`` checks counts the real 7B's 8.29e9 parameters as HF builds them.
 - **Names**: transformers 4.5x's layout (``model.language_model.*``, ``model.visual.*``) is read as the hub's.
 - **Refusals**: Qwen3-VL / Qwen3-VL-MoE / Qwen2-VL configs, config settings it cannot reproduce, training a
   Qwen2.5-VL checkpoint (``train/run.py``) and its data pipeline (the task encoder), and videos given to the model, in
@@ -293,3 +294,23 @@ def test_transformers_4_names_are_read_as_the_hub_names(model, tmp_path):
     assert any(k.startswith("model.visual.") for k in renamed) and "lm_head.weight" in renamed
     save_file(renamed, str(old / "model.safetensors"), metadata={"format": "pt"})
     assert HFReader(old).names() == HFReader(model).names()
+
+
+def test_weight_estimate_is_the_published_models_size():
+    """The memory estimate (what ``--verify`` checks before it writes anything) counts the real Qwen2.5-VL-7B-Instruct
+    as HF builds it from the hub's config: 8,292,166,656 parameters, the ViT and merger 676,550,144 of them."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    from megatron_vlm.convert.verify import megatron_weight_bytes
+    from megatron_vlm.model import memory
+    from tests.support import hub
+    from tests.support.qwen_vl_models import QWEN25_VL_7B
+
+    cfg = AutoConfig.from_pretrained(str(hub.hub_model_dir(QWEN25_VL_7B)))
+    with torch.device("meta"):
+        hf = Qwen2_5_VLForConditionalGeneration(cfg)
+    spec = VLMSpec.from_hf(cfg)
+    total, visual = (sum(p.numel() for p in m.parameters()) for m in (hf, hf.model.visual))
+    assert (total, visual) == (8_292_166_656, 676_550_144)
+    assert megatron_weight_bytes(spec, 1, 1) == 4 * total
+    assert memory.vision_params(spec, 1) + memory.projector_params(spec, 1) == visual
