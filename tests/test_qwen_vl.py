@@ -9,6 +9,8 @@ its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
   expands them: ``hf_to_megatron --verify`` at TP1 (in this process), and TP2 and PP2 from that torch_dist
   checkpoint in one 2-process world (1e-4; measured ~6e-6); the same config with Qwen2.5-VL-3B's tied embeddings at
   TP1 and PP2.
+- **The real processor** (3.12 lane, which has torchvision): ``AutoProcessor``'s inputs for two images of different
+  sizes follow the reference batch's token rule, and Megatron's logits on them equal HF's (measured 6.6e-6).
 - **M-RoPE**: megatron-core's ``MultimodalRotaryEmbedding`` equals HF's rotary at the batch's 3-D positions.
 - **Controls** (the same world): Megatron fed 1-D positions instead of M-RoPE's 3-D ones, and Megatron's ViT with full
   attention in every layer (no windows), must both differ from HF far beyond the tolerance.
@@ -314,3 +316,46 @@ def test_weight_estimate_is_the_published_models_size():
     assert (total, visual) == (8_292_166_656, 676_550_144)
     assert megatron_weight_bytes(spec, 1, 1) == 4 * total
     assert memory.vision_params(spec, 1) + memory.projector_params(spec, 1) == visual
+
+
+@pytest.mark.slow
+def test_processor_inputs_match_hf(model, converted):
+    """Inputs as Qwen2.5-VL's own ``AutoProcessor`` makes them (the hub's image processor and chat template; two
+    images of different sizes in one prompt): the image-pad tokens per image and the token types are the reference
+    batch's rule, and Megatron's logits at TP1 (positions from ``mrope_position_ids``) equal HF's (1e-4). The
+    processor's video half needs torchvision (the 3.12 lane)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("Qwen2.5-VL's AutoProcessor needs torchvision (its video processor); the 3.12 lane has it")
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from megatron_vlm.checkpoint import layout as ckpt
+    from megatron_vlm.convert.verify import load_hf_model
+    from megatron_vlm.model.qwen_vl import mrope_position_ids
+    from megatron_vlm.runtime.session import single_process_world
+    from tests.support.worlds import _model_for
+
+    spec = VLMSpec.from_hf_dir(model)
+    processor = AutoProcessor.from_pretrained(str(model))
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((150, 230), (90, 60))]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"},
+                                             {"type": "image"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    ids, grid = inputs["input_ids"], inputs["image_grid_thw"]
+    assert grid.tolist() == [[1, 10, 16], [1, 6, 4]]  # two sizes; the first spans 2 x 2 windows
+    assert int((ids == spec.image_token_id).sum()) == int(grid.prod(-1).sum()) // spec.spatial_merge_size ** 2
+    assert torch.equal((ids == spec.image_token_id).to(torch.int64), inputs["mm_token_type_ids"].to(torch.int64))
+    with torch.no_grad():
+        ref = load_hf_model(model)(**inputs).logits[0]
+    positions = mrope_position_ids(spec.to_hf_config(), ids, grid, spec.image_token_id)
+    with single_process_world(), torch.no_grad():
+        meg = _model_for(ckpt.resolve_iteration_dir(converted[0]), 1, 1, ids.shape[1])
+        out, _ = meg(images=inputs["pixel_values"], image_grid_thw=grid, input_ids=ids, position_ids=positions)
+    diff = (ref - out[0, :, :spec.vocab_size]).abs().max().item()
+    print(f"\nQwen2.5-VL: processor-made inputs, max |logit diff| at TP1 {diff:.2g}")
+    assert diff < TOL
