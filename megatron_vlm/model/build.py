@@ -9,7 +9,9 @@ and projector on the first stage) and the fixes that make megatron's LLaVA numer
 (bidirectional ViT attention, ViT cut at ``vision_feature_layer``, no SigLIP post-layernorm, model_type
 for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get
 :class:`~megatron_vlm.model.anyres_model.AnyresLLaVAModel`; InternVL gets megatron-core's ``LLaVAModel`` with its pixel
-shuffle and InternViT's layers and projector (:mod:`megatron_vlm.model.internvit`).
+shuffle and InternViT's layers and projector (:mod:`megatron_vlm.model.internvit`); Qwen2.5-VL gets
+:class:`~megatron_vlm.model.qwen_vl.QwenVLModel` (its configs here: the ViT's, the merger's, the LM's with
+``mrope_section``; local layers only so far, :data:`QWEN_VL_NOT_YET`).
 """
 
 from __future__ import annotations

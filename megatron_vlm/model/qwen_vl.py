@@ -34,10 +34,10 @@ def mrope_position_ids(hf_config, input_ids: torch.Tensor, image_grid_thw: torch
 
     host = types.SimpleNamespace(config=hf_config, get_vision_position_ids=functools.partial(
         Qwen2_5_VLModel.get_vision_position_ids, None))
-    types_ = (input_ids == image_token_id).to(torch.int32)  # mm_token_type_ids: 1 for image tokens
-    if image_grid_thw is None or not bool(types_.any()):
+    token_types = (input_ids == image_token_id).to(torch.int32)  # mm_token_type_ids: 1 for image tokens
+    if image_grid_thw is None or not bool(token_types.any()):
         return torch.arange(input_ids.shape[1])[None, None].expand(3, input_ids.shape[0], -1).clone()
-    positions, _ = Qwen2_5_VLModel.get_rope_index(host, input_ids, mm_token_type_ids=types_,
+    positions, _ = Qwen2_5_VLModel.get_rope_index(host, input_ids, mm_token_type_ids=token_types,
                                                   image_grid_thw=image_grid_thw)
     return positions
 
