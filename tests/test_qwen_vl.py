@@ -15,7 +15,8 @@ its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
 - **Controls** (the same world): Megatron fed 1-D positions instead of M-RoPE's 3-D ones, and Megatron's ViT with full
   attention in every layer (no windows), must both differ from HF far beyond the tolerance.
 - **Round trips**: HF -> Megatron -> HF byte for byte with dtypes and names: the TP1 torch_dist checkpoint, and legacy
-  rank files at TP2 x PP2 (the ViT's fused q/k/v and SwiGLU biases split over TP).
+  rank files at TP2 x PP2 (the ViT's fused q/k/v and SwiGLU biases split over TP); a bf16 copy (the hub's dtype)
+  through the two commands at TP2.
 - **Memory**: the estimate ``--verify`` checks counts the real 7B's 8.29e9 parameters as HF builds them.
 - **Names**: transformers 4.5x's layout (``model.language_model.*``, ``model.visual.*``) is read as the hub's.
 - **Refusals**: Qwen3-VL / Qwen3-VL-MoE / Qwen2-VL configs, config settings it cannot reproduce, training a
@@ -359,3 +360,28 @@ def test_processor_inputs_match_hf(model, converted):
     diff = (ref - out[0, :, :spec.vocab_size]).abs().max().item()
     print(f"\nQwen2.5-VL: processor-made inputs, max |logit diff| at TP1 {diff:.2g}")
     assert diff < TOL
+
+
+@pytest.mark.slow
+def test_bf16_round_trip_through_the_commands(model, tmp_path):
+    """The hub's dtype: a bf16 copy of the model through ``convert/hf_to_megatron.py --tp 2`` (legacy rank files) and
+    ``convert/megatron_to_hf.py`` comes back byte for byte, every tensor bf16."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_vlm.cli import run_cli
+
+    src = tmp_path / "bf16"
+    shutil.copytree(model, src)
+    w = load_file(str(src / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in w.items()}, str(src / "model.safetensors"),
+              metadata={"format": "pt"})
+    meg, out = tmp_path / "meg", tmp_path / "out"
+    to_megatron, to_hf = script("convert/hf_to_megatron.py").main, script("convert/megatron_to_hf.py").main
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run_cli(to_megatron, ["--hf-dir", str(src), "--megatron-dir", str(meg), "--tp", "2",
+                                     "--ckpt-format", "torch"]) == 0
+        assert run_cli(to_hf, ["--megatron-dir", str(meg), "--hf-dir", str(out)]) == 0
+    _assert_same_bytes(src, out)
+    assert {HFReader(out).get(n).dtype for n in HFReader(out).names()} == {torch.bfloat16}
