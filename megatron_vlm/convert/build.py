@@ -103,6 +103,9 @@ def build_llava(
 
     if arch not in ARCHS:
         raise ValueError(f"--arch {arch!r} is not one of {', '.join(ARCHS)}")
+    if arch == "qwen2_5_vl":
+        raise ValueError("--arch qwen2_5_vl: a Qwen2.5-VL model is not assembled from an LM and a vision encoder; "
+                         "convert its own checkpoint with convert/hf_to_megatron.py")
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,

@@ -194,14 +194,28 @@ class HFReader(_MappedTensors):
                 f"--hf-dir {self.dir} has no {SINGLE} or {INDEX}; save the model with safe_serialization=True"
             )
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+        arch = _model_type(self.dir / "config.json")
+
+        def rename(key: str) -> str:
+            return canonical_hf_name(key, arch)
+
         for fname in files:
             if not (self.dir / fname).is_file():
                 raise CheckpointError(f"{self.dir / fname} is listed in {INDEX} but missing; re-download the model")
-            self._add_file(fname, canonical_hf_name)
+            self._add_file(fname, rename)
         if weight_map:
-            missing = [n for n in weight_map if canonical_hf_name(n) not in self._info]
+            missing = [n for n in weight_map if rename(n) not in self._info]
             if missing:
                 raise CheckpointError(f"{len(missing)} tensors of {INDEX} are not in their files, e.g. {missing[0]}")
+
+
+def _model_type(config_json: Path) -> str | None:
+    """The ``model_type`` of an HF config.json (which of mapping's name layouts its tensors use), or None."""
+    try:
+        data = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("model_type") if isinstance(data, dict) else None
 
 
 class SafetensorsFile(_MappedTensors):

@@ -4,7 +4,8 @@ One ``Rule`` per Megatron tensor (tables below, one per family: llama-like text,
 projector). A rule names the HF tensor(s) it is made of, how they are combined (``kind``) and how the
 result is split across tensor-parallel ranks (``split``):
 
-- ``copy``: the same tensor; ``qkv``: q/k/v fused per query group ``[q heads of g; k_g; v_g]`` for each g;
+- ``copy``: the same tensor; ``qkv``: q/k/v fused per query group ``[q heads of g; k_g; v_g]`` for each g
+  (``qkv_packed``: the same from one HF tensor ``[q; k; v]``, Qwen2.5-VL's ViT ``attn.qkv``);
   ``gated``: SwiGLU ``[gate; up]``; ``vocab``: embedding/output rows padded to the padded vocab
   (trimmed on export); ``class_token``: ``[h] <-> [1, 1, h]``; ``unbatch``: ``[1, n, h] <-> [n, h]`` (InternViT's
   position embeddings).
@@ -18,8 +19,9 @@ the expert tensor-parallel size (:func:`split_size`), which megatron-core sets a
 
 Megatron names here are those of a TP=1/PP=1 model's ``state_dict`` with the local layer spec and global
 layer numbers ("full" names); ``local_name`` renumbers language layers for a pipeline stage. HF names are
-the transformers-5 on-disk names (``canonical_hf_name`` reads other layouts). Tensors of the HF model that
-the Megatron model does not hold (vision layers after ``vision_feature_layer``, post layernorms, SigLIP's
+the transformers-5 on-disk names (``canonical_hf_name`` reads other layouts; Qwen2.5-VL's are the hub's
+``model.*`` / ``visual.*`` / ``lm_head.weight``, which transformers 5 writes too, :data:`QWEN_LM`). Tensors of the
+HF model that the Megatron model does not hold (vision layers after ``vision_feature_layer``, post layernorms, SigLIP's
 pooling head) are "extra": they travel with the checkpoint so the exported model is complete.
 """
 
@@ -37,7 +39,7 @@ from megatron_vlm.model.spec import VLMSpec
 class Rule:
     mcore: str
     hf: tuple[str, ...]
-    kind: str = "copy"  # copy | qkv | gated | vocab | class_token | unbatch
+    kind: str = "copy"  # copy | qkv | qkv_packed | gated | vocab | class_token | unbatch
     split: str = "replicated"  # column | row | replicated | gated
     placement: str = "first"  # first | last | layer
     layer: int | None = None  # global language layer (placement == "layer")
@@ -65,8 +67,16 @@ _HF_PREFIXES = [
 ]
 
 
-def canonical_hf_name(name: str) -> str:
-    for old, new in _HF_PREFIXES:
+# Qwen2.5-VL: the hub's (and transformers 5's on-disk) names; transformers 4.5x wrote the in-memory layout
+QWEN_LM = "model."
+QWEN_VT = "visual."
+QWEN_LM_HEAD = "lm_head.weight"
+_QWEN_HF_PREFIXES = [("model.language_model.", QWEN_LM), ("model.visual.", QWEN_VT)]
+
+
+def canonical_hf_name(name: str, arch: str | None = None) -> str:
+    """The name rules use for the on-disk tensor ``name`` of an HF model of ``arch`` (its config's model_type)."""
+    for old, new in (_QWEN_HF_PREFIXES if arch == "qwen2_5_vl" else _HF_PREFIXES):
         if name.startswith(old):
             name = new + name[len(old):]
     return name
@@ -96,16 +106,17 @@ def _moe_mlp_rules(spec: VLMSpec, m: str, h: str, at: dict) -> list[Rule]:
 
 
 def _language_rules(spec: VLMSpec) -> list[Rule]:
+    lm, head = (QWEN_LM, QWEN_LM_HEAD) if spec.is_qwen_vl else (LM, LM_HEAD)
     rules = [
-        Rule("language_model.embedding.word_embeddings.weight", (LM + "embed_tokens.weight",), "vocab", "column"),
-        Rule("language_model.decoder.final_layernorm.weight", (LM + "norm.weight",), placement="last"),
+        Rule("language_model.embedding.word_embeddings.weight", (lm + "embed_tokens.weight",), "vocab", "column"),
+        Rule("language_model.decoder.final_layernorm.weight", (lm + "norm.weight",), placement="last"),
     ]
     if not spec.tie_word_embeddings:
-        rules.append(Rule("language_model.output_layer.weight", (LM_HEAD,), "vocab", "column", placement="last"))
+        rules.append(Rule("language_model.output_layer.weight", (head,), "vocab", "column", placement="last"))
     qkv = dict(heads=spec.num_attention_heads, groups=spec.num_query_groups, head_dim=spec.kv_channels)
     moe_layers = set(spec.moe_layers)
     for i in range(spec.num_layers):
-        m, h = f"language_model.decoder.layers.{i}.", f"{LM}layers.{i}."
+        m, h = f"language_model.decoder.layers.{i}.", f"{lm}layers.{i}."
         at = dict(placement="layer", layer=i)
         rules += [
             Rule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), **at),
@@ -166,9 +177,44 @@ def _internvit_rules(spec: VLMSpec) -> list[Rule]:
     return rules
 
 
+def _qwen_vit_rules(spec: VLMSpec) -> list[Rule]:
+    """Qwen2.5-VL's ViT (HF ``visual``) -> :class:`~megatron_vlm.model.qwen_vit.QwenViT` and the merger
+    (:class:`~megatron_vlm.model.qwen_vit.QwenMerger`): the Conv3d patch embedding replicated, the fused ``attn.qkv``
+    re-laid per head and split with the heads, the SwiGLU MLP's gate/up (and their biases) split per TP rank."""
+    v = "vision_model."
+    rules = [Rule(v + "patch_embed.proj.weight", (QWEN_VT + "patch_embed.proj.weight",))]
+    heads = spec.vision_num_attention_heads
+    qkv = dict(heads=heads, groups=heads, head_dim=spec.vision_hidden_size // heads)
+    for i in range(spec.vision_num_layers):
+        m, h = f"{v}decoder.layers.{i}.", f"{QWEN_VT}blocks.{i}."
+        rules += [
+            Rule(m + "input_layernorm.weight", (h + "norm1.weight",)),
+            Rule(m + "pre_mlp_layernorm.weight", (h + "norm2.weight",)),
+        ]
+        for p in ("weight", "bias"):
+            row = "row" if p == "weight" else "replicated"
+            rules += [
+                Rule(m + f"self_attention.linear_qkv.{p}", (h + f"attn.qkv.{p}",), "qkv_packed", "column", **qkv),
+                Rule(m + f"self_attention.linear_proj.{p}", (h + f"attn.proj.{p}",), split=row),
+                Rule(m + f"mlp.linear_fc1.{p}", (h + f"mlp.gate_proj.{p}", h + f"mlp.up_proj.{p}"), "gated", "gated"),
+                Rule(m + f"mlp.linear_fc2.{p}", (h + f"mlp.down_proj.{p}",), split=row),
+            ]
+    g, pr = QWEN_VT + "merger.", "vision_projection."
+    rules += [
+        Rule(pr + "ln_q.weight", (g + "ln_q.weight",)),
+        Rule(pr + "encoder.linear_fc1.weight", (g + "mlp.0.weight",), split="column"),
+        Rule(pr + "encoder.linear_fc1.bias", (g + "mlp.0.bias",), split="column"),
+        Rule(pr + "encoder.linear_fc2.weight", (g + "mlp.2.weight",), split="row"),
+        Rule(pr + "encoder.linear_fc2.bias", (g + "mlp.2.bias",)),
+    ]
+    return rules
+
+
 def _vision_rules(spec: VLMSpec) -> list[Rule]:
     if spec.vision_family == "internvit":
         return _internvit_rules(spec)
+    if spec.is_qwen_vl:
+        return _qwen_vit_rules(spec)
     e, v = VT + "embeddings.", "vision_model."
     rules = [
         Rule(v + "conv1.weight", (e + "patch_embedding.weight",)),
@@ -201,6 +247,8 @@ def _vision_rules(spec: VLMSpec) -> list[Rule]:
 
 
 def _projector_rules(spec: VLMSpec) -> list[Rule]:
+    if spec.is_qwen_vl:
+        return []  # the patch merger's rules are the ViT's (_qwen_vit_rules)
     m = "vision_projection.encoder."
     rules = [
         Rule(m + "linear_fc1.weight", (PROJ + "linear_1.weight",), split="column"),
@@ -230,7 +278,7 @@ def extra_hf_names(spec: VLMSpec, hf_names) -> list[str]:
     """HF tensors that no rule consumes (they travel next to the Megatron weights)."""
     used = {h for r in rules(spec) for h in r.hf}
     if spec.tie_word_embeddings:
-        used.add(LM_HEAD)
+        used.add(QWEN_LM_HEAD if spec.is_qwen_vl else LM_HEAD)
     return sorted(n for n in hf_names if n not in used)
 
 
@@ -250,8 +298,8 @@ def to_mcore(rule: Rule, hf: list[torch.Tensor], spec: VLMSpec) -> torch.Tensor:
         return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
     if rule.kind == "gated":
         return torch.cat(hf, dim=0)
-    if rule.kind == "qkv":
-        q, k, v = hf
+    if rule.kind in ("qkv", "qkv_packed"):
+        q, k, v = hf if rule.kind == "qkv" else hf[0].chunk(3, dim=0)
         g, hd = rule.groups, rule.head_dim
         per = rule.heads // g
         tail = q.shape[1:]
@@ -271,13 +319,14 @@ def to_hf(rule: Rule, full: torch.Tensor, spec: VLMSpec) -> list[torch.Tensor]:
         return [full[: spec.vocab_size]]
     if rule.kind == "gated":
         return list(full.chunk(2, dim=0))
-    if rule.kind == "qkv":
+    if rule.kind in ("qkv", "qkv_packed"):
         g, hd = rule.groups, rule.head_dim
         per = rule.heads // g
         tail = full.shape[1:]
         grouped = full.reshape(g, (per + 2) * hd, *tail)
         q, k, v = grouped.split([per * hd, hd, hd], dim=1)
-        return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
+        out = [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
+        return out if rule.kind == "qkv" else [torch.cat(out, dim=0)]
     raise ValueError(rule.kind)
 
 

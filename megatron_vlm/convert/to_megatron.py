@@ -64,7 +64,7 @@ class _Plan:
         """Anonymous bytes the full tensor takes when computed (0 when it is the memory-mapped HF tensor)."""
         numel = math.prod(self.shape[rule.mcore])
         src = self.reader.info(rule.hf[0]).dtype
-        made = numel * itemsize(src) if rule.kind in ("qkv", "gated", "vocab") else 0
+        made = numel * itemsize(src) if rule.kind in ("qkv", "qkv_packed", "gated", "vocab") else 0
         cast = numel * itemsize(self.out_dtype(rule)) if self.out_dtype(rule) != src else 0
         return made + cast
 

@@ -1,7 +1,8 @@
 """Numerical verification: HF LLaVA logits vs the Megatron model loaded from a checkpoint, in fp32.
 
 The reference batch holds images at different positions of the text (a OneVision model with a video token:
-also a video of 3 frames, and a sample with an image and a 2-frame video). HF takes the image (video) token
+also a video of 3 frames, and a sample with an image and a 2-frame video; Qwen2.5-VL: images of two sizes, expanded
+by the processor's rule, with their M-RoPE positions, :mod:`megatron_vlm.convert.qwen_reference`). HF takes the image (video) token
 expanded to its number of tokens and videos as ``pixel_values_videos``; Megatron's LLaVAModel takes one token
 per image or video and expands it itself. The Megatron side runs in a world of TP*PP processes (in this
 process at TP=PP=1), through megatron-core's pipeline schedule (forward only), and logits are compared on the
@@ -148,6 +149,10 @@ def reference_batch(spec: VLMSpec, text_len: int = 12, positions=(1, 7), seed: i
         return _anyres_reference_batch(spec, text_len, seed)
     if spec.is_internvl:
         return internvl_reference_batch(spec, INTERNVL_SAMPLES, text_len, seed)
+    if spec.is_qwen_vl:  # images of two sizes, expanded as its processor does, with M-RoPE positions
+        from megatron_vlm.convert.qwen_reference import qwen_reference_batch
+
+        return qwen_reference_batch(spec, seed)
     g = torch.Generator().manual_seed(seed)
     vocab = spec.vocab_size
     rows, hf_rows = [], []

@@ -189,6 +189,7 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
                     "model's config; give the LLaVA directory written by convert/build_llava.py (or the "
                     "tokenizer/ directory of a training checkpoint)")
             spec = VLMSpec.from_hf_dir(self.hf_dir)
+        spec.check_supported("the data pipeline (task encoder: images, videos, chat template)")
         self.spec = spec
         #: the model's input is the whole kept sequence, HF's framing (a mixture-of-experts LM: whole_sequence)
         self.whole = whole_sequence(spec)

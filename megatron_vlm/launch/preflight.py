@@ -326,8 +326,19 @@ def check_spec_against_tensors(spec: VLMSpec, source: str, it_dir) -> list[str]:
     return []
 
 
+def check_supported(spec: VLMSpec, source: str) -> list[str]:
+    """The one problem of a model family that megatron-vlm converts but does not train yet (Qwen2.5-VL), or none."""
+    from megatron_vlm.model.spec import UnsupportedArchitectureError
+
+    try:
+        spec.check_supported("training")
+    except UnsupportedArchitectureError as e:
+        return [f"{e} (model: {source})"]
+    return []
+
+
 def check_spec(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
-    problems = []
+    problems = check_supported(spec, source)
     try:
         spec.check_parallelism(cfg.tp, cfg.pp, cfg.pp_layers, cfg.ep, cfg.etp)
         cfg.vpp_size(spec)  # virtual pipeline stages: each rank's layers split into equal chunks

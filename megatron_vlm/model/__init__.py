@@ -17,9 +17,12 @@ The contract (pure Python, read by every other part):
 
 The megatron-core side (imports megatron-core):
 
-- :mod:`.build`           this rank's ``LLaVAModel`` (one per model chunk with virtual pipeline stages);
+- :mod:`.build`           this rank's ``LLaVAModel`` (one per model chunk with virtual pipeline stages), or
+                          Qwen2.5-VL's ``QwenVLModel``;
 - :mod:`.layer_impl`      Transformer Engine or local layers, and the checkpoint keys between them;
 - :mod:`.anyres_model`    ``AnyresLLaVAModel`` (LLaVA-NeXT / OneVision image features);
 - :mod:`.internvit`       InternViT on megatron-core's ViT;
+- :mod:`.qwen_vit`        Qwen2.5-VL's windowed ViT with 2-D rotary positions and its patch merger;
+- :mod:`.qwen_vl`         Qwen2.5-VL's model (the ViT, the merger, ``GPTModel`` with M-RoPE) and its 3-D positions;
 - :mod:`.cp_attention`    context parallelism without Transformer Engine.
 """

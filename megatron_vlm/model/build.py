@@ -9,7 +9,9 @@ and projector on the first stage) and the fixes that make megatron's LLaVA numer
 (bidirectional ViT attention, ViT cut at ``vision_feature_layer``, no SigLIP post-layernorm, model_type
 for the PP schedules). Anyres models (LLaVA-NeXT, OneVision) get
 :class:`~megatron_vlm.model.anyres_model.AnyresLLaVAModel`; InternVL gets megatron-core's ``LLaVAModel`` with its pixel
-shuffle and InternViT's layers and projector (:mod:`megatron_vlm.model.internvit`).
+shuffle and InternViT's layers and projector (:mod:`megatron_vlm.model.internvit`); Qwen2.5-VL gets
+:class:`~megatron_vlm.model.qwen_vl.QwenVLModel` (its configs here: the ViT's, the merger's, the LM's with
+``mrope_section``; local layers only so far, :data:`QWEN_VL_NOT_YET`).
 """
 
 from __future__ import annotations
@@ -499,6 +501,10 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=True)
+    if spec.is_qwen_vl:
+        model = _build_qwen_vl(spec, opts, pre_process, post_process, vp_stage)
+        model.model_type = ModelType.encoder_or_decoder
+        return model
     attention, _ = attention_backend(opts)
     lang_spec, vit_spec, proj_spec = layer_specs(opts.use_te, spec.qk_layernorm, opts.cp, attention)
     if spec.is_internvl:
@@ -564,6 +570,88 @@ def _internvit_specs(spec: VLMSpec, vit_spec, use_te: bool):
         vit_spec.submodules.input_layernorm = LocalNorm
         vit_spec.submodules.pre_mlp_layernorm = LocalNorm
     return vit_spec, internvit.projector_spec(use_te)
+
+
+#: what this slice of Qwen2.5-VL (issue 64) does not build yet -> the one line refusing it
+QWEN_VL_NOT_YET = (
+    ("use_te", "Transformer Engine layers"), ("sequence_parallel", "sequence parallelism"),
+    ("fp8", "FP8"), ("recompute_granularity", "activation recomputation"),
+)
+
+
+def qwen_vision_config(spec: VLMSpec, opts: ModelOptions):
+    """Qwen2.5-VL's ViT: RMSNorm (HF's fixed 1e-6), q/k/v and output biases, SwiGLU MLP with biases, every layer on
+    the first pipeline stage."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.vision_num_layers,
+        hidden_size=spec.vision_hidden_size,
+        ffn_hidden_size=spec.vision_ffn_hidden_size,
+        num_attention_heads=spec.vision_num_attention_heads,
+        num_query_groups=spec.vision_num_attention_heads,
+        kv_channels=spec.vision_hidden_size // spec.vision_num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.vision_norm_epsilon,
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        pipeline_model_parallel_size=1,
+        **_common(opts, "vision"),
+    )
+
+
+def qwen_merger_config(spec: VLMSpec, opts: ModelOptions):
+    """The patch merger's MLP: merged width -> merged width (exact GELU) -> the LM's hidden size, with biases."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.projector_input_size,
+        num_attention_heads=spec.num_attention_heads,  # unused by the MLP; must divide by tp
+        add_bias_linear=True,
+        gated_linear_unit=False,
+        activation_func=F.gelu,
+        normalization="RMSNorm",  # the merger's ln_q
+        layernorm_epsilon=spec.vision_norm_epsilon,
+        pipeline_model_parallel_size=1,
+        **_common(opts, "projector"),
+    )
+
+
+def _build_qwen_vl(spec: VLMSpec, opts: ModelOptions, pre_process: bool, post_process: bool,
+                   vp_stage: int | None):
+    """Qwen2.5-VL's :class:`~megatron_vlm.model.qwen_vl.QwenVLModel` for this rank: megatron-core's local layers
+    (the language layers as for any Qwen2 LM, with M-RoPE; the ViT's from megatron-core's ViT spec with RMSNorm and
+    SwiGLU, :mod:`megatron_vlm.model.qwen_vit`)."""
+    from megatron_vlm.model import qwen_vit, qwen_vl
+
+    for flag, what in QWEN_VL_NOT_YET:
+        if getattr(opts, flag):
+            raise ValueError(f"Qwen2.5-VL with {what} is not supported yet (issue 64 converts and verifies it with "
+                             "megatron-core's local layers); drop that option")
+    if opts.cp > 1:
+        raise ValueError("Qwen2.5-VL with context parallelism (--cp) is not supported yet; use --cp 1")
+    if spec.is_moe:
+        raise ValueError("a mixture-of-experts Qwen2.5-VL LM is not supported; use a dense one")
+    lang_spec, vit_spec, _ = layer_specs(False, False, 1, "local")
+    lang_cfg = language_config(spec, opts)
+    lang_cfg.mrope_section = list(spec.mrope_section)
+    lang_spec = _language_block(spec, lang_cfg, lang_spec, False, vp_stage)
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    geometry = dict(patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size,
+                    spatial_merge_size=spec.spatial_merge_size, window_size=spec.window_size,
+                    fullatt_block_indexes=spec.fullatt_block_indexes, rotary_base=spec.vision_rotary_base)
+    return qwen_vl.model_class()(
+        lang_cfg, lang_spec, spec.padded_vocab_size, opts.seq_length, qwen_vision_config(spec, opts),
+        qwen_vit.vision_layer_spec(vit_spec, LocalNorm), qwen_merger_config(spec, opts),
+        MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), geometry, spec.image_token_id,
+        LocalNorm, pre_process=pre_process, post_process=post_process, tie_word_embeddings=spec.tie_word_embeddings,
+        rotary_base=spec.rotary_base, vp_stage=vp_stage, video_token_id=spec.hf_config.get("video_token_id"))
 
 
 def _build_llava(cls, spec: VLMSpec, opts: ModelOptions, lang_cfg, lang_spec, vit_spec, proj_spec, pre_process: bool,

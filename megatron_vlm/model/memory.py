@@ -189,8 +189,20 @@ def stage_layers(spec, layout: Layout, stage: int) -> list[int]:
     return [i for a, b in chunk_layer_ranges(layers_per_stage(spec, layout), layout.vpp)[stage] for i in range(a, b)]
 
 
+def qwen_vit_params(spec, tp: int) -> int:
+    """Qwen2.5-VL's ViT (:mod:`megatron_vlm.model.qwen_vit`) on one TP rank: every layer (q/k/v and output biases,
+    SwiGLU MLP with biases, two RMSNorms) and the Conv3d patches, no position embedding (2-D rotary)."""
+    vh, vf = spec.vision_hidden_size, spec.vision_ffn_hidden_size
+    layer = 3 * vh * vh // tp + 3 * vh // tp + vh * vh // tp + vh  # QKV + bias, proj + bias
+    layer += 2 * vh * vf // tp + 2 * vf // tp + vf * vh // tp + vh  # gate/up + biases, down + bias
+    layer += 2 * vh  # two RMSNorms
+    return spec.vision_num_layers * layer + 3 * spec.temporal_patch_size * spec.patch_size ** 2 * vh
+
+
 def vision_params(spec, tp: int) -> int:
     """The ViT as megatron builds it (``vision_feature_layer`` layers) on one TP rank."""
+    if spec.is_qwen_vl:
+        return qwen_vit_params(spec, tp)
     vh, vf = spec.vision_hidden_size, spec.vision_ffn_hidden_size
     qkv_bias = 3 * vh // tp if spec.vision_qkv_bias else 0
     layer = 3 * vh * vh // tp + qkv_bias + vh * vh // tp + vh  # QKV (+ bias), proj (+ bias)
@@ -210,6 +222,8 @@ def vision_params(spec, tp: int) -> int:
 
 def projector_params(spec, tp: int) -> int:
     vh, h = spec.projector_input_size, spec.hidden_size
+    if spec.is_qwen_vl:  # the patch merger: ln_q, merged width -> merged width -> hidden, biases
+        return spec.vision_hidden_size + vh * vh // tp + vh // tp + vh * h // tp + h
     bias = spec.projector_bias
     n = vh * h // tp + (h // tp if bias else 0) + h * h // tp + (h if bias else 0)
     n += 2 * vh if spec.is_internvl else 0  # InternVL's LayerNorm before linear_fc1

@@ -3,8 +3,10 @@ Megatron configs from an HF config.
 
 ``VLMSpec.from_hf(llava_config, tokenizer)`` reads an HF ``LlavaConfig``; ``spec.language_config(...)``,
 ``spec.vision_config(...)``, ``spec.projection_config(...)`` and ``spec.llava_kwargs()`` give what
-megatron-core's ``LLaVAModel`` needs; ``spec.to_hf_config()`` goes back. The spec is saved as JSON next to
-every Megatron checkpoint (``SPEC_FILE``) so that a checkpoint alone tells what it holds.
+megatron-core's ``LLaVAModel`` needs; ``spec.to_hf_config()`` goes back. Qwen2.5-VL (``model_type``
+'qwen2_5_vl', :func:`_qwen_vl_spec`) is read from its own config: its windowed ViT with 2-D rotary positions, the
+2 x 2 patch merger and the Qwen2 LM with M-RoPE (``mrope_section``). The spec is saved as JSON next to every
+Megatron checkpoint (``SPEC_FILE``) so that a checkpoint alone tells what it holds.
 """
 
 from __future__ import annotations
@@ -33,6 +35,22 @@ ARCHS = {
     "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration"),
     "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration"),
     "internvl": ("InternVLConfig", "InternVLForConditionalGeneration"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+}
+#: what a Qwen2.5-VL spec refuses beyond conversion and verification (issue 64's first slice)
+QWEN_VL_ONLY_CONVERSION = ("{what} of Qwen2.5-VL (model_type 'qwen2_5_vl') is not supported yet: megatron-vlm "
+                           "converts it HF <-> Megatron and verifies its logits (convert/hf_to_megatron.py --verify, "
+                           "convert/megatron_to_hf.py), nothing more so far")
+#: Qwen2.5-VL's own vision encoder (HF model_type 'qwen2_5_vl_vision'): only inside a Qwen2.5-VL model
+QWEN_VIT = "qwen2_5_vit"
+#: model types of the Qwen-VL family that megatron-vlm does not convert yet -> the one line that refuses each
+NOT_YET = {
+    "qwen2_vl": "Qwen2-VL (model_type 'qwen2_vl') is not supported yet; megatron-vlm converts Qwen2.5-VL "
+                "(model_type 'qwen2_5_vl') of the Qwen-VL family",
+    "qwen3_vl": "Qwen3-VL (model_type 'qwen3_vl') is not supported yet; megatron-vlm converts Qwen2.5-VL "
+                "(model_type 'qwen2_5_vl') of the Qwen-VL family",
+    "qwen3_vl_moe": "Qwen3-VL-MoE (model_type 'qwen3_vl_moe') is not supported yet; megatron-vlm converts "
+                    "Qwen2.5-VL (model_type 'qwen2_5_vl') of the Qwen-VL family",
 }
 # Llama-3 rope scaling parameters that megatron-core's RotaryEmbedding hard-codes (only `factor` is free).
 _MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -104,6 +122,15 @@ class VLMSpec:
     arch: str = "llava"
     image_grid_pinpoints: list[list[int]] | None = None
     vision_aspect_ratio: str | None = None  # OneVision's anyres_max_N
+    # Qwen2.5-VL (arch 'qwen2_5_vl'): the LM's M-RoPE sections (temporal, height, width; halves of kv_channels), the
+    # ViT's Conv3d patches (temporal_patch_size frames of patch_size^2), the merger's spatial_merge_size^2 patches per
+    # token, windows of window_size pixels, the layers of full attention, the ViT's rotary base
+    mrope_section: list[int] | None = None
+    temporal_patch_size: int | None = None
+    spatial_merge_size: int | None = None
+    window_size: int | None = None
+    fullatt_block_indexes: list[int] | None = None
+    vision_rotary_base: float | None = None
     # the HF configs this spec came from (for an exact reconstruction on export)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -144,8 +171,23 @@ class VLMSpec:
         return self.has_class_token and self.vision_feature_select_strategy == "default"
 
     @property
+    def is_qwen_vl(self) -> bool:
+        """Qwen2.5-VL: images at their own resolution (a variable count of ``<|image_pad|>`` tokens, expanded by the
+        processor), its windowed ViT, the patch merger, M-RoPE."""
+        return self.arch == "qwen2_5_vl"
+
+    def check_supported(self, what: str) -> None:
+        """Refuse ``what`` (training, its data, ...) for a family that megatron-vlm converts but does not run there
+        yet: one line naming the family and ``what``."""
+        if self.is_qwen_vl:
+            raise UnsupportedArchitectureError(QWEN_VL_ONLY_CONVERSION.format(what=what))
+
+    @property
     def projector_input_size(self) -> int:
-        """Width of the projector's input: the ViT's hidden size (InternVL: x4 after its 2 x 2 pixel shuffle)."""
+        """Width of the projector's input: the ViT's hidden size (InternVL: x4 after its 2 x 2 pixel shuffle;
+        Qwen2.5-VL: x merge^2, the merged patches)."""
+        if self.is_qwen_vl:
+            return self.vision_hidden_size * self.spatial_merge_size ** 2
         return int(self.vision_hidden_size / (self.downsample_ratio ** 2)) if self.downsample_ratio else \
             self.vision_hidden_size
 
@@ -197,6 +239,10 @@ class VLMSpec:
         token's string and the pad id are read and checked against it (:mod:`megatron_vlm.model.tokenizer`;
         ``sources`` name the files in errors)."""
         arch = cfg.get("model_type", "llava") if isinstance(cfg, dict) else getattr(cfg, "model_type", None)
+        if arch in NOT_YET:
+            raise UnsupportedArchitectureError(NOT_YET[arch])
+        if arch == "qwen2_5_vl":
+            return _qwen_vl_spec(cls, cfg, tokenizer, image_token, sources)
         if arch not in ARCHS:
             raise UnsupportedArchitectureError(
                 f"model_type {arch!r} is not one of {', '.join(ARCHS)}; build a LLaVA directory "
@@ -381,7 +427,10 @@ class VLMSpec:
     def _tp_divides(self) -> tuple[tuple[str, int, str], ...]:
         dense_ffn = (("ffn_hidden_size (intermediate_size)", self.ffn_hidden_size, "language model"),) \
             if self.has_dense_layers else ()
+        merger = (("merged patch width (hidden_size x spatial_merge_size^2)", self.projector_input_size,
+                   "patch merger"),) if self.is_qwen_vl else ()
         return (
+            *merger,
             ("num_attention_heads", self.num_attention_heads, "language model"),
             ("num_query_groups (num_key_value_heads)", self.num_query_groups, "language model"),
             *dense_ffn,
@@ -550,6 +599,100 @@ def _internvit_settings(cfg, v) -> dict:
                                            f"{side * side // 4}")
     return dict(vision_normalization=norm, vision_qkv_bias=bool(v.attention_bias),
                 vision_qk_layernorm=bool(v.use_qk_norm), downsample_ratio=ratio)
+
+
+#: HF's Qwen2.5-VL ViT builds its RMSNorms (norm1, norm2, the merger's ln_q) with this epsilon; its config has none
+QWEN_VIT_NORM_EPS = 1e-6
+#: the image token Qwen2.5-VL's processor expands (one per merged patch)
+QWEN_IMAGE_TOKEN = "<|image_pad|>"
+
+
+def _qwen_vl_spec(cls, cfg, tokenizer=None, image_token: str | None = None, sources: dict | None = None) -> "VLMSpec":
+    """The spec of an HF ``Qwen2_5_VLConfig`` (object or dict; the hub's flat 7B config too, which transformers reads
+    into ``text_config``). What megatron-vlm cannot build is refused in one line naming the setting."""
+    if isinstance(cfg, dict):
+        cfg = hf_config_class("qwen2_5_vl")(**{k: v for k, v in cfg.items() if k != "model_type"})
+    t, v = cfg.text_config, cfg.vision_config
+    if getattr(t, "hidden_act", "silu") != "silu" or getattr(v, "hidden_act", "silu") != "silu":
+        raise UnsupportedArchitectureError(f"Qwen2.5-VL with hidden_act {t.hidden_act!r} (language) / "
+                                           f"{v.hidden_act!r} (vision) is not supported (silu only)")
+    if getattr(t, "use_sliding_window", False):
+        raise UnsupportedArchitectureError("Qwen2.5-VL with use_sliding_window true is not supported: "
+                                           "megatron-core's local attention has no sliding window; set it to false")
+    rope = _rope_parameters(t)
+    section = rope.get("mrope_section")
+    head_dim = t.hidden_size // t.num_attention_heads
+    if not section or len(section) != 3 or 2 * sum(section) != head_dim:
+        raise UnsupportedArchitectureError(f"Qwen2.5-VL's rope mrope_section {section} must give 3 sections whose sum "
+                                           f"is half the head dim ({head_dim // 2}); fix rope_scaling in config.json")
+    if rope.get("rope_type", "default") not in ("default", "mrope"):
+        raise UnsupportedArchitectureError(f"Qwen2.5-VL with rope scaling type {rope.get('rope_type')!r} is not "
+                                           "supported (default M-RoPE only)")
+    if v.out_hidden_size != t.hidden_size:
+        raise UnsupportedArchitectureError(f"the vision out_hidden_size {v.out_hidden_size} differs from the language "
+                                           f"hidden_size {t.hidden_size}; set out_hidden_size to {t.hidden_size}")
+    vhead = v.hidden_size // v.num_heads
+    if v.hidden_size % v.num_heads or vhead % 4:
+        raise UnsupportedArchitectureError(f"vision hidden_size {v.hidden_size} over {v.num_heads} heads: the 2-D "
+                                           "rotary positions need a head dim that is a multiple of 4")
+    merge, patch = int(v.spatial_merge_size), int(v.patch_size)
+    if int(v.window_size) < merge * patch:
+        raise UnsupportedArchitectureError(f"vision window_size {v.window_size} is smaller than one merged patch "
+                                           f"({merge * patch} px); use a multiple of {merge * patch}")
+    full = sorted(int(i) for i in (v.fullatt_block_indexes or []))
+    if any(not 0 <= i < v.depth for i in full):
+        raise UnsupportedArchitectureError(f"fullatt_block_indexes {full} are not layers of the {v.depth}-layer "
+                                           "vision model; fix the config")
+    vision_rope = dict(getattr(v, "rope_parameters", None) or {})
+    image_id = _config_image_token_id(cfg)
+    spec = cls(
+        text_family="qwen2",
+        num_layers=t.num_hidden_layers,
+        hidden_size=t.hidden_size,
+        ffn_hidden_size=t.intermediate_size,
+        num_attention_heads=t.num_attention_heads,
+        num_query_groups=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
+        kv_channels=head_dim,
+        norm_epsilon=t.rms_norm_eps,
+        rotary_base=float(rope.get("rope_theta", 10000.0)),
+        max_position_embeddings=t.max_position_embeddings,
+        vocab_size=t.vocab_size,
+        qkv_bias=True,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        vision_family=QWEN_VIT,
+        vision_num_layers=v.depth,
+        vision_hidden_size=v.hidden_size,
+        vision_ffn_hidden_size=v.intermediate_size,
+        vision_num_attention_heads=v.num_heads,
+        vision_norm_epsilon=QWEN_VIT_NORM_EPS,
+        vision_activation="silu",
+        vision_normalization="RMSNorm",
+        image_size=patch * merge,  # images come at their own size, in whole merged patches of this side
+        patch_size=patch,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        projector_activation="gelu",
+        image_token=QWEN_IMAGE_TOKEN,
+        image_token_id=image_id,
+        pad_token_id=getattr(t, "pad_token_id", None),
+        arch="qwen2_5_vl",
+        mrope_section=[int(x) for x in section],
+        temporal_patch_size=int(v.temporal_patch_size),
+        spatial_merge_size=merge,
+        window_size=int(v.window_size),
+        fullatt_block_indexes=full,
+        vision_rotary_base=float(vision_rope.get("rope_theta", 10000.0)),
+        hf_config={k: x for k, x in cfg.to_dict().items() if k != "_name_or_path"},
+    )
+    if tokenizer is not None:
+        from megatron_vlm.model.tokenizer import special_token_ids
+
+        ids = special_token_ids(tokenizer, image_token or QWEN_IMAGE_TOKEN, image_id, **(sources or {}))
+        spec.image_token, spec.pad_token_id = ids.image_token, ids.pad
+        if len(tokenizer) > spec.vocab_size:
+            raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the embedding only {spec.vocab_size} rows; "
+                             "use the tokenizer of this model")
+    return spec
 
 
 def _config_image_token_id(cfg) -> int:

@@ -143,6 +143,7 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
 
     _progress(rt, t_launch, f"{rt.world_size} rank(s) joined; reading the checkpoint's metadata")
     spec, load_dir, side_src, resuming = _source(cfg)
+    spec.check_supported("training")  # before anything is written
     if cfg.image_token_id is not None and cfg.image_token_id != spec.image_token_id:
         raise ValueError(f"--image-token-id {cfg.image_token_id} differs from the checkpoint's {spec.image_token_id}")
     if load_dir is not None:  # a damaged iteration is refused before anything reads it (collective)

@@ -1,0 +1,154 @@
+"""Qwen2.5-VL on megatron-core: this rank's model, and the 3-D (M-RoPE) positions of its tokens.
+
+:class:`QwenVLModel` is what :func:`megatron_vlm.model.build.build_model` builds for a spec of arch ``qwen2_5_vl``:
+the vision encoder and patch merger of :mod:`megatron_vlm.model.qwen_vit` (first pipeline stage only) and
+megatron-core's ``GPTModel`` with ``position_embedding_type='mrope'`` (its ``MultimodalRotaryEmbedding`` over the
+spec's ``mrope_section``) as the language model. Qwen2.5-VL's processor already writes one ``<|image_pad|>`` token per
+merged patch (a count that varies with each image's size), so megatron-core's ``LLaVAModel`` and its one-token-per-
+image expansion do not fit: the merged vision embeddings are scattered at the image-pad positions, in order, as HF's
+``masked_scatter`` does, and the LM runs on that sequence with the given ``position_ids`` ``[3, b, s]``.
+
+It keeps the interface the trainer and the converters expect of a built model: ``pre_process`` / ``post_process`` /
+``add_encoder``, ``set_input_tensor``, ``vision_model`` / ``vision_projection`` / ``language_model``, megatron-core's
+``sharded_state_dict`` (names under those three prefixes), ``forward`` returning ``(output, loss_mask)``. With
+pipeline parallelism every micro batch is padded to the model's sequence length, as megatron-core's LLaVA pads for
+its fixed point-to-point shapes.
+
+:func:`mrope_position_ids` gives the positions of a token sequence: transformers' own
+``Qwen2_5_VLModel.get_rope_index`` (text positions continue after each image's grid).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+
+def mrope_position_ids(hf_config, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
+                       image_token_id: int) -> torch.Tensor:
+    """``[3, b, s]`` M-RoPE positions of ``input_ids`` (``[b, s]``, images already expanded to their tokens), from
+    transformers' ``Qwen2_5_VLModel.get_rope_index`` with ``hf_config`` (an HF ``Qwen2_5_VLConfig``)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    host = types.SimpleNamespace(config=hf_config, get_vision_position_ids=functools.partial(
+        Qwen2_5_VLModel.get_vision_position_ids, None))
+    token_types = (input_ids == image_token_id).to(torch.int32)  # mm_token_type_ids: 1 for image tokens
+    if image_grid_thw is None or not bool(token_types.any()):
+        return torch.arange(input_ids.shape[1])[None, None].expand(3, input_ids.shape[0], -1).clone()
+    positions, _ = Qwen2_5_VLModel.get_rope_index(host, input_ids, mm_token_type_ids=token_types,
+                                                  image_grid_thw=image_grid_thw)
+    return positions
+
+
+def _model_class():
+    from megatron.core.transformer.module import MegatronModule
+
+    class QwenVLModel(MegatronModule):
+        """Qwen2.5-VL on megatron-core (see the module docstring)."""
+
+        def __init__(self, language_config, language_spec, vocab_size: int, max_sequence_length: int,
+                     vision_config, vision_spec, projection_config, projection_spec, geometry: dict,
+                     image_token_id: int, norm, pre_process: bool = True, post_process: bool = True,
+                     tie_word_embeddings: bool = False, rotary_base: float = 10000.0, vp_stage: int | None = None,
+                     video_token_id: int | None = None):
+            super().__init__(config=language_config)
+            from megatron.core.models.gpt import GPTModel
+
+            from megatron_vlm.model import qwen_vit
+
+            self.pre_process, self.post_process = pre_process, post_process
+            self.add_encoder, self.add_decoder = pre_process, True
+            self.image_token_id, self.video_token_id = image_token_id, video_token_id
+            self.max_sequence_length = max_sequence_length
+            self.pad_to_max = language_config.pipeline_model_parallel_size > 1
+            self.vision_model = self.vision_projection = None
+            if self.add_encoder:
+                self.vision_model = qwen_vit.vit_class()(vision_config, vision_spec, **geometry)
+                merged = vision_config.hidden_size * geometry["spatial_merge_size"] ** 2
+                self.vision_projection = qwen_vit.merger_class()(projection_config, projection_spec, merged, norm,
+                                                                 vision_config.hidden_size,
+                                                                 vision_config.layernorm_epsilon)
+            extra = {} if vp_stage is None else dict(vp_stage=vp_stage)
+            self.language_model = GPTModel(
+                config=language_config, transformer_layer_spec=language_spec, vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length, pre_process=pre_process, post_process=post_process,
+                parallel_output=True, share_embeddings_and_output_weights=tie_word_embeddings,
+                position_embedding_type="mrope", rotary_base=rotary_base, **extra)
+            self.share_embeddings_and_output_weights = tie_word_embeddings
+
+        def shared_embedding_or_output_weight(self):
+            return self.language_model.shared_embedding_or_output_weight()
+
+        def set_input_tensor(self, input_tensor) -> None:
+            if isinstance(input_tensor, (list, tuple)):
+                if len(input_tensor) != 1:
+                    raise ValueError(f"QwenVLModel takes one input tensor from the previous stage, got "
+                                     f"{len(input_tensor)}")
+                input_tensor = input_tensor[0]
+            self.language_model.set_input_tensor(input_tensor)
+
+        def image_embeddings(self, images: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+            """The merged vision embeddings ``[tokens, hidden]`` of every image, in image order."""
+            hidden, window_index = self.vision_model(images, image_grid_thw)
+            return self.vision_projection(hidden, window_index)
+
+        def _pad(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+            n = self.max_sequence_length - t.shape[dim]
+            if not self.pad_to_max or n <= 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = n
+            return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+        def forward(self, images=None, input_ids=None, position_ids=None, attention_mask=None, labels=None,
+                    loss_mask=None, image_grid_thw=None, **kwargs):
+            """``images``: the processor's ``pixel_values`` ``[patches, C x T x P x P]`` of every image in the micro
+            batch, ``image_grid_thw`` ``[images, 3]``; ``input_ids`` ``[b, s]`` with each image's tokens expanded;
+            ``position_ids`` ``[3, b, s]`` (:func:`mrope_position_ids`). Returns ``(logits or loss, loss_mask)``."""
+            videos = sorted(k for k in kwargs if "video" in k)
+            if not videos and input_ids is not None and self.video_token_id is not None and \
+                    bool((input_ids == self.video_token_id).any()):
+                videos = [f"video token {self.video_token_id} in input_ids"]
+            if videos:
+                raise ValueError(f"videos of Qwen2.5-VL ({', '.join(videos)}) are not supported yet; give images only")
+            if position_ids is None or position_ids.dim() != 3 or position_ids.shape[0] != 3:
+                raise ValueError("QwenVLModel needs position_ids [3, batch, seq] (M-RoPE): compute them with "
+                                 "megatron_vlm.model.qwen_vl.mrope_position_ids")
+            if input_ids is not None and input_ids.shape[1] > self.max_sequence_length:
+                raise ValueError(f"a micro batch of {input_ids.shape[1]} tokens exceeds the model's sequence length "
+                                 f"{self.max_sequence_length}; raise --seq-length")
+            decoder_input = None
+            if self.pre_process:
+                emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
+                where = input_ids == self.image_token_id
+                if images is not None and image_grid_thw is not None and len(image_grid_thw):
+                    vision = self.image_embeddings(images, image_grid_thw)
+                    if int(where.sum()) != vision.shape[0]:
+                        raise ValueError(f"the tokens hold {int(where.sum())} image tokens but the images make "
+                                         f"{vision.shape[0]} embeddings; expand each image to its tokens as the "
+                                         "processor does")
+                    emb = emb.transpose(0, 1).masked_scatter(where[..., None], vision.to(emb.dtype))
+                    emb = emb.transpose(0, 1).contiguous()
+                elif bool(where.any()):
+                    raise ValueError("the tokens hold image tokens but no images were given")
+                decoder_input = self._pad(emb, 0)
+            position_ids = self._pad(position_ids, 2)
+            if labels is not None:
+                labels = self._pad(labels, 1)
+            out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
+                                      decoder_input=decoder_input, labels=labels)
+            return out, loss_mask
+
+    return QwenVLModel
+
+
+_CLASSES: dict = {}
+
+
+def model_class():
+    """The :class:`QwenVLModel` class (made once, after megatron-core is importable)."""
+    if "model" not in _CLASSES:
+        _CLASSES["model"] = _model_class()
+    return _CLASSES["model"]

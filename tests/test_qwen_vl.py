@@ -1,0 +1,387 @@
+"""Qwen2.5-VL (HF ``Qwen2_5_VLForConditionalGeneration``) converted to megatron-core and back, held against HF.
+
+Model: the published Qwen2.5-VL-7B-Instruct config (``../shared/hub``, flat, legacy tensor names ``model.*`` /
+``visual.*``), shrunk in size only (:mod:`tests.support.qwen_vl_models`), random weights, around its real tokenizer;
+its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
+
+- **Logits**: fp32 against HF's own model on two samples with images of two sizes (one spanning 2 x 2 windows of the
+  ViT's windowed attention, a row of three windows the last partial, and a small one), expanded as the processor
+  expands them: ``hf_to_megatron --verify`` at TP1 (in this process), and TP2 and PP2 from that torch_dist
+  checkpoint in one 2-process world (1e-4; measured ~6e-6); the same config with Qwen2.5-VL-3B's tied embeddings at
+  TP1 and PP2.
+- **The real processor** (3.12 lane, which has torchvision): ``AutoProcessor``'s inputs for two images of different
+  sizes follow the reference batch's token rule, and Megatron's logits on them equal HF's (measured 6.6e-6).
+- **M-RoPE**: megatron-core's ``MultimodalRotaryEmbedding`` equals HF's rotary at the batch's 3-D positions.
+- **Controls** (the same world): Megatron fed 1-D positions instead of M-RoPE's 3-D ones, and Megatron's ViT with full
+  attention in every layer (no windows), must both differ from HF far beyond the tolerance.
+- **Round trips**: HF -> Megatron -> HF byte for byte with dtypes and names: the TP1 torch_dist checkpoint, and legacy
+  rank files at TP2 x PP2 (the ViT's fused q/k/v and SwiGLU biases split over TP); a bf16 copy (the hub's dtype)
+  through the two commands at TP2.
+- **Memory**: the estimate ``--verify`` checks counts the real 7B's 8.29e9 parameters as HF builds them.
+- **Names**: transformers 4.5x's layout (``model.language_model.*``, ``model.visual.*``) is read as the hub's.
+- **Refusals**: Qwen3-VL / Qwen3-VL-MoE / Qwen2-VL configs, config settings it cannot reproduce, training a
+  Qwen2.5-VL checkpoint (``train/run.py``) and its data pipeline (the task encoder), and videos given to the model, in
+  one line naming them, before anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+
+import pytest
+import torch
+
+from megatron_vlm.convert.hf_io import HFReader
+from megatron_vlm.model.spec import VLMSpec
+
+from .conftest import script
+
+TOL = 1e-4  # fp32 logits, as --verify's default
+#: (model, tp, pp, control) of the 2-process world ("tied": the 7B config with Qwen2.5-VL-3B's tied embeddings)
+JOBS = [("7B", 2, 1, None), ("7B", 1, 2, None), ("7B", 1, 1, "flat"), ("7B", 1, 1, "no_windows"),
+        ("tied", 1, 1, None), ("tied", 1, 2, None)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from tests.support.qwen_vl_models import qwen_vl_hf_model
+
+    return qwen_vl_hf_model(tmp_path_factory.mktemp("qwen_vl") / "hf")
+
+
+@pytest.fixture(scope="module")
+def converted(model, tmp_path_factory):
+    """``hf_to_megatron --verify`` at TP1 (torch_dist: it loads at any layout); (checkpoint dir, printed diff)."""
+    from megatron_vlm.cli import run_cli
+
+    out = tmp_path_factory.mktemp("qwen_vl_meg") / "tp1"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = run_cli(script("convert/hf_to_megatron.py").main,
+                     ["--hf-dir", str(model), "--megatron-dir", str(out), "--verify", "--tolerance", str(TOL)])
+    assert rc == 0, buf.getvalue()
+    return out, float(re.search(r"verify: max \|logit diff\| .* = (\S+) <=", buf.getvalue()).group(1))
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """The 7B config with tied embeddings (Qwen2.5-VL-3B's ``tie_word_embeddings``: no ``lm_head`` on disk), converted
+    at TP1; (HF dir, checkpoint dir)."""
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+    from tests.support.qwen_vl_models import qwen_vl_hf_model
+
+    root = tmp_path_factory.mktemp("qwen_vl_tied")
+    src = qwen_vl_hf_model(root / "hf", seed=3, tie_word_embeddings=True)
+    return src, convert_hf_to_megatron(src, root / "meg")
+
+
+@pytest.fixture(scope="module")
+def world(model, converted, tied, tmp_path_factory):
+    """{(model, tp, pp, control): max |logit diff| vs HF} from one 2-process world."""
+    from megatron_vlm.convert.verify import hf_logits, reference_batch
+    from megatron_vlm.runtime.spawn import run_world
+    from tests.support import qwen_vl_models
+
+    root = tmp_path_factory.mktemp("qwen_vl_ref")
+    sources = {"7B": (model, converted[0]), "tied": tied}
+    refs = {}
+    for name, (src, _) in sources.items():
+        spec = VLMSpec.from_hf_dir(src)
+        batch = reference_batch(spec)
+        torch.save(hf_logits(src, batch), root / f"{name}.pt")
+        refs[name] = (batch, root / f"{name}.pt", spec.vocab_size)
+    jobs = [dict(megatron_dir=str(sources[name][1]), tp=tp, pp=pp, batch=refs[name][0], ref_file=str(refs[name][1]),
+                 vocab=refs[name][2], control=control) for name, tp, pp, control in JOBS]
+    return dict(zip(JOBS, run_world(qwen_vl_models.logit_diffs, 2, jobs)[0]))
+
+
+def test_spec_of_the_published_config(model):
+    """What the spec reads from the hub's flat 7B config (shrunk): the families, M-RoPE sections, the ViT's windows
+    and full-attention layers, the image token, and the vocabulary beyond the tokenizer's."""
+    from transformers import AutoTokenizer
+
+    s = VLMSpec.from_hf_dir(model)
+    assert (s.arch, s.text_family, s.vision_family, s.qkv_bias, s.tie_word_embeddings) == \
+        ("qwen2_5_vl", "qwen2", "qwen2_5_vit", True, False)
+    assert (s.mrope_section, s.fullatt_block_indexes, s.window_size, s.spatial_merge_size, s.temporal_patch_size) == \
+        ([4, 6, 6], [1, 3], 112, 2, 2)
+    assert (s.image_token, s.image_token_id, s.pad_token_id, s.vocab_size, s.rotary_base) == \
+        ("<|image_pad|>", 151655, 151643, 152064, 1e6)
+    assert len(AutoTokenizer.from_pretrained(str(model))) == 151665 < s.vocab_size
+    assert s.working_tps() == [1, 2] and s.projector_input_size == 4 * s.vision_hidden_size
+    assert "model.layers.0.self_attn.q_proj.bias" in HFReader(model).names()  # the hub's legacy names
+
+
+@pytest.mark.slow
+def test_verify_at_tp1(converted):
+    """``hf_to_megatron --verify`` (fp32 logits of HF's own model against megatron-core's, TP1) within 1e-4."""
+    print(f"\nQwen2.5-VL: --verify max |logit diff| at TP1 {converted[1]:.2g}")
+    assert converted[1] < TOL
+
+
+@pytest.mark.slow
+def test_logits_match_hf_at_tp2_and_pp2(world):
+    """TP2 and PP2 of the 7B layout, and TP1 and PP2 with tied embeddings (the last stage's copy of the embedding as
+    its output layer), within 1e-4 of HF."""
+    diffs = {k[:3]: v for k, v in world.items() if k[3] is None}
+    print("\nQwen2.5-VL: max |logit diff| vs HF per (model, TP, PP): " +
+          ", ".join(f"{k}: {v:.2g}" for k, v in diffs.items()))
+    assert set(diffs) == {("7B", 2, 1), ("7B", 1, 2), ("tied", 1, 1), ("tied", 1, 2)}, diffs
+    assert max(diffs.values()) < TOL, diffs
+
+
+@pytest.mark.slow
+def test_controls_flat_positions_and_no_windows_fail(world):
+    """The comparison sees M-RoPE and the windows: 1-D positions, or full attention in every ViT layer, differ from HF
+    far beyond the tolerance."""
+    flat, full = world[("7B", 1, 1, "flat")], world[("7B", 1, 1, "no_windows")]
+    print(f"\nQwen2.5-VL controls: 1-D positions {flat:.2g}, no windows {full:.2g}")
+    assert flat > 100 * TOL and full > 100 * TOL
+
+
+def _assert_same_bytes(src, out):
+    a, b = HFReader(src), HFReader(out)
+    assert a.names() == b.names()
+    for n in a.names():
+        ta, tb = a.get(n), b.get(n)
+        assert ta.dtype == tb.dtype and torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), n
+
+
+@pytest.mark.slow
+def test_round_trip_is_byte_identical(model, converted, tied, tmp_path):
+    """HF -> Megatron -> HF: every tensor byte for byte with its dtype, under the hub's names, from the TP1 torch_dist
+    checkpoint and from legacy rank files at TP2 x PP2, and the tied model (no ``lm_head`` written back); the config
+    keeps the fields that decide the model."""
+    from megatron_vlm.convert.to_hf import convert_megatron_to_hf
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+
+    out = convert_megatron_to_hf(converted[0], tmp_path / "hf")
+    _assert_same_bytes(model, out)
+    a, b = (json.loads((d / "config.json").read_text()) for d in (model, out))
+    for k in ("image_token_id", "video_token_id", "vision_start_token_id", "tie_word_embeddings"):
+        assert a[k] == b[k], k
+    assert b["vision_config"]["fullatt_block_indexes"] == [1, 3]
+    assert VLMSpec.from_hf_dir(out).mrope_section == VLMSpec.from_hf_dir(model).mrope_section
+    for f in ("tokenizer_config.json", "preprocessor_config.json", "chat_template.json"):
+        assert (out / f).read_bytes() == (model / f).read_bytes(), f
+    legacy = convert_hf_to_megatron(model, tmp_path / "legacy", ckpt_format="torch", tp=2, pp=2)
+    _assert_same_bytes(model, convert_megatron_to_hf(legacy, tmp_path / "hf_legacy"))
+    tied_out = convert_megatron_to_hf(tied[1], tmp_path / "hf_tied")
+    _assert_same_bytes(tied[0], tied_out)
+    assert "lm_head.weight" not in HFReader(tied_out).names()
+    assert json.loads((tied_out / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize("model_type,name", [("qwen3_vl", "Qwen3-VL"), ("qwen3_vl_moe", "Qwen3-VL-MoE"),
+                                             ("qwen2_vl", "Qwen2-VL")])
+def test_other_qwen_vl_families_are_refused_in_one_line(model_type, name, tmp_path, capsys):
+    """``hf_to_megatron`` refuses the Qwen-VL families it does not convert yet, naming them, and writes nothing."""
+    from megatron_vlm.cli import run_cli
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": model_type}))
+    out = tmp_path / "meg"
+    rc = run_cli(script("convert/hf_to_megatron.py").main, ["--hf-dir", str(src), "--megatron-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"{name} (model_type '{model_type}') is not supported yet" in err[0], err
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_training_and_its_data_are_refused_in_one_line(model, converted, tmp_path, capsys):
+    """``train/run.py`` with a Qwen2.5-VL checkpoint stops before anything is written, with one line naming the
+    family (the launcher's pre-launch check; the trainer's start-up makes the same one), and the data pipeline's task
+    encoder refuses the model's directory (images, videos and the chat template are not wired for it yet)."""
+    from megatron_vlm.data.task_encoder import VLMTaskEncoder
+    from megatron_vlm.launch import cli
+    from megatron_vlm.model.spec import UnsupportedArchitectureError
+
+    from .launch_helpers import REPO, base_args
+
+    rc = cli.main([*base_args(tmp_path, ids=False), "--megatron-load-dir", str(converted[0]), "--dry-run"],
+                  repo_root=REPO)
+    err = capsys.readouterr().err.strip().splitlines()
+    want = "training of Qwen2.5-VL (model_type 'qwen2_5_vl') is not supported yet"
+    assert rc == 2 and len(err) == 1 and want in err[0], err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        VLMTaskEncoder(model, 256)
+    assert "\n" not in str(e.value) and "the data pipeline (task encoder: images, videos, chat template) of " \
+        "Qwen2.5-VL (model_type 'qwen2_5_vl') is not supported yet" in str(e.value)
+
+
+@pytest.mark.slow
+def test_videos_are_refused_by_the_model(converted):
+    """The model takes images only: video inputs, or the video token in the tokens, are refused in one line."""
+    from megatron_vlm.checkpoint import layout as ckpt
+    from megatron_vlm.runtime.session import single_process_world
+    from tests.support.worlds import _model_for
+
+    with single_process_world():
+        model = _model_for(ckpt.resolve_iteration_dir(converted[0]), 1, 1, 64)
+        ids = torch.tensor([[1, 2, 151656, 3]])
+        positions = torch.arange(4)[None, None].expand(3, 1, 4)
+        for kwargs in (dict(input_ids=ids), dict(input_ids=ids[:, [0, 1, 3]], pixel_values_videos=torch.zeros(4, 8),
+                                                 position_ids=positions[..., :3])):
+            with pytest.raises(ValueError) as e:
+                model(**{"position_ids": positions, **kwargs})
+            assert "\n" not in str(e.value) and "videos of Qwen2.5-VL" in str(e.value) and \
+                "are not supported yet" in str(e.value), str(e.value)
+
+
+def test_megatron_mrope_equals_hf_rotary(model):
+    """megatron-core's ``MultimodalRotaryEmbedding`` (``GPTModel``'s ``mrope``) gives HF's ``Qwen2_5_VLRotaryEmbedding``
+    angles at the reference batch's 3-D positions (transformers' ``get_rope_index``), section by section; 1-D positions
+    give others."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+    from transformers import AutoConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+
+    from megatron_vlm.convert.verify import reference_batch
+    from megatron_vlm.runtime.session import single_process_world
+
+    spec = VLMSpec.from_hf_dir(model)
+    batch = reference_batch(spec)
+    hf = Qwen2_5_VLRotaryEmbedding(AutoConfig.from_pretrained(str(model)).text_config)
+    x = torch.zeros(1, dtype=torch.float32)
+    with single_process_world():
+        mrope = MultimodalRotaryEmbedding(kv_channels=spec.kv_channels, rotary_percent=1.0,
+                                          rotary_base=spec.rotary_base)
+        for positions, same in ((batch.position_ids, True), (batch.flat_positions().position_ids, False)):
+            emb = mrope(positions, spec.mrope_section).float().cpu()  # [s, b, 1, head dim] angles
+            cos, sin = hf(x, batch.position_ids)  # HF's at the 3-D positions, [b, s, head dim]
+            mine = (emb.cos()[:, :, 0].transpose(0, 1), emb.sin()[:, :, 0].transpose(0, 1))
+            diff = max((a - b).abs().max().item() for a, b in zip(mine, (cos, sin)))
+            assert (diff < 1e-6) == same, diff
+
+
+@pytest.mark.parametrize("edit,expect", [
+    (dict(use_sliding_window=True), "use_sliding_window true is not supported"),
+    (dict(rope_scaling={"type": "mrope", "mrope_section": [4, 6, 4]}), "mrope_section [4, 6, 4] must give 3 sections"),
+    (dict(vision=dict(out_hidden_size=64)), "the vision out_hidden_size 64 differs from the language hidden_size 128"),
+    (dict(vision=dict(window_size=14)), "vision window_size 14 is smaller than one merged patch (28 px)"),
+    (dict(vision=dict(fullatt_block_indexes=[1, 7])), "fullatt_block_indexes [1, 7] are not layers of the 4-layer"),
+])
+def test_what_megatron_cannot_build_is_refused_in_one_line(edit, expect):
+    """Settings of a Qwen2.5-VL config that this conversion cannot reproduce, one line each naming the setting."""
+    from megatron_vlm.model.spec import UnsupportedArchitectureError
+    from tests.support.qwen_vl_models import small_config
+
+    cfg = small_config()
+    vision = edit.pop("vision", None)
+    cfg.update(edit)
+    if vision:
+        cfg["vision_config"] = dict(cfg["vision_config"], **vision)
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        VLMSpec.from_hf(cfg)
+    assert "\n" not in str(e.value) and expect in str(e.value), str(e.value)
+    assert VLMSpec.from_hf(small_config()).arch == "qwen2_5_vl"  # the unedited config builds
+
+
+def test_transformers_4_names_are_read_as_the_hub_names(model, tmp_path):
+    """Checkpoints transformers 4.5x wrote (``model.language_model.*``, ``model.visual.*``) are read under the hub's
+    names (``model.*``, ``visual.*``), which the rules use and the export writes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    old = tmp_path / "hf"
+    shutil.copytree(model, old)
+    w = load_file(str(old / "model.safetensors"))
+    renamed = {("model.language_model." + k[6:] if k.startswith("model.") else
+                "model." + k if k.startswith("visual.") else k): v for k, v in w.items()}
+    assert any(k.startswith("model.visual.") for k in renamed) and "lm_head.weight" in renamed
+    save_file(renamed, str(old / "model.safetensors"), metadata={"format": "pt"})
+    assert HFReader(old).names() == HFReader(model).names()
+
+
+def test_weight_estimate_is_the_published_models_size():
+    """The memory estimate (what ``--verify`` checks before it writes anything) counts the real Qwen2.5-VL-7B-Instruct
+    as HF builds it from the hub's config: 8,292,166,656 parameters, the ViT and merger 676,550,144 of them."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    from megatron_vlm.convert.verify import megatron_weight_bytes
+    from megatron_vlm.model import memory
+    from tests.support import hub
+    from tests.support.qwen_vl_models import QWEN25_VL_7B
+
+    cfg = AutoConfig.from_pretrained(str(hub.hub_model_dir(QWEN25_VL_7B)))
+    with torch.device("meta"):
+        hf = Qwen2_5_VLForConditionalGeneration(cfg)
+    spec = VLMSpec.from_hf(cfg)
+    total, visual = (sum(p.numel() for p in m.parameters()) for m in (hf, hf.model.visual))
+    assert (total, visual) == (8_292_166_656, 676_550_144)
+    assert megatron_weight_bytes(spec, 1, 1) == 4 * total
+    assert memory.vision_params(spec, 1) + memory.projector_params(spec, 1) == visual
+
+
+@pytest.mark.slow
+def test_processor_inputs_match_hf(model, converted):
+    """Inputs as Qwen2.5-VL's own ``AutoProcessor`` makes them (the hub's image processor and chat template; two
+    images of different sizes in one prompt): the image-pad tokens per image and the token types are the reference
+    batch's rule, and Megatron's logits at TP1 (positions from ``mrope_position_ids``) equal HF's (1e-4). The
+    processor's video half needs torchvision (the 3.12 lane)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("Qwen2.5-VL's AutoProcessor needs torchvision (its video processor); the 3.12 lane has it")
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from megatron_vlm.checkpoint import layout as ckpt
+    from megatron_vlm.convert.verify import load_hf_model
+    from megatron_vlm.model.qwen_vl import mrope_position_ids
+    from megatron_vlm.runtime.session import single_process_world
+    from tests.support.worlds import _model_for
+
+    spec = VLMSpec.from_hf_dir(model)
+    processor = AutoProcessor.from_pretrained(str(model))
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((150, 230), (90, 60))]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"},
+                                             {"type": "image"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    ids, grid = inputs["input_ids"], inputs["image_grid_thw"]
+    assert grid.tolist() == [[1, 10, 16], [1, 6, 4]]  # two sizes; the first spans 2 x 2 windows
+    assert int((ids == spec.image_token_id).sum()) == int(grid.prod(-1).sum()) // spec.spatial_merge_size ** 2
+    assert torch.equal((ids == spec.image_token_id).to(torch.int64), inputs["mm_token_type_ids"].to(torch.int64))
+    with torch.no_grad():
+        ref = load_hf_model(model)(**inputs).logits[0]
+    positions = mrope_position_ids(spec.to_hf_config(), ids, grid, spec.image_token_id)
+    with single_process_world(), torch.no_grad():
+        meg = _model_for(ckpt.resolve_iteration_dir(converted[0]), 1, 1, ids.shape[1])
+        out, _ = meg(images=inputs["pixel_values"], image_grid_thw=grid, input_ids=ids, position_ids=positions)
+    diff = (ref - out[0, :, :spec.vocab_size]).abs().max().item()
+    print(f"\nQwen2.5-VL: processor-made inputs, max |logit diff| at TP1 {diff:.2g}")
+    assert diff < TOL
+
+
+@pytest.mark.slow
+def test_bf16_round_trip_through_the_commands(model, tmp_path):
+    """The hub's dtype: a bf16 copy of the model through ``convert/hf_to_megatron.py --tp 2`` (legacy rank files) and
+    ``convert/megatron_to_hf.py`` comes back byte for byte, every tensor bf16."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_vlm.cli import run_cli
+
+    src = tmp_path / "bf16"
+    shutil.copytree(model, src)
+    w = load_file(str(src / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in w.items()}, str(src / "model.safetensors"),
+              metadata={"format": "pt"})
+    meg, out = tmp_path / "meg", tmp_path / "out"
+    to_megatron, to_hf = script("convert/hf_to_megatron.py").main, script("convert/megatron_to_hf.py").main
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run_cli(to_megatron, ["--hf-dir", str(src), "--megatron-dir", str(meg), "--tp", "2",
+                                     "--ckpt-format", "torch"]) == 0
+        assert run_cli(to_hf, ["--megatron-dir", str(meg), "--hf-dir", str(out)]) == 0
+    _assert_same_bytes(src, out)
+    assert {HFReader(out).get(n).dtype for n in HFReader(out).names()} == {torch.bfloat16}
