@@ -233,7 +233,8 @@ def test_stats_counts_each_images_tokens_from_its_size(models, tmp_path):
 @pytest.mark.parametrize("edit,expect", [
     ({"image_grid_pinpoints": [[20, 30]]}, "[20, 30] is not a multiple of the tile size 20"),
     ({"vision_aspect_ratio": "anyres"}, "vision_aspect_ratio 'anyres' is not supported; use 'anyres_max_N'"),
-    ({"model_type": "qwen2_vl"}, "Qwen2-VL (model_type 'qwen2_vl') is not supported yet; megatron-vlm converts Qwen2.5-VL"),
+    ({"model_type": "qwen2_vl"},
+     "Qwen2-VL (model_type 'qwen2_vl') is not supported yet; megatron-vlm converts Qwen2.5-VL"),
 ])
 def test_bad_anyres_config_is_one_line_error(edit, expect, models, tmp_path, capsys):
     import json

@@ -181,7 +181,8 @@ def _export_tensors(source, rules, spec: VLMSpec, extra, hf_dir, dtype: torch.dt
         stored = full.numel() * full.element_size()
         merged = stored if isinstance(source, mcore_io.DistReader) or rule.split != "replicated" else 0
         # the merged tensor (or the loaded one and the chunk it is read from), the split copies, the cast
-        cost = 2 * merged + (stored if rule.kind in ("qkv", "qkv_packed") else 0) + (nbytes if dtype != full.dtype else 0)
+        cost = 2 * merged + (stored if rule.kind in ("qkv", "qkv_packed") else 0) \
+            + (nbytes if dtype != full.dtype else 0)
         tasks.append(st.Task(rule.mcore, cost=cost, nbytes=nbytes, run=None))
         makers.append(functools.partial(_rule_run, source, rule, spec, dtype))
     for name, (edtype, shape, get, located) in extra.items():

@@ -3,8 +3,8 @@ only, around its real tokenizer, processor config and chat template; random weig
 
 Shrunk: the LM to 2 layers of hidden 128 (4 heads of 32, 2 KV heads; M-RoPE sections scaled with the head: 4/6/6
 over half of its 32), the ViT to 4 layers of hidden 64 (4 heads of 16), full attention in layers 1 and 3 (the
-published model: the last of every 8); the vocabulary (152,064 rows over the tokenizer's 151,665), token ids, patch, temporal patch,
-merge, window size (112 px), norms and rope bases stay as published. The hub's config is flat (its text fields at the
+published model: the last of every 8); the vocabulary (152,064 rows over the tokenizer's 151,665), token ids, patch,
+temporal patch, merge, window size (112 px), norms and rope bases stay as published. The hub's config is flat (its text fields at the
 top), as transformers reads it.
 """
 
