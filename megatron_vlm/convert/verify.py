@@ -4,8 +4,8 @@ The reference batch holds images at different positions of the text (a OneVision
 also a video of 3 frames, and a sample with an image and a 2-frame video; Qwen2.5-VL: images of two sizes, expanded
 by the processor's rule, with their M-RoPE positions, :mod:`megatron_vlm.convert.qwen_reference`). HF takes the
 image (video) token expanded to its number of tokens and videos as ``pixel_values_videos``; Megatron's LLaVAModel
-takes one token per image or video and expands it itself. The Megatron side runs in a world of TP*PP processes (in this
-process at TP=PP=1), through megatron-core's pipeline schedule (forward only), and logits are compared on the
+takes one token per image or video and expands it itself. The Megatron side runs in a world of TP*PP processes (in
+this process at TP=PP=1), through megatron-core's pipeline schedule (forward only), and logits are compared on the
 true vocabulary.
 
 Memory stays bounded at any vocabulary and sequence length (:func:`verify_checkpoint`): full-vocabulary
