@@ -144,7 +144,8 @@ def test_probe_runs_inside_the_container(tmp_path, capsys, monkeypatch):
     assert rc == 2 and "no CUDA GPU is visible" in err
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(calls) == 1 and calls[0][:2] == ["exec", "--nv"]
-    assert calls[0][-5:] == [str(tmp_path / "vlm.sif"), "python", "-m", "megatron_vlm.launch.probe", "--cuda"]
+    assert calls[0][-6:] == [str(tmp_path / "vlm.sif"), "python", "-m", "megatron_vlm.launch.probe", "--cuda",
+                             "--te"]  # the container's Transformer Engine decides the layers and CP's attention
     assert not (tmp_path / "out").exists()  # stopped before writing anything
 
 

@@ -37,7 +37,7 @@ import torch
 from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.model.spec import VLMSpec
 
-from .conftest import script
+from .conftest import not_here, script
 
 TOL = 1e-4  # fp32 logits, as --verify's default
 #: (model, tp, pp, control) of the 2-process world ("tied": the 7B config with Qwen2.5-VL-3B's tied embeddings)
@@ -328,7 +328,8 @@ def test_processor_inputs_match_hf(model, converted):
     import importlib.util
 
     if importlib.util.find_spec("torchvision") is None:
-        pytest.skip("Qwen2.5-VL's AutoProcessor needs torchvision (its video processor); the 3.12 lane has it")
+        not_here("Qwen2.5-VL's AutoProcessor needs torchvision (its video processor): the 3.11 lane's CPU torch has "
+                 "none (the 3.12 lane runs this check)")
     import numpy as np
     from PIL import Image
     from transformers import AutoProcessor
