@@ -42,6 +42,7 @@ import torch
 
 from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.model.spec import VLMSpec
+from tests.support.round_trip import assert_same_bytes
 
 from .conftest import not_here, script
 from .data_fixtures import chat_dataset, chat_inputs, llava_dataset, llava_inputs, vqa_dataset, vqa_inputs  # noqa: F401
@@ -294,14 +295,6 @@ def test_logits_match_hf_at_every_layout(name, world):
     assert len(diffs) == len(LAYOUTS[name]) and max(diffs.values()) < TOL, diffs
 
 
-def _assert_same_bytes(src, out):
-    a, b = HFReader(src), HFReader(out)
-    assert a.names() == b.names()
-    for n in a.names():
-        ta, tb = a.get(n), b.get(n)
-        assert ta.dtype == tb.dtype and torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), n
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_round_trip_is_byte_identical(name, models, converted, tmp_path):
@@ -313,7 +306,7 @@ def test_round_trip_is_byte_identical(name, models, converted, tmp_path):
 
     src = models[name]
     out = convert_megatron_to_hf(converted[name][0], tmp_path / "hf")
-    _assert_same_bytes(src, out)
+    assert_same_bytes(src, out)
     a, b = (json.loads((d / "config.json").read_text()) for d in (src, out))
     for k in ("image_token_id", "image_seq_length", "downsample_ratio", "vision_feature_layer"):
         assert a[k] == b[k], k
@@ -325,7 +318,7 @@ def test_round_trip_is_byte_identical(name, models, converted, tmp_path):
     layout = {"InternVL3_5-30B-A3B-HF": dict(tp=2, pp=2, ep=2), "InternVL3_5-38B-HF": dict(tp=2)}.get(name)
     if layout:
         meg = convert_hf_to_megatron(src, tmp_path / "legacy", ckpt_format="torch", **layout)
-        _assert_same_bytes(src, convert_megatron_to_hf(meg, tmp_path / "hf_legacy"))
+        assert_same_bytes(src, convert_megatron_to_hf(meg, tmp_path / "hf_legacy"))
 
 
 #: images (h, w) of the data tests: 3 x 4 tiles + thumbnail, 5 x 2 + thumbnail, one tile, 3 x 2 + thumbnail
@@ -641,7 +634,7 @@ def test_build_llava_arch_internvl(models, tmp_path, capsys):
                                                                   str(tmp_path / "meg"), "--verify", "--tolerance",
                                                                   str(TOL)]) == 0
         assert "verify: max |logit diff|" in capsys.readouterr().out
-        _assert_same_bytes(out, convert_megatron_to_hf(tmp_path / "meg", tmp_path / "back"))
+        assert_same_bytes(out, convert_megatron_to_hf(tmp_path / "meg", tmp_path / "back"))
     rc = run_cli(script("convert/build_llava.py").main, ["--arch", "internvl", "--text-model", str(lm),
                                                          "--vision-model", str(lm), "--save-dir", str(tmp_path / "bad")])
     line = capsys.readouterr().err.strip().splitlines()[-1]

@@ -36,6 +36,7 @@ import torch
 
 from megatron_vlm.convert.hf_io import HFReader
 from megatron_vlm.model.spec import VLMSpec
+from tests.support.round_trip import assert_same_bytes
 
 from .conftest import not_here, script
 
@@ -142,14 +143,6 @@ def test_controls_flat_positions_and_no_windows_fail(world):
     assert flat > 100 * TOL and full > 100 * TOL
 
 
-def _assert_same_bytes(src, out):
-    a, b = HFReader(src), HFReader(out)
-    assert a.names() == b.names()
-    for n in a.names():
-        ta, tb = a.get(n), b.get(n)
-        assert ta.dtype == tb.dtype and torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), n
-
-
 @pytest.mark.slow
 def test_round_trip_is_byte_identical(model, converted, tied, tmp_path):
     """HF -> Megatron -> HF: every tensor byte for byte with its dtype, under the hub's names, from the TP1 torch_dist
@@ -159,7 +152,7 @@ def test_round_trip_is_byte_identical(model, converted, tied, tmp_path):
     from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
 
     out = convert_megatron_to_hf(converted[0], tmp_path / "hf")
-    _assert_same_bytes(model, out)
+    assert_same_bytes(model, out)
     a, b = (json.loads((d / "config.json").read_text()) for d in (model, out))
     for k in ("image_token_id", "video_token_id", "vision_start_token_id", "tie_word_embeddings"):
         assert a[k] == b[k], k
@@ -168,9 +161,9 @@ def test_round_trip_is_byte_identical(model, converted, tied, tmp_path):
     for f in ("tokenizer_config.json", "preprocessor_config.json", "chat_template.json"):
         assert (out / f).read_bytes() == (model / f).read_bytes(), f
     legacy = convert_hf_to_megatron(model, tmp_path / "legacy", ckpt_format="torch", tp=2, pp=2)
-    _assert_same_bytes(model, convert_megatron_to_hf(legacy, tmp_path / "hf_legacy"))
+    assert_same_bytes(model, convert_megatron_to_hf(legacy, tmp_path / "hf_legacy"))
     tied_out = convert_megatron_to_hf(tied[1], tmp_path / "hf_tied")
-    _assert_same_bytes(tied[0], tied_out)
+    assert_same_bytes(tied[0], tied_out)
     assert "lm_head.weight" not in HFReader(tied_out).names()
     assert json.loads((tied_out / "config.json").read_text())["tie_word_embeddings"] is True
 
@@ -384,5 +377,5 @@ def test_bf16_round_trip_through_the_commands(model, tmp_path):
         assert run_cli(to_megatron, ["--hf-dir", str(src), "--megatron-dir", str(meg), "--tp", "2",
                                      "--ckpt-format", "torch"]) == 0
         assert run_cli(to_hf, ["--megatron-dir", str(meg), "--hf-dir", str(out)]) == 0
-    _assert_same_bytes(src, out)
+    assert_same_bytes(src, out)
     assert {HFReader(out).get(n).dtype for n in HFReader(out).names()} == {torch.bfloat16}
