@@ -313,16 +313,7 @@ class VLMSpec:
         moe = _moe_settings(t)
         spec = cls(
             text_family=t.model_type,
-            num_layers=t.num_hidden_layers,
-            hidden_size=t.hidden_size,
-            ffn_hidden_size=t.intermediate_size,
-            num_attention_heads=t.num_attention_heads,
-            num_query_groups=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
-            kv_channels=head_dim,
-            norm_epsilon=t.rms_norm_eps,
-            rotary_base=float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))),
-            max_position_embeddings=t.max_position_embeddings,
-            vocab_size=t.vocab_size,
+            **_text_sizes(t, head_dim, rope),
             qkv_bias=t.model_type == "qwen2",
             qk_layernorm=t.model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=_tied(arch, cfg, t),
@@ -543,6 +534,18 @@ def _moe_settings(t) -> dict:
                 moe_layer_pattern=pattern, moe_aux_loss_coeff=float(getattr(t, "router_aux_loss_coef", 0.0) or 0.0))
 
 
+
+def _text_sizes(t, head_dim: int, rope: dict) -> dict:
+    """The language model's sizes of the HF text config ``t`` (``rope``: its rope parameters), as every family's spec
+    takes them."""
+    return dict(num_layers=t.num_hidden_layers, hidden_size=t.hidden_size, ffn_hidden_size=t.intermediate_size,
+                num_attention_heads=t.num_attention_heads,
+                num_query_groups=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
+                kv_channels=head_dim, norm_epsilon=t.rms_norm_eps,
+                rotary_base=float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))),
+                max_position_embeddings=t.max_position_embeddings, vocab_size=t.vocab_size)
+
+
 def _tied(arch: str, cfg, text_config) -> bool:
     """Whether the HF model ties ``lm_head`` to the embedding. LLaVA configs: either config's flag. InternVL: the
     top-level ``tie_word_embeddings`` defaults to True (transformers 5 ties by it) while the published -HF
@@ -647,16 +650,7 @@ def _qwen_vl_spec(cls, cfg, tokenizer=None, image_token: str | None = None, sour
     image_id = _config_image_token_id(cfg)
     spec = cls(
         text_family="qwen2",
-        num_layers=t.num_hidden_layers,
-        hidden_size=t.hidden_size,
-        ffn_hidden_size=t.intermediate_size,
-        num_attention_heads=t.num_attention_heads,
-        num_query_groups=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
-        kv_channels=head_dim,
-        norm_epsilon=t.rms_norm_eps,
-        rotary_base=float(rope.get("rope_theta", 10000.0)),
-        max_position_embeddings=t.max_position_embeddings,
-        vocab_size=t.vocab_size,
+        **_text_sizes(t, head_dim, rope),
         qkv_bias=True,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         vision_family=QWEN_VIT,
