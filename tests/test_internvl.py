@@ -491,7 +491,8 @@ TRAIN_JOBS = {
     "6b-pp2dp2": ("InternVL3_5-38B-HF", dict(pp=2, micro_batch_size=2), False),
     "1b-video-tp2dp2": ("InternVL3_5-1B-HF", dict(tp=2, micro_batch_size=2), True),
     # context parallelism (issue 49): each sequence, tiles and video frames expanded, split over two ranks
-    "1b-video-cp2dp2": ("InternVL3_5-1B-HF", dict(cp=2, micro_batch_size=2), True),
+    # and the vision encoder's tiles shared out over the two CP ranks (--vision-cp-split, the default; issue 65)
+    "1b-video-cp2dp2": ("InternVL3_5-1B-HF", dict(cp=2, micro_batch_size=2, count_vision_tiles=True), True),
     "moe-ep2dp2": ("InternVL3_5-30B-A3B-HF", dict(ep=2, micro_batch_size=2), False),
 }
 
@@ -564,6 +565,16 @@ def test_trainer_equals_hf(job, trained, models):
         assert any(n.endswith("attention.q_norm.weight") for n in diffs)
     if spec.is_moe:
         assert any(".mlp.experts.7.down_proj." in n for n in diffs)
+
+
+@pytest.mark.slow
+def test_context_parallel_ranks_share_the_tiles(trained):
+    """At CP2 x DP2 (whose gradients, the trained InternViT's included, equal HF's above) each CP rank encodes half of
+    each micro batch's tiles and video frames (one more on one rank where they are odd in number), not all of them."""
+    seen = trained["1b-video-cp2dp2"]["vision_tiles"]  # every rank's tiles per encoder forward
+    for a, b in ((0, 1), (2, 3)):  # the CP groups (megatron-core's tp-cp-ep-dp-pp order, TP 1)
+        assert len(seen[a]) == len(seen[b]) > 0, seen
+        assert all(abs(x - y) <= 1 and x + y > 2 for x, y in zip(seen[a], seen[b])), seen
 
 
 @pytest.mark.slow

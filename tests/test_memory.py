@@ -116,6 +116,16 @@ def test_estimate_scales_with_the_layout():
         assert at[2].weights == at[1].weights and at[2].optimizer == at[1].optimizer
     cp2 = memory.estimate(spec, memory.Layout(**{**base.__dict__, "cp": 2, "dist_optim": True}))[0]
     assert cp2.optimizer == -(-one.optimizer // 8)
+    # a trained vision encoder (issue 65): with --vision-cp-split each CP rank keeps its share of the tiles' encoder
+    # activations (1/CP), without it every rank keeps them all; the language model's part is the same either way
+    vit = {"trained": (True, True, True), "cp": 4}
+    shared, whole = (memory.estimate(spec, memory.Layout(**{**base.__dict__, **vit, "vision_cp_split": split}))[0]
+                     for split in (True, False))
+    frozen = [memory.estimate(spec, memory.Layout(**{**base.__dict__, "cp": 4, "vision_cp_split": split}))[0]
+              for split in (True, False)]
+    assert frozen[0].activations == frozen[1].activations  # a frozen encoder keeps no activations
+    vision = whole.activations - frozen[1].activations  # the encoder's activations on every tile
+    assert vision > 0 and shared.activations - frozen[0].activations == vision // 4, (shared, whole, frozen)
 
 
 @pytest.mark.parametrize("pp,vpp", [(2, 2), (4, 2), (4, 3), (2, 4)])

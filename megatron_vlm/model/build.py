@@ -44,6 +44,7 @@ class ModelOptions:
     pp: int = 1
     cp: int = 1  # context parallelism of the language model (megatron_vlm.model.context_parallel)
     cp_comm_type: str | None = None  # Transformer Engine's CP attention: p2p (None), a2a or allgather
+    vision_cp_split: bool = True  # with cp > 1: the CP ranks share the vision encoder's tiles (model.vision_share)
     pp_layers: list[int] | None = None  # explicit (uneven) language layers per PP stage
     vpp: int = 1  # virtual pipeline stages (model chunks) per PP rank: megatron-core's interleaved schedule
     seq_length: int = 2048  # combined text + image tokens
@@ -539,6 +540,10 @@ def build_model(spec: VLMSpec, opts: ModelOptions, pre_process: bool | None = No
         model.vision_model.ln_post = None
     if model.vision_model is not None and not opts.use_te:
         _local_vit_norms(model.vision_model)
+    if model.vision_model is not None and opts.cp > 1 and opts.vision_cp_split:
+        from megatron_vlm.model import vision_share
+
+        vision_share.share(model.vision_model)
     if spec.is_moe and opts.ep > 1:
         # Expert-parallel ranks exchange their tokens in blocks of one size (megatron-core's all-gather dispatcher),
         # and data-parallel ranks' micro batches differ in length: every micro batch is padded to the full

@@ -35,7 +35,8 @@ logits and their softmax (``2 x 4 B x S x padded vocab / TP``); a trained vision
 for up to one image feature per position. With packing, a micro batch is one ``--packed-seq-length`` row.
 Context parallelism (``--cp``) splits the language model's positions: each rank keeps ``S / CP`` of them (layers,
 logits), and megatron's local attention also the whole sequence's keys and values and ``S / CP x S`` scores per
-head; the vision encoder and projector run on every image on every CP rank. The distributed optimizer shards over
+head; the projector runs on every image on every CP rank, and the vision encoder on the rank's share of the tiles
+(``--vision-cp-split``, the default: ~1/CP of them; :mod:`megatron_vlm.model.vision_share`) or on all of them. The distributed optimizer shards over
 DP x CP ranks (megatron-core's group).
 
 Not counted: the CUDA context, NCCL and cuBLAS workspaces and the allocator's fragmentation (typically 1-3 GB on
@@ -47,6 +48,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from megatron_vlm.model.vision_share import tiles_per_rank
 
 GIB = 2 ** 30
 
@@ -74,6 +77,7 @@ class Layout:
     recompute_num_layers: int | None = None
     fused_attention: bool = True  # Transformer Engine's attention and sdpa keep no S x S matrices
     trained: tuple[bool, bool, bool] = (False, True, True)  # vision encoder, projector, language model
+    vision_cp_split: bool = True  # with cp > 1: each CP rank encodes ~1/CP of the tiles (model.vision_share)
 
     @classmethod
     def of_config(cls, cfg, fused_attention: bool | None = None, spec=None) -> "Layout":
@@ -89,7 +93,8 @@ class Layout:
                    sequence_parallel=bool(cfg.sequence_parallel), recompute_granularity=cfg.recompute_granularity,
                    recompute_method=cfg.recompute_method, recompute_num_layers=cfg.recompute_num_layers,
                    fused_attention=fused_attention,
-                   trained=(parts["vision"], parts["projector"], parts["language"]))
+                   trained=(parts["vision"], parts["projector"], parts["language"]),
+                   vision_cp_split=bool(getattr(cfg, "vision_cp_split", True)))
 
     @property
     def dtype_bytes(self) -> int:
@@ -317,14 +322,18 @@ def _activation_bytes(spec, layout: Layout, stage: int) -> tuple[int, str]:
         return n * layer, "selective recompute" if layout.recompute_granularity == "selective" else "no recompute"
 
     logits = 2 * 4 * mine * b * spec.padded_vocab_size // t  # fp32 logits and their softmax
-    # the projector and the vision encoder run on every image before the CP split
+    # the projector runs on every image before the CP split; the vision encoder on this rank's share of the tiles
+    # (--vision-cp-split: ~1/CP of them), or on all of them
     first = s * b * (spec.vision_hidden_size + 2 * spec.hidden_size) * e  # projector input, FC1, GELU
+    vision_positions = tiles_per_rank(s * b, layout.cp, layout.vision_cp_split)
     if vision_trains:
-        vlayer = s * b * (4 * spec.vision_hidden_size + 3 * spec.vision_hidden_size + 2 * spec.vision_ffn_hidden_size
-                          // t) * e
+        vlayer = vision_positions * (4 * spec.vision_hidden_size + 3 * spec.vision_hidden_size
+                                     + 2 * spec.vision_ffn_hidden_size // t) * e
         first += spec.vit_num_layers * vlayer
     stage_input = mine * b * spec.hidden_size * e  # the embedding output / the stage's input
-    split = f" ({mine} on this rank, CP={layout.cp})" if layout.cp > 1 else ""
+    share = (f", the vision encoder on {vision_positions} of {s * b} tile positions" if vision_trains and stage == 0
+             else "")
+    split = f" ({mine} on this rank, CP={layout.cp}{share})" if layout.cp > 1 else ""
     if layout.vpp > 1 and layout.pp > 1:
         vpp = layout.vpp
         kept, what = layers_part(n_layers // vpp)

@@ -100,7 +100,8 @@ def model_options(cfg, spec: VLMSpec, impl: str, fusions=None, attention: str | 
 
     dtype = compute_dtype(cfg)
     return ModelOptions(
-        tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, cp_comm_type=cfg.cp_comm_type, pp_layers=cfg.pp_layers, vpp=cfg.vpp_size(spec),
+        tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, cp_comm_type=cfg.cp_comm_type,
+        vision_cp_split=cfg.vision_cp_split, pp_layers=cfg.pp_layers, vpp=cfg.vpp_size(spec),
         seq_length=cfg.lm_seq_length, params_dtype=dtype,
         bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16", use_te=impl == "transformer_engine",
         attention_backend=attention or getattr(cfg, "attention_backend", None) or "auto",

@@ -85,13 +85,45 @@ def _reset_peak(device) -> None:
             f.write("5")
 
 
+class _VisionClock:
+    """The vision encoder's forward passes on this rank: tiles, wall seconds and this process's CPU seconds (from
+    its input, cut to the rank's share under --vision-cp-split, to its output, gathered over the CP ranks)."""
+
+    def __init__(self, modules):
+        import time
+
+        self.tiles, self.wall, self.cpu, self._t = 0, 0.0, 0.0, None
+        self._handles = []
+        for m in modules:
+            def before(_m, args):
+                self.tiles += int(args[0].shape[0])
+                self._t = (time.perf_counter(), time.process_time())
+
+            def after(_m, _args, _out):
+                self.wall += time.perf_counter() - self._t[0]
+                self.cpu += time.process_time() - self._t[1]
+
+            self._handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
+
+    def result(self) -> dict:
+        for h in self._handles:
+            h.remove()
+        return {"vision_tiles": self.tiles, "vision_s": self.wall, "vision_cpu_s": self.cpu}
+
+
+def _vision_clock(training) -> _VisionClock:
+    return _VisionClock([mod for model in training.models for name, mod in model.named_modules()
+                         if name.split(".")[-1] == "vision_model"])
+
+
 def step_peak_jobs(megatron_dir, hf_dir, samples: list, jobs: list[dict]) -> list | None:
     """Per job (TrainConfig fields over :data:`~tests.support.train_jobs.BASE`: cp, tp, precision,
     transformer_impl, device, ...): one training step on every rank of one global batch, ``samples`` (encoded
     samples; each data-parallel rank takes its share), from the checkpoint's weights. Returns per job (rank 0) every
     rank's memory (bytes) and the step's loss and seconds: on CUDA ``peak`` is ``max_memory_allocated`` during the
     step and ``before`` what was allocated when it began; on CPU ``peak`` is the process's peak resident set during
-    the step (VmHWM, reset when it began) and ``before`` its resident set then (the model, optimizer and libraries)."""
+    the step (VmHWM, reset when it began) and ``before`` its resident set then (the model, optimizer and libraries).
+    ``time_vision``: each rank also reports its vision encoder's forward passes (:class:`_VisionClock`)."""
     import time
 
     from megatron_vlm.checkpoint import layout as ckpt
@@ -107,7 +139,7 @@ def step_peak_jobs(megatron_dir, hf_dir, samples: list, jobs: list[dict]) -> lis
     iter_dir = ckpt.resolve_iteration_dir(megatron_dir)
     spec = VLMSpec.load(iter_dir)
     for job in jobs:
-        cfg = job_config({k: v for k, v in job.items() if k != "name"}, 1, len(samples))
+        cfg = job_config({k: v for k, v in job.items() if k not in ("name", "time_vision")}, 1, len(samples))
         rt = distributed.setup(cfg.tp, cfg.pp, device=cfg.device, seed=cfg.seed, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp)
         encoder = batching_encoder(hf_dir, spec, pad_multiple(cfg), cfg.seq_length)
         training = build_training(cfg, spec, init_from=iter_dir)
@@ -119,13 +151,15 @@ def step_peak_jobs(megatron_dir, hf_dir, samples: list, jobs: list[dict]) -> lis
             before = torch.cuda.memory_allocated()
         else:
             before = _rss()[0]
+        vision = _vision_clock(training) if job.get("time_vision") else None
         _reset_peak(rt.device)
         t0 = time.perf_counter()
         r = train_step(training, fed, cfg, rt.device)
         seconds = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated() if rt.device.type == "cuda" else _rss()[1]
         mem: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(mem, {"before": before, "peak": peak, "seconds": seconds})
+        torch.distributed.all_gather_object(mem, {"before": before, "peak": peak, "seconds": seconds,
+                                                  **(vision.result() if vision else {})})
         out.append({"name": job.get("name"), "loss": r.loss, "grad_norm": r.grad_norm, "ranks": mem,
                     "positions": max(int(s.num_tokens) for s in samples)})
         release(training)

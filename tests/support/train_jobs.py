@@ -147,7 +147,8 @@ def job_config(job: dict, n_steps: int, global_batch_size: int):
     fields = {k: v for k, v in job.items()
               if k not in ("name", "steps", "start", "save", "save_after", "resume", "reload_weights",
                            "grads", "megatron_dir", "hf_dir", "batches", "refused", "count_syncs", "count_step_syncs",
-                           "unchecked_expert_layout", "evaluate")}
+                           "unchecked_expert_layout", "evaluate", "count_vision_tiles",
+                           "wrong_vision_gather")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
     # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
@@ -271,6 +272,28 @@ def moe_host_syncs(training, counts: dict):
             m.routing = routing
 
 
+def _vision_probes(training, seen: list, job: dict) -> contextlib.ExitStack:
+    """A job's probes of its vision encoders: with ``count_vision_tiles``, the tiles each forward of this rank's
+    encoder takes (after :mod:`megatron_vlm.model.vision_share` has cut its share) appended to ``seen``; with
+    ``wrong_vision_gather``, the control: the CP gather's tiles put back in reverse order. Closed after the steps."""
+    from unittest import mock
+
+    from megatron_vlm.model import vision_share
+
+    stack = contextlib.ExitStack()
+    if job.get("count_vision_tiles"):
+        for model in training.models:
+            for name, module in model.named_modules():
+                if name.split(".")[-1] == "vision_model":
+                    handle = module.register_forward_pre_hook(lambda _m, args: seen.append(int(args[0].shape[0])))
+                    stack.callback(handle.remove)
+    if job.get("wrong_vision_gather"):
+        right = vision_share.gather_index
+        stack.enter_context(mock.patch.object(vision_share, "gather_index",
+                                              lambda counts, width: right(counts, width).flip(0)))
+    return stack
+
+
 def _start(job: dict, cfg, spec, iter_dir, rt):
     """The job's Training, fresh from ``iter_dir``'s weights or resumed as the trainer resumes."""
     from megatron_vlm.training import checkpointing, resume
@@ -313,6 +336,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     the ranks read on the host), every rank's counts by site as 'step_syncs'.
     ``count_syncs``: count a mixture-of-experts model's per-router path in the first step (:func:`moe_host_syncs`),
     every rank's counts as 'host_syncs'.
+    ``count_vision_tiles``: every rank's tiles per vision-encoder forward, as 'vision_tiles' (its CP share);
+    ``wrong_vision_gather``: the CP share's control, its gather in the wrong order (:func:`_vision_probes`).
     ``grads``: also return, as 'grads', every model chunk's (coordinates, local gradients) of the first step, and
     as 'layout' the keyword arguments of :func:`tests.support.grad_reference.assemble` (tp, pp, layers, ep,
     etp), which turns them into HF-named gradients (with virtual pipeline stages each chunk is a stage of a
@@ -383,6 +408,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         syncs: dict = {}
         probe = moe_host_syncs(training, syncs) if job.get("count_syncs") else contextlib.nullcontext()
         step_syncs = None
+        tiles_seen: list[int] = []
+        vision = _vision_probes(training, tiles_seen, job)
         for k, gb in enumerate(global_batches[first:first + steps], 1):
             mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
                 [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
@@ -404,6 +431,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             moe.append(r.moe)
             if k == save_after:
                 _save(job, first + k, cfg, rt, spec, training, iter_dir, len(gb))
+        vision.close()
         val = None
         if job.get("evaluate"):  # the trainer's evaluation (forward only) of the first global batch, weights as now
             from megatron_vlm.training.step import evaluate
@@ -429,6 +457,9 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
                   "val_loss": next((v for v in vals if v is not None), None)}
         if job.get("count_syncs"):  # every rank's counts of its per-router path in the first step
             result["host_syncs"] = every
+        if job.get("count_vision_tiles"):  # every rank's tiles per vision-encoder forward
+            result["vision_tiles"] = [None] * world
+            torch.distributed.all_gather_object(result["vision_tiles"], tiles_seen)
         if job.get("count_step_syncs"):  # every rank's syncing calls of the second step, by site
             result["step_syncs"] = [None] * world
             torch.distributed.all_gather_object(result["step_syncs"], step_syncs)

@@ -118,6 +118,12 @@ class ConfigFields:
         "(a ring, overlapped with compute), a2a (all-to-all over attention heads; heads per TP rank must divide by "
         "CP) or allgather. Default: p2p. Transformer Engine layers only.", "choice", None, "parallel",
         choices=("p2p", "a2a", "allgather"))
+    vision_cp_split: bool = _f(
+        ("--vision-cp-split",), "With --cp > 1, share each micro batch's images, tiles and video frames out over the "
+        "CP ranks: each rank encodes about 1/CP of them and the embeddings are all-gathered (differentiably) before "
+        "the sequence is split, so the vision encoder's time and, unfrozen, its activations per rank are about 1/CP. "
+        "--no-vision-cp-split runs the whole vision encoder on every CP rank (megatron-core's LLaVAModel).", "bool",
+        True, "parallel")
     ep: int = _f(("--ep", "--expert-model-parallel-size"), "Expert-parallel size of a mixture-of-experts language "
                  "model: its experts are dealt out over EP ranks of each pipeline stage (must divide the number of "
                  "experts; EP x --etp must divide TP x CP x data-parallel size).", "int", 1, "parallel")
