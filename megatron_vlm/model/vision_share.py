@@ -32,12 +32,11 @@ def shares(n: int, size: int) -> list[int]:
     return [n // size + (1 if r < n % size else 0) for r in range(size)]
 
 
-def gather_index(counts: list[int], width: int):
-    """The gathered rows that hold tiles, in tile order: rank ``r``'s ``counts[r]`` tiles start at ``r * width``
-    of the gather (every rank's share padded to ``width`` rows)."""
-    import torch
-
-    return torch.cat([torch.arange(counts[r]) + r * width for r in range(len(counts))])
+def gather_rows(counts: list[int], width: int) -> list[tuple[int, int]]:
+    """The gathered rows that hold tiles, as ``(start, stop)`` slices in tile order: rank ``r``'s ``counts[r]``
+    tiles start at ``r * width`` of the gather (every rank's share padded to ``width`` rows). Slices, not an index
+    tensor: nothing is copied to the device."""
+    return [(r * width, r * width + n) for r, n in enumerate(counts) if n]
 
 
 def _group():
@@ -69,7 +68,10 @@ def _after(module, args, output):
     if local.shape[0] < width:  # every rank sends the same rows: its share padded
         local = torch.cat([local, local.new_zeros(width - local.shape[0], *local.shape[1:])])
     gathered = gather_from_sequence_parallel_region(local, tensor_parallel_output_grad=True, group=_group())
-    return gathered[gather_index(counts, width).to(gathered.device)]
+    rows = gather_rows(counts, width)
+    if rows == [(r * width, (r + 1) * width) for r in range(len(counts))]:  # equal shares, in order: all of it
+        return gathered
+    return torch.cat([gathered[a:b] for a, b in rows])
 
 
 def share(vision_model) -> None:

@@ -275,7 +275,7 @@ def moe_host_syncs(training, counts: dict):
 def _vision_probes(training, seen: list, job: dict) -> contextlib.ExitStack:
     """A job's probes of its vision encoders: with ``count_vision_tiles``, the tiles each forward of this rank's
     encoder takes (after :mod:`megatron_vlm.model.vision_share` has cut its share) appended to ``seen``; with
-    ``wrong_vision_gather``, the control: the CP gather's tiles put back in reverse order. Closed after the steps."""
+    ``wrong_vision_gather``, the control: the CP gather's shares put back in reverse rank order. Closed after the steps."""
     from unittest import mock
 
     from megatron_vlm.model import vision_share
@@ -288,9 +288,9 @@ def _vision_probes(training, seen: list, job: dict) -> contextlib.ExitStack:
                     handle = module.register_forward_pre_hook(lambda _m, args: seen.append(int(args[0].shape[0])))
                     stack.callback(handle.remove)
     if job.get("wrong_vision_gather"):
-        right = vision_share.gather_index
-        stack.enter_context(mock.patch.object(vision_share, "gather_index",
-                                              lambda counts, width: right(counts, width).flip(0)))
+        right = vision_share.gather_rows
+        stack.enter_context(mock.patch.object(vision_share, "gather_rows",
+                                              lambda counts, width: right(counts, width)[::-1]))
     return stack
 
 
