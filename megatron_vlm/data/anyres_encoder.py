@@ -220,7 +220,8 @@ class AnyresTaskEncoder(VLMTaskEncoder):
 
 def task_encoder_for(spec, hf_dir, seq_length: int, video_fps: float = vid.DEFAULT_VIDEO_FPS,
                      video_frames: int = vid.DEFAULT_VIDEO_FRAMES, **kwargs) -> VLMTaskEncoder:
-    """The task encoder of ``spec``'s architecture (anyres or plain LLaVA; the frame choice for anyres)."""
+    """The task encoder of ``spec``'s architecture (anyres, InternVL, Qwen2.5-VL or plain LLaVA; the frame choice
+    for those that take videos)."""
     if spec.is_anyres:
         return AnyresTaskEncoder(hf_dir, seq_length, spec=spec, video_fps=video_fps, video_frames=video_frames,
                                  **kwargs)
@@ -229,4 +230,8 @@ def task_encoder_for(spec, hf_dir, seq_length: int, video_fps: float = vid.DEFAU
 
         return InternVLTaskEncoder(hf_dir, seq_length, spec=spec, video_fps=video_fps, video_frames=video_frames,
                                    **kwargs)
+    if spec.is_qwen_vl:
+        from megatron_vlm.data.qwen_vl_encoder import QwenVLTaskEncoder
+
+        return QwenVLTaskEncoder(hf_dir, seq_length, spec=spec, **kwargs)
     return VLMTaskEncoder(hf_dir, seq_length, spec=spec, **kwargs)

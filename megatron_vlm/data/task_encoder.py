@@ -189,7 +189,7 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
                     "model's config; give the LLaVA directory written by convert/build_llava.py (or the "
                     "tokenizer/ directory of a training checkpoint)")
             spec = VLMSpec.from_hf_dir(self.hf_dir)
-        spec.check_supported("the data pipeline (task encoder: images, videos, chat template)")
+        self._check_spec(spec)
         self.spec = spec
         #: the model's input is the whole kept sequence, HF's framing (a mixture-of-experts LM: whole_sequence)
         self.whole = whole_sequence(spec)
@@ -225,6 +225,12 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
                          "answers",
             "conversation": "check the dataset: rewrite it with data_prep/make_wds.py",
         })
+
+    def _check_spec(self, spec) -> None:
+        """Refuse a model this encoder does not encode for, in one line (a Qwen2.5-VL model has its own encoder,
+        :mod:`megatron_vlm.data.qwen_vl_encoder`, which :func:`~megatron_vlm.data.anyres_encoder.task_encoder_for`
+        picks)."""
+        spec.check_supported("the data pipeline (task encoder: images, videos, chat template)")
 
     def _load_processor(self):
         """The HF processor of ``hf_dir`` (tokenizer, image processor, chat template), with the image processor's

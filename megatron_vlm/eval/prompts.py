@@ -51,6 +51,8 @@ class PromptEncoder:
                  video_frames: int = vid.DEFAULT_VIDEO_FRAMES):
         from megatron_vlm.data.anyres_encoder import task_encoder_for
 
+        if spec.is_qwen_vl:  # its training samples are encoded (data/qwen_vl_encoder.py); its prompts are not yet
+            spec.check_supported("evaluation (eval/generate.py, eval/evaluate.py)")
         # seq_length bounds nothing here: a prompt is never truncated
         self.enc = task_encoder_for(spec, files_dir, 1 << 30, video_fps=video_fps, video_frames=video_frames)
         self.spec = spec

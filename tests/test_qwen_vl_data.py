@@ -1,0 +1,391 @@
+"""Qwen2.5-VL's task encoder (:mod:`megatron_vlm.data.qwen_vl_encoder`) held against HF's own processor.
+
+The encoder reads the real hub files of Qwen2.5-VL-7B-Instruct (``../shared/hub``: config, tokenizer, image processor
+config, chat template; no weights), as ``task_encoder_for`` picks it for the spec. The references are HF's:
+
+- **the processor** (``Qwen2_5_VLProcessor`` with the hub's PIL image processor, the one the encoder uses; HF's
+  processor class needs torchvision for its video half, so the 3.12 lane): for a VQA sample, a two-turn chat with an
+  image in each user turn and one message with two images, the encoder's tokens (plus the last label) are the
+  processor's ``input_ids`` of ``apply_chat_template`` + ``processor(...)``, token for token (and those of
+  ``apply_chat_template(tokenize=True)``); ``pixel_values`` byte for byte and ``image_grid_thw``; the labels are
+  -100 except where HF's own renderings say the answer is (the tokens after each turn's generation prompt up to the
+  ``<|im_end|>`` that closes it); a batch of three samples equals the processor's right-padded batch;
+- **the image processor** (``Qwen2VLImageProcessorPil``, both lanes): pixels and grids byte for byte;
+- **M-RoPE**: the batch's ``position_ids`` are HF's ``Qwen2_5_VLModel.get_rope_index`` on the padded batch (a model
+  of the hub's config shrunk, on the meta device), padding included; the valid ones also with its attention mask;
+- **truncation and skips**: a cut that would fall inside an image drops that image, its pixels and its
+  ``<|vision_start|>`` (the kept sample is the untruncated one's prefix, positions included); images that alone
+  exceed ``seq_length`` are skipped with the reason;
+- **refusals** in one line: videos (a video, a video part, the video token), Qwen3-VL's directory, training and
+  evaluation of a Qwen2.5-VL model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from megatron.energon import SkipSample, VQASample
+from PIL import Image
+
+from megatron_vlm.data.sample import ConversationSample
+from megatron_vlm.model.spec import UnsupportedArchitectureError, VLMSpec
+
+from .conftest import not_here
+
+SEQ = 1024
+#: (height, width) of the test images: grids 10 x 16, 6 x 4 and 4 x 8 patches (40, 6 and 8 tokens)
+SIZES = ((150, 230), (90, 60), (56, 112))
+BASE = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
+
+
+def image(k: int, size=None) -> Image.Image:
+    h, w = size or SIZES[k]
+    return Image.fromarray(np.random.default_rng(k).integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+def user(*parts) -> dict:
+    return {"role": "user", "content": [{"type": "image"} if p is None else {"type": "text", "text": p}
+                                        for p in parts]}
+
+
+def asst(text: str) -> dict:
+    return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+
+#: name -> (messages, images)
+CONVERSATIONS = {
+    "vqa": ([user(None, "what colour is the shape ?"), asst("red")], [0]),
+    "two_turns": ([user(None, "what is this ?"), asst("a cat"), user(None, "and this one ?"),
+                   asst("a dog on a mat")], [0, 1]),
+    "two_images_one_message": ([user(None, "which is brighter ?", None), asst("the second one")], [2, 0]),
+}
+
+
+@pytest.fixture(scope="module")
+def hub_dir():
+    from tests.support import hub
+    from tests.support.qwen_vl_models import QWEN25_VL_7B
+
+    return hub.hub_model_dir(QWEN25_VL_7B)
+
+
+@pytest.fixture(scope="module")
+def spec(hub_dir):
+    return VLMSpec.from_hf_dir(hub_dir)
+
+
+@pytest.fixture(scope="module")
+def enc(spec, hub_dir):
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+
+    return task_encoder_for(spec, hub_dir, SEQ)
+
+
+@pytest.fixture(scope="module")
+def processor(hub_dir):
+    """HF's ``Qwen2_5_VLProcessor`` of the hub files with the PIL image processor (the encoder's)."""
+    if importlib.util.find_spec("torchvision") is None:
+        not_here("HF's Qwen2_5_VLProcessor needs torchvision (its video processor): the 3.11 lane's CPU torch has "
+                 "none (the 3.12 lane runs this check)")
+    from transformers import AutoProcessor, Qwen2VLImageProcessorPil
+
+    return AutoProcessor.from_pretrained(str(hub_dir), image_processor=Qwen2VLImageProcessorPil.from_pretrained(
+        str(hub_dir)))
+
+
+@pytest.fixture(scope="module")
+def rope_host(spec):
+    """HF's ``Qwen2_5_VLModel`` of the hub's config shrunk (tests/support/qwen_vl_models.small_config), on the meta
+    device: its ``get_rope_index`` reads the config only."""
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    from tests.support.qwen_vl_models import small_config
+
+    with torch.device("meta"):
+        return Qwen2_5_VLModel(Qwen2_5_VLConfig(**{k: v for k, v in small_config().items() if k != "model_type"}))
+
+
+def hf_rope(host, tokens, grid, image_id, attention_mask=None) -> torch.Tensor:
+    positions, _ = host.get_rope_index(tokens, mm_token_type_ids=(tokens == image_id).to(torch.int32),
+                                       image_grid_thw=grid, attention_mask=attention_mask)
+    return positions
+
+
+def hf_inputs(processor, messages, images, **kwargs):
+    text = processor.apply_chat_template(messages, **kwargs)
+    return processor(text=[text], images=images or None, return_tensors="pt")
+
+
+def full_ids(out) -> list[int]:
+    """The conversation the encoder kept: its tokens and the last label."""
+    return out["tokens"].tolist() + out["labels"][-1:].tolist()
+
+
+def encoded(enc, name):
+    messages, which = CONVERSATIONS[name]
+    images = [image(k) for k in which]
+    return messages, images, enc.encode_conversation(messages, images, key=name)
+
+
+def test_task_encoder_for_picks_it(enc):
+    from megatron_vlm.data.qwen_vl_encoder import QwenVLTaskEncoder
+
+    assert type(enc) is QwenVLTaskEncoder
+    assert (enc.image_token_id, enc.pad_token_id, enc.vision_start_id) == (151655, 151643, 151652)
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_tokens_pixels_and_grids_equal_the_processors(enc, processor, name):
+    """Tokens + last label = the processor's ``input_ids``; pixels byte for byte; the grids."""
+    messages, images, out = encoded(enc, name)
+    hf = hf_inputs(processor, messages, images)
+    assert full_ids(out) == hf["input_ids"][0].tolist()
+    assert out["images"].dtype == hf["pixel_values"].dtype == torch.float32
+    assert out["images"].numpy().tobytes() == hf["pixel_values"].numpy().tobytes()
+    assert torch.equal(out["image_grid_thw"], hf["image_grid_thw"])
+    assert out["num_tokens"] == len(out["tokens"])
+    tokens_per_image = (hf["image_grid_thw"].prod(-1) // 4).tolist()
+    assert enc.image_tokens(images) == tokens_per_image
+    assert int((out["tokens"] == enc.image_token_id).sum()) == sum(tokens_per_image)
+
+
+def test_apply_chat_template_tokenized_gives_the_same_ids(enc, processor):
+    """HF's one-call path (images inside the messages, ``tokenize=True``) gives the same ids and pixels."""
+    messages, images, out = encoded(enc, "two_images_one_message")
+    it = iter(images)
+    with_images = [dict(m, content=[dict(p, image=next(it)) if p["type"] == "image" else p for p in m["content"]])
+                   for m in messages]
+    hf = processor.apply_chat_template(with_images, tokenize=True, return_dict=True, return_tensors="pt")
+    assert full_ids(out) == hf["input_ids"][0].tolist()
+    assert torch.equal(out["images"], hf["pixel_values"]) and torch.equal(out["image_grid_thw"], hf["image_grid_thw"])
+
+
+def answer_positions(processor, messages, images, ids: list[int]) -> set[int]:
+    """Positions of ``ids`` (the processor's, whole conversation) that HF's renderings make the answers: after each
+    assistant turn's generation prompt (as the processor encodes it) up to the ``<|im_end|>`` that closes it."""
+    im_end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = set()
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        seen = sum(p["type"] == "image" for turn in messages[:i] for p in turn["content"])
+        prompt = hf_inputs(processor, messages[:i], images[:seen], add_generation_prompt=True)["input_ids"][0].tolist()
+        assert ids[:len(prompt)] == prompt
+        out |= set(range(len(prompt), ids.index(im_end, len(prompt)) + 1))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_labels_are_the_answers_and_nothing_else(enc, processor, name):
+    """HF-style labels (-100 off the loss mask) are -100 except at the answers (each ``answer<|im_end|>``)."""
+    messages, images, out = encoded(enc, name)
+    ids = hf_inputs(processor, messages, images)["input_ids"][0].tolist()
+    answers = answer_positions(processor, messages, images, ids)
+    want = [ids[j + 1] if j + 1 in answers else -100 for j in range(len(ids) - 1)]
+    mine = torch.where(out["loss_mask"].bool(), out["labels"], torch.full_like(out["labels"], -100))
+    assert mine.tolist() == want
+    assert enc.tokenizer.decode(out["labels"][out["loss_mask"].bool()]) == "".join(
+        p["text"] + "<|im_end|>" for m in messages if m["role"] == "assistant" for p in m["content"])
+
+
+def test_pixels_equal_the_image_processor(enc, hub_dir):
+    """Both lanes: pixel values byte for byte and grids of HF's ``Qwen2VLImageProcessorPil`` (the hub's config)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    images = [image(k) for k in (0, 1, 2)]
+    hf = Qwen2VLImageProcessorPil.from_pretrained(str(hub_dir))(images=images, return_tensors="pt")
+    mine = enc.image_inputs(images)
+    assert mine["images"].numpy().tobytes() == hf["pixel_values"].numpy().tobytes()
+    assert mine["image_grid_thw"].tolist() == hf["image_grid_thw"].tolist() == [[1, 10, 16], [1, 6, 4], [1, 4, 8]]
+    assert enc.image_tokens(images) == [40, 6, 8]
+
+
+def samples():
+    """A VQA sample, a two-turn chat with two images and a text-only chat, as energon hands them over."""
+    vqa = VQASample(__key__="vqa", image=image(1), context="what colour is the shape ?", answers="red",
+                    answer_weights=None, **BASE)
+    messages, which = CONVERSATIONS["two_turns"]
+    chat = ConversationSample(__key__="chat", images=[image(k) for k in which], messages=messages, **BASE)
+    text = ConversationSample(__key__="text", images=[], messages=[user("say yes"), asst("yes")], **BASE)
+    return [vqa, chat, text]
+
+
+@pytest.fixture(scope="module")
+def batch(enc):
+    parts = [enc.encode_sample(s) for s in samples()]
+    return parts, enc.batch(parts)
+
+
+def test_batch_pads_right_and_concatenates_in_token_order(enc, batch):
+    from megatron_vlm.data.qwen_vl_encoder import QwenVLBatch
+
+    parts, b = batch
+    lengths = [len(p.tokens) for p in parts]
+    assert isinstance(b, QwenVLBatch) and b.__key__ == ["vqa", "chat", "text"] and len(set(lengths)) == 3
+    assert b.tokens.shape == (3, max(lengths)) and b.position_ids.shape == (3, 3, max(lengths))
+    for row, (p, n) in enumerate(zip(parts, lengths)):
+        assert torch.equal(b.tokens[row, :n], p.tokens) and torch.equal(b.labels[row, :n], p.labels)
+        assert (b.tokens[row, n:] == enc.pad_token_id).all() and (b.loss_mask[row, n:] == 0).all()
+    assert torch.equal(b.images, torch.cat([p.images for p in parts]))
+    assert b.image_grid_thw.tolist() == [[1, 6, 4], [1, 10, 16], [1, 6, 4]] and b.num_image_tiles.tolist() == [1] * 3
+    assert b.num_tokens == sum(lengths) and b.row_tokens.tolist() == lengths
+
+
+def test_batch_positions_are_get_rope_index(enc, batch, rope_host):
+    """The padded batch's positions are HF's ``get_rope_index`` on it (padding counts on as text); the valid ones
+    are also its positions with the attention mask."""
+    parts, b = batch
+    assert torch.equal(b.position_ids, hf_rope(rope_host, b.tokens, b.image_grid_thw, enc.image_token_id))
+    lengths = torch.tensor([len(p.tokens) for p in parts])
+    mask = (torch.arange(b.tokens.shape[1])[None] < lengths[:, None]).to(torch.int64)
+    masked = hf_rope(rope_host, b.tokens, b.image_grid_thw, enc.image_token_id, attention_mask=mask)
+    assert torch.equal(b.position_ids[:, mask.bool()], masked[:, mask.bool()])
+    assert not torch.equal(b.position_ids[0], b.position_ids[1])  # the images' rows and columns: 3-D positions
+
+
+def test_batch_equals_the_processors_padded_batch(enc, batch, processor):
+    """The processor's right-padded batch of the same samples: its rows are our rows (+ the last labels), its pixels
+    and grids ours; its own ``get_rope_index`` positions (attention mask) equal ours where it attends."""
+    from megatron_vlm.data.sample import conversation_of
+
+    parts, b = batch
+    convs = [conversation_of(s) for s in samples()]
+    texts = [processor.apply_chat_template(m) for m, _ in convs]
+    hf = processor(text=texts, images=[im for _, ims in convs for im in ims], padding=True, padding_side="right",
+                   return_tensors="pt")
+    for row, p in enumerate(parts):
+        n = len(p.tokens)
+        assert hf["input_ids"][row, :n + 1].tolist() == p.tokens.tolist() + p.labels[-1:].tolist()
+        assert int(hf["attention_mask"][row].sum()) == n + 1
+    assert b.images.numpy().tobytes() == hf["pixel_values"].numpy().tobytes()
+    assert torch.equal(b.image_grid_thw, hf["image_grid_thw"])
+
+
+def test_model_kwargs_are_what_the_model_takes(batch):
+    """``model_kwargs`` is the keyword call of ``QwenVLModel.forward`` (its signature), every tensor on the device."""
+    from megatron_vlm.model.qwen_vl import model_class
+
+    _, b = batch
+    kwargs = b.model_kwargs(torch.device("cpu"))
+    params = inspect.signature(model_class().forward).parameters
+    assert set(kwargs) == {"images", "input_ids", "position_ids", "attention_mask", "labels", "loss_mask",
+                           "image_grid_thw"} and set(kwargs) <= set(params)
+    assert kwargs["position_ids"].shape == (3, *b.tokens.shape) and kwargs["attention_mask"] is None
+    assert torch.equal(kwargs["images"], b.images) and torch.equal(kwargs["image_grid_thw"], b.image_grid_thw)
+
+
+def test_truncation_never_cuts_an_image_and_too_long_is_skipped(enc, spec, hub_dir, rope_host):
+    """``seq_length`` ending inside the second image of a two-turn chat keeps the first turn: the untruncated
+    sample's prefix up to that image's ``<|vision_start|>`` (tokens, labels, mask, positions), the first image's
+    pixels only. Images that alone exceed ``seq_length`` are a counted skip with the reason."""
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+
+    messages, images, full = encoded(enc, "two_turns")
+    ids = full["tokens"].tolist()
+    first_pads = ids.index(enc.image_token_id) + 40
+    cut = ids.index(enc.vision_start_id, first_pads)  # the second image's <|vision_start|>
+    short = task_encoder_for(spec, hub_dir, cut + 3)  # room for <|vision_start|> and 2 of its 6 image tokens
+    out = short.encode_conversation(messages, images, key="cut")
+    assert len(out["tokens"]) == cut and int(out["loss_mask"].sum()) > 0
+    for k in ("tokens", "labels", "loss_mask"):
+        assert torch.equal(out[k], full[k][:cut]), k
+    assert torch.equal(out["position_ids"], full["position_ids"][:, :cut])
+    assert torch.equal(out["position_ids"][:, None], hf_rope(rope_host, out["tokens"][None], out["image_grid_thw"],
+                                                             enc.image_token_id))
+    assert out["image_grid_thw"].tolist() == [[1, 10, 16]] and torch.equal(out["images"], full["images"][:160])
+    big = image(3, (300, 400))  # 22 x 28 patches: 154 tokens
+    with pytest.raises(SkipSample):
+        short.encode_conversation(CONVERSATIONS["vqa"][0], [big], key="big")
+    reason = f"1 images need 154 > seq_length {cut + 3} tokens"
+    assert short.skipped[reason] == 1, dict(short.skipped)
+
+
+@pytest.mark.parametrize("case", ["video", "video_part", "video_token"])
+def test_videos_are_refused_in_one_line(enc, case):
+    """A video, a video part of a message, or the ``<|video_pad|>`` token in the text: one line naming the sample,
+    that videos of Qwen2.5-VL are not supported yet; it stops the run (not a skip)."""
+    from megatron_vlm.data.skips import skip_error_line
+    from megatron_vlm.data.task_encoder import VideoNotSupportedError
+
+    messages, videos = [user(None, "what happens ?"), asst("it rains")], ()
+    if case == "video":
+        videos = [b"\x00" * 16]
+    elif case == "video_part":
+        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what happens ?"}]},
+                    asst("it rains")]
+    else:
+        messages = [user(None, "what is <|vision_start|><|video_pad|><|vision_end|> ?"), asst("rain")]
+    with pytest.raises(VideoNotSupportedError) as e:
+        enc.encode_conversation(messages, [image(0)], key=f"s-{case}", videos=videos)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"sample s-{case} has ") and \
+        "videos of Qwen2.5-VL are not supported yet" in line, line
+    assert skip_error_line(e.value) == line
+
+
+def test_qwen3_vl_training_and_evaluation_are_refused_in_one_line(spec, hub_dir, tmp_path):
+    """A Qwen3-VL directory is refused by the spec the encoder reads; training and evaluation of a Qwen2.5-VL model
+    stay refused (the launcher's and the trainer's ``check_supported("training")``, the prompt encoder's)."""
+    import json
+
+    from megatron_vlm.data.qwen_vl_encoder import QwenVLTaskEncoder
+    from megatron_vlm.eval.prompts import PromptEncoder
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        QwenVLTaskEncoder(tmp_path, SEQ)
+    assert "\n" not in str(e.value) and "Qwen3-VL (model_type 'qwen3_vl') is not supported yet" in str(e.value)
+    for what, call in (("training", lambda: spec.check_supported("training")),
+                       ("evaluation", lambda: PromptEncoder(hub_dir, spec))):
+        with pytest.raises(UnsupportedArchitectureError) as e:
+            call()
+        assert "\n" not in str(e.value) and str(e.value).startswith(what) and \
+            "of Qwen2.5-VL (model_type 'qwen2_5_vl') is not supported yet" in str(e.value), str(e.value)
+
+
+@pytest.mark.slow
+def test_megatron_model_on_a_batch_equals_hf(tmp_path):
+    """End to end: the batch (a VQA sample, a two-turn chat with two images, a text-only chat) fed to
+    ``QwenVLModel`` through ``model_kwargs`` (the hub's config shrunk, random weights, converted at TP1) gives HF's
+    own model's logits on each sample alone, HF computing its M-RoPE positions from ``mm_token_type_ids`` (1e-4,
+    fp32), and with the labels HF's per-token cross entropy at the loss mask."""
+    from megatron_vlm.checkpoint import layout as ckpt
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+    from megatron_vlm.convert.verify import load_hf_model
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+    from megatron_vlm.runtime.session import single_process_world
+    from tests.support.qwen_vl_models import qwen_vl_hf_model
+    from tests.support.worlds import _model_for
+
+    src = qwen_vl_hf_model(tmp_path / "hf")
+    spec = VLMSpec.from_hf_dir(src)
+    enc = task_encoder_for(spec, src, SEQ)
+    parts = [enc.encode_sample(s) for s in samples()]
+    b = enc.batch(parts)
+    hf = load_hf_model(src)
+    with single_process_world(), torch.no_grad():
+        meg = _model_for(ckpt.resolve_iteration_dir(convert_hf_to_megatron(src, tmp_path / "meg")), 1, 1,
+                         b.tokens.shape[1])
+        kwargs = b.model_kwargs(torch.device("cpu"))
+        logits, _ = meg(**dict(kwargs, labels=None))
+        loss, loss_mask = meg(**kwargs)
+    first, diffs, ce = 0, [], []
+    for row, p in enumerate(parts):
+        n, rows = len(p.tokens), int(p.image_grid_thw.prod(-1).sum())
+        ids = p.tokens[None]
+        with torch.no_grad():
+            ref = hf(input_ids=ids, pixel_values=b.images[first:first + rows] if rows else None,
+                     image_grid_thw=p.image_grid_thw if rows else None,
+                     mm_token_type_ids=(ids == spec.image_token_id).to(torch.int32)).logits[0]
+        first += rows
+        diffs.append((ref - logits[row, :n, :spec.vocab_size]).abs().max().item())
+        want = torch.nn.functional.cross_entropy(ref, p.labels, reduction="none")
+        m = p.loss_mask.bool()
+        ce.append((want[m] - loss[row, :n][m]).abs().max().item())
+    print(f"\nQwen2.5-VL batch through model_kwargs: max |logit diff| per sample {diffs}, loss {ce}")
+    assert max(diffs) < 1e-4 and max(ce) < 1e-4 and torch.equal(loss_mask, b.loss_mask)
