@@ -160,7 +160,7 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
         return mrope_position_ids(self.hf_config, tokens[None], grid if len(grid) else None, self.image_token_id)[:, 0]
 
     # -- per sample ---------------------------------------------------------------------------------
-    def refuse_videos(self, messages: list[dict], ids: list[int], key: str, videos) -> None:
+    def check_no_videos(self, messages: list[dict], ids: list[int], key: str, videos) -> None:
         """Stop the run for a sample with a video (one line, naming the sample and what holds the video)."""
         parts = sum(1 for m in messages for p in (m.get("content") or []) if isinstance(p, dict)
                     and p.get("type") == "video")
@@ -183,7 +183,7 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
         x, assistant = conv.ids, conv.assistant
         if self.image_token_id != self.tokenizer_image_token_id:
             x = [self.image_token_id if t == self.tokenizer_image_token_id else t for t in x]
-        self.refuse_videos(messages, x, key, videos)
+        self.check_no_videos(messages, x, key, videos)
         if x.count(self.image_token_id) != len(images):
             self.skips.skip(key, "image_tokens", f"{x.count(self.image_token_id)} image tokens but {len(images)} "
                                                  "images")
