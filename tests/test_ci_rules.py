@@ -8,6 +8,8 @@ that conftest adds itself pass. Without CI they all skip.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -299,3 +301,7 @@ def test_a_lane_over_its_budget_fails_naming_the_fix_and_a_slow_machine_gets_mor
     assert budget.check("3.11", limit * 1.4, 1.3) is not None
     t, slow = budget.slowness(runs=1)
     assert t > 0 and slow >= 1.0  # never tighter than the number
+    # the torch probe, in this lane's interpreter (as .ci/run passes the lane's venv); a missing one reads as None
+    t, slow = budget.torch_slowness(sys.executable)
+    assert t > 0 and slow >= 1.0
+    assert budget.torch_slowness("/nonexistent/python") is None
