@@ -36,8 +36,8 @@ for up to one image feature per position. With packing, a micro batch is one ``-
 Context parallelism (``--cp``) splits the language model's positions: each rank keeps ``S / CP`` of them (layers,
 logits), and megatron's local attention also the whole sequence's keys and values and ``S / CP x S`` scores per
 head; the projector runs on every image on every CP rank, and the vision encoder on the rank's share of the tiles
-(``--vision-cp-split``, the default: ~1/CP of them; :mod:`megatron_vlm.model.vision_share`) or on all of them. The distributed optimizer shards over
-DP x CP ranks (megatron-core's group).
+(``--vision-cp-split``, the default: ~1/CP of them; :mod:`megatron_vlm.model.vision_share`) or on all of them. The
+distributed optimizer shards over DP x CP ranks (megatron-core's group).
 
 Not counted: the CUDA context, NCCL and cuBLAS workspaces and the allocator's fragmentation (typically 1-3 GB on
 a GPU): leave that margin. The estimate of weights, gradients and optimizer state is checked against what the

@@ -16,8 +16,8 @@ them against HF's with the encoder unfrozen).
 A rank whose share is empty (fewer tiles than CP ranks) encodes one tile and keeps none of its output: it still
 takes part in the gather and in its backward, and its encoder's parameters get (zero) gradients, so no collective
 and no DDP bucket waits on it. A micro batch without images skips the encoder on every rank alike (megatron-core's
-forward does). The share is two forward hooks on the encoder module (its parameters and state dict unchanged);
-:func:`unshare` removes them. The share's arithmetic (:func:`shares`, :func:`tiles_per_rank`) imports no torch: the
+forward does). The share is two forward hooks on the encoder module (its parameters and state dict unchanged).
+The share's arithmetic (:func:`shares`, :func:`tiles_per_rank`) imports no torch: the
 launcher's memory estimate reads it.
 """
 
@@ -81,16 +81,6 @@ def share(vision_model) -> None:
         return
     setattr(vision_model, _HOOKS, (vision_model.register_forward_pre_hook(_before),
                                    vision_model.register_forward_hook(_after)))
-
-
-def unshare(vision_model) -> None:
-    for handle in getattr(vision_model, _HOOKS, None) or ():
-        handle.remove()
-    setattr(vision_model, _HOOKS, None)
-
-
-def is_shared(vision_model) -> bool:
-    return bool(getattr(vision_model, _HOOKS, None))
 
 
 def tiles_per_rank(n: int, cp: int, split: bool = True) -> int:
