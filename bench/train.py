@@ -5,8 +5,10 @@ loop training the same Hugging Face ``LlavaForConditionalGeneration``, measured 
 Both sides start from the same weights (the HF directory and the Megatron checkpoint converted from it), read
 the same batches (energon loader + ``VLMTaskEncoder``, same seed; the HF side gets each image token expanded
 to the image's positions as the HF processor does), freeze the same parts (``--stage``), use Adam(W) with the
-same learning-rate schedule, gradient clipping and gradient accumulation, and run with the same number of
-torch threads. Measured per side, each in a fresh process:
+same learning-rate schedule, gradient clipping and gradient accumulation, run the same attention kernel (torch's
+SDPA: HF's default, and ours with ``--attention-backend sdpa``, local layers' default on a GPU without Transformer
+Engine; ``--attention-backend local`` puts our side on megatron-core's local attention, the CPU default) and run
+with the same number of torch threads. Measured per side, each in a fresh process:
 
 - steady-state tokens/s (image tokens included) and model TFLOP/s (the trainer's FLOP count, the same for both
   sides) over the iterations after ``--warmup``;
@@ -89,7 +91,7 @@ def our_flags(a, work: Path, hf: Path, data: Path, meg: Path, name: str, tp: int
             "--save-dir", str(work / "runs"), "--name", name, "--no-save", "--train-iters", str(iters),
             "--micro-batch-size", str(a.mbs), "--global-batch-size", str(a.gbs), "--lr", str(a.lr),
             "--seq-length", str(a.seq_length), "--num-workers", str(a.num_workers), "--seed", str(a.seed),
-            "--log-interval", str(iters)]
+            "--log-interval", str(iters), "--attention-backend", a.attention_backend]
 
 
 def run_ours(a, work: Path, hf: Path, data: Path, meg: Path, tp: int, precision: str = "fp32", dp: int = 1) -> dict:
@@ -387,6 +389,9 @@ def parse(argv=None):
     p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--samples", type=int, default=256, help="images in the generated dataset")
     p.add_argument("--num-workers", type=int, default=1, help="data-loader workers per side")
+    p.add_argument("--attention-backend", default="sdpa", choices=("sdpa", "local"),
+                   help="our side's core attention: sdpa (default: the kernel HF's loop runs, and local layers' "
+                   "default on CUDA) or local (megatron-core's full score matrix, local layers' default on CPU)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per side (TP=1)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="2: also time our step at TP=2")
