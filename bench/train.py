@@ -442,7 +442,8 @@ def main(argv=None) -> int:
         print(f"set-up (models, {a.samples}-image dataset, conversion) {time.perf_counter() - t:.1f} s; "
               f"LLaVA of {n_params / 1e6:.1f}M parameters (LM hidden {a.hidden} x {a.layers} layers, ViT "
               f"{a.vision_hidden} x {a.vision_layers} at {a.image_size}px), stage {a.stage}, micro batch {a.mbs}, "
-              f"global batch {a.gbs}, {a.threads} torch threads, {os.cpu_count()} CPUs, load average "
+              f"global batch {a.gbs}, attention: HF sdpa, ours {a.attention_backend}, {a.threads} torch threads, "
+              f"{os.cpu_count()} CPUs, load average "
               f"{os.getloadavg()[0]:.1f}", flush=True)
         for precision in a.precisions.split(","):
             report(a, precision, run_all(a, work, hf, data, meg, precision))
