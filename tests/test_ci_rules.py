@@ -260,6 +260,7 @@ def _ci_run_code() -> str:
     return "\n".join(code)
 
 
+@pytest.mark.slow  # runs .ci/run's check_lane in bash
 def test_ci_runs_each_lane_on_its_pinned_python_and_checks_that_it_is_that_lane():
     """Lane 1 on python3.11 (not whatever python3 is), lane 2 on python3.12, and after each install the lane's venv
     must report the Python and megatron-core it is named for: a commented-out line does not count."""
@@ -291,6 +292,7 @@ def test_ci_runs_each_lane_on_its_pinned_python_and_checks_that_it_is_that_lane(
     assert wrong.returncode != 0 and f"the lane for Python {other}" in wrong.stderr, wrong.stdout
 
 
+@pytest.mark.slow  # times the torch probe in the lane's interpreter
 def test_a_lane_over_its_budget_fails_naming_the_fix_and_a_slow_machine_gets_more_time():
     budget = _budget()
     limit = budget.LANE_BUDGET_MIN * 60

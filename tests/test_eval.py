@@ -315,6 +315,7 @@ def test_evaluate_memorised_and_untrained(models, colour_data, tmp_path, capsys)
     assert not (tmp_path / "x.jsonl").exists()
 
 
+@pytest.mark.slow  # matplotlib runs fc-list to build its font cache on a fresh machine
 def test_plot_runs(tmp_path):
     """Curves of two runs on one figure; a resumed run's repeated iterations are read last-wins."""
     from PIL import Image

@@ -16,10 +16,11 @@ config, chat template; no weights), as ``task_encoder_for`` picks it for the spe
 - **truncation and skips**: a cut that would fall inside an image drops that image, its pixels and its
   ``<|vision_start|>`` (the kept sample is the untruncated one's prefix, positions included); images that alone
   exceed ``seq_length`` are skipped with the reason;
-- **refusals** in one line: videos (a video, a video part, the video token), Qwen3-VL's directory, training and
-  evaluation of a Qwen2.5-VL model;
-- **the model** (slow): the batch through ``model_kwargs`` into ``QwenVLModel`` (the shrunk config converted at
-  TP1) gives HF's own model's logits and per-token cross entropy on each sample (1e-4; measured 7e-6 and 3e-6).
+- **refusals** in one line: videos (a video, a video part, the video token), Qwen3-VL's directory, evaluation
+  of a Qwen2.5-VL model (its training is tests/test_qwen_vl.py's);
+- **the model** (slow): the batch through the training step's ``forward_step`` into ``QwenVLModel`` (the shrunk
+  config converted at TP1) gives HF's own model's logits and per-token cross entropy on each sample (1e-4; measured
+  7e-6 and 3e-6).
 """
 
 from __future__ import annotations
@@ -317,9 +318,9 @@ def test_videos_are_refused_in_one_line(enc, case):
     assert skip_error_line(e.value) == line
 
 
-def test_qwen3_vl_training_and_evaluation_are_refused_in_one_line(spec, hub_dir, tmp_path):
-    """A Qwen3-VL directory is refused by the spec the encoder reads; training and evaluation of a Qwen2.5-VL model
-    stay refused (the launcher's and the trainer's ``check_supported("training")``, the prompt encoder's)."""
+def test_qwen3_vl_and_evaluation_are_refused_in_one_line(spec, hub_dir, tmp_path):
+    """A Qwen3-VL directory is refused by the spec the encoder reads; evaluation of a Qwen2.5-VL model stays refused
+    (the prompt encoder's ``check_supported``), its training no longer is."""
     import json
 
     from megatron_vlm.data.qwen_vl_encoder import QwenVLTaskEncoder
@@ -329,8 +330,8 @@ def test_qwen3_vl_training_and_evaluation_are_refused_in_one_line(spec, hub_dir,
     with pytest.raises(UnsupportedArchitectureError) as e:
         QwenVLTaskEncoder(tmp_path, SEQ)
     assert "\n" not in str(e.value) and "Qwen3-VL (model_type 'qwen3_vl') is not supported yet" in str(e.value)
-    for what, call in (("training", lambda: spec.check_supported("training")),
-                       ("evaluation", lambda: PromptEncoder(hub_dir, spec))):
+    spec.check_supported("training")  # trains (tests/test_qwen_vl.py holds it against HF)
+    for what, call in (("evaluation", lambda: PromptEncoder(hub_dir, spec)),):
         with pytest.raises(UnsupportedArchitectureError) as e:
             call()
         assert "\n" not in str(e.value) and str(e.value).startswith(what) and \
@@ -340,8 +341,9 @@ def test_qwen3_vl_training_and_evaluation_are_refused_in_one_line(spec, hub_dir,
 @pytest.mark.slow
 def test_megatron_model_on_a_batch_equals_hf(tmp_path):
     """End to end: the batch (a VQA sample, a two-turn chat with two images, a text-only chat) fed to
-    ``QwenVLModel`` through ``model_kwargs`` (its keyword call, by the forward's signature; the hub's config shrunk,
-    random weights, converted at TP1) gives HF's own model's logits on each sample alone, HF computing its M-RoPE
+    ``QwenVLModel`` as the training step feeds it (``forward_step``: the positional inputs, the positions among them,
+    and ``model_kwargs``, checked against the forward's signature; the hub's config shrunk, random weights, converted
+    at TP1) gives HF's own model's logits on each sample alone, HF computing its M-RoPE
     positions from ``mm_token_type_ids`` (1e-4, fp32), and with the labels HF's per-token cross entropy at the loss
     mask."""
     from megatron_vlm.checkpoint import layout as ckpt
@@ -349,6 +351,7 @@ def test_megatron_model_on_a_batch_equals_hf(tmp_path):
     from megatron_vlm.convert.verify import load_hf_model
     from megatron_vlm.data.anyres_encoder import task_encoder_for
     from megatron_vlm.runtime.session import single_process_world
+    from megatron_vlm.training.step import forward_step
     from tests.support.qwen_vl_models import qwen_vl_hf_model
     from tests.support.worlds import _model_for
 
@@ -363,10 +366,10 @@ def test_megatron_model_on_a_batch_equals_hf(tmp_path):
                          b.tokens.shape[1])
         kwargs = b.model_kwargs(torch.device("cpu"))
         params = inspect.signature(type(meg).forward).parameters
-        assert set(kwargs) == {"images", "input_ids", "position_ids", "attention_mask", "labels", "loss_mask",
-                               "image_grid_thw"} and set(kwargs) <= set(params) and kwargs["attention_mask"] is None
-        logits, _ = meg(**dict(kwargs, labels=None))
-        loss, loss_mask = meg(**kwargs)
+        assert set(kwargs) == {"image_grid_thw"} and set(kwargs) <= set(params)
+        logits, _ = meg(b.images, b.tokens, b.position_ids, None, None, None, **kwargs)
+        loss, loss_func = forward_step(torch.device("cpu"), iter([b]), meg)  # the training step's own call
+        loss_mask = loss_func.args[0]
     first, diffs, ce = 0, [], []
     for row, p in enumerate(parts):
         n, rows = len(p.tokens), int(p.image_grid_thw.prod(-1).sum())

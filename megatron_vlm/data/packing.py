@@ -30,7 +30,8 @@ local attention taught the 'thd' format by :func:`megatron_vlm.runtime.cpu_compa
 causal attention, once per ``cu_seqlens`` segment) on CPU or with ``--transformer-impl local``; the data path, the
 ``PackedSeqParams`` and megatron-core's per-segment RoPE are the same on both. Anyres models (LLaVA-NeXT,
 OneVision: tiles, videos) pack with :class:`AnyresPackingTaskEncoder`, InternVL with
-:class:`InternVLPackingTaskEncoder`; :func:`packing_task_encoder_for` picks.
+:class:`InternVLPackingTaskEncoder`, Qwen2.5-VL with :class:`QwenVLPackingTaskEncoder` (each sample keeps its own
+M-RoPE positions); :func:`packing_task_encoder_for` picks.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from megatron.energon.task_encoder.base import stateless
 
 from megatron_vlm.data.anyres_encoder import AnyresBatch, AnyresSample, AnyresTaskEncoder
 from megatron_vlm.data.internvl_encoder import InternVLSample, InternVLTaskEncoder
+from megatron_vlm.data.qwen_vl_encoder import QwenVLBatch, QwenVLSample, QwenVLTaskEncoder
 from megatron_vlm.data.task_encoder import VLMBatch, VLMSample, VLMTaskEncoder
 
 log = logging.getLogger("megatron_vlm.data")
@@ -108,6 +110,14 @@ class VLMPackedSample(VLMSample):
     """Several encoded samples concatenated (images in token order)."""
 
     seq_lengths: list  # image-expanded length of each sample, in order
+
+
+@edataclass
+class QwenVLPackedSample(QwenVLSample):
+    """Several encoded Qwen2.5-VL samples concatenated: their patches, grids and each one's own M-RoPE positions
+    (``position_ids`` ``[3, pack]``), in order."""
+
+    seq_lengths: list
 
 
 @edataclass
@@ -262,6 +272,47 @@ class AnyresPackingTaskEncoder(_PackingHooks, AnyresTaskEncoder):
                                               image_sizes=s.image_sizes, num_image_tokens=s.num_image_tokens, **row)
 
 
+@edataclass
+class QwenVLPackedBatch(QwenVLBatch):
+    """:class:`VLMPackedBatch` for Qwen2.5-VL: with the patches' grids and the pack's M-RoPE positions ``[3, 1, S]``."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    num_samples: int
+
+
+class QwenVLPackingTaskEncoder(_PackingHooks, QwenVLTaskEncoder):
+    """:class:`~megatron_vlm.data.qwen_vl_encoder.QwenVLTaskEncoder` with energon's packing hooks: a pack keeps every
+    image's patches and grid in token order and each sample's own M-RoPE positions (what ``get_rope_index`` gives it
+    alone: a packed sample is positioned as if it were the only one, whatever comes before it). Its padding positions
+    count on after each sample's last one, as a padded row's do. megatron-core's rotary takes the pack's positions
+    ``[3, 1, packed_seq_length]`` and applies each segment's own rows (its 'thd' RoPE maps a rotary table as long as
+    the pack by offset)."""
+
+    item_fields = ("images", "image_grid_thw")
+
+    @staticmethod
+    def _counted_on(positions: torch.Tensor, n: int) -> torch.Tensor:
+        """``positions`` ``[3, k]`` and ``n`` more counting on after their largest."""
+        start = int(positions.max()) + 1 if positions.numel() else 0
+        return torch.cat([positions, torch.arange(start, start + n, dtype=positions.dtype)[None].expand(3, n)], 1)
+
+    @stateless
+    def pack_selected_samples(self, samples: list[QwenVLSample]) -> QwenVLPackedSample:
+        positions = torch.cat([self._counted_on(s.position_ids, self.padded_length(s) - int(s.num_tokens))
+                               for s in samples], dim=1)
+        return QwenVLPackedSample.derive_from(samples[0], **self._packed_fields(samples), position_ids=positions)
+
+    @stateless
+    def batch(self, samples: list[QwenVLPackedSample]) -> QwenVLPackedBatch:
+        row = self._packed_row(samples)
+        s = samples[0]
+        positions = self._counted_on(s.position_ids, row["tokens"].shape[1] - s.position_ids.shape[1])[:, None]
+        return QwenVLPackedBatch.from_samples(samples, images=s.images, image_grid_thw=s.image_grid_thw,
+                                              num_image_tiles=torch.ones(s.image_grid_thw.shape[0], dtype=torch.int32),
+                                              position_ids=positions, **row)
+
+
 class InternVLPackingTaskEncoder(_PackingHooks, InternVLTaskEncoder):
     """:class:`~megatron_vlm.data.internvl_encoder.InternVLTaskEncoder` with energon's packing hooks: a pack keeps each
     image's tiles (and each video's frames) and their counts in token order."""
@@ -281,8 +332,10 @@ class InternVLPackingTaskEncoder(_PackingHooks, InternVLTaskEncoder):
 
 def packing_task_encoder_for(spec, hf_dir, seq_length: int, packed_seq_length: int, video_fps: float | None = None,
                              video_frames: int | None = None, **kwargs):
-    """The packing task encoder of ``spec``'s architecture (anyres, InternVL or plain LLaVA)."""
+    """The packing task encoder of ``spec``'s architecture (anyres, InternVL, Qwen2.5-VL or plain LLaVA)."""
     extra = {k: v for k, v in dict(video_fps=video_fps, video_frames=video_frames).items() if v is not None}
+    if spec.is_qwen_vl:
+        return QwenVLPackingTaskEncoder(hf_dir, seq_length, spec=spec, packed_seq_length=packed_seq_length, **kwargs)
     if spec.is_anyres:
         return AnyresPackingTaskEncoder(hf_dir, seq_length, spec=spec, packed_seq_length=packed_seq_length,
                                         **extra, **kwargs)

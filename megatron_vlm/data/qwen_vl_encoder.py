@@ -21,13 +21,13 @@ counted by :mod:`megatron_vlm.data.skips`), with what Qwen2.5-VL's processor doe
 
 Per batch (:meth:`QwenVLTaskEncoder.batch`): right padding with the pad id (loss mask 0), each row's padding
 positions counting on after its last position (what ``get_rope_index`` gives on the padded batch), every image's
-``pixel_values`` concatenated in token order and the grids with them; :meth:`QwenVLBatch.model_kwargs` is the
-keyword call of ``QwenVLModel.forward``.
+``pixel_values`` concatenated in token order and the grids with them; the training step
+(:func:`megatron_vlm.training.step.forward_step`) passes the positions in the position argument and
+:meth:`QwenVLBatch.model_kwargs` (the grids) by keyword.
 
 Refused in one line: videos (a video, a video part of a message, or the ``<|video_pad|>`` token: not supported yet,
 :class:`~megatron_vlm.data.task_encoder.VideoNotSupportedError`, which stops the run), a spec that is not
 Qwen2.5-VL's; Qwen3-VL / Qwen2-VL directories are refused by the spec itself (:data:`megatron_vlm.model.spec.NOT_YET`).
-Training a Qwen2.5-VL model stays refused (``spec.check_supported("training")`` in the launcher and the trainer).
 """
 
 from __future__ import annotations
@@ -63,10 +63,9 @@ class QwenVLBatch(VLMBatch):
     position_ids: torch.Tensor  # int64 [3, B, S]
 
     def model_kwargs(self, device) -> dict:
-        """The keyword inputs of :class:`~megatron_vlm.model.qwen_vl.QwenVLModel`'s forward, on ``device``."""
-        return dict(images=self.images.to(device), input_ids=self.tokens.to(device),
-                    position_ids=self.position_ids.to(device), attention_mask=None, labels=self.labels.to(device),
-                    loss_mask=self.loss_mask.to(device), image_grid_thw=self.image_grid_thw.to(device))
+        """The keyword inputs of :class:`~megatron_vlm.model.qwen_vl.QwenVLModel`'s forward beyond the training
+        step's positional ones (images, tokens, ``position_ids``, labels, loss mask), on ``device``."""
+        return dict(image_grid_thw=self.image_grid_thw.to(device, non_blocking=True))
 
 
 def processor_chat_template(hf_dir, tokenizer) -> str | None:
@@ -134,13 +133,14 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
                              "preprocessor_config.json to the vision config's")
 
     # -- media --------------------------------------------------------------------------------------
+    def tokens_of_size(self, height: int, width: int) -> int:
+        """``<|image_pad|>`` tokens of an image of this size: its merged patches after ``smart_resize`` (HF's
+        ``get_number_of_image_patches``; ``data_prep/stats.py`` counts them from the stored sizes)."""
+        return int(self.image_processor.get_number_of_image_patches(int(height), int(width), {})) // self.merge ** 2
+
     def image_tokens(self, images: list) -> list[int]:
         """``<|image_pad|>`` tokens of each image (its merged patches), from its size alone."""
-        counts = []
-        for im in (_as_pil(i) for i in images):
-            patches = self.image_processor.get_number_of_image_patches(im.height, im.width, {})
-            counts.append(int(patches) // self.merge ** 2)
-        return counts
+        return [self.tokens_of_size(im.height, im.width) for im in (_as_pil(i) for i in images)]
 
     def image_inputs(self, images: list) -> dict:
         """The processor's ``pixel_values`` ``[patches, C x T x P x P]`` and ``image_grid_thw`` of ``images``."""

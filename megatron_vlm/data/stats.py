@@ -149,6 +149,7 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
     k = task_encoder.tokens_per_image
     geo = getattr(getattr(task_encoder, "spec", None), "anyres", None)  # anyres: tokens depend on image size
     ivl = hasattr(task_encoder, "image_tiles")  # InternVL: tiles depend on image size, frames are images
+    qvl = hasattr(task_encoder, "tokens_of_size")  # Qwen2.5-VL: tokens depend on image size
     result = {}
     bar = None
     if progress:
@@ -159,7 +160,8 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
         s = dict(samples=0, images=0, text_tokens=0, image_tokens=0, videos=0, video_frames=0, video_tokens=0,
                  tokens=0, max_tokens=0, over_seq_length=0, too_long_to_count=0)
         for shard in meta.shards:
-            for key, raw in _checked_samples(path / shard.name, max_text_bytes, image_sizes=geo is not None or ivl):
+            sized = geo is not None or ivl or qvl
+            for key, raw in _checked_samples(path / shard.name, max_text_bytes, image_sizes=sized):
                 if f"{shard.name}/{key}" in meta.sample_excludes:
                     continue
                 if OVERSIZED in raw:
@@ -188,6 +190,10 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
                     sizes = raw[IMAGE_SIZES]
                     names = image_parts(raw) or [n for n in ("jpg", "png") if n in sizes]
                     image_tokens = sum(task_encoder.image_tiles(sizes[n][1], sizes[n][0]) * k for n in names[:n_img])
+                if qvl:
+                    sizes = raw[IMAGE_SIZES]
+                    names = image_parts(raw) or [n for n in ("jpg", "png") if n in sizes]
+                    image_tokens = sum(task_encoder.tokens_of_size(sizes[n][1], sizes[n][0]) for n in names[:n_img])
                 if geo is not None:
                     sizes = raw[IMAGE_SIZES]
                     names = image_parts(raw) or [n for n in ("jpg", "png") if n in sizes]

@@ -9,10 +9,12 @@ image expansion do not fit: the merged vision embeddings are scattered at the im
 ``masked_scatter`` does, and the LM runs on that sequence with the given ``position_ids`` ``[3, b, s]``.
 
 It keeps the interface the trainer and the converters expect of a built model: ``pre_process`` / ``post_process`` /
-``add_encoder``, ``set_input_tensor``, ``vision_model`` / ``vision_projection`` / ``language_model``, megatron-core's
-``sharded_state_dict`` (names under those three prefixes), ``forward`` returning ``(output, loss_mask)``. With
-pipeline parallelism every micro batch is padded to the model's sequence length, as megatron-core's LLaVA pads for
-its fixed point-to-point shapes.
+``add_encoder``, ``set_input_tensor``, ``freeze``, ``vision_model`` / ``vision_projection`` / ``language_model``,
+megatron-core's ``sharded_state_dict`` (names under those three prefixes), and ``forward`` in megatron-core's
+``LLaVAModel`` argument order (the training step's positional call: images, tokens, positions, mask, labels, loss
+mask), the image grids by keyword, returning ``(output, loss_mask)``. With pipeline parallelism every micro batch
+(its embeddings, positions, labels and loss mask) is padded to the model's sequence length, as megatron-core's LLaVA
+pads for its fixed point-to-point shapes.
 
 :func:`mrope_position_ids` gives the positions of a token sequence: transformers' own
 ``Qwen2_5_VLModel.get_rope_index`` (text positions continue after each image's grid).
@@ -94,6 +96,17 @@ def _model_class():
             hidden, window_index = self.vision_model(images, image_grid_thw)
             return self.vision_projection(hidden, window_index)
 
+        def freeze(self, freeze_language_model: bool, freeze_vision_model: bool,
+                   freeze_vision_projection: bool) -> None:
+            """Stop the gradients of the named parts (as megatron-core's ``LLaVAModel.freeze``): the ViT, the patch
+            merger (the projector), the language model."""
+            parts = [(freeze_language_model, self.language_model), (freeze_vision_model, self.vision_model),
+                     (freeze_vision_projection, self.vision_projection)]
+            for frozen, module in parts:
+                if frozen and module is not None:
+                    for p in module.parameters():
+                        p.requires_grad = False
+
         def _pad(self, t: torch.Tensor, dim: int) -> torch.Tensor:
             n = self.max_sequence_length - t.shape[dim]
             if not self.pad_to_max or n <= 0:
@@ -103,11 +116,20 @@ def _model_class():
             return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
         def forward(self, images=None, input_ids=None, position_ids=None, attention_mask=None, labels=None,
-                    loss_mask=None, image_grid_thw=None, **kwargs):
+                    loss_mask=None, inference_context=None, num_image_tiles=None, image_grid_thw=None,
+                    packed_seq_params=None, **kwargs):
             """``images``: the processor's ``pixel_values`` ``[patches, C x T x P x P]`` of every image in the micro
             batch, ``image_grid_thw`` ``[images, 3]``; ``input_ids`` ``[b, s]`` with each image's tokens expanded;
-            ``position_ids`` ``[3, b, s]`` (:func:`mrope_position_ids`). Returns ``(logits or loss, loss_mask)``."""
+            ``position_ids`` ``[3, b, s]`` (:func:`mrope_position_ids`; every pipeline stage needs them: each layer's
+            rotary reads them; packed: each sample's own, ``[3, 1, S]``, with ``packed_seq_params``' boundaries).
+            ``num_image_tiles`` (one per image) is the trainer's count and not needed here.
+            Returns ``(logits or loss, loss_mask)``, padded to the sequence length under pipeline parallelism."""
+            if inference_context is not None:
+                raise ValueError("generation of Qwen2.5-VL with an inference context is not supported yet; generate "
+                                 "with HF's model from an export (convert/megatron_to_hf.py)")
             videos = sorted(k for k in kwargs if "video" in k)
+            if set(kwargs) - set(videos):
+                raise TypeError(f"QwenVLModel.forward got unexpected inputs {sorted(set(kwargs) - set(videos))}")
             if not videos and input_ids is not None and self.video_token_id is not None and \
                     bool((input_ids == self.video_token_id).any()):
                 videos = [f"video token {self.video_token_id} in input_ids"]
@@ -137,8 +159,10 @@ def _model_class():
             position_ids = self._pad(position_ids, 2)
             if labels is not None:
                 labels = self._pad(labels, 1)
+            if loss_mask is not None:
+                loss_mask = self._pad(loss_mask, 1)
             out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
-                                      decoder_input=decoder_input, labels=labels)
+                                      decoder_input=decoder_input, labels=labels, packed_seq_params=packed_seq_params)
             return out, loss_mask
 
     return QwenVLModel

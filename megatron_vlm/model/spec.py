@@ -37,10 +37,12 @@ ARCHS = {
     "internvl": ("InternVLConfig", "InternVLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
 }
-#: what a Qwen2.5-VL spec refuses beyond conversion and verification (issue 64's first slice)
+#: what a Qwen2.5-VL spec runs beyond conversion and verification: ``check_supported``'s ``what`` starting with one
+QWEN_VL_RUNS = ("training",)
+#: what a Qwen2.5-VL spec refuses beyond those (issue 64's slices so far)
 QWEN_VL_ONLY_CONVERSION = ("{what} of Qwen2.5-VL (model_type 'qwen2_5_vl') is not supported yet: megatron-vlm "
-                           "converts it HF <-> Megatron and verifies its logits (convert/hf_to_megatron.py --verify, "
-                           "convert/megatron_to_hf.py), nothing more so far")
+                           "converts it HF <-> Megatron, verifies its logits (convert/hf_to_megatron.py --verify, "
+                           "convert/megatron_to_hf.py) and trains it on images (train/run.py), nothing more so far")
 #: Qwen2.5-VL's own vision encoder (HF model_type 'qwen2_5_vl_vision'): only inside a Qwen2.5-VL model
 QWEN_VIT = "qwen2_5_vit"
 #: model types of the Qwen-VL family that megatron-vlm does not convert yet -> the one line that refuses each
@@ -177,9 +179,9 @@ class VLMSpec:
         return self.arch == "qwen2_5_vl"
 
     def check_supported(self, what: str) -> None:
-        """Refuse ``what`` (training, its data, ...) for a family that megatron-vlm converts but does not run there
-        yet: one line naming the family and ``what``."""
-        if self.is_qwen_vl:
+        """Refuse ``what`` (evaluation, ...) for a family that megatron-vlm converts but does not run there yet: one
+        line naming the family and ``what``. Qwen2.5-VL trains (:data:`QWEN_VL_RUNS`)."""
+        if self.is_qwen_vl and not what.startswith(QWEN_VL_RUNS):
             raise UnsupportedArchitectureError(QWEN_VL_ONLY_CONVERSION.format(what=what))
 
     @property

@@ -5,7 +5,8 @@
   decode samples. The first stage needs images and tokens; the last needs tokens, labels and loss mask (megatron's
   LLaVAModel expands labels and loss mask with the image positions found in the tokens, so it needs the tokens
   and the image count per image, not the pixels); middle stages need only each micro batch's rows' positions of
-  samples (a mixture-of-experts model's routing) and, packed, its ``cu_seqlens`` (their attention). energon shards by data-parallel rank, so each DP rank's slice is
+  samples (a mixture-of-experts model's routing), packed, its ``cu_seqlens`` (their attention), and an M-RoPE
+  model's 3-D positions (every layer's rotary). energon shards by data-parallel rank, so each DP rank's slice is
   read once per stage that needs it instead of once per GPU. The loader state saved in checkpoints is that of
   TP rank 0 of the first stage (the other reader of the same DP rank reads the same samples).
 - :func:`distribute`: the collective that turns what the readers hold into what every rank's forward step
@@ -14,7 +15,9 @@
   stages, a :class:`MicroBatch` holding only each row's positions of samples (and a packed batch's boundaries).
 
 Anyres batches (LLaVA-NeXT / OneVision) also carry each image's original size and image-token count, which every
-stage's model needs. The tensors go as one int64 and one float32 buffer after a small header (shapes and counts), so a micro batch
+stage's model needs; Qwen2.5-VL batches carry their images' grids (``image_grid_thw``) and their M-RoPE positions
+``[3, B, S]``, which every stage's rotary needs (middle stages get them too). The tensors go as one int64 and one
+float32 buffer after a small header (shapes and counts), so a micro batch
 costs three broadcasts whatever its contents; megatron's ``tensor_parallel.broadcast_data`` is not used because
 it cannot carry a zero-sized dimension (a micro batch without images).
 """
@@ -25,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-# B, S, pixel rows (images or anyres tiles), C, H, W, num_tokens, cu_seqlens length, max_seqlen, pixels sent,
-# num_image_tiles length, anyres images (0: not an anyres batch)
-_HEADER = 12
+# B, S, pixel rows (images or anyres tiles; Qwen-VL: patches), C (Qwen-VL: a patch's values), H, W (Qwen-VL: 1),
+# num_tokens, cu_seqlens length, max_seqlen, pixels sent, num_image_tiles length, anyres images (-1: not an anyres
+# batch), Qwen-VL image grids (-1: not a Qwen-VL batch, whose pixels are [patches, values] and positions [3, B, S])
+_HEADER = 13
 
 
 def reads_data(tp_rank: int, pp_rank: int, pp: int) -> bool:
@@ -55,9 +59,14 @@ class MicroBatch:
     image_sizes: torch.Tensor | None = None  # anyres: [images, 2] original (height, width)
     num_image_tokens: torch.Tensor | None = None  # anyres: image tokens per image (every stage needs them)
     row_tokens: torch.Tensor | None = None  # each row's positions of samples (every stage's MoE routing needs them)
+    image_grid_thw: torch.Tensor | None = None  # Qwen-VL: [images, 3] (the first stage's ViT)
+    position_ids: torch.Tensor | None = None  # Qwen-VL: [3, B, S] M-RoPE positions (every stage's rotary)
 
     def model_kwargs(self, device) -> dict:
-        """The anyres model's extra inputs, as :class:`~megatron_vlm.data.anyres_encoder.AnyresBatch` gives them."""
+        """The model's extra inputs, as :class:`~megatron_vlm.data.anyres_encoder.AnyresBatch` (image sizes and
+        tokens) or :class:`~megatron_vlm.data.qwen_vl_encoder.QwenVLBatch` (image grids) gives them."""
+        if self.image_grid_thw is not None:
+            return dict(image_grid_thw=self.image_grid_thw.to(device, non_blocking=True))
         if self.num_image_tokens is None:
             return {}
         return dict(image_sizes=self.image_sizes, num_image_tokens=self.num_image_tokens.to(device, non_blocking=True))
@@ -78,18 +87,22 @@ def broadcast_micro_batch(batch, device, with_pixels: bool):
     if sender:
         cu = getattr(batch, "cu_seqlens", None)
         counts = getattr(batch, "num_image_tokens", None)
+        grid = getattr(batch, "image_grid_thw", None)
         b, s = batch.tokens.shape
-        n, c, h, w = batch.images.shape
+        n, c, h, w = batch.images.shape if grid is None else (*batch.images.shape, 1, 1)
         header.copy_(torch.tensor([b, s, n, c, h, w, int(batch.num_tokens), 0 if cu is None else cu.numel(),
                                    int(getattr(batch, "max_seqlen", 0) or 0), int(with_pixels),
-                                   batch.num_image_tiles.numel(), -1 if counts is None else counts.numel()]))
+                                   batch.num_image_tiles.numel(), -1 if counts is None else counts.numel(),
+                                   -1 if grid is None else grid.shape[0]]))
     torch.distributed.broadcast(header, src=src, group=group)
-    b, s, n, c, h, w, num_tokens, n_cu, max_seqlen, pixels, n_tiles, n_anyres = header.tolist()
-    n_sizes = max(n_anyres, 0)
-    n_int = 2 * b * s + b + n_tiles + n_cu + 3 * n_sizes
+    b, s, n, c, h, w, num_tokens, n_cu, max_seqlen, pixels, n_tiles, n_anyres, n_grid = header.tolist()
+    n_sizes, qwen = max(n_anyres, 0), n_grid >= 0
+    n_qwen = 3 * n_grid + 3 * b * s if qwen else 0  # the grids, the positions
+    n_int = 2 * b * s + b + n_tiles + n_cu + 3 * n_sizes + n_qwen
     n_float = b * s + (n * c * h * w if pixels else 0)
     if sender:
         anyres = [batch.image_sizes.reshape(-1), batch.num_image_tokens.reshape(-1)] if n_anyres >= 0 else []
+        anyres += [batch.image_grid_thw.reshape(-1), batch.position_ids.reshape(-1)] if qwen else []
         ints = torch.cat([batch.tokens.reshape(-1), batch.labels.reshape(-1), batch.row_tokens.reshape(-1),
                           batch.num_image_tiles.reshape(-1)]
                          + ([batch.cu_seqlens.reshape(-1)] if n_cu else []) + anyres).to(device=device,
@@ -108,10 +121,13 @@ def broadcast_micro_batch(batch, device, with_pixels: bool):
     ints = ints.cpu()
     loss_mask, images = torch.split(floats, [b * s, n_float - b * s])
     loss_mask = loss_mask.cpu()
-    tokens, labels, rows, tiles, cu, sizes, counts = torch.split(ints, [b * s, b * s, b, n_tiles, n_cu, 2 * n_sizes,
-                                                                         n_sizes])
+    tokens, labels, rows, tiles, cu, sizes, counts, grid, positions = torch.split(
+        ints, [b * s, b * s, b, n_tiles, n_cu, 2 * n_sizes, n_sizes, 3 * max(n_grid, 0), n_qwen - 3 * max(n_grid, 0)])
     anyres = n_anyres >= 0
-    return MicroBatch(images=images.view(n, c, h, w) if pixels else None, num_image_tiles=tiles.to(torch.int32),
+    return MicroBatch(images=(images.view(n, c) if qwen else images.view(n, c, h, w)) if pixels else None,
+                      num_image_tiles=tiles.to(torch.int32),
+                      image_grid_thw=grid.view(n_grid, 3) if qwen else None,
+                      position_ids=positions.view(3, b, s) if qwen else None,
                       tokens=tokens.view(b, s), labels=labels.view(b, s), loss_mask=loss_mask.view(b, s),
                       num_tokens=num_tokens, row_tokens=rows, cu_seqlens=cu.to(torch.int32) if n_cu else None,
                       max_seqlen=max_seqlen if n_cu else None,
@@ -121,34 +137,40 @@ def broadcast_micro_batch(batch, device, with_pixels: bool):
 
 def _share_with_middle_stages(batches: list, device) -> list:
     """With middle pipeline stages: the first stage sends each micro batch's ``row_tokens`` (a mixture-of-experts
-    model's routing counts only the positions of samples) and, packed, its ``cu_seqlens`` (their attention) down the
-    pipeline group (collective over it); middle stages get :class:`MicroBatch` objects holding only those."""
+    model's routing counts only the positions of samples), packed, its ``cu_seqlens`` (their attention), and an M-RoPE
+    model's ``position_ids`` ``[3, B, S]`` (every layer's rotary) down the pipeline group (collective over it); middle
+    stages get :class:`MicroBatch` objects holding only those."""
     from megatron.core import parallel_state as ps
 
     group, src = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_first_rank()
     first = ps.is_pipeline_first_stage(ignore_virtual=True)
 
-    def lengths_of(b):
-        cu = getattr(b, "cu_seqlens", None)
-        return [b.row_tokens.numel(), 0 if cu is None else cu.numel()]
+    def parts_of(b):
+        cu, positions = getattr(b, "cu_seqlens", None), getattr(b, "position_ids", None)
+        return [b.row_tokens, *([] if cu is None else [cu]), *([] if positions is None else [positions])]
 
-    lengths = torch.tensor([lengths_of(b) for b in batches] if first else [[0, 0]] * len(batches),
-                           dtype=torch.int64, device=device).reshape(-1, 2)
+    def lengths_of(b):
+        cu, positions = getattr(b, "cu_seqlens", None), getattr(b, "position_ids", None)
+        return [b.row_tokens.numel(), 0 if cu is None else cu.numel(), 0 if positions is None else positions.numel()]
+
+    lengths = torch.tensor([lengths_of(b) for b in batches] if first else [[0, 0, 0]] * len(batches),
+                           dtype=torch.int64, device=device).reshape(-1, 3)
     torch.distributed.broadcast(lengths, src=src, group=group)
     if first:
-        parts = [t.reshape(-1).to(device=device, dtype=torch.int64) for b in batches
-                 for t in (b.row_tokens, *([b.cu_seqlens] if getattr(b, "cu_seqlens", None) is not None else []))]
+        parts = [t.reshape(-1).to(device=device, dtype=torch.int64) for b in batches for t in parts_of(b)]
         flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
     else:
         flat = torch.empty(int(lengths.sum()), dtype=torch.int64, device=device)
     torch.distributed.broadcast(flat, src=src, group=group)
     if not needs_data(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()):
         out = []
-        for piece, (n_rows, n_cu) in zip(torch.split(flat, lengths.sum(1).tolist()), lengths.tolist()):
-            rows, cu = piece[:n_rows], piece[n_rows:].to(torch.int32)
+        for piece, (n_rows, n_cu, n_pos) in zip(torch.split(flat, lengths.sum(1).tolist()), lengths.tolist()):
+            rows, cu, positions = torch.split(piece, [n_rows, n_cu, n_pos])
+            cu = cu.to(torch.int32)
             out.append(MicroBatch(None, None, None, None, None, row_tokens=rows,
                                   cu_seqlens=cu if n_cu else None,
-                                  max_seqlen=int((cu[1:] - cu[:-1]).max()) if n_cu else None))
+                                  max_seqlen=int((cu[1:] - cu[:-1]).max()) if n_cu else None,
+                                  position_ids=positions.view(3, n_rows, -1) if n_pos else None))
         return out
     return batches
 
@@ -160,7 +182,7 @@ def distribute(batches: list, device) -> list:
     ``batches``: on a reader (:func:`reads_data`) its micro batches of one global batch, elsewhere a list of as
     many ``None``. Returns the readers' batches unchanged, :class:`MicroBatch` objects on the other TP ranks of
     the first/last stage (pixels on the first stage only), and on middle stages :class:`MicroBatch` objects with
-    each micro batch's ``row_tokens`` (and ``cu_seqlens`` when packed) only."""
+    each micro batch's ``row_tokens`` (and ``cu_seqlens`` when packed, ``position_ids`` for M-RoPE) only."""
     from megatron.core import parallel_state as ps
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()

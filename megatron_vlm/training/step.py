@@ -22,7 +22,8 @@ import torch
 
 from megatron_vlm.runtime.cpu_compat import step_scope
 
-_NO_INPUTS = SimpleNamespace(images=None, tokens=None, labels=None, loss_mask=None, num_image_tiles=None)
+_NO_INPUTS = SimpleNamespace(images=None, tokens=None, labels=None, loss_mask=None, num_image_tiles=None,
+                             position_ids=None)
 
 
 @dataclass
@@ -114,12 +115,14 @@ def forward_step(device, data_iterator, model, moe=None):
 
             kwargs["packed_seq_params"] = packed_seq_params(_on(device, b.cu_seqlens), b.max_seqlen,
                                                             ps.get_context_parallel_world_size() > 1)
-        if getattr(b, "model_kwargs", None) is not None:  # anyres: image sizes, image tokens per image
+        if getattr(b, "model_kwargs", None) is not None:  # anyres: image sizes and tokens; Qwen-VL: image grids
             kwargs.update(b.model_kwargs(device))
         layout = _host_layout(model, b, device)
         if layout is not None:
             kwargs["host_layout"] = layout
-    out, loss_mask = model(_on(device, b.images), _on(device, b.tokens), None, None, _on(device, b.labels),
+    # M-RoPE models (Qwen2.5-VL) take the batch's [3, b, s] positions on every stage; the others compute them
+    positions = _on(device, getattr(b, "position_ids", None))
+    out, loss_mask = model(_on(device, b.images), _on(device, b.tokens), positions, None, _on(device, b.labels),
                            _on(device, b.loss_mask), None, _on(device, b.num_image_tiles), **kwargs)
     if micro is not None:
         moe.forward_done(micro, out)
@@ -143,15 +146,16 @@ def chunk_batches(batches: list, num_chunks: int) -> list:
 
 
 def _middle(batch):
-    """A micro batch as a middle stage sees it: None, or only the packed boundaries and each row's positions of
-    samples (a mixture-of-experts model's routers leave the padding out)."""
+    """A micro batch as a middle stage sees it: None, or only the packed boundaries, each row's positions of
+    samples (a mixture-of-experts model's routers leave the padding out) and an M-RoPE model's 3-D positions."""
     cu, rows = getattr(batch, "cu_seqlens", None), getattr(batch, "row_tokens", None)
-    if batch is None or (cu is None and rows is None):
+    positions = getattr(batch, "position_ids", None)  # M-RoPE: every layer's rotary reads them
+    if batch is None or (cu is None and rows is None and positions is None):
         return None
     from megatron_vlm.training.batch_feed import MicroBatch
 
     return MicroBatch(None, None, None, None, None, row_tokens=rows, cu_seqlens=cu,
-                      max_seqlen=batch.max_seqlen if cu is not None else None)
+                      max_seqlen=batch.max_seqlen if cu is not None else None, position_ids=positions)
 
 
 def _reduce_losses(losses, device) -> torch.Tensor:
@@ -253,7 +257,8 @@ def pad_micro_batch(batch, micro_batch_size: int, image_token_id):
     """A partial last batch filled up to ``micro_batch_size`` rows with copies of its last row whose loss mask
     is zero (and with no position of a sample, for an MoE model's routing counts): pipeline stages exchange
     activations of a fixed [seq, micro batch, hidden] shape, so every micro batch must have the same number of rows
-    (a short one would leave the next stage waiting).
+    (a short one would leave the next stage waiting). A Qwen-VL batch (its image tokens expanded in the tokens) is
+    filled with rows of text instead, token 0 at counting positions, which need no pixels.
     ``image_token_id``: the image token's id, or the ids of every image/video token (``spec.media_token_ids``)."""
     if batch is None or batch.tokens is None:  # a middle pipeline stage
         return batch
@@ -265,6 +270,16 @@ def pad_micro_batch(batch, micro_batch_size: int, image_token_id):
     def rows(t):
         return torch.cat([t, t[-1:].expand(extra, *t.shape[1:])], dim=0)
 
+    if getattr(batch, "image_grid_thw", None) is not None:  # Qwen-VL: rows of text (token 0), no images
+        _, s = batch.tokens.shape
+        text = batch.tokens.new_zeros(extra, s)
+        positions = torch.arange(s, dtype=batch.position_ids.dtype)[None, None].expand(3, extra, s)
+        return type(batch).derive_from(
+            batch, images=batch.images, image_grid_thw=batch.image_grid_thw, num_image_tiles=batch.num_image_tiles,
+            tokens=torch.cat([batch.tokens, text]), labels=torch.cat([batch.labels, text]),
+            loss_mask=torch.cat([batch.loss_mask, batch.loss_mask.new_zeros(extra, s)]), num_tokens=batch.num_tokens,
+            row_tokens=torch.cat([batch.row_tokens, batch.row_tokens.new_zeros(extra)]),
+            position_ids=torch.cat([batch.position_ids, positions], dim=1))
     media = torch.tensor(image_token_id if isinstance(image_token_id, (tuple, list)) else [image_token_id])
     k = int(torch.isin(batch.tokens[-1], media.to(batch.tokens.device)).sum())  # images/videos in token order
     n_images = batch.num_image_tiles.shape[0]

@@ -59,9 +59,28 @@ def spec_of(hf_dir) -> VLMSpec:
     return copy.deepcopy(_SPECS[key])
 
 
+def qwen_vl_inputs(sample, spec: VLMSpec) -> dict:
+    """HF ``Qwen2_5_VLForConditionalGeneration``'s inputs (with ``labels``) of one encoded Qwen2.5-VL sample: its
+    tokens (images already expanded, as the processor expands them) and the last label after them, the processor's
+    ``pixel_values`` and ``image_grid_thw``, and ``mm_token_type_ids`` over the whole sequence (1 at image tokens),
+    from which HF's forward computes its own M-RoPE positions (``get_rope_index``): the trainer's positions are not
+    given to it."""
+    ids = torch.cat([sample.tokens, sample.labels[-1:]])
+    labels = torch.full_like(ids, IGNORE)
+    at = sample.loss_mask.nonzero()[:, 0] + 1  # position i predicts ids[i + 1]: HF reads it at i + 1
+    labels[at] = ids[at]
+    out = dict(input_ids=ids[None], labels=labels[None], mm_token_type_ids=(ids == spec.image_token_id)[None].int())
+    if len(sample.image_grid_thw):
+        out.update(pixel_values=sample.images, image_grid_thw=sample.image_grid_thw)
+    return out
+
+
 def hf_inputs(sample, spec: VLMSpec) -> dict:
     """HF forward inputs (with ``labels``) of one encoded trainer sample."""
     from megatron_vlm.data.task_encoder import whole_sequence
+
+    if spec.is_qwen_vl:
+        return qwen_vl_inputs(sample, spec)
 
     # the full sequence the sample was cut from: its tokens, and in Megatron's framing the last label after them
     x = sample.tokens.tolist() if whole_sequence(spec) else torch.cat([sample.tokens, sample.labels[-1:]]).tolist()
@@ -115,8 +134,11 @@ def decays(name: str, param: torch.Tensor, spec: VLMSpec) -> bool:
 
 
 def trained(name: str, parts: dict) -> bool:
-    """Whether HF parameter ``name`` trains, given the trainer's ``cfg.trained_parts``."""
-    if "vision_tower" in name:
+    """Whether HF parameter ``name`` trains, given the trainer's ``cfg.trained_parts`` (Qwen2.5-VL: the patch
+    merger ``visual.merger`` is the projector, the rest of ``visual`` the vision encoder)."""
+    if "visual.merger" in name:
+        return parts["projector"]
+    if "vision_tower" in name or "visual." in name:
         return parts["vision"]
     if "multi_modal_projector" in name or "image_newline" in name:
         return parts["projector"]
@@ -172,7 +194,7 @@ def train(hf_dir, global_batches: list[list], cfg, steps: int | None = None, gra
     for name, p in model.named_parameters():
         p.requires_grad_(trained(name, cfg.trained_parts))
         if p.requires_grad:
-            groups[decay_everything or decays(mapping.canonical_hf_name(name), p, spec)].append(p)
+            groups[decay_everything or decays(mapping.canonical_hf_name(name, spec.arch), p, spec)].append(p)
     params = groups[True] + groups[False]
     opt = torch.optim.AdamW([{"params": groups[True], "weight_decay": oc.weight_decay},
                              {"params": groups[False], "weight_decay": 0.0}],

@@ -7,9 +7,10 @@
   and the first step's gradient of every tensor in HF's on-disk names
   (:func:`tests.support.hf_reference.train`);
 - :func:`trainer_gradients`: a trained job's gradient shards assembled into HF tensors
-  (:func:`tests.support.grad_reference.assemble`).
+  (:func:`tests.support.grad_reference.assemble`); :func:`compare` and :func:`assert_steps_match` hold them and the
+  run's losses and gradient norms against HF's.
 
-Only these three functions call the reference modules, so a change of their interface is met here.
+Only these functions call the reference modules, so a change of their interface is met here.
 """
 
 from __future__ import annotations
@@ -62,3 +63,10 @@ def compare(trainer: dict, hf: dict) -> dict[str, float]:
     from tests.support import grad_reference
 
     return grad_reference.compare(trainer, hf)
+
+
+def assert_steps_match(run: dict, ref: dict, rtol: float, norm_rtol: float) -> None:
+    """A run's losses and gradient norms against HF's (:func:`tests.support.grad_reference.assert_steps_match`)."""
+    from tests.support import grad_reference
+
+    grad_reference.assert_steps_match(run, ref, rtol, norm_rtol)

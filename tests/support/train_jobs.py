@@ -57,12 +57,20 @@ _BATCHING: dict = {}
 
 
 def batching_encoder(hf_dir, spec: VLMSpec, pad_to_multiple_of: int | None = None,
-                     seq_length: int = BASE["seq_length"]):
+                     seq_length: int = BASE["seq_length"], packed_seq_length: int | None = None):
     """:func:`encoder_for`, made once per process for each model, spec and padding: for ``batch()`` only, which
-    keeps no state between calls (its skip counters are the encoding's, which these jobs never do)."""
-    key = (str(hf_dir), spec.to_json(), pad_to_multiple_of, seq_length)
+    keeps no state between calls (its skip counters are the encoding's, which these jobs never do); with
+    ``packed_seq_length`` the trainer's packing encoder (``pack_selected_samples`` and ``batch()``)."""
+    key = (str(hf_dir), spec.to_json(), pad_to_multiple_of, seq_length, packed_seq_length)
     if key not in _BATCHING:
-        _BATCHING[key] = encoder_for(hf_dir, seq_length, spec=spec, pad_to_multiple_of=pad_to_multiple_of)
+        if packed_seq_length:
+            from megatron_vlm.data.packing import packing_task_encoder_for
+
+            _BATCHING[key] = packing_task_encoder_for(spec, hf_dir, seq_length, packed_seq_length,
+                                                      image_token_id=spec.image_token_id,
+                                                      pad_to_multiple_of=pad_to_multiple_of)
+        else:
+            _BATCHING[key] = encoder_for(hf_dir, seq_length, spec=spec, pad_to_multiple_of=pad_to_multiple_of)
     return _BATCHING[key]
 
 
@@ -78,7 +86,7 @@ def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BAS
     from megatron_vlm.data.synthetic import image_array
 
     enc = encoder_for(hf_dir, seq_length)
-    sizes = IMAGE_SIZES if enc.spec.is_anyres or enc.spec.is_internvl else IMAGE_SIZES[:1]
+    sizes = IMAGE_SIZES if enc.spec.is_anyres or enc.spec.is_internvl or enc.spec.is_qwen_vl else IMAGE_SIZES[:1]
     meta = dict(__restore_key__=(), __subflavors__=None, __sources__=None)
     clips = _clips() if videos else []
     out = []
@@ -141,6 +149,11 @@ def _clips() -> list[bytes]:
     return [make_video(25, 33, 21, fps=10), make_video(5, 48, 32, fps=7)]
 
 
+def _packing(encoder):
+    """A packing encoder's collate of a list of samples: one pack of them (``pack_selected_samples``), batched."""
+    return lambda samples: encoder.batch([encoder.pack_selected_samples(samples)])
+
+
 def job_config(job: dict, n_steps: int, global_batch_size: int):
     from megatron_vlm.training.config import TrainConfig
 
@@ -148,7 +161,7 @@ def job_config(job: dict, n_steps: int, global_batch_size: int):
               if k not in ("name", "steps", "start", "save", "save_after", "resume", "reload_weights",
                            "grads", "megatron_dir", "hf_dir", "batches", "refused", "count_syncs", "count_step_syncs",
                            "unchecked_expert_layout", "evaluate", "count_vision_tiles",
-                           "wrong_vision_gather")}
+                           "wrong_vision_gather", "pack")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
     # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
@@ -338,6 +351,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     every rank's counts as 'host_syncs'.
     ``count_vision_tiles``: every rank's tiles per vision-encoder forward, as 'vision_tiles' (its CP share);
     ``wrong_vision_gather``: the CP share's control, its gather in the wrong order (:func:`_vision_probes`).
+    ``pack`` (with ``packing_buffer_size``, ``packed_seq_length`` and micro batch size 1): each micro batch is one pack
+    of that many consecutive samples of the DP rank's slice, made by the trainer's packing encoder.
     ``grads``: also return, as 'grads', every model chunk's (coordinates, local gradients) of the first step, and
     as 'layout' the keyword arguments of :func:`tests.support.grad_reference.assemble` (tp, pp, layers, ep,
     etp), which turns them into HF-named gradients (with virtual pipeline stages each chunk is a stage of a
@@ -373,7 +388,12 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         cfg = job_config(job, steps, len(global_batches[0]))
         settle_with_spec(cfg, spec)  # as the trainer: e.g. sequence parallelism for an MoE LM at TP > 1
         # for batch() only; sequence and context parallelism split the image-expanded length, as the trainer pads it
-        encoder = batching_encoder(hf_dir, spec, pad_multiple(cfg))
+        encoder = batching_encoder(hf_dir, spec, pad_multiple(cfg), packed_seq_length=cfg.packed_seq_length
+                                   if job.get("pack") else None)
+        collate, group = encoder.batch, cfg.micro_batch_size
+        if job.get("pack"):  # each micro batch one pack of that many consecutive samples, as the loader packs them
+            collate = _packing(encoder)
+            group = job["pack"]
         rt = _setup(cfg, spec)
         if job.get("refused"):  # the set-up must fail, on every rank alike, before a step
             try:
@@ -411,8 +431,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         tiles_seen: list[int] = []
         vision = _vision_probes(training, tiles_seen, job)
         for k, gb in enumerate(global_batches[first:first + steps], 1):
-            mine = micro_batches(encoder.batch, gb, rt.dp, rt.dp_rank, cfg.micro_batch_size) if reads else \
-                [None] * (len(gb) // rt.dp // cfg.micro_batch_size)
+            mine = micro_batches(collate, gb, rt.dp, rt.dp_rank, group) if reads else \
+                [None] * (len(gb) // rt.dp // group)
             batches = batch_feed.distribute(mine, rt.device)
             counting = job.get("count_step_syncs") and k == min(2, steps)  # a steady step: the second
             # the host batches: a reader's own, a TP rank's received one but its pixels (batch_feed.distribute)
