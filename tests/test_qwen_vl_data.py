@@ -239,6 +239,22 @@ def test_batch_pads_right_and_concatenates_in_token_order(enc, batch):
     assert b.num_tokens == sum(lengths) and b.row_tokens.tolist() == lengths
 
 
+def test_a_short_batch_is_filled_with_text_rows(enc, batch):
+    """The trainer's filling of a partial last micro batch (``pad_micro_batch``, for pipeline stages' fixed shapes):
+    rows of text with no loss, no image token and counting positions; the images, grids and real rows unchanged."""
+    from megatron_vlm.training.step import pad_micro_batch
+
+    _, b = batch
+    full = pad_micro_batch(b, 5, enc.spec.media_token_ids)
+    assert full.tokens.shape == (5, b.tokens.shape[1]) and full.position_ids.shape == (3, 5, b.tokens.shape[1])
+    assert torch.equal(full.tokens[:3], b.tokens) and torch.equal(full.position_ids[:, :3], b.position_ids)
+    assert (full.loss_mask[3:] == 0).all() and not bool(torch.isin(full.tokens[3:], torch.tensor(
+        enc.spec.media_token_ids)).any()) and full.row_tokens.tolist() == b.row_tokens.tolist() + [0, 0]
+    assert torch.equal(full.position_ids[:, 3:], torch.arange(b.tokens.shape[1]).expand(3, 2, -1))
+    assert torch.equal(full.images, b.images) and torch.equal(full.image_grid_thw, b.image_grid_thw)
+    assert pad_micro_batch(b, 3, enc.spec.media_token_ids) is b
+
+
 def test_batch_positions_are_get_rope_index(enc, batch, rope_host):
     """The padded batch's positions are HF's ``get_rope_index`` on it (padding counts on as text); the valid ones
     are also its positions with the attention mask."""
