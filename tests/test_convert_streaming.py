@@ -5,6 +5,7 @@ writers' files are what torch / safetensors / transformers read."""
 from __future__ import annotations
 
 import errno
+import gc
 import io
 import os
 import signal
@@ -460,6 +461,9 @@ def test_memory_cap_holds_the_process_real_memory(hf_models, tmp_path, monkeypat
             together[0] = threading.Barrier(2)
             monkeypatch.setattr(st.Budget, "acquire", lambda self, n, cancelled: True)
             monkeypatch.setattr(st.Budget, "release", lambda self, n: None)
+        # the previous run's garbage (a tensor a reference cycle keeps until the collector runs) would count in the
+        # baseline and hide the control's second tensor (the suite saw both runs' peaks equal): collected first
+        gc.collect()
         held = st.anon_bytes()
         cap = held + st.SLACK + largest[0] + (4 << 20)
         at_peak.clear()
