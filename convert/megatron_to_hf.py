@@ -2,6 +2,7 @@
 """Convert a Megatron checkpoint (converted or from training, any iteration, either format) to an HF LLaVA dir."""
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -82,11 +83,15 @@ def main(argv=None):
     # it starts using it), with the collector paused
     from megatron_vlm.convert.to_hf import convert_megatron_to_hf
 
-    convert_megatron_to_hf(a.megatron_dir, a.hf_dir, iteration=a.iteration, tokenizer_dir=a.tokenizer_dir, tp=a.tp,
-                           pp=a.pp, overwrite=a.overwrite, max_shard_bytes=int(a.max_shard_size_gb * 2**30),
-                           hf_config=a.hf_config, dtype=None if a.dtype == "auto" else a.dtype,
-                           max_memory=a.max_memory)
-    print(f"wrote HF LLaVA model to {a.hf_dir}")
+    from megatron_vlm.model.spec import family_name
+
+    out = convert_megatron_to_hf(a.megatron_dir, a.hf_dir, iteration=a.iteration, tokenizer_dir=a.tokenizer_dir,
+                                 tp=a.tp, pp=a.pp, overwrite=a.overwrite,
+                                 max_shard_bytes=int(a.max_shard_size_gb * 2**30), hf_config=a.hf_config,
+                                 dtype=None if a.dtype == "auto" else a.dtype, max_memory=a.max_memory)
+
+    arch = json.loads((Path(out) / "config.json").read_text()).get("model_type")
+    print(f"wrote HF {family_name(arch)} model to {a.hf_dir}")
 
 
 if __name__ == "__main__":

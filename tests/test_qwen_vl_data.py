@@ -335,14 +335,17 @@ def test_videos_are_refused_in_one_line(enc, case):
 
 
 def test_qwen3_vl_and_evaluation_are_refused_in_one_line(spec, hub_dir, tmp_path):
-    """A Qwen3-VL directory is refused by the spec the encoder reads; evaluation of a Qwen2.5-VL model stays refused
+    """A Qwen3-VL directory is refused by the encoder (its data pipeline is not held against HF's yet: convert and
+    verify only); evaluation of a Qwen2.5-VL model stays refused
     (the prompt encoder's ``check_supported``), its training no longer is."""
     import json
 
     from megatron_vlm.data.qwen_vl_encoder import QwenVLTaskEncoder
     from megatron_vlm.eval.prompts import PromptEncoder
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    from tests.support.qwen_vl_models import qwen3_small_config
+
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_small_config()))
     with pytest.raises(UnsupportedArchitectureError) as e:
         QwenVLTaskEncoder(tmp_path, SEQ)
     assert "\n" not in str(e.value) and "Qwen3-VL (model_type 'qwen3_vl') is not supported yet" in str(e.value)

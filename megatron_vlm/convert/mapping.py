@@ -20,7 +20,8 @@ the expert tensor-parallel size (:func:`split_size`), which megatron-core sets a
 Megatron names here are those of a TP=1/PP=1 model's ``state_dict`` with the local layer spec and global
 layer numbers ("full" names); ``local_name`` renumbers language layers for a pipeline stage. HF names are
 the transformers-5 on-disk names (``canonical_hf_name`` reads other layouts; Qwen2.5-VL's are the hub's
-``model.*`` / ``visual.*`` / ``lm_head.weight``, which transformers 5 writes too, :data:`QWEN_LM`). Tensors of the
+``model.*`` / ``visual.*`` / ``lm_head.weight``, which transformers 5 writes too, :data:`QWEN_LM`; Qwen3-VL's the
+hub's ``model.language_model.*`` / ``model.visual.*``, :data:`QWEN3_LM`). Tensors of the
 HF model that the Megatron model does not hold (vision layers after ``vision_feature_layer``, post layernorms, SigLIP's
 pooling head) are "extra": they travel with the checkpoint so the exported model is complete.
 """
@@ -72,10 +73,24 @@ QWEN_LM = "model."
 QWEN_VT = "visual."
 QWEN_LM_HEAD = "lm_head.weight"
 _QWEN_HF_PREFIXES = [("model.language_model.", QWEN_LM), ("model.visual.", QWEN_VT)]
+# Qwen3-VL: the hub's names, which transformers 4.57 and 5 write alike
+QWEN3_LM = "model.language_model."
+QWEN3_VT = "model.visual."
+
+
+def hf_prefixes(spec: VLMSpec) -> tuple[str, str, str]:
+    """(language model, vision model, output layer) HF prefixes of ``spec``'s family."""
+    if spec.is_qwen3_vl:
+        return QWEN3_LM, QWEN3_VT, QWEN_LM_HEAD
+    if spec.is_qwen_vl:
+        return QWEN_LM, QWEN_VT, QWEN_LM_HEAD
+    return LM, VT, LM_HEAD
 
 
 def canonical_hf_name(name: str, arch: str | None = None) -> str:
     """The name rules use for the on-disk tensor ``name`` of an HF model of ``arch`` (its config's model_type)."""
+    if arch == "qwen3_vl":
+        return name
     for old, new in (_QWEN_HF_PREFIXES if arch == "qwen2_5_vl" else _HF_PREFIXES):
         if name.startswith(old):
             name = new + name[len(old):]
@@ -106,7 +121,7 @@ def _moe_mlp_rules(spec: VLMSpec, m: str, h: str, at: dict) -> list[Rule]:
 
 
 def _language_rules(spec: VLMSpec) -> list[Rule]:
-    lm, head = (QWEN_LM, QWEN_LM_HEAD) if spec.is_qwen_vl else (LM, LM_HEAD)
+    lm, _, head = hf_prefixes(spec)
     rules = [
         Rule("language_model.embedding.word_embeddings.weight", (lm + "embed_tokens.weight",), "vocab", "column"),
         Rule("language_model.decoder.final_layernorm.weight", (lm + "norm.weight",), placement="last"),
@@ -210,9 +225,51 @@ def _qwen_vit_rules(spec: VLMSpec) -> list[Rule]:
     return rules
 
 
+def _merger_rules(pr: str, g: str, norm: str) -> list[Rule]:
+    """A Qwen3-VL merger (HF prefix ``g``: ``norm``, ``linear_fc1``, exact GELU, ``linear_fc2``) ->
+    :class:`~megatron_vlm.model.qwen_vit.QwenMerger` at Megatron prefix ``pr``: its norm replicated, fc1 column- and
+    fc2 row-parallel."""
+    rules = [Rule(pr + f"ln_q.{p}", (g + f"{norm}.{p}",)) for p in ("weight", "bias")]
+    for p in ("weight", "bias"):
+        rules += [Rule(pr + f"encoder.linear_fc1.{p}", (g + f"linear_fc1.{p}",), split="column"),
+                  Rule(pr + f"encoder.linear_fc2.{p}", (g + f"linear_fc2.{p}",),
+                       split="row" if p == "weight" else "replicated")]
+    return rules
+
+
+def _qwen3_vit_rules(spec: VLMSpec) -> list[Rule]:
+    """Qwen3-VL's ViT (HF ``model.visual``) -> :class:`~megatron_vlm.model.qwen_vit.QwenViT`: the Conv3d patch
+    embedding (with its bias) and the learned position table replicated, LayerNorms, the fused ``attn.qkv`` re-laid per
+    head, the GELU MLP split over TP; the merger and each DeepStack merger (``deepstack_merger_list.k``, whose norm
+    comes after the 2 x 2 shuffle) -> ``vision_projection`` and ``vision_projection.deepstack.k``."""
+    v, vt = "vision_model.", QWEN3_VT
+    rules = [Rule(v + f"patch_embed.proj.{p}", (vt + f"patch_embed.proj.{p}",)) for p in ("weight", "bias")]
+    rules.append(Rule(v + "pos_embed.weight", (vt + "pos_embed.weight",)))
+    heads = spec.vision_num_attention_heads
+    qkv = dict(heads=heads, groups=heads, head_dim=spec.vision_hidden_size // heads)
+    for i in range(spec.vision_num_layers):
+        m, h = f"{v}decoder.layers.{i}.", f"{vt}blocks.{i}."
+        for p in ("weight", "bias"):
+            row = "row" if p == "weight" else "replicated"
+            rules += [
+                Rule(m + f"input_layernorm.{p}", (h + f"norm1.{p}",)),
+                Rule(m + f"pre_mlp_layernorm.{p}", (h + f"norm2.{p}",)),
+                Rule(m + f"self_attention.linear_qkv.{p}", (h + f"attn.qkv.{p}",), "qkv_packed", "column", **qkv),
+                Rule(m + f"self_attention.linear_proj.{p}", (h + f"attn.proj.{p}",), split=row),
+                Rule(m + f"mlp.linear_fc1.{p}", (h + f"mlp.linear_fc1.{p}",), split="column"),
+                Rule(m + f"mlp.linear_fc2.{p}", (h + f"mlp.linear_fc2.{p}",), split=row),
+            ]
+    rules += _merger_rules("vision_projection.", vt + "merger.", "norm")
+    for k in range(spec.deepstack_layers):
+        rules += _merger_rules(f"vision_projection.deepstack.{k}.", vt + f"deepstack_merger_list.{k}.", "norm")
+    return rules
+
+
 def _vision_rules(spec: VLMSpec) -> list[Rule]:
     if spec.vision_family == "internvit":
         return _internvit_rules(spec)
+    if spec.is_qwen3_vl:
+        return _qwen3_vit_rules(spec)
     if spec.is_qwen_vl:
         return _qwen_vit_rules(spec)
     e, v = VT + "embeddings.", "vision_model."
@@ -278,7 +335,7 @@ def extra_hf_names(spec: VLMSpec, hf_names) -> list[str]:
     """HF tensors that no rule consumes (they travel next to the Megatron weights)."""
     used = {h for r in rules(spec) for h in r.hf}
     if spec.tie_word_embeddings:
-        used.add(QWEN_LM_HEAD if spec.is_qwen_vl else LM_HEAD)
+        used.add(hf_prefixes(spec)[2])
     return sorted(n for n in hf_names if n not in used)
 
 

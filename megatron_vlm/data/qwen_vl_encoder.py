@@ -113,6 +113,8 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
         if not spec.is_qwen_vl:
             raise ValueError(f"the Qwen2.5-VL task encoder got a {spec.arch} model; take the encoder "
                              "megatron_vlm.data.anyres_encoder.task_encoder_for picks for it")
+        if spec.is_qwen3_vl:  # its processor (patch 16, timestamps for videos) is not held against HF's yet
+            spec.check_supported("the data pipeline (task encoder: images, videos, chat template)")
 
     def _load_processor(self):
         """The tokenizer, the PIL image processor and the processor's chat template of ``hf_dir``."""

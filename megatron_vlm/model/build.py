@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_vlm.model.layer_impl import LOCAL_TO_TE_KEYS
-from megatron_vlm.model.spec import VLMSpec
+from megatron_vlm.model.spec import QWEN_VL_ARCHS, VLMSpec
 from megatron_vlm.runtime import mcore_patches
 
 
@@ -586,9 +586,10 @@ QWEN_VL_NOT_YET = (
 
 def qwen_vision_config(spec: VLMSpec, opts: ModelOptions):
     """Qwen2.5-VL's ViT: RMSNorm (HF's fixed 1e-6), q/k/v and output biases, SwiGLU MLP with biases, every layer on
-    the first pipeline stage."""
+    the first pipeline stage; Qwen3-VL's: LayerNorm and a GELU-tanh MLP (not gated) instead."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    qwen3 = spec.is_qwen3_vl
     return TransformerConfig(
         num_layers=spec.vision_num_layers,
         hidden_size=spec.vision_hidden_size,
@@ -596,12 +597,12 @@ def qwen_vision_config(spec: VLMSpec, opts: ModelOptions):
         num_attention_heads=spec.vision_num_attention_heads,
         num_query_groups=spec.vision_num_attention_heads,
         kv_channels=spec.vision_hidden_size // spec.vision_num_attention_heads,
-        normalization="RMSNorm",
+        normalization=spec.vision_normalization,
         layernorm_epsilon=spec.vision_norm_epsilon,
         add_bias_linear=True,
         add_qkv_bias=True,
-        gated_linear_unit=True,
-        activation_func=F.silu,
+        gated_linear_unit=not qwen3,
+        activation_func=_activation(spec.vision_activation),
         pipeline_model_parallel_size=1,
         **_common(opts, "vision"),
     )
@@ -619,7 +620,7 @@ def qwen_merger_config(spec: VLMSpec, opts: ModelOptions):
         add_bias_linear=True,
         gated_linear_unit=False,
         activation_func=F.gelu,
-        normalization="RMSNorm",  # the merger's ln_q
+        normalization=spec.vision_normalization,  # the merger's ln_q (Qwen3-VL's norm)
         layernorm_epsilon=spec.vision_norm_epsilon,
         pipeline_model_parallel_size=1,
         **_common(opts, "projector"),
@@ -628,20 +629,21 @@ def qwen_merger_config(spec: VLMSpec, opts: ModelOptions):
 
 def _build_qwen_vl(spec: VLMSpec, opts: ModelOptions, pre_process: bool, post_process: bool,
                    vp_stage: int | None):
-    """Qwen2.5-VL's :class:`~megatron_vlm.model.qwen_vl.QwenVLModel` for this rank: megatron-core's local layers
-    (the language layers as for any Qwen2 LM, with M-RoPE; the ViT's from megatron-core's ViT spec with RMSNorm and
-    SwiGLU, :mod:`megatron_vlm.model.qwen_vit`)."""
+    """Qwen2.5-VL's or Qwen3-VL's :class:`~megatron_vlm.model.qwen_vl.QwenVLModel` for this rank: megatron-core's
+    local layers (the language layers as for any Qwen2 / Qwen3 LM, with M-RoPE; the ViT's from megatron-core's ViT spec
+    with the family's norm and MLP, :mod:`megatron_vlm.model.qwen_vit`)."""
     from megatron_vlm.model import qwen_vit, qwen_vl
 
+    family = QWEN_VL_ARCHS[spec.arch]
     for flag, what in QWEN_VL_NOT_YET:
         if getattr(opts, flag):
-            raise ValueError(f"Qwen2.5-VL with {what} is not supported yet (issue 64 converts and verifies it with "
+            raise ValueError(f"{family} with {what} is not supported yet (issue 64 converts and verifies it with "
                              "megatron-core's local layers); drop that option")
     if opts.cp > 1:
-        raise ValueError("Qwen2.5-VL with context parallelism (--cp) is not supported yet; use --cp 1")
+        raise ValueError(f"{family} with context parallelism (--cp) is not supported yet; use --cp 1")
     if spec.is_moe:
-        raise ValueError("a mixture-of-experts Qwen2.5-VL LM is not supported; use a dense one")
-    lang_spec, vit_spec, _ = layer_specs(False, False, 1, "local")
+        raise ValueError(f"a mixture-of-experts {family} LM is not supported; use a dense one")
+    lang_spec, vit_spec, _ = layer_specs(False, spec.qk_layernorm, 1, "local")
     lang_cfg = language_config(spec, opts)
     lang_cfg.mrope_section = list(spec.mrope_section)
     lang_spec = _language_block(spec, lang_cfg, lang_spec, False, vp_stage)
@@ -651,12 +653,16 @@ def _build_qwen_vl(spec: VLMSpec, opts: ModelOptions, pre_process: bool, post_pr
     geometry = dict(patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size,
                     spatial_merge_size=spec.spatial_merge_size, window_size=spec.window_size,
                     fullatt_block_indexes=spec.fullatt_block_indexes, rotary_base=spec.vision_rotary_base)
+    if spec.is_qwen3_vl:
+        geometry.update(patch_bias=True, num_position_embeddings=spec.vision_num_position_embeddings,
+                        deepstack_indexes=spec.deepstack_visual_indexes)
     return qwen_vl.model_class()(
         lang_cfg, lang_spec, spec.padded_vocab_size, opts.seq_length, qwen_vision_config(spec, opts),
         qwen_vit.vision_layer_spec(vit_spec, LocalNorm), qwen_merger_config(spec, opts),
         MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), geometry, spec.image_token_id,
         LocalNorm, pre_process=pre_process, post_process=post_process, tie_word_embeddings=spec.tie_word_embeddings,
-        rotary_base=spec.rotary_base, vp_stage=vp_stage, video_token_id=spec.hf_config.get("video_token_id"))
+        rotary_base=spec.rotary_base, vp_stage=vp_stage, video_token_id=spec.hf_config.get("video_token_id"),
+        mrope_interleaved=spec.mrope_interleaved, deepstack_layers=spec.deepstack_layers)
 
 
 def _build_llava(cls, spec: VLMSpec, opts: ModelOptions, lang_cfg, lang_spec, vit_spec, proj_spec, pre_process: bool,

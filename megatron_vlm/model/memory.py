@@ -196,9 +196,14 @@ def stage_layers(spec, layout: Layout, stage: int) -> list[int]:
 
 def qwen_vit_params(spec, tp: int) -> int:
     """Qwen2.5-VL's ViT (:mod:`megatron_vlm.model.qwen_vit`) on one TP rank: every layer (q/k/v and output biases,
-    SwiGLU MLP with biases, two RMSNorms) and the Conv3d patches, no position embedding (2-D rotary)."""
+    SwiGLU MLP with biases, two RMSNorms) and the Conv3d patches, no position embedding (2-D rotary). Qwen3-VL's:
+    a GELU MLP (not gated) and LayerNorms (a bias each), the Conv3d's bias and the learned position table."""
     vh, vf = spec.vision_hidden_size, spec.vision_ffn_hidden_size
     layer = 3 * vh * vh // tp + 3 * vh // tp + vh * vh // tp + vh  # QKV + bias, proj + bias
+    if spec.is_qwen3_vl:
+        layer += vh * vf // tp + vf // tp + vf * vh // tp + vh + 4 * vh  # fc1 + bias, fc2 + bias, two LayerNorms
+        return spec.vision_num_layers * layer + 3 * spec.temporal_patch_size * spec.patch_size ** 2 * vh + vh + \
+            spec.vision_num_position_embeddings * vh
     layer += 2 * vh * vf // tp + 2 * vf // tp + vf * vh // tp + vh  # gate/up + biases, down + bias
     layer += 2 * vh  # two RMSNorms
     return spec.vision_num_layers * layer + 3 * spec.temporal_patch_size * spec.patch_size ** 2 * vh
@@ -227,6 +232,9 @@ def vision_params(spec, tp: int) -> int:
 
 def projector_params(spec, tp: int) -> int:
     vh, h = spec.projector_input_size, spec.hidden_size
+    if spec.is_qwen3_vl:  # the merger and each DeepStack merger: a LayerNorm (after the shuffle for DeepStack's)
+        mlp = vh * vh // tp + vh // tp + vh * h // tp + h
+        return 2 * spec.vision_hidden_size + mlp + spec.deepstack_layers * (2 * vh + mlp)
     if spec.is_qwen_vl:  # the patch merger: ln_q, merged width -> merged width -> hidden, biases
         return spec.vision_hidden_size + vh * vh // tp + vh // tp + vh * h // tp + h
     bias = spec.projector_bias

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's vision encoder and patch merger on megatron-core's building blocks, tensor-parallel.
+"""Qwen2.5-VL's and Qwen3-VL's vision encoders and patch mergers on megatron-core's building blocks, tensor-parallel.
 
 What HF's ``Qwen2_5_VisionTransformerPretrainedModel`` computes, here:
 
@@ -14,9 +14,17 @@ What HF's ``Qwen2_5_VisionTransformerPretrainedModel`` computes, here:
   side by side, then megatron-core's ``MultimodalProjector`` MLP (column-parallel ``linear_fc1``, exact GELU,
   row-parallel ``linear_fc2``, biases); the merged tokens go back from window order to image order.
 
-The geometry (patch positions, window order, the images' and windows' boundaries) is transformers' own
-(``transformers.vision_utils``: ``get_vision_position_ids``, ``get_vision_window_index``, ``get_vision_cu_seqlens``),
-computed on the host from ``image_grid_thw``.
+Qwen3-VL's ``Qwen3VLVisionModel`` is the same skeleton with other parts: the Conv3d has a bias; a learned square
+table of positions (``pos_embed``), resampled bilinearly to each image's grid, is added to the patch embeddings; the
+layers use LayerNorm and a GELU-tanh MLP (not gated), and attend within each image (no windows, the patches stay in
+the processor's order); the merger's norm is a LayerNorm; and the outputs of the ``deepstack_visual_indexes`` layers
+are returned too, for their own mergers (``QwenMerger.deepstack``, whose norm comes after the 2 x 2 shuffle), whose
+features :class:`~megatron_vlm.model.qwen_vl.QwenVLModel` adds to the first language layers' outputs.
+
+The geometry (patch positions, window order, the images' and windows' boundaries, the position table's taps and
+weights) is transformers' own (``transformers.vision_utils``: ``get_vision_position_ids``,
+``get_vision_window_index``, ``get_vision_cu_seqlens``, ``get_vision_interpolation_indices_and_weights``), computed
+on the host from ``image_grid_thw``.
 """
 
 from __future__ import annotations
@@ -31,14 +39,16 @@ def _megatron_module():
 
 
 class PatchEmbed(torch.nn.Module):
-    """HF's ``Qwen2_5_VisionPatchEmbed``: each row of ``pixel_values`` (channels x frames x patch x patch) through a
-    Conv3d whose kernel is the whole patch, i.e. one linear map of the row."""
+    """HF's ``Qwen2_5_VisionPatchEmbed`` (no bias) / ``Qwen3VLVisionPatchEmbed`` (a bias): each row of
+    ``pixel_values`` (channels x frames x patch x patch) through a Conv3d whose kernel is the whole patch, i.e. one
+    linear map of the row."""
 
-    def __init__(self, in_channels: int, temporal: int, patch: int, hidden: int, dtype: torch.dtype):
+    def __init__(self, in_channels: int, temporal: int, patch: int, hidden: int, dtype: torch.dtype,
+                 bias: bool = False):
         super().__init__()
         self.shape = (in_channels, temporal, patch, patch)
         kernel = (temporal, patch, patch)
-        self.proj = torch.nn.Conv3d(in_channels, hidden, kernel_size=kernel, stride=kernel, bias=False, dtype=dtype)
+        self.proj = torch.nn.Conv3d(in_channels, hidden, kernel_size=kernel, stride=kernel, bias=bias, dtype=dtype)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         x = pixel_values.reshape(-1, *self.shape).to(self.proj.weight.dtype)
@@ -56,36 +66,60 @@ def block_mask(cu_seqlens: torch.Tensor, n: int, device) -> torch.Tensor:
     return (seg[:, None] != seg[None, :])[None, None]
 
 
-def geometry(grid_thw: torch.Tensor, merge: int, window_size: int, patch: int):
+def geometry(grid_thw: torch.Tensor, merge: int, window_size: int | None, patch: int):
     """transformers' own vision geometry of ``grid_thw`` (``[images, 3]``: t, h, w in patches): each patch's (row,
     column) ``[n, 2]``, the window order of the merged patches, and the boundaries of images and of windows in that
-    order."""
+    order (``window_size`` None, Qwen3-VL: no windows, the processor's order, each image one window)."""
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
     grid = grid_thw.cpu()
     positions = get_vision_position_ids(grid, merge)
+    cu_images = get_vision_cu_seqlens(grid)
+    if window_size is None:
+        return positions, torch.arange(positions.shape[0] // merge ** 2), cu_images, cu_images
     window_index, cu_windows = get_vision_window_index(grid, spatial_merge_size=merge, window_size=window_size,
                                                        patch_size=patch)
-    return positions, window_index, get_vision_cu_seqlens(grid), cu_windows
+    return positions, window_index, cu_images, cu_windows
+
+
+def position_taps(grid_thw: torch.Tensor, side: int, merge: int):
+    """transformers' bilinear resampling of a ``side`` x ``side`` position table to each image's grid (corners
+    aligned, the patches in merge-block order, as HF's Qwen3-VL ViT): the table rows ``[n, 4]`` and weights ``[n, 4]``
+    of each patch."""
+    from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+    return get_vision_interpolation_indices_and_weights(grid_thw.cpu(), num_grid_per_side=side, mode="bilinear",
+                                                        align_corners=True, spatial_merge_size=merge)
 
 
 def _vit_class():
     MegatronModule = _megatron_module()
 
     class QwenViT(MegatronModule):
-        """Qwen2.5-VL's ViT (see the module docstring). ``forward(pixel_values, grid_thw)`` returns the last layer's
-        hidden states ``[patches, hidden]`` in window order and the window order of the merged patches."""
+        """Qwen2.5-VL's / Qwen3-VL's ViT (see the module docstring). ``forward(pixel_values, grid_thw)`` returns the
+        last layer's hidden states ``[patches, hidden]`` in window order, the window order of the merged patches, and
+        the hidden states after each of ``deepstack_indexes``' layers (in layer order, as ``(merger, states)``: the
+        DeepStack merger that takes them is their place in ``deepstack_indexes``)."""
 
         def __init__(self, config, layer_spec, *, patch_size: int, temporal_patch_size: int, spatial_merge_size: int,
-                     window_size: int, fullatt_block_indexes, rotary_base: float, in_channels: int = 3):
+                     window_size: int | None, fullatt_block_indexes, rotary_base: float, in_channels: int = 3,
+                     patch_bias: bool = False, num_position_embeddings: int | None = None, deepstack_indexes=()):
             super().__init__(config=config)
+            import math
+
             from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
             from megatron.core.transformer.transformer_block import TransformerBlock
 
             self.patch_size, self.merge, self.window_size = patch_size, spatial_merge_size, window_size
-            self.full_attention = set(fullatt_block_indexes)
+            self.full_attention = set(fullatt_block_indexes or ())
+            self.deepstack_indexes = list(deepstack_indexes or ())
             self.patch_embed = PatchEmbed(in_channels, temporal_patch_size, patch_size, config.hidden_size,
-                                          config.params_dtype)
+                                          config.params_dtype, bias=patch_bias)
+            self.pos_embed, self.position_side = None, 0
+            if num_position_embeddings:  # Qwen3-VL: a learned square table, resampled to each image
+                self.position_side = math.isqrt(num_position_embeddings)
+                self.pos_embed = torch.nn.Embedding(num_position_embeddings, config.hidden_size,
+                                                    dtype=config.params_dtype)
             head_dim = config.hidden_size // config.num_attention_heads
             # HF's axial rope: the frequencies of a rope over half a head, for rows and for columns
             self.rotary = RotaryEmbedding(kv_channels=head_dim // 2, rotary_percent=1.0, rotary_base=rotary_base,
@@ -111,6 +145,10 @@ def _vit_class():
             if positions.shape[0] != n:
                 raise ValueError(f"image_grid_thw {grid_thw.tolist()} gives {positions.shape[0]} patches but "
                                  f"pixel_values has {n} rows; pass the processor's pixel_values and image_grid_thw")
+            if self.pos_embed is not None:
+                rows, weights = position_taps(grid_thw, self.position_side, self.merge)
+                table = self.pos_embed(rows.to(x.device))  # [n, 4, hidden]
+                x = x + (table * weights.to(device=x.device, dtype=table.dtype)[..., None]).sum(1).to(x.dtype)
             order = window_index.to(x.device)
 
             def windowed(t):
@@ -118,28 +156,58 @@ def _vit_class():
 
             x = windowed(x)[:, None, :]  # [s, b=1, h]
             rope = windowed(self.rotary_angles(positions, x.device))
-            masks = {True: block_mask(cu_images, n, x.device), False: block_mask(cu_windows, n, x.device)}
+            masks = {True: block_mask(cu_images, n, x.device)}
+            masks[False] = masks[True] if self.window_size is None else block_mask(cu_windows, n, x.device)
+            taps = []
             for i, layer in enumerate(self.decoder.layers):
                 x, _ = layer(hidden_states=x, attention_mask=masks[i in self.full_attention], rotary_pos_emb=rope)
-            return x[:, 0], window_index
+                if i in self.deepstack_indexes:
+                    taps.append((self.deepstack_indexes.index(i), x[:, 0]))
+            return x[:, 0], window_index, taps
 
     return QwenViT
 
 
 def _merger_class():
     from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+    from megatron.core.transformer.module import MegatronModule
+
+    class Mergers(MegatronModule):
+        """The DeepStack mergers, children ``0``, ``1``, ...: a ``MegatronModule`` (not a ``ModuleList``), so that
+        megatron-core's ``sharded_state_dict`` reaches each merger's tensor-parallel linears."""
+
+        def __init__(self, config, mergers):
+            super().__init__(config=config)
+            for i, merger in enumerate(mergers):
+                self.add_module(str(i), merger)
+
+        def __getitem__(self, i: int):
+            return self._modules[str(i)]
+
+        def __len__(self) -> int:
+            return len(self._modules)
 
     class QwenMerger(MultimodalProjector):
-        """HF's ``Qwen2_5_VLPatchMerger``: ``ln_q`` of each patch, ``merge``^2 patches side by side, megatron-core's
-        projector MLP (``input_size`` = merged width); tokens back in image order."""
+        """HF's ``Qwen2_5_VLPatchMerger`` / ``Qwen3VLVisionPatchMerger``: ``ln_q`` (HF's ``ln_q`` / ``norm``) of each
+        patch, ``merge``^2 patches side by side, megatron-core's projector MLP (``input_size`` = merged width); tokens
+        back in image order. ``postshuffle``: the norm after the shuffle, over the merged width (Qwen3-VL's DeepStack
+        mergers). ``deepstack`` such mergers are built beside it (``self.deepstack``)."""
 
-        def __init__(self, config, submodules, input_size: int, norm, vision_hidden_size: int, eps: float):
+        def __init__(self, config, submodules, input_size: int, norm, vision_hidden_size: int, eps: float,
+                     postshuffle: bool = False, deepstack: int = 0):
             super().__init__(config=config, submodules=submodules, projector_type="mlp", input_size=input_size)
-            self.ln_q = norm(config, vision_hidden_size, eps=eps)
+            self.postshuffle = postshuffle
+            self.ln_q = norm(config, input_size if postshuffle else vision_hidden_size, eps=eps)
             self.input_size = input_size
+            self.deepstack = Mergers(config, [
+                QwenMerger(config, submodules, input_size, norm, vision_hidden_size, eps, postshuffle=True)
+                for _ in range(deepstack)]) if deepstack else None
 
         def forward(self, hidden_states: torch.Tensor, window_index: torch.Tensor | None = None):
-            x = self.ln_q(hidden_states).reshape(-1, 1, self.input_size)  # [tokens, b=1, merged width]
+            if self.postshuffle:
+                x = self.ln_q(hidden_states.reshape(-1, 1, self.input_size))
+            else:
+                x = self.ln_q(hidden_states).reshape(-1, 1, self.input_size)  # [tokens, b=1, merged width]
             x = super().forward(x)[:, 0]
             if window_index is not None:
                 x = x[torch.argsort(window_index.to(x.device))]
@@ -166,9 +234,9 @@ def merger_class():
 
 
 def vision_layer_spec(vit_spec, norm):
-    """Qwen2.5-VL's ViT layer from megatron-core's local ViT layer spec (bidirectional; a mask passed at each call):
-    ``norm`` (torch's RMSNorm) before the attention and the MLP; the MLP's SwiGLU comes from the config
-    (``gated_linear_unit``)."""
+    """Qwen's ViT layer from megatron-core's local ViT layer spec (bidirectional; a mask passed at each call):
+    ``norm`` (torch's RMSNorm, Qwen2.5-VL, or LayerNorm, Qwen3-VL, from the config) before the attention and the MLP;
+    the MLP's SwiGLU or GELU comes from the config (``gated_linear_unit``, ``activation_func``)."""
     import copy
 
     spec = copy.deepcopy(vit_spec)

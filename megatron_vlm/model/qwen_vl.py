@@ -1,4 +1,4 @@
-"""Qwen2.5-VL on megatron-core: this rank's model, and the 3-D (M-RoPE) positions of its tokens.
+"""Qwen2.5-VL and Qwen3-VL on megatron-core: this rank's model, and the 3-D (M-RoPE) positions of its tokens.
 
 :class:`QwenVLModel` is what :func:`megatron_vlm.model.build.build_model` builds for a spec of arch ``qwen2_5_vl``:
 the vision encoder and patch merger of :mod:`megatron_vlm.model.qwen_vit` (first pipeline stage only) and
@@ -16,8 +16,17 @@ mask), the image grids by keyword, returning ``(output, loss_mask)``. With pipel
 (its embeddings, positions, labels and loss mask) is padded to the model's sequence length, as megatron-core's LLaVA
 pads for its fixed point-to-point shapes.
 
-:func:`mrope_position_ids` gives the positions of a token sequence: transformers' own
-``Qwen2_5_VLModel.get_rope_index`` (text positions continue after each image's grid).
+Qwen3-VL (arch 'qwen3_vl') adds two things to the language model:
+
+- DeepStack: the features of the ViT's DeepStack mergers are added, at the image tokens, to the outputs of language
+  layers 0, 1, ... (HF's ``Qwen3VLTextModel._deepstack_process``), through a forward hook on each of those layers of
+  megatron-core's ``TransformerBlock``; they must sit on the first pipeline stage (the one that runs the ViT).
+- Interleaved M-RoPE (:class:`InterleavedMRoPE`): the rotary frequencies take the temporal, height and width
+  positions in turn (t, h, w, t, h, w, ...; the sections say how many of each), where megatron-core's
+  ``MultimodalRotaryEmbedding`` gives them in three blocks (Qwen2.5-VL's layout).
+
+:func:`mrope_position_ids` gives the positions of a token sequence: transformers' own ``get_rope_index`` of the
+family (text positions continue after each image's grid).
 """
 
 from __future__ import annotations
@@ -28,33 +37,71 @@ import types
 import torch
 
 
+def _hf_model_class(hf_config):
+    """transformers' ``Qwen2_5_VLModel`` or ``Qwen3VLModel``, after ``hf_config``'s model_type."""
+    if getattr(hf_config, "model_type", None) == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+        return Qwen3VLModel
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    return Qwen2_5_VLModel
+
+
 def mrope_position_ids(hf_config, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
                        image_token_id: int) -> torch.Tensor:
     """``[3, b, s]`` M-RoPE positions of ``input_ids`` (``[b, s]``, images already expanded to their tokens), from
-    transformers' ``Qwen2_5_VLModel.get_rope_index`` with ``hf_config`` (an HF ``Qwen2_5_VLConfig``)."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
-
+    transformers' ``Qwen2_5_VLModel.get_rope_index`` / ``Qwen3VLModel.get_rope_index`` with ``hf_config`` (an HF
+    ``Qwen2_5_VLConfig`` / ``Qwen3VLConfig``)."""
+    model = _hf_model_class(hf_config)
     host = types.SimpleNamespace(config=hf_config, get_vision_position_ids=functools.partial(
-        Qwen2_5_VLModel.get_vision_position_ids, None))
+        model.get_vision_position_ids, None))
     token_types = (input_ids == image_token_id).to(torch.int32)  # mm_token_type_ids: 1 for image tokens
     if image_grid_thw is None or not bool(token_types.any()):
         return torch.arange(input_ids.shape[1])[None, None].expand(3, input_ids.shape[0], -1).clone()
-    positions, _ = Qwen2_5_VLModel.get_rope_index(host, input_ids, mm_token_type_ids=token_types,
-                                                  image_grid_thw=image_grid_thw)
+    positions, _ = model.get_rope_index(host, input_ids, mm_token_type_ids=token_types, image_grid_thw=image_grid_thw)
     return positions
+
+
+def interleaved_mrope_class():
+    """:class:`InterleavedMRoPE` (made once, after megatron-core is importable)."""
+    if "mrope" not in _CLASSES:
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+            MultimodalRotaryEmbedding, get_pos_emb_on_this_cp_rank)
+
+        class InterleavedMRoPE(MultimodalRotaryEmbedding):
+            """megatron-core's ``MultimodalRotaryEmbedding`` with Qwen3-VL's layout: frequency ``i`` rotates by the
+            height position where ``i % 3 == 1`` and ``i < 3 * sections[1]``, by the width position where
+            ``i % 3 == 2`` and ``i < 3 * sections[2]``, by the temporal one elsewhere (transformers'
+            ``Qwen3VLTextRotaryEmbedding``); halves rotated as megatron-core's attention applies them."""
+
+            def forward(self, position_ids, mrope_section, cp_group=None):
+                freqs = position_ids.to(self.inv_freq.device)[..., None].float() * self.inv_freq.float()
+                angles = freqs[0].clone()  # [b, s, dim / 2]
+                for axis in (1, 2):
+                    pick = slice(axis, 3 * mrope_section[axis], 3)
+                    angles[..., pick] = freqs[axis][..., pick]
+                emb = torch.cat((angles, angles), dim=-1)[..., None, :].transpose(0, 1).contiguous()  # [s, b, 1, d]
+                group = cp_group if cp_group is not None else self.cp_group
+                if group is not None and group.size() > 1:
+                    emb = get_pos_emb_on_this_cp_rank(emb, 0, group)
+                return emb
+
+        _CLASSES["mrope"] = InterleavedMRoPE
+    return _CLASSES["mrope"]
 
 
 def _model_class():
     from megatron.core.transformer.module import MegatronModule
 
     class QwenVLModel(MegatronModule):
-        """Qwen2.5-VL on megatron-core (see the module docstring)."""
+        """Qwen2.5-VL or Qwen3-VL on megatron-core (see the module docstring)."""
 
         def __init__(self, language_config, language_spec, vocab_size: int, max_sequence_length: int,
                      vision_config, vision_spec, projection_config, projection_spec, geometry: dict,
                      image_token_id: int, norm, pre_process: bool = True, post_process: bool = True,
                      tie_word_embeddings: bool = False, rotary_base: float = 10000.0, vp_stage: int | None = None,
-                     video_token_id: int | None = None):
+                     video_token_id: int | None = None, mrope_interleaved: bool = False, deepstack_layers: int = 0):
             super().__init__(config=language_config)
             from megatron.core.models.gpt import GPTModel
 
@@ -71,7 +118,8 @@ def _model_class():
                 merged = vision_config.hidden_size * geometry["spatial_merge_size"] ** 2
                 self.vision_projection = qwen_vit.merger_class()(projection_config, projection_spec, merged, norm,
                                                                  vision_config.hidden_size,
-                                                                 vision_config.layernorm_epsilon)
+                                                                 vision_config.layernorm_epsilon,
+                                                                 deepstack=deepstack_layers)
             extra = {} if vp_stage is None else dict(vp_stage=vp_stage)
             self.language_model = GPTModel(
                 config=language_config, transformer_layer_spec=language_spec, vocab_size=vocab_size,
@@ -79,6 +127,35 @@ def _model_class():
                 parallel_output=True, share_embeddings_and_output_weights=tie_word_embeddings,
                 position_embedding_type="mrope", rotary_base=rotary_base, **extra)
             self.share_embeddings_and_output_weights = tie_word_embeddings
+            if mrope_interleaved:
+                self.language_model.rotary_pos_emb = interleaved_mrope_class()(
+                    kv_channels=language_config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base)
+            self._deepstack = None  # (image-token mask [b, s], features per layer) during a forward
+            self._deepstack_hooks(deepstack_layers)
+
+        def _deepstack_hooks(self, layers: int) -> None:
+            """Hook language layers ``0 .. layers - 1`` to add the DeepStack features; refuse a layout that puts any of
+            them off the first pipeline stage."""
+            if not layers:
+                return
+            here = {layer.layer_number - 1: layer for layer in self.language_model.decoder.layers}
+            wanted = set(range(layers))
+            if (self.pre_process and not wanted <= set(here)) or (not self.pre_process and wanted & set(here)):
+                raise ValueError(f"Qwen3-VL's DeepStack adds vision features to the outputs of language layers 0-"
+                                 f"{layers - 1}, which must all be on the first pipeline stage (with the ViT); give "
+                                 f"that stage at least {layers} layers (fewer --pp stages, or "
+                                 "--decoder-first-pipeline-num-layers), and no virtual pipeline split among them")
+            for i in sorted(wanted) if self.pre_process else ():
+                here[i].register_forward_hook(functools.partial(self._add_deepstack, i))
+
+        def _add_deepstack(self, index: int, module, args, output):
+            if self._deepstack is None:
+                return output
+            where, features = self._deepstack
+            hidden, context = output
+            add = hidden.new_zeros(hidden.shape[1], hidden.shape[0], hidden.shape[2])  # [b, s, h], HF's order
+            add = add.masked_scatter(where[..., None], features[index].to(hidden.dtype)).transpose(0, 1)
+            return hidden + add, context
 
         def shared_embedding_or_output_weight(self):
             return self.language_model.shared_embedding_or_output_weight()
@@ -91,10 +168,14 @@ def _model_class():
                 input_tensor = input_tensor[0]
             self.language_model.set_input_tensor(input_tensor)
 
-        def image_embeddings(self, images: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-            """The merged vision embeddings ``[tokens, hidden]`` of every image, in image order."""
-            hidden, window_index = self.vision_model(images, image_grid_thw)
-            return self.vision_projection(hidden, window_index)
+        def image_embeddings(self, images: torch.Tensor, image_grid_thw: torch.Tensor):
+            """The merged vision embeddings ``[tokens, hidden]`` of every image, in image order, and the DeepStack
+            features (one such tensor per DeepStack layer; none for Qwen2.5-VL)."""
+            hidden, window_index, taps = self.vision_model(images, image_grid_thw)
+            deep = [None] * len(taps)
+            for k, states in taps:
+                deep[k] = self.vision_projection.deepstack[k](states, window_index)
+            return self.vision_projection(hidden, window_index), deep
 
         def freeze(self, freeze_language_model: bool, freeze_vision_model: bool,
                    freeze_vision_projection: bool) -> None:
@@ -125,7 +206,7 @@ def _model_class():
             ``num_image_tiles`` (one per image) is the trainer's count and not needed here.
             Returns ``(logits or loss, loss_mask)``, padded to the sequence length under pipeline parallelism."""
             if inference_context is not None:
-                raise ValueError("generation of Qwen2.5-VL with an inference context is not supported yet; generate "
+                raise ValueError("generation of Qwen-VL with an inference context is not supported yet; generate "
                                  "with HF's model from an export (convert/megatron_to_hf.py)")
             videos = sorted(k for k in kwargs if "video" in k)
             if set(kwargs) - set(videos):
@@ -134,25 +215,27 @@ def _model_class():
                     bool((input_ids == self.video_token_id).any()):
                 videos = [f"video token {self.video_token_id} in input_ids"]
             if videos:
-                raise ValueError(f"videos of Qwen2.5-VL ({', '.join(videos)}) are not supported yet; give images only")
+                raise ValueError(f"videos of Qwen-VL ({', '.join(videos)}) are not supported yet; give images only")
             if position_ids is None or position_ids.dim() != 3 or position_ids.shape[0] != 3:
                 raise ValueError("QwenVLModel needs position_ids [3, batch, seq] (M-RoPE): compute them with "
                                  "megatron_vlm.model.qwen_vl.mrope_position_ids")
             if input_ids is not None and input_ids.shape[1] > self.max_sequence_length:
                 raise ValueError(f"a micro batch of {input_ids.shape[1]} tokens exceeds the model's sequence length "
                                  f"{self.max_sequence_length}; raise --seq-length")
-            decoder_input = None
+            decoder_input, self._deepstack = None, None
             if self.pre_process:
                 emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
                 where = input_ids == self.image_token_id
                 if images is not None and image_grid_thw is not None and len(image_grid_thw):
-                    vision = self.image_embeddings(images, image_grid_thw)
+                    vision, deep = self.image_embeddings(images, image_grid_thw)
                     if int(where.sum()) != vision.shape[0]:
                         raise ValueError(f"the tokens hold {int(where.sum())} image tokens but the images make "
                                          f"{vision.shape[0]} embeddings; expand each image to its tokens as the "
                                          "processor does")
                     emb = emb.transpose(0, 1).masked_scatter(where[..., None], vision.to(emb.dtype))
                     emb = emb.transpose(0, 1).contiguous()
+                    if deep:
+                        self._deepstack = (self._pad(where, 1), deep)
                 elif bool(where.any()):
                     raise ValueError("the tokens hold image tokens but no images were given")
                 decoder_input = self._pad(emb, 0)
@@ -161,8 +244,12 @@ def _model_class():
                 labels = self._pad(labels, 1)
             if loss_mask is not None:
                 loss_mask = self._pad(loss_mask, 1)
-            out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
-                                      decoder_input=decoder_input, labels=labels, packed_seq_params=packed_seq_params)
+            try:
+                out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
+                                          decoder_input=decoder_input, labels=labels,
+                                          packed_seq_params=packed_seq_params)
+            finally:
+                self._deepstack = None
             return out, loss_mask
 
     return QwenVLModel

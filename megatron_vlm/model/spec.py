@@ -5,8 +5,10 @@ Megatron configs from an HF config.
 ``spec.vision_config(...)``, ``spec.projection_config(...)`` and ``spec.llava_kwargs()`` give what
 megatron-core's ``LLaVAModel`` needs; ``spec.to_hf_config()`` goes back. Qwen2.5-VL (``model_type``
 'qwen2_5_vl', :func:`_qwen_vl_spec`) is read from its own config: its windowed ViT with 2-D rotary positions, the
-2 x 2 patch merger and the Qwen2 LM with M-RoPE (``mrope_section``). The spec is saved as JSON next to every
-Megatron checkpoint (``SPEC_FILE``) so that a checkpoint alone tells what it holds.
+2 x 2 patch merger and the Qwen2 LM with M-RoPE (``mrope_section``); Qwen3-VL ('qwen3_vl', :func:`_qwen3_vl_spec`)
+too: its ViT with learned, interpolated position embeddings and no windows, the DeepStack mergers whose features are
+added to the first language layers' outputs, and the Qwen3 LM with interleaved M-RoPE. The spec is saved as JSON next
+to every Megatron checkpoint (``SPEC_FILE``) so that a checkpoint alone tells what it holds.
 """
 
 from __future__ import annotations
@@ -36,23 +38,33 @@ ARCHS = {
     "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration"),
     "internvl": ("InternVLConfig", "InternVLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
 }
-#: what a Qwen2.5-VL spec runs beyond conversion and verification: ``check_supported``'s ``what`` starting with one
-QWEN_VL_RUNS = ("training",)
-#: what a Qwen2.5-VL spec refuses beyond those (issue 64's slices so far)
-QWEN_VL_ONLY_CONVERSION = ("{what} of Qwen2.5-VL (model_type 'qwen2_5_vl') is not supported yet: megatron-vlm "
-                           "converts it HF <-> Megatron, verifies its logits (convert/hf_to_megatron.py --verify, "
-                           "convert/megatron_to_hf.py) and trains it on images (train/run.py), nothing more so far")
+#: the Qwen-VL archs (images at their own size, a patch merger, M-RoPE) -> the family's name in messages
+QWEN_VL_ARCHS = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}
+
+
+def family_name(arch: str | None) -> str:
+    """The name of ``arch``'s family in messages: LLaVA (plain, NeXT, OneVision), InternVL, Qwen2.5-VL, Qwen3-VL."""
+    return {"internvl": "InternVL", **QWEN_VL_ARCHS}.get(arch, "LLaVA")
+#: what a Qwen-VL spec runs beyond conversion and verification (``check_supported``'s ``what`` starting with one),
+#: per arch: Qwen2.5-VL trains; Qwen3-VL converts and verifies only so far
+QWEN_VL_RUNS = {"qwen2_5_vl": ("training",), "qwen3_vl": ()}
+#: what a Qwen-VL spec refuses beyond those (issue 64's slices so far)
+QWEN_VL_ONLY_CONVERSION = ("{what} of {family} (model_type '{arch}') is not supported yet: megatron-vlm converts it "
+                           "HF <-> Megatron, verifies its logits (convert/hf_to_megatron.py --verify, "
+                           "convert/megatron_to_hf.py){more}, nothing more so far")
 #: Qwen2.5-VL's own vision encoder (HF model_type 'qwen2_5_vl_vision'): only inside a Qwen2.5-VL model
 QWEN_VIT = "qwen2_5_vit"
+#: Qwen3-VL's vision encoder (HF 'qwen3_vl_vision'): LayerNorm, GELU-tanh MLP, learned positions, DeepStack taps
+QWEN3_VIT = "qwen3_vit"
 #: model types of the Qwen-VL family that megatron-vlm does not convert yet -> the one line that refuses each
 NOT_YET = {
     "qwen2_vl": "Qwen2-VL (model_type 'qwen2_vl') is not supported yet; megatron-vlm converts Qwen2.5-VL "
-                "(model_type 'qwen2_5_vl') of the Qwen-VL family",
-    "qwen3_vl": "Qwen3-VL (model_type 'qwen3_vl') is not supported yet; megatron-vlm converts Qwen2.5-VL "
-                "(model_type 'qwen2_5_vl') of the Qwen-VL family",
+                "(model_type 'qwen2_5_vl') and Qwen3-VL (model_type 'qwen3_vl') of the Qwen-VL family",
     "qwen3_vl_moe": "Qwen3-VL-MoE (model_type 'qwen3_vl_moe') is not supported yet; megatron-vlm converts "
-                    "Qwen2.5-VL (model_type 'qwen2_5_vl') of the Qwen-VL family",
+                    "Qwen2.5-VL (model_type 'qwen2_5_vl') and dense Qwen3-VL (model_type 'qwen3_vl') of the Qwen-VL "
+                    "family",
 }
 # Llama-3 rope scaling parameters that megatron-core's RotaryEmbedding hard-codes (only `factor` is free).
 _MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -133,6 +145,12 @@ class VLMSpec:
     window_size: int | None = None
     fullatt_block_indexes: list[int] | None = None
     vision_rotary_base: float | None = None
+    # Qwen3-VL (arch 'qwen3_vl'): M-RoPE's sections interleaved over the frequencies (t, h, w, t, h, w, ...), the ViT's
+    # learned position table (a square of this many entries, interpolated to each image's grid), and the ViT layers
+    # whose merged outputs (the DeepStack mergers) are added to the outputs of language layers 0, 1, ...
+    mrope_interleaved: bool = False
+    vision_num_position_embeddings: int | None = None
+    deepstack_visual_indexes: list[int] | None = None
     # the HF configs this spec came from (for an exact reconstruction on export)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -174,15 +192,27 @@ class VLMSpec:
 
     @property
     def is_qwen_vl(self) -> bool:
-        """Qwen2.5-VL: images at their own resolution (a variable count of ``<|image_pad|>`` tokens, expanded by the
-        processor), its windowed ViT, the patch merger, M-RoPE."""
-        return self.arch == "qwen2_5_vl"
+        """Qwen2.5-VL or Qwen3-VL: images at their own resolution (a variable count of ``<|image_pad|>`` tokens,
+        expanded by the processor), Qwen's ViT, the patch merger, M-RoPE."""
+        return self.arch in QWEN_VL_ARCHS
+
+    @property
+    def is_qwen3_vl(self) -> bool:
+        """Qwen3-VL: no ViT windows, learned ViT positions, DeepStack, interleaved M-RoPE, the Qwen3 LM."""
+        return self.arch == "qwen3_vl"
+
+    @property
+    def deepstack_layers(self) -> int:
+        """Language layers (0, 1, ...) to whose outputs DeepStack adds vision features (0: none)."""
+        return len(self.deepstack_visual_indexes or ())
 
     def check_supported(self, what: str) -> None:
         """Refuse ``what`` (evaluation, ...) for a family that megatron-vlm converts but does not run there yet: one
-        line naming the family and ``what``. Qwen2.5-VL trains (:data:`QWEN_VL_RUNS`)."""
-        if self.is_qwen_vl and not what.startswith(QWEN_VL_RUNS):
-            raise UnsupportedArchitectureError(QWEN_VL_ONLY_CONVERSION.format(what=what))
+        line naming the family and ``what``. Qwen2.5-VL trains; Qwen3-VL converts only (:data:`QWEN_VL_RUNS`)."""
+        if self.is_qwen_vl and not what.startswith(QWEN_VL_RUNS[self.arch]):
+            more = " and trains it on images (train/run.py)" if QWEN_VL_RUNS[self.arch] else ""
+            raise UnsupportedArchitectureError(QWEN_VL_ONLY_CONVERSION.format(
+                what=what, family=QWEN_VL_ARCHS[self.arch], arch=self.arch, more=more))
 
     @property
     def projector_input_size(self) -> int:
@@ -245,6 +275,8 @@ class VLMSpec:
             raise UnsupportedArchitectureError(NOT_YET[arch])
         if arch == "qwen2_5_vl":
             return _qwen_vl_spec(cls, cfg, tokenizer, image_token, sources)
+        if arch == "qwen3_vl":
+            return _qwen3_vl_spec(cls, cfg, tokenizer, image_token, sources)
         if arch not in ARCHS:
             raise UnsupportedArchitectureError(
                 f"model_type {arch!r} is not one of {', '.join(ARCHS)}; build a LLaVA directory "
@@ -482,6 +514,16 @@ class VLMSpec:
                 raise ParallelismError(
                     f"tp={tp} does not divide {name}={value} of {where}{why}; choose --tp from {self.working_tps()}, "
                     "the sizes every part of this model splits over")
+        stages = self._pp_stages(pp, pp_layers)
+        if stages[0] < self.deepstack_layers:
+            raise ParallelismError(
+                f"pp={pp} puts {stages[0]} language layers on the first stage, but Qwen3-VL's DeepStack adds vision "
+                f"features to layers 0-{self.deepstack_layers - 1}, which must run there with the ViT; use fewer "
+                f"stages, or --pp-layers with at least {self.deepstack_layers} on the first")
+        return stages
+
+    def _pp_stages(self, pp: int, pp_layers: list[int] | None) -> list[int]:
+        """The language layers of each pipeline stage (``pp_layers``, checked, or an even split)."""
         if pp_layers:
             if len(pp_layers) != pp or sum(pp_layers) != self.num_layers or min(pp_layers) < 1:
                 raise ParallelismError(
@@ -680,15 +722,106 @@ def _qwen_vl_spec(cls, cfg, tokenizer=None, image_token: str | None = None, sour
         vision_rotary_base=float(vision_rope.get("rope_theta", 10000.0)),
         hf_config={k: x for k, x in cfg.to_dict().items() if k != "_name_or_path"},
     )
+    return _qwen_tokens(spec, tokenizer, image_token, sources)
+
+
+def _qwen_tokens(spec: "VLMSpec", tokenizer, image_token: str | None, sources: dict | None) -> "VLMSpec":
+    """A Qwen-VL spec with its image token's string and the pad id read from ``tokenizer`` (when given) and checked
+    against the config's image token id."""
     if tokenizer is not None:
         from megatron_vlm.model.tokenizer import special_token_ids
 
-        ids = special_token_ids(tokenizer, image_token or QWEN_IMAGE_TOKEN, image_id, **(sources or {}))
+        ids = special_token_ids(tokenizer, image_token or QWEN_IMAGE_TOKEN, spec.image_token_id, **(sources or {}))
         spec.image_token, spec.pad_token_id = ids.image_token, ids.pad
         if len(tokenizer) > spec.vocab_size:
             raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the embedding only {spec.vocab_size} rows; "
                              "use the tokenizer of this model")
     return spec
+
+
+#: the activations of Qwen3-VL's ViT MLP that megatron-vlm builds (model/build.py's ``_activation``)
+QWEN3_VIT_ACTIVATIONS = ("gelu_pytorch_tanh",)
+#: the M-RoPE sections transformers' Qwen3-VL rotary takes when the config names none
+QWEN3_MROPE_SECTION = [24, 20, 20]
+
+
+def _qwen3_vl_spec(cls, cfg, tokenizer=None, image_token: str | None = None, sources: dict | None = None) -> "VLMSpec":
+    """The spec of an HF ``Qwen3VLConfig`` (object or dict): the Qwen3 LM (q/k RMSNorm per head, no biases) with
+    M-RoPE interleaved over the frequencies (transformers' ``Qwen3VLTextRotaryEmbedding`` interleaves whatever
+    ``mrope_interleaved`` says), the ViT without windows, its learned position table and the DeepStack taps. What
+    megatron-vlm cannot build is refused in one line naming the setting."""
+    if isinstance(cfg, dict):
+        cfg = hf_config_class("qwen3_vl")(**{k: v for k, v in cfg.items() if k != "model_type"})
+    t, v = cfg.text_config, cfg.vision_config
+    if getattr(t, "hidden_act", "silu") != "silu":
+        raise UnsupportedArchitectureError(f"Qwen3-VL with language hidden_act {t.hidden_act!r} is not supported "
+                                           "(silu only)")
+    if v.hidden_act not in QWEN3_VIT_ACTIVATIONS:
+        raise UnsupportedArchitectureError(f"Qwen3-VL with vision hidden_act {v.hidden_act!r} is not supported "
+                                           f"({', '.join(QWEN3_VIT_ACTIVATIONS)} only)")
+    if getattr(t, "attention_bias", False):
+        raise UnsupportedArchitectureError("Qwen3-VL with attention_bias true (biases on q/k/v and the output "
+                                           "projection) is not supported; the published models have none")
+    rope = _rope_parameters(t)
+    section = rope.get("mrope_section") or QWEN3_MROPE_SECTION
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    if len(section) != 3 or 2 * sum(section) != head_dim:
+        raise UnsupportedArchitectureError(f"Qwen3-VL's rope mrope_section {section} must give 3 sections whose sum "
+                                           f"is half the head dim ({head_dim // 2}); fix rope_scaling in config.json")
+    if rope.get("rope_type", "default") != "default":
+        raise UnsupportedArchitectureError(f"Qwen3-VL with rope type {rope.get('rope_type')!r} is not supported "
+                                           "(default M-RoPE only)")
+    if v.out_hidden_size != t.hidden_size:
+        raise UnsupportedArchitectureError(f"the vision out_hidden_size {v.out_hidden_size} differs from the language "
+                                           f"hidden_size {t.hidden_size}; set out_hidden_size to {t.hidden_size}")
+    vhead = v.hidden_size // v.num_heads
+    if v.hidden_size % v.num_heads or vhead % 4:
+        raise UnsupportedArchitectureError(f"vision hidden_size {v.hidden_size} over {v.num_heads} heads: the 2-D "
+                                           "rotary positions need a head dim that is a multiple of 4")
+    side = math.isqrt(int(v.num_position_embeddings))
+    if side * side != int(v.num_position_embeddings):
+        raise UnsupportedArchitectureError(f"vision num_position_embeddings {v.num_position_embeddings} is not a "
+                                           "square; the learned positions are a square grid")
+    deepstack = [int(i) for i in (v.deepstack_visual_indexes or [])]
+    if len(set(deepstack)) != len(deepstack) or any(not 0 <= i < v.depth for i in deepstack) or \
+            len(deepstack) > t.num_hidden_layers:
+        raise UnsupportedArchitectureError(f"deepstack_visual_indexes {deepstack} must be distinct layers of the "
+                                           f"{v.depth}-layer vision model, at most one per language layer "
+                                           f"({t.num_hidden_layers}); fix the config")
+    vision_rope = dict(getattr(v, "rope_parameters", None) or {})
+    merge, patch = int(v.spatial_merge_size), int(v.patch_size)
+    spec = cls(
+        text_family="qwen3",
+        **_text_sizes(t, head_dim, rope),
+        qk_layernorm=True,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        vision_family=QWEN3_VIT,
+        vision_num_layers=v.depth,
+        vision_hidden_size=v.hidden_size,
+        vision_ffn_hidden_size=v.intermediate_size,
+        vision_num_attention_heads=v.num_heads,
+        vision_norm_epsilon=QWEN_VIT_NORM_EPS,
+        vision_activation=v.hidden_act,
+        vision_normalization="LayerNorm",
+        image_size=patch * merge,
+        patch_size=patch,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        projector_activation="gelu",
+        image_token=QWEN_IMAGE_TOKEN,
+        image_token_id=_config_image_token_id(cfg),
+        pad_token_id=getattr(t, "pad_token_id", None),
+        arch="qwen3_vl",
+        mrope_section=[int(x) for x in section],
+        mrope_interleaved=True,
+        temporal_patch_size=int(v.temporal_patch_size),
+        spatial_merge_size=merge,
+        vision_rotary_base=float(vision_rope.get("rope_theta", 10000.0)),
+        vision_num_position_embeddings=int(v.num_position_embeddings),
+        deepstack_visual_indexes=deepstack,
+        hf_config={k: x for k, x in cfg.to_dict().items() if k != "_name_or_path"},
+    )
+    return _qwen_tokens(spec, tokenizer, image_token, sources)
 
 
 def _config_image_token_id(cfg) -> int:

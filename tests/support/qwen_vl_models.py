@@ -69,11 +69,56 @@ def qwen_vl_hf_model(out_dir, seed: int = 0, **text_overrides) -> Path:
     return out
 
 
+QWEN3_VL_8B = "Qwen__Qwen3-VL-8B-Instruct"
+#: Qwen3-VL-8B shrunk: the LM to 6 layers of hidden 128 (4 heads of 32, 2 KV heads; the interleaved M-RoPE sections
+#: scaled with the head, 6/5/5 over half of its 32 as the published 24/20/20 over 64), the ViT to 4 layers of hidden
+#: 64 (4 heads of 16) with three DeepStack taps (the published model taps three of 27 layers, 8/16/24), so that PP2
+#: keeps the three DeepStack layers on the first stage; patch 16, temporal patch 2, merge 2, the 48 x 48 position
+#: table, the vocabulary, token ids, norms and rope bases stay as published
+QWEN3_TEXT_SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32)
+QWEN3_MROPE_SMALL = [6, 5, 5]
+QWEN3_VISION_SMALL = dict(depth=4, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=128,
+                          deepstack_visual_indexes=[0, 1, 2])
+
+
+def qwen3_small_config(**vision_overrides) -> dict:
+    """The hub's Qwen3-VL-8B config.json (nested text and vision configs), shrunk (:data:`QWEN3_TEXT_SMALL`,
+    :data:`QWEN3_VISION_SMALL`)."""
+    cfg = json.loads((hub.hub_model_dir(QWEN3_VL_8B) / "config.json").read_text())
+    text = dict(cfg["text_config"], **QWEN3_TEXT_SMALL)
+    text["rope_scaling"] = dict(text["rope_scaling"], mrope_section=QWEN3_MROPE_SMALL)
+    cfg["text_config"] = text
+    cfg["vision_config"] = dict(cfg["vision_config"], **QWEN3_VISION_SMALL, **vision_overrides)
+    return cfg
+
+
+def qwen3_vl_hf_model(out_dir, seed: int = 0, **vision_overrides) -> Path:
+    """An HF Qwen3-VL directory of the shrunk 8B config with random weights (fp32), the hub's tokenizer, processor
+    config and chat template beside it; config.json as published, shrunk."""
+    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    src = hub.hub_model_dir(QWEN3_VL_8B)
+    for name in TOKEN_FILES:
+        shutil.copyfile(src / name, out / name)
+    fields = qwen3_small_config(**vision_overrides)
+    (out / "config.json").write_text(json.dumps(fields, indent=2))
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(AutoConfig.from_pretrained(str(out))).to(torch.float32)
+    randomize(model, seed)
+    model.save_pretrained(str(out))  # the hub's names (model.language_model.*, model.visual.*, lm_head.weight)
+    (out / "config.json").write_text(json.dumps(fields, indent=2))
+    return out
+
+
 def logit_diffs(jobs: list[dict]) -> list[float] | None:
     """Per-rank job of tests/test_qwen_vl.py: each job {megatron_dir, tp, pp, batch, ref_file, vocab, control?} loads
     the checkpoint at (tp, pp) and returns, on rank 0, the max |logit diff| against HF's logits in ``ref_file``.
     ``control``: ``"flat"`` feeds 1-D positions instead of M-RoPE; ``"no_windows"`` gives every ViT layer full
-    attention (both must fail)."""
+    attention; Qwen3-VL's ``"no_deepstack"`` adds no DeepStack features, ``"sectioned"`` lays M-RoPE out in
+    megatron-core's three blocks instead of interleaving it (all must fail)."""
     from megatron.core import parallel_state as ps
 
     from megatron_vlm.checkpoint import layout as ckpt
@@ -90,6 +135,12 @@ def logit_diffs(jobs: list[dict]) -> list[float] | None:
             batch = batch.flat_positions()
         elif control == "no_windows" and model.vision_model is not None:
             model.vision_model.full_attention = set(range(len(model.vision_model.decoder.layers)))
+        elif control == "no_deepstack" and model.vision_model is not None:
+            model.vision_model.deepstack_indexes = []  # no DeepStack features: the LM's layers get none
+        elif control == "sectioned":  # megatron-core's own M-RoPE layout (three blocks), not Qwen3-VL's interleaving
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+            model.language_model.rotary_pos_emb.__class__ = MultimodalRotaryEmbedding
         logits = megatron_forward_logits(model, batch)
         mine = None
         if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
