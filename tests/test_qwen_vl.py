@@ -183,9 +183,8 @@ def test_qwen3_vl_logits_match_hf_at_every_layout(qwen3, world):
 
 def test_qwen3_vl_layouts_and_runs_it_cannot_do_are_refused_in_one_line(qwen3, tmp_path, capsys):
     """A pipeline split that leaves a DeepStack layer off the first stage is refused by ``hf_to_megatron`` before it
-    writes anything; training and the data pipeline of Qwen3-VL (not verified yet) are refused naming the family."""
+    writes anything; its training and evaluation pass the spec's check."""
     from megatron_vlm.cli import run_cli
-    from megatron_vlm.model.spec import UnsupportedArchitectureError
 
     out = tmp_path / "meg"
     rc = run_cli(script("convert/hf_to_megatron.py").main,
@@ -195,10 +194,8 @@ def test_qwen3_vl_layouts_and_runs_it_cannot_do_are_refused_in_one_line(qwen3, t
         "DeepStack" in err[0], err
     assert not out.exists()
     spec = VLMSpec.from_hf_dir(qwen3[0])
-    for what in ("training", "evaluation (eval/generate.py, eval/evaluate.py)"):
-        with pytest.raises(UnsupportedArchitectureError) as e:
-            spec.check_supported(what)
-        assert f"{what} of Qwen3-VL (model_type 'qwen3_vl') is not supported yet" in str(e.value)
+    spec.check_supported("training")
+    spec.check_supported("evaluation (eval/generate.py, eval/evaluate.py)")
 
 
 @pytest.mark.slow
@@ -492,11 +489,19 @@ TRAIN_JOBS = {
     "pp2dp2": dict(pp=2, micro_batch_size=2),
     "tp2pp2-bf16": dict(tp=2, pp=2, micro_batch_size=2, precision="bf16", freeze_vit=None),  # stage 2's freezing
     "pp4": dict(pp=4, micro_batch_size=2),
+    "pp2vpp2": dict(pp=2, num_layers_per_virtual_pipeline_stage=1, micro_batch_size=2),  # two chunks per stage
     # packed: each micro batch one pack of two samples, each with its own M-RoPE positions ('thd', per-sample attention)
     "packed-tp2dp2": dict(tp=2, micro_batch_size=1, pack=2, packing_buffer_size=8, packed_seq_length=128),
 }
+#: Qwen3-VL's jobs in the same world (its own model: DeepStack on the first three LM layers, the first stage of PP2)
+QWEN3_TRAIN_JOBS = {
+    "qwen3-tp2dp2": dict(tp=2, micro_batch_size=2),
+    "qwen3-pp2dp2": dict(pp=2, micro_batch_size=2),
+    # packed: two samples a pack, the DeepStack features added at each one's image tokens of the pack
+    "qwen3-packed-tp2dp2": dict(tp=2, micro_batch_size=1, pack=2, packing_buffer_size=8, packed_seq_length=192),
+}
 #: jobs that run two steps (the second after an AdamW update; TP2 x DP2 saves after its first); the others run one
-STEPS = {"tp2dp2": 2, "packed-tp2dp2": 2}
+STEPS = {"tp2dp2": 2, "packed-tp2dp2": 2, "qwen3-tp2dp2": 2}
 
 
 @pytest.fixture(scope="module")
@@ -511,15 +516,28 @@ def train_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(train_model):
-    """Every :data:`TRAIN_JOBS` job, stage 1's freezing, and a save at TP2 x DP2 with its resume, in one
-    4-process world; and HF's own numbers on the same batches (``"hf"``)."""
+def train_model3(tmp_path_factory):
+    """The shrunk Qwen3-VL-8B config, converted at TP1; (HF dir, checkpoint dir)."""
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+    from tests.support.qwen_vl_models import qwen3_vl_hf_model
+
+    root = tmp_path_factory.mktemp("qwen3_vl_train")
+    src = qwen3_vl_hf_model(root / "hf", seed=7)
+    return src, convert_hf_to_megatron(src, root / "meg")
+
+
+@pytest.fixture(scope="module")
+def trained(train_model, train_model3):
+    """Every :data:`TRAIN_JOBS` job, stage 1's freezing, and a save at TP2 x DP2 with its resume, and Qwen3-VL's
+    :data:`QWEN3_TRAIN_JOBS`, in one 4-process world; and HF's own numbers on the same batches (``"hf"``, Qwen3-VL's
+    ``"hf3"``)."""
     from megatron_vlm.runtime.spawn import run_world
     from tests.support import hf_reference
     from tests.support.train_jobs import job_config, train_jobs, variable_length_batches
 
     src, meg = train_model
-    batches = variable_length_batches(src, 2)
+    src3, meg3 = train_model3
+    batches, batches3 = variable_length_batches(src, 2), variable_length_batches(src3, 2)
     saved = meg.parent / "saved"
     # TP2 x DP2 also saves after its first step, and the last job resumes from there
     jobs = [dict(name=job, steps=STEPS.get(job, 1), grads=True, **{**TRAIN, **layout}, **(
@@ -527,9 +545,12 @@ def trained(train_model):
     jobs += [dict(name="stage1", stage=1, freeze_vit=None, freeze_lm=None, steps=1, grads=True, micro_batch_size=2)]
     jobs += [dict(name="resume", start=1, steps=1, tp=2, resume=str(saved / "iter_0000001"), reset_data_position=True,
                   micro_batch_size=2, **TRAIN)]
+    jobs += [dict(name=job, steps=STEPS.get(job, 1), grads=True, megatron_dir=str(meg3), hf_dir=str(src3),
+                  batches=(str(src3), 2, False, 1), **{**TRAIN, **layout}) for job, layout in QWEN3_TRAIN_JOBS.items()]
     out = {r["name"]: r for r in run_world(train_jobs, 4, jobs, str(meg), str(src), batches)[0]}
     cfg = job_config(TRAIN, 2, len(batches[0]))
     out["hf"] = hf_reference.train(src, batches, cfg, grads=True)
+    out["hf3"] = hf_reference.train(src3, batches3, job_config(TRAIN, 2, len(batches3[0])), grads=True)
     # the control: HF without mm_token_type_ids falls back to 1-D positions (plain RoPE), silently
     with pytest.MonkeyPatch.context() as patch:
         full = hf_reference.qwen_vl_inputs
@@ -567,6 +588,27 @@ def test_trainer_equals_hf(job, trained, train_model):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("job", list(QWEN3_TRAIN_JOBS))
+def test_qwen3_vl_trainer_equals_hf(job, trained, train_model3):
+    """Qwen3-VL: losses and gradient norms (two AdamW steps at TP2 x DP2) and every tensor's gradient of the first
+    step (ViT with its position table, the merger, each DeepStack merger, LM) against HF's own
+    ``Qwen3VLForConditionalGeneration`` on the same batches; at PP2 the DeepStack layers are the first stage's."""
+    from tests.support import grad_reference
+
+    r, ref = trained[job], trained["hf3"]
+    ref = dict(ref, loss=ref["loss"][:len(r["loss"])], grad_norm=ref["grad_norm"][:len(r["loss"])])
+    mine = grad_reference.assemble(r["grads"], VLMSpec.from_hf_dir(train_model3[0]), **r["layout"])
+    diffs = grad_reference.compare(mine, ref["grads"])
+    worst = max(diffs.items(), key=lambda kv: kv[1])
+    print(f"\nQwen3-VL {job}: losses {r['loss']} (HF {ref['loss']}), grad norms {r['grad_norm']} "
+          f"(HF {ref['grad_norm']}); {len(diffs)} gradients, worst {worst[0]}: {worst[1]:.2g}")
+    for part in ("visual.pos_embed", "visual.deepstack_merger_list.2.", "visual.merger", "visual.blocks.0."):
+        assert any(n.startswith("model." + part) for n in diffs), part
+    grad_reference.assert_steps_match(r, ref, RTOL, NORM_RTOL)
+    assert worst[1] <= RTOL, worst
+
+
+@pytest.mark.slow
 def test_one_dimensional_positions_fail_the_comparison(trained):
     """The comparison sees M-RoPE: HF's own model given 1-D positions (no ``mm_token_type_ids``: plain RoPE) is far
     from the trainer's loss, which equals HF's with its 3-D positions within 1e-5."""
@@ -599,13 +641,78 @@ def test_stages_train_what_they_say_and_a_save_resumes_bit_exactly(trained, trai
     assert resumed["weights"] == r["weights"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["Qwen2.5-VL", "Qwen3-VL"])
+def test_eval_generate_equals_hf_generate(family, request):
+    """``eval/generate.py``'s generator (the prompt encoded as training encodes samples, two prompts left-padded into
+    one batch) gives, greedy, the tokens HF's own ``generate`` gives each prompt alone from the processor's inputs
+    (``mm_token_type_ids`` included: M-RoPE); from the HF directory and from the Megatron checkpoint read in memory.
+    Without ``mm_token_type_ids`` (the control) HF's model answers otherwise."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
+
+    from megatron_vlm.eval.generate import Generator, Sampling
+    from megatron_vlm.eval.model import load
+    from megatron_vlm.eval.prompts import user_message
+
+    hf_dir, meg = request.getfixturevalue(E2E[family][0])
+    images = [Image.new("RGB", size, colour) for size, colour in (((40, 30), (200, 30, 30)),
+                                                                   ((400, 120), (20, 90, 200)))]  # 2 lengths
+    question = "what colour is it ?"
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    processor = Qwen2VLImageProcessorPil.from_pretrained(str(hf_dir))
+    template = json.loads((hf_dir / "chat_template.json").read_text())["chat_template"]
+    model = AutoModelForImageTextToText.from_pretrained(str(hf_dir)).eval()
+    eos = model.generation_config.eos_token_id
+    stops = set(eos if isinstance(eos, list) else [eos])
+
+    def answer(row):  # the new tokens up to the first end token, as the generator cuts them
+        return row[:next((i for i, t in enumerate(row) if t in stops), len(row))]
+
+    want, flat = [], []
+    for im in images:
+        pixels = processor(images=[im], return_tensors="pt")
+        text = tok.apply_chat_template([user_message(question, 1)], add_generation_prompt=True, tokenize=False,
+                                       chat_template=template)
+        ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * (int(pixels["image_grid_thw"].prod()) // 4)),
+                  return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            for row, extra in ((want, dict(mm_token_type_ids=(ids == model.config.image_token_id).int())),
+                               (flat, {})):
+                if family == "Qwen3-VL" and not extra:
+                    continue  # Qwen3-VL raises without them instead of falling back
+                out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, **extra, **pixels)
+                row.append(answer(out[0, ids.shape[1]:].tolist()))
+    for source in (dict(model_dir=hf_dir), dict(megatron_dir=meg)):
+        gen = Generator(load(**source), Sampling(max_new_tokens=4))
+        prompts = [gen.encode([user_message(question, 1)], [im]) for im in images]
+        assert len(prompts[0].input_ids) != len(prompts[1].input_ids)  # left padding in the batch
+        got = gen.generate_ids(prompts)
+        print(f"\n{family} eval/generate ({next(iter(source))}): {got}; HF generate {want}; HF without "
+              f"mm_token_type_ids {flat}")
+        assert got == want, (got, want)
+    assert all(want) and (family == "Qwen3-VL" or flat != want)
+
+
+#: family -> (its training fixture, the export's class, tensors that train in stage 2 / that stay frozen)
+E2E = {
+    "Qwen2.5-VL": ("train_model", "Qwen2_5_VLForConditionalGeneration",
+                   ("visual.merger.mlp.0.weight", "model.layers.0.mlp.up_proj.weight"),
+                   "visual.blocks.0.attn.qkv.weight"),
+    "Qwen3-VL": ("train_model3", "Qwen3VLForConditionalGeneration",
+                 ("model.visual.deepstack_merger_list.0.linear_fc1.weight",
+                  "model.language_model.layers.0.mlp.up_proj.weight"), "model.visual.blocks.0.attn.qkv.weight"),
+}
+
 
 @pytest.mark.slow
-def test_convert_train_export_generate(train_model, tmp_path):
-    """The user's commands on the shrunk 7B config: ``hf_to_megatron --tp 2``, ``make_wds`` and ``stats.py`` (whose
-    image tokens are the image processor's merged patches of each image's size), ``train/run.py`` at TP2 in bf16
-    (the loss logged every step falls below its start), ``megatron_to_hf`` (every tensor of the source, in bf16; the
-    trained ones changed, the frozen ViT not), and HF's ``AutoModelForImageTextToText`` generates from the export."""
+@pytest.mark.parametrize("family", list(E2E))
+def test_convert_train_export_generate(family, request, tmp_path):
+    """The user's commands on the shrunk 7B / 8B config: ``hf_to_megatron --tp 2``, ``make_wds`` and ``stats.py``
+    (whose image tokens are the image processor's merged patches of each image's size), ``train/run.py`` at TP2 in
+    bf16 (the loss logged every step falls below its start), ``megatron_to_hf`` (every tensor of the source, in bf16;
+    the trained ones changed, the frozen ViT not), HF's ``AutoModelForImageTextToText`` generates from the export, and
+    ``eval/evaluate.py`` scores it on the dataset's first samples."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
 
@@ -613,7 +720,8 @@ def test_convert_train_export_generate(train_model, tmp_path):
     from tests.support import user_commands
     from tests.support.train_jobs import IMAGE_SIZES
 
-    hf, meg, runs = train_model[0], tmp_path / "meg", tmp_path / "runs"
+    fixture, cls, trains, frozen = E2E[family]
+    hf, meg, runs = request.getfixturevalue(fixture)[0], tmp_path / "meg", tmp_path / "runs"
     assert run_cli(script("convert/hf_to_megatron.py").main, ["--hf-dir", str(hf), "--megatron-dir", str(meg),
                                                               "--tp", "2"]) == 0
     data, stats = user_commands.colour_dataset(tmp_path, IMAGE_SIZES, hf)
@@ -623,16 +731,15 @@ def test_convert_train_export_generate(train_model, tmp_path):
     assert stats["images"] == 16 and stats["image_tokens"] == 4 * sum(int(g.prod()) // 4 for g in grids), stats
     losses = user_commands.train_losses(meg, hf, data, runs, "qwen", "--tp", "2", "--precision", "bf16",
                                         "--seq-length", "96", "--micro-batch-size", "2", "--global-batch-size", "4")
-    print(f"\nQwen2.5-VL TP2 bf16: losses {losses}")
+    print(f"\n{family} TP2 bf16: losses {losses}")
     assert len(losses) == 4 and min(losses[1:]) < losses[0], losses
     export = tmp_path / "export"
     assert run_cli(script("convert/megatron_to_hf.py").main, ["--megatron-dir", str(runs / "qwen"), "--hf-dir",
                                                               str(export)]) == 0
     a, b = HFReader(hf), HFReader(export)
     assert a.names() == b.names() and all(b.get(n).dtype == torch.bfloat16 for n in b.names())
-    for name, trains in (("visual.merger.mlp.0.weight", True), ("model.layers.0.mlp.up_proj.weight", True),
-                         ("visual.blocks.0.attn.qkv.weight", False)):
-        assert torch.equal(a.get(name).to(torch.bfloat16), b.get(name)) is not trains, name
+    for name, changed in [(n, True) for n in trains] + [(frozen, False)]:
+        assert torch.equal(a.get(name).to(torch.bfloat16), b.get(name)) is not changed, name
     model = AutoModelForImageTextToText.from_pretrained(str(export)).eval()
     tok = AutoTokenizer.from_pretrained(str(export))
     pixels = processor(images=[Image.open(tmp_path / "img" / "0.png").convert("RGB")], return_tensors="pt")
@@ -643,6 +750,14 @@ def test_convert_train_export_generate(train_model, tmp_path):
     ids = tok(prompt.replace("<|image_pad|>", "<|image_pad|>" * n), return_tensors="pt")["input_ids"]
     out = model.generate(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
                          max_new_tokens=4, do_sample=False, **pixels)
-    print(f"Qwen2.5-VL export ({type(model).__name__}) answers {tok.decode(out[0, ids.shape[1]:])!r}")
-    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    print(f"{family} export ({type(model).__name__}) answers {tok.decode(out[0, ids.shape[1]:])!r}")
+    assert type(model).__name__ == cls
     assert ids.shape[1] < out.shape[1] <= ids.shape[1] + 4
+    preds = tmp_path / "preds.jsonl"  # eval/evaluate.py scores the export on the dataset's first samples
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run_cli(script("eval/evaluate.py").main, ["--model", str(export), "--data-path", str(data), "--split",
+                                                         "train", "--limit", "4", "--batch-size", "2",
+                                                         "--max-new-tokens", "4", "--output", str(preds),
+                                                         "--no-progress"]) == 0
+    lines = [json.loads(x) for x in preds.read_text().splitlines()]
+    assert len(lines) == 4 and {x["reference"] for x in lines} <= set(user_commands.COLOURS), lines

@@ -16,8 +16,8 @@ config, chat template; no weights), as ``task_encoder_for`` picks it for the spe
 - **truncation and skips**: a cut that would fall inside an image drops that image, its pixels and its
   ``<|vision_start|>`` (the kept sample is the untruncated one's prefix, positions included); images that alone
   exceed ``seq_length`` are skipped with the reason;
-- **refusals** in one line: videos (a video, a video part, the video token), Qwen3-VL's directory, evaluation
-  of a Qwen2.5-VL model (its training is tests/test_qwen_vl.py's);
+- **refusals** in one line: videos (a video, a video part, the video token);
+- **Qwen3-VL-8B's hub files** (3.12 lane): the encoder's tokens, pixels, grids and labels against its own processor;
 - **the model** (slow): the batch through the training step's ``forward_step`` into ``QwenVLModel`` (the shrunk
   config converted at TP1) gives HF's own model's logits and per-token cross entropy on each sample (1e-4; measured
   7e-6 and 3e-6).
@@ -35,7 +35,7 @@ from megatron.energon import SkipSample, VQASample
 from PIL import Image
 
 from megatron_vlm.data.sample import ConversationSample
-from megatron_vlm.model.spec import UnsupportedArchitectureError, VLMSpec
+from megatron_vlm.model.spec import VLMSpec
 
 from .conftest import not_here
 
@@ -334,27 +334,39 @@ def test_videos_are_refused_in_one_line(enc, case):
     assert skip_error_line(e.value) == line
 
 
-def test_qwen3_vl_and_evaluation_are_refused_in_one_line(spec, hub_dir, tmp_path):
-    """A Qwen3-VL directory is refused by the encoder (its data pipeline is not held against HF's yet: convert and
-    verify only); evaluation of a Qwen2.5-VL model stays refused
-    (the prompt encoder's ``check_supported``), its training no longer is."""
-    import json
+@pytest.fixture(scope="module")
+def qwen3_hub():
+    """(the encoder, HF's ``Qwen3VLProcessor`` with the encoder's PIL image processor) of the hub's Qwen3-VL-8B
+    files."""
+    from transformers import AutoProcessor, Qwen2VLImageProcessorPil
 
-    from megatron_vlm.data.qwen_vl_encoder import QwenVLTaskEncoder
-    from megatron_vlm.eval.prompts import PromptEncoder
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+    from tests.support import hub
+    from tests.support.qwen_vl_models import QWEN3_VL_8B
 
-    from tests.support.qwen_vl_models import qwen3_small_config
+    where = hub.hub_model_dir(QWEN3_VL_8B)
+    enc = task_encoder_for(VLMSpec.from_hf_dir(where), where, SEQ)
+    if importlib.util.find_spec("torchvision") is None:
+        not_here("HF's Qwen3VLProcessor needs torchvision (its video processor): the 3.11 lane's CPU torch has none "
+                 "(the 3.12 lane runs this check)")
+    return enc, AutoProcessor.from_pretrained(str(where), image_processor=Qwen2VLImageProcessorPil.from_pretrained(
+        str(where)))
 
-    (tmp_path / "config.json").write_text(json.dumps(qwen3_small_config()))
-    with pytest.raises(UnsupportedArchitectureError) as e:
-        QwenVLTaskEncoder(tmp_path, SEQ)
-    assert "\n" not in str(e.value) and "Qwen3-VL (model_type 'qwen3_vl') is not supported yet" in str(e.value)
-    spec.check_supported("training")  # trains (tests/test_qwen_vl.py holds it against HF)
-    for what, call in (("evaluation", lambda: PromptEncoder(hub_dir, spec)),):
-        with pytest.raises(UnsupportedArchitectureError) as e:
-            call()
-        assert "\n" not in str(e.value) and str(e.value).startswith(what) and \
-            "of Qwen2.5-VL (model_type 'qwen2_5_vl') is not supported yet" in str(e.value), str(e.value)
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_qwen3_vl_samples_equal_its_processors(qwen3_hub, name):
+    """Qwen3-VL-8B's hub files (patch 16, its chat template): the encoder's tokens + last label are its processor's
+    ``input_ids``, pixels byte for byte, the grids; labels -100 except at the answers HF's renderings give."""
+    enc, processor = qwen3_hub
+    messages, images, out = encoded(enc, name)
+    hf = hf_inputs(processor, messages, images)
+    ids = hf["input_ids"][0].tolist()
+    assert full_ids(out) == ids
+    assert out["images"].numpy().tobytes() == hf["pixel_values"].numpy().tobytes()
+    assert torch.equal(out["image_grid_thw"], hf["image_grid_thw"])
+    answers = answer_positions(processor, messages, images, ids)
+    mine = torch.where(out["loss_mask"].bool(), out["labels"], torch.full_like(out["labels"], -100))
+    assert mine.tolist() == [ids[j + 1] if j + 1 in answers else -100 for j in range(len(ids) - 1)]
 
 
 @pytest.mark.slow

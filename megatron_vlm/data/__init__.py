@@ -16,6 +16,6 @@ Training (the trainer calls these):
 - :mod:`.geometry`     image size and image tokens per image from the model's spec; the image processor check;
 - :mod:`.skips`        skipped samples counted by reason; the bound on consecutive skips that stops a run;
 - :mod:`.task_encoder` ``VLMTaskEncoder`` -> ``VLMBatch``;
-- :mod:`.qwen_vl_encoder` Qwen2.5-VL's samples as HF's processor makes them -> ``QwenVLBatch`` (training refused);
+- :mod:`.qwen_vl_encoder` Qwen2.5-VL's and Qwen3-VL's samples as HF's processors make them -> ``QwenVLBatch``;
 - :mod:`.loader`       ``build_train_loader`` / ``build_eval_loader``.
 """

@@ -1,4 +1,6 @@
-"""The energon TaskEncoder for Qwen2.5-VL: the samples HF's ``Qwen2_5_VLProcessor`` makes, images only.
+"""The energon TaskEncoder for Qwen2.5-VL and Qwen3-VL: the samples HF's ``Qwen2_5_VLProcessor`` /
+``Qwen3VLProcessor`` make, images only (the two share the image processor and the image tokens; Qwen3-VL's patches
+are 16 px, its chat template its own).
 
 As :class:`~megatron_vlm.data.task_encoder.VLMTaskEncoder` (the processor's chat template, labels and loss mask by
 the assistant-mask rules of :mod:`megatron_vlm.data.chat_tokens`, truncation that never splits an image, skips
@@ -27,7 +29,8 @@ positions counting on after its last position (what ``get_rope_index`` gives on 
 
 Refused in one line: videos (a video, a video part of a message, or the ``<|video_pad|>`` token: not supported yet,
 :class:`~megatron_vlm.data.task_encoder.VideoNotSupportedError`, which stops the run), a spec that is not
-Qwen2.5-VL's; Qwen3-VL / Qwen2-VL directories are refused by the spec itself (:data:`megatron_vlm.model.spec.NOT_YET`).
+a Qwen-VL one; Qwen2-VL / Qwen3-VL-MoE directories are refused by the spec itself
+(:data:`megatron_vlm.model.spec.NOT_YET`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from megatron.energon.task_encoder.base import stateless
 
 from megatron_vlm.data.task_encoder import (VideoNotSupportedError, VLMBatch, VLMSample, VLMTaskEncoder, _as_pil,
                                             framed, kept_tokens)
+from megatron_vlm.model.spec import family_name
 
 VISION_START, VIDEO_PAD = "<|vision_start|>", "<|video_pad|>"
 
@@ -93,7 +97,7 @@ def expand_images(x: list[int], assistant: list, image_id: int, counts: list[int
 
 
 class QwenVLTaskEncoder(VLMTaskEncoder):
-    """Energon task encoder for Qwen2.5-VL samples; see the module docstring."""
+    """Energon task encoder for Qwen2.5-VL and Qwen3-VL samples; see the module docstring."""
 
     sample_type = QwenVLSample
 
@@ -113,8 +117,6 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
         if not spec.is_qwen_vl:
             raise ValueError(f"the Qwen2.5-VL task encoder got a {spec.arch} model; take the encoder "
                              "megatron_vlm.data.anyres_encoder.task_encoder_for picks for it")
-        if spec.is_qwen3_vl:  # its processor (patch 16, timestamps for videos) is not held against HF's yet
-            spec.check_supported("the data pipeline (task encoder: images, videos, chat template)")
 
     def _load_processor(self):
         """The tokenizer, the PIL image processor and the processor's chat template of ``hf_dir``."""
@@ -169,8 +171,8 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
         what = (f"{len(list(videos))} video(s)" if videos else f"{parts} video part(s)" if parts else
                 f"the video token {VIDEO_PAD!r}" if self.video_pad_id in ids else None)
         if what:
-            raise VideoNotSupportedError(f"sample {key} has {what}: videos of Qwen2.5-VL are not supported yet; "
-                                         "leave the video samples out of --data-path")
+            raise VideoNotSupportedError(f"sample {key} has {what}: videos of {family_name(self.spec.arch)} are not "
+                                         "supported yet; leave the video samples out of --data-path")
 
     def kept(self, x: list[int], costs: list[int]) -> int:
         """Input tokens of ``x`` (one ``<|image_pad|>`` per image) kept within ``seq_length``: cut from the end,

@@ -65,7 +65,7 @@ class Generator:
 
         from megatron_vlm.eval.prompts import collate
 
-        inputs = collate(prompts, self.prompts.pad_token_id, self.spec.arch)
+        inputs = collate(prompts, self.prompts.pad_token_id, self.spec.arch, self.spec.image_token_id)
         inputs = {k: (v.to(self.device, self.dtype) if k.startswith("pixel_values") else v.to(self.device))
                   for k, v in inputs.items()}
         gen_cfg = self.model.generation_config

@@ -11,7 +11,9 @@ frames chosen by ``--video-fps``/``--video-frames``. Each image or video token i
 as the model expands it, which is what HF's processors give its ``generate`` (``input_ids`` with the media
 tokens expanded, ``pixel_values`` [+ ``image_sizes``, ``batch_num_images``], ``pixel_values_videos``). InternVL
 prompts are rendered as its processor writes them (``<img><IMG_CONTEXT></img>``, ``FrameN:`` lines), every tile and
-frame in ``pixel_values``.
+frame in ``pixel_values``. Qwen2.5-VL and Qwen3-VL prompts get each ``<|image_pad|>`` repeated once per merged patch,
+the processor's flattened ``pixel_values`` and ``image_grid_thw``, and (:func:`collate`) the ``mm_token_type_ids``
+from which HF's model computes its M-RoPE positions (without them it would silently fall back to 1-D positions).
 
 :func:`collate` left-pads several prompts into one batch for ``generate``.
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_vlm.data import videos as vid
+from megatron_vlm.model.spec import QWEN_VL_ARCHS
 
 
 @dataclass
@@ -51,8 +54,6 @@ class PromptEncoder:
                  video_frames: int = vid.DEFAULT_VIDEO_FRAMES):
         from megatron_vlm.data.anyres_encoder import task_encoder_for
 
-        if spec.is_qwen_vl:  # its training samples are encoded (data/qwen_vl_encoder.py); its prompts are not yet
-            spec.check_supported("evaluation (eval/generate.py, eval/evaluate.py)")
         # seq_length bounds nothing here: a prompt is never truncated
         self.enc = task_encoder_for(spec, files_dir, 1 << 30, video_fps=video_fps, video_frames=video_frames)
         self.spec = spec
@@ -74,6 +75,8 @@ class PromptEncoder:
         images, videos = list(images), list(videos)
         if self.spec.is_internvl:
             return self._encode_internvl(messages, images, videos)
+        if self.spec.is_qwen_vl:
+            return self._encode_qwen_vl(messages, images, videos)
         ids = self.prompt_ids(messages)
         enc = self.enc
         if videos:
@@ -134,6 +137,27 @@ class PromptEncoder:
         return out
 
 
+    def _encode_qwen_vl(self, messages: list[dict], images: list, videos: list) -> Prompt:
+        """Qwen2.5-VL / Qwen3-VL: each ``<|image_pad|>`` the template writes repeated by the image's merged patches;
+        ``pixel_values`` ``[patches, C x T x P x P]`` and ``image_grid_thw`` from the training encoder's image
+        processor, as HF's processor gives them (videos refused, as in training)."""
+        enc = self.enc
+        ids = self.prompt_ids(messages)
+        if enc.image_token_id != enc.tokenizer_image_token_id:
+            ids = [enc.image_token_id if t == enc.tokenizer_image_token_id else t for t in ids]
+        enc.check_no_videos(messages, ids, "the prompt", videos)
+        image_id = self.spec.image_token_id
+        if ids.count(image_id) != len(images):
+            raise ValueError(f"the chat template rendered {ids.count(image_id)} image token(s) for {len(images)} "
+                             f"image(s); check the chat template of {enc.hf_dir}")
+        part = enc.image_inputs(images)
+        counts = iter((part["image_grid_thw"].prod(-1) // self.spec.spatial_merge_size ** 2).tolist())
+        expanded = []
+        for t in ids:
+            expanded += [t] * next(counts) if t == image_id else [t]
+        extra = dict(image_grid_thw=part["image_grid_thw"]) if images else {}
+        return Prompt(expanded, pixel_values=part["images"] if images else None, num_images=len(images), extra=extra)
+
     def _encode_internvl(self, messages: list[dict], images: list, videos: list) -> Prompt:
         """InternVL: the prompt rendered as its processor writes it (``<img><IMG_CONTEXT></img>``, ``FrameN:``
         lines), each ``<IMG_CONTEXT>`` repeated by its tiles' tokens; ``pixel_values`` every tile and frame in token
@@ -163,9 +187,10 @@ class PromptEncoder:
                       num_videos=len(videos))
 
 
-def collate(prompts: list[Prompt], pad_token_id: int, arch: str = "llava") -> dict:
+def collate(prompts: list[Prompt], pad_token_id: int, arch: str = "llava", image_token_id: int | None = None) -> dict:
     """``generate`` inputs of ``prompts``, left-padded (the new tokens of every row start at the same column).
-    OneVision (``arch``) also gets ``batch_num_images``: a prompt with several images gives each its base tile."""
+    OneVision (``arch``) also gets ``batch_num_images``: a prompt with several images gives each its base tile.
+    Qwen-VL: the images' ``image_grid_thw`` in order, and ``mm_token_type_ids`` (1 at ``image_token_id``)."""
     n = max(len(p.input_ids) for p in prompts)
     ids = torch.full((len(prompts), n), pad_token_id, dtype=torch.int64)
     mask = torch.zeros((len(prompts), n), dtype=torch.int64)
@@ -182,6 +207,11 @@ def collate(prompts: list[Prompt], pad_token_id: int, arch: str = "llava") -> di
             if arch == "llava_onevision":
                 out["batch_num_images"] = torch.tensor([p.num_images for p in prompts if p.num_images])
         out["pixel_values"] = torch.cat(pix)
+    grids = [p.extra["image_grid_thw"] for p in prompts if "image_grid_thw" in p.extra]
+    if grids:
+        out["image_grid_thw"] = torch.cat(grids)
+    if arch in QWEN_VL_ARCHS:
+        out["mm_token_type_ids"] = (ids == image_token_id).to(torch.int32)
     vids = [p.pixel_values_videos for p in prompts if p.pixel_values_videos is not None]
     if vids:
         if len({v.shape[1] for v in vids}) > 1:

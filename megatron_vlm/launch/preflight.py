@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_vlm.files import storage
-from megatron_vlm.model.spec import SPEC_FILE, ParallelismError, VLMSpec
+from megatron_vlm.model.spec import SPEC_FILE, ParallelismError, VLMSpec, family_name
 from megatron_vlm.training.config import TrainConfig
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -292,7 +292,7 @@ def _expected_shapes(spec: VLMSpec) -> dict[str, tuple[tuple[int, ...], str]]:
     """Global shapes of a few torch_dist tensors, from the spec (and the spec fields that give them)."""
     h, vh = spec.hidden_size, spec.vision_hidden_size
     merged = spec.projector_input_size
-    projector = {  # Qwen2.5-VL's patch merger: merged width -> merged width -> hidden_size
+    projector = {  # the Qwen-VL patch merger: merged width -> merged width -> hidden_size
         "vision_projection.encoder.linear_fc1.weight": ((merged, merged), "the patch merger's width, "
                                                         "vision_hidden_size x spatial_merge_size^2, twice"),
         "vision_projection.encoder.linear_fc2.weight": ((h, merged), "hidden_size, the patch merger's width"),
@@ -346,8 +346,8 @@ def check_supported(spec: VLMSpec, source: str) -> list[str]:
 
 
 def qwen_vl_problems(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
-    """What a Qwen2.5-VL run asks for that its training does not do yet (issue 64: megatron-core's local layers,
-    without context parallelism), one line each naming the flag and the fix; none for another model."""
+    """What a Qwen2.5-VL or Qwen3-VL run asks for that its training does not do yet (issue 64: megatron-core's local
+    layers, without context parallelism), one line each naming the flag and the fix; none for another model."""
     if not spec.is_qwen_vl:
         return []
     asked = [(f"--cp {cfg.cp} (context parallelism)", cfg.cp > 1, "use --cp 1"),
@@ -356,7 +356,8 @@ def qwen_vl_problems(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
              (f"--recompute-granularity {cfg.recompute_granularity}", cfg.recompute_granularity, "drop it"),
              ("Transformer Engine layers", cfg.transformer_impl == "transformer_engine" or (
                  cfg.device == "cuda" and cfg.transformer_impl is None), "pass --transformer-impl local")]
-    return [f"{flag} with Qwen2.5-VL is not supported yet ({source} trains on megatron-core's local layers); {fix}"
+    family = family_name(spec.arch)
+    return [f"{flag} with {family} is not supported yet ({source} trains on megatron-core's local layers); {fix}"
             for flag, on, fix in asked if on]
 
 

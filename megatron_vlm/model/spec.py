@@ -48,8 +48,8 @@ def family_name(arch: str | None) -> str:
     """The name of ``arch``'s family in messages: LLaVA (plain, NeXT, OneVision), InternVL, Qwen2.5-VL, Qwen3-VL."""
     return {"internvl": "InternVL", **QWEN_VL_ARCHS}.get(arch, "LLaVA")
 #: what a Qwen-VL spec runs beyond conversion and verification (``check_supported``'s ``what`` starting with one),
-#: per arch: Qwen2.5-VL trains; Qwen3-VL converts and verifies only so far
-QWEN_VL_RUNS = {"qwen2_5_vl": ("training",), "qwen3_vl": ()}
+#: per arch: both train and generate (eval/)
+QWEN_VL_RUNS = {"qwen2_5_vl": ("training", "evaluation"), "qwen3_vl": ("training", "evaluation")}
 #: what a Qwen-VL spec refuses beyond those (issue 64's slices so far)
 QWEN_VL_ONLY_CONVERSION = ("{what} of {family} (model_type '{arch}') is not supported yet: megatron-vlm converts it "
                            "HF <-> Megatron, verifies its logits (convert/hf_to_megatron.py --verify, "
@@ -208,9 +208,9 @@ class VLMSpec:
 
     def check_supported(self, what: str) -> None:
         """Refuse ``what`` (evaluation, ...) for a family that megatron-vlm converts but does not run there yet: one
-        line naming the family and ``what``. Qwen2.5-VL trains; Qwen3-VL converts only (:data:`QWEN_VL_RUNS`)."""
+        line naming the family and ``what``. The Qwen-VL families train and generate (:data:`QWEN_VL_RUNS`)."""
         if self.is_qwen_vl and not what.startswith(QWEN_VL_RUNS[self.arch]):
-            more = " and trains it on images (train/run.py)" if QWEN_VL_RUNS[self.arch] else ""
+            more = ", trains it on images (train/run.py) and generates (eval/)" if QWEN_VL_RUNS[self.arch] else ""
             raise UnsupportedArchitectureError(QWEN_VL_ONLY_CONVERSION.format(
                 what=what, family=QWEN_VL_ARCHS[self.arch], arch=self.arch, more=more))
 

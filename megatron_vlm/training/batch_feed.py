@@ -15,7 +15,7 @@
   stages, a :class:`MicroBatch` holding only each row's positions of samples (and a packed batch's boundaries).
 
 Anyres batches (LLaVA-NeXT / OneVision) also carry each image's original size and image-token count, which every
-stage's model needs; Qwen2.5-VL batches carry their images' grids (``image_grid_thw``) and their M-RoPE positions
+stage's model needs; Qwen-VL batches carry their images' grids (``image_grid_thw``) and their M-RoPE positions
 ``[3, B, S]``, which every stage's rotary needs (middle stages get them too). The tensors go as one int64 and one
 float32 buffer after a small header (shapes and counts), so a micro batch
 costs three broadcasts whatever its contents; megatron's ``tensor_parallel.broadcast_data`` is not used because

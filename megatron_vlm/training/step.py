@@ -120,7 +120,7 @@ def forward_step(device, data_iterator, model, moe=None):
         layout = _host_layout(model, b, device)
         if layout is not None:
             kwargs["host_layout"] = layout
-    # M-RoPE models (Qwen2.5-VL) take the batch's [3, b, s] positions on every stage; the others compute them
+    # M-RoPE models (Qwen2.5-VL, Qwen3-VL) take the batch's [3, b, s] positions on every stage; the others compute them
     positions = _on(device, getattr(b, "position_ids", None))
     out, loss_mask = model(_on(device, b.images), _on(device, b.tokens), positions, None, _on(device, b.labels),
                            _on(device, b.loss_mask), None, _on(device, b.num_image_tiles), **kwargs)

@@ -136,7 +136,7 @@ def decays(name: str, param: torch.Tensor, spec: VLMSpec) -> bool:
 def trained(name: str, parts: dict) -> bool:
     """Whether HF parameter ``name`` trains, given the trainer's ``cfg.trained_parts`` (Qwen2.5-VL: the patch
     merger ``visual.merger`` is the projector, the rest of ``visual`` the vision encoder)."""
-    if "visual.merger" in name:
+    if "visual.merger" in name or "visual.deepstack_merger_list" in name:
         return parts["projector"]
     if "vision_tower" in name or "visual." in name:
         return parts["vision"]
