@@ -666,14 +666,33 @@ def _qwen_vl_spec(cls, cfg, tokenizer=None, image_token: str | None = None, sour
     if getattr(t, "use_sliding_window", False):
         raise UnsupportedArchitectureError("Qwen2.5-VL with use_sliding_window true is not supported: "
                                            "megatron-core's local attention has no sliding window; set it to false")
+    common = _qwen_common("Qwen2.5-VL", cfg, t.hidden_size // t.num_attention_heads, None, ("default", "mrope"))
+    merge, patch = common["spatial_merge_size"], common["patch_size"]
+    if int(v.window_size) < merge * patch:
+        raise UnsupportedArchitectureError(f"vision window_size {v.window_size} is smaller than one merged patch "
+                                           f"({merge * patch} px); use a multiple of {merge * patch}")
+    full = sorted(int(i) for i in (v.fullatt_block_indexes or []))
+    if any(not 0 <= i < v.depth for i in full):
+        raise UnsupportedArchitectureError(f"fullatt_block_indexes {full} are not layers of the {v.depth}-layer "
+                                           "vision model; fix the config")
+    spec = cls(text_family="qwen2", qkv_bias=True, vision_family=QWEN_VIT, vision_activation="silu",
+               vision_normalization="RMSNorm", arch="qwen2_5_vl", window_size=int(v.window_size),
+               fullatt_block_indexes=full, **common)
+    return _qwen_tokens(spec, tokenizer, image_token, sources)
+
+
+def _qwen_common(family: str, cfg, head_dim: int, default_section, rope_types) -> dict:
+    """The checks and the spec fields that Qwen2.5-VL and Qwen3-VL share (the LM's sizes, M-RoPE's sections, the
+    ViT's sizes and patches, the image token); ``default_section``: the sections transformers takes when the config
+    names none (None: they are required)."""
+    t, v = cfg.text_config, cfg.vision_config
     rope = _rope_parameters(t)
-    section = rope.get("mrope_section")
-    head_dim = t.hidden_size // t.num_attention_heads
+    section = rope.get("mrope_section") or default_section
     if not section or len(section) != 3 or 2 * sum(section) != head_dim:
-        raise UnsupportedArchitectureError(f"Qwen2.5-VL's rope mrope_section {section} must give 3 sections whose sum "
+        raise UnsupportedArchitectureError(f"{family}'s rope mrope_section {section} must give 3 sections whose sum "
                                            f"is half the head dim ({head_dim // 2}); fix rope_scaling in config.json")
-    if rope.get("rope_type", "default") not in ("default", "mrope"):
-        raise UnsupportedArchitectureError(f"Qwen2.5-VL with rope scaling type {rope.get('rope_type')!r} is not "
+    if rope.get("rope_type", "default") not in rope_types:
+        raise UnsupportedArchitectureError(f"{family} with rope scaling type {rope.get('rope_type')!r} is not "
                                            "supported (default M-RoPE only)")
     if v.out_hidden_size != t.hidden_size:
         raise UnsupportedArchitectureError(f"the vision out_hidden_size {v.out_hidden_size} differs from the language "
@@ -683,46 +702,20 @@ def _qwen_vl_spec(cls, cfg, tokenizer=None, image_token: str | None = None, sour
         raise UnsupportedArchitectureError(f"vision hidden_size {v.hidden_size} over {v.num_heads} heads: the 2-D "
                                            "rotary positions need a head dim that is a multiple of 4")
     merge, patch = int(v.spatial_merge_size), int(v.patch_size)
-    if int(v.window_size) < merge * patch:
-        raise UnsupportedArchitectureError(f"vision window_size {v.window_size} is smaller than one merged patch "
-                                           f"({merge * patch} px); use a multiple of {merge * patch}")
-    full = sorted(int(i) for i in (v.fullatt_block_indexes or []))
-    if any(not 0 <= i < v.depth for i in full):
-        raise UnsupportedArchitectureError(f"fullatt_block_indexes {full} are not layers of the {v.depth}-layer "
-                                           "vision model; fix the config")
     vision_rope = dict(getattr(v, "rope_parameters", None) or {})
-    image_id = _config_image_token_id(cfg)
-    spec = cls(
-        text_family="qwen2",
+    return dict(
         **_text_sizes(t, head_dim, rope),
-        qkv_bias=True,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        vision_family=QWEN_VIT,
-        vision_num_layers=v.depth,
-        vision_hidden_size=v.hidden_size,
-        vision_ffn_hidden_size=v.intermediate_size,
-        vision_num_attention_heads=v.num_heads,
-        vision_norm_epsilon=QWEN_VIT_NORM_EPS,
-        vision_activation="silu",
-        vision_normalization="RMSNorm",
+        vision_num_layers=v.depth, vision_hidden_size=v.hidden_size, vision_ffn_hidden_size=v.intermediate_size,
+        vision_num_attention_heads=v.num_heads, vision_norm_epsilon=QWEN_VIT_NORM_EPS,
         image_size=patch * merge,  # images come at their own size, in whole merged patches of this side
-        patch_size=patch,
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="full",
-        projector_activation="gelu",
-        image_token=QWEN_IMAGE_TOKEN,
-        image_token_id=image_id,
-        pad_token_id=getattr(t, "pad_token_id", None),
-        arch="qwen2_5_vl",
-        mrope_section=[int(x) for x in section],
-        temporal_patch_size=int(v.temporal_patch_size),
-        spatial_merge_size=merge,
-        window_size=int(v.window_size),
-        fullatt_block_indexes=full,
+        patch_size=patch, vision_feature_layer=-1, vision_feature_select_strategy="full", projector_activation="gelu",
+        image_token=QWEN_IMAGE_TOKEN, image_token_id=_config_image_token_id(cfg),
+        pad_token_id=getattr(t, "pad_token_id", None), mrope_section=[int(x) for x in section],
+        temporal_patch_size=int(v.temporal_patch_size), spatial_merge_size=merge,
         vision_rotary_base=float(vision_rope.get("rope_theta", 10000.0)),
         hf_config={k: x for k, x in cfg.to_dict().items() if k != "_name_or_path"},
     )
-    return _qwen_tokens(spec, tokenizer, image_token, sources)
 
 
 def _qwen_tokens(spec: "VLMSpec", tokenizer, image_token: str | None, sources: dict | None) -> "VLMSpec":
@@ -762,22 +755,8 @@ def _qwen3_vl_spec(cls, cfg, tokenizer=None, image_token: str | None = None, sou
     if getattr(t, "attention_bias", False):
         raise UnsupportedArchitectureError("Qwen3-VL with attention_bias true (biases on q/k/v and the output "
                                            "projection) is not supported; the published models have none")
-    rope = _rope_parameters(t)
-    section = rope.get("mrope_section") or QWEN3_MROPE_SECTION
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    if len(section) != 3 or 2 * sum(section) != head_dim:
-        raise UnsupportedArchitectureError(f"Qwen3-VL's rope mrope_section {section} must give 3 sections whose sum "
-                                           f"is half the head dim ({head_dim // 2}); fix rope_scaling in config.json")
-    if rope.get("rope_type", "default") != "default":
-        raise UnsupportedArchitectureError(f"Qwen3-VL with rope type {rope.get('rope_type')!r} is not supported "
-                                           "(default M-RoPE only)")
-    if v.out_hidden_size != t.hidden_size:
-        raise UnsupportedArchitectureError(f"the vision out_hidden_size {v.out_hidden_size} differs from the language "
-                                           f"hidden_size {t.hidden_size}; set out_hidden_size to {t.hidden_size}")
-    vhead = v.hidden_size // v.num_heads
-    if v.hidden_size % v.num_heads or vhead % 4:
-        raise UnsupportedArchitectureError(f"vision hidden_size {v.hidden_size} over {v.num_heads} heads: the 2-D "
-                                           "rotary positions need a head dim that is a multiple of 4")
+    common = _qwen_common("Qwen3-VL", cfg, head_dim, QWEN3_MROPE_SECTION, ("default",))
     side = math.isqrt(int(v.num_position_embeddings))
     if side * side != int(v.num_position_embeddings):
         raise UnsupportedArchitectureError(f"vision num_position_embeddings {v.num_position_embeddings} is not a "
@@ -788,39 +767,10 @@ def _qwen3_vl_spec(cls, cfg, tokenizer=None, image_token: str | None = None, sou
         raise UnsupportedArchitectureError(f"deepstack_visual_indexes {deepstack} must be distinct layers of the "
                                            f"{v.depth}-layer vision model, at most one per language layer "
                                            f"({t.num_hidden_layers}); fix the config")
-    vision_rope = dict(getattr(v, "rope_parameters", None) or {})
-    merge, patch = int(v.spatial_merge_size), int(v.patch_size)
-    spec = cls(
-        text_family="qwen3",
-        **_text_sizes(t, head_dim, rope),
-        qk_layernorm=True,
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        vision_family=QWEN3_VIT,
-        vision_num_layers=v.depth,
-        vision_hidden_size=v.hidden_size,
-        vision_ffn_hidden_size=v.intermediate_size,
-        vision_num_attention_heads=v.num_heads,
-        vision_norm_epsilon=QWEN_VIT_NORM_EPS,
-        vision_activation=v.hidden_act,
-        vision_normalization="LayerNorm",
-        image_size=patch * merge,
-        patch_size=patch,
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="full",
-        projector_activation="gelu",
-        image_token=QWEN_IMAGE_TOKEN,
-        image_token_id=_config_image_token_id(cfg),
-        pad_token_id=getattr(t, "pad_token_id", None),
-        arch="qwen3_vl",
-        mrope_section=[int(x) for x in section],
-        mrope_interleaved=True,
-        temporal_patch_size=int(v.temporal_patch_size),
-        spatial_merge_size=merge,
-        vision_rotary_base=float(vision_rope.get("rope_theta", 10000.0)),
-        vision_num_position_embeddings=int(v.num_position_embeddings),
-        deepstack_visual_indexes=deepstack,
-        hf_config={k: x for k, x in cfg.to_dict().items() if k != "_name_or_path"},
-    )
+    spec = cls(text_family="qwen3", qk_layernorm=True, vision_family=QWEN3_VIT, vision_activation=v.hidden_act,
+               vision_normalization="LayerNorm", arch="qwen3_vl", mrope_interleaved=True,
+               vision_num_position_embeddings=int(v.num_position_embeddings), deepstack_visual_indexes=deepstack,
+               **common)
     return _qwen_tokens(spec, tokenizer, image_token, sources)
 
 

@@ -49,24 +49,30 @@ def randomize(model, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def qwen_vl_hf_model(out_dir, seed: int = 0, **text_overrides) -> Path:
-    """An HF Qwen2.5-VL directory of the shrunk 7B config with random weights (fp32), the hub's tokenizer,
-    processor config and chat template beside it; config.json as published (flat), shrunk."""
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+def _hf_model(out_dir, hub_name: str, fields: dict, seed: int) -> Path:
+    """An HF directory of config ``fields`` (written as given) with random fp32 weights of the class its
+    ``model_type`` names, and the tokenizer, processor config and chat template of hub model ``hub_name`` beside it."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    src = hub.hub_model_dir(QWEN25_VL_7B)
+    src = hub.hub_model_dir(hub_name)
     for name in TOKEN_FILES:
         shutil.copyfile(src / name, out / name)
-    fields = small_config(**text_overrides)
     (out / "config.json").write_text(json.dumps(fields, indent=2))
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(str(out))).to(torch.float32)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(out))).to(torch.float32)
     randomize(model, seed)
-    model.save_pretrained(str(out))  # the hub's on-disk names (model.*, visual.*, lm_head.weight)
-    (out / "config.json").write_text(json.dumps(fields, indent=2))  # as published (flat), not as transformers writes
+    model.save_pretrained(str(out))  # the hub's on-disk names
+    (out / "config.json").write_text(json.dumps(fields, indent=2))  # as published (Qwen2.5-VL's flat), shrunk
     return out
+
+
+def qwen_vl_hf_model(out_dir, seed: int = 0, **text_overrides) -> Path:
+    """An HF Qwen2.5-VL directory of the shrunk 7B config with random weights (fp32), the hub's tokenizer,
+    processor config and chat template beside it; config.json as published (flat), shrunk; names ``model.*``,
+    ``visual.*``, ``lm_head.weight``."""
+    return _hf_model(out_dir, QWEN25_VL_7B, small_config(**text_overrides), seed)
 
 
 QWEN3_VL_8B = "Qwen__Qwen3-VL-8B-Instruct"
@@ -95,22 +101,9 @@ def qwen3_small_config(**vision_overrides) -> dict:
 
 def qwen3_vl_hf_model(out_dir, seed: int = 0, **vision_overrides) -> Path:
     """An HF Qwen3-VL directory of the shrunk 8B config with random weights (fp32), the hub's tokenizer, processor
-    config and chat template beside it; config.json as published, shrunk."""
-    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    src = hub.hub_model_dir(QWEN3_VL_8B)
-    for name in TOKEN_FILES:
-        shutil.copyfile(src / name, out / name)
-    fields = qwen3_small_config(**vision_overrides)
-    (out / "config.json").write_text(json.dumps(fields, indent=2))
-    torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(AutoConfig.from_pretrained(str(out))).to(torch.float32)
-    randomize(model, seed)
-    model.save_pretrained(str(out))  # the hub's names (model.language_model.*, model.visual.*, lm_head.weight)
-    (out / "config.json").write_text(json.dumps(fields, indent=2))
-    return out
+    config and chat template beside it; config.json as published, shrunk; names ``model.language_model.*``,
+    ``model.visual.*``, ``lm_head.weight``."""
+    return _hf_model(out_dir, QWEN3_VL_8B, qwen3_small_config(**vision_overrides), seed)
 
 
 def logit_diffs(jobs: list[dict]) -> list[float] | None:
