@@ -184,9 +184,6 @@ def _merger_class():
         def __getitem__(self, i: int):
             return self._modules[str(i)]
 
-        def __len__(self) -> int:
-            return len(self._modules)
-
     class QwenMerger(MultimodalProjector):
         """HF's ``Qwen2_5_VLPatchMerger`` / ``Qwen3VLVisionPatchMerger``: ``ln_q`` (HF's ``ln_q`` / ``norm``) of each
         patch, ``merge``^2 patches side by side, megatron-core's projector MLP (``input_size`` = merged width); tokens

@@ -143,8 +143,8 @@ def _model_class():
             if (self.pre_process and not wanted <= set(here)) or (not self.pre_process and wanted & set(here)):
                 raise ValueError(f"Qwen3-VL's DeepStack adds vision features to the outputs of language layers 0-"
                                  f"{layers - 1}, which must all be on the first pipeline stage (with the ViT); give "
-                                 f"that stage at least {layers} layers (fewer --pp stages, or "
-                                 "--decoder-first-pipeline-num-layers), and no virtual pipeline split among them")
+                                 f"that stage at least {layers} layers (fewer --pp stages, or --pp-layers), and no "
+                                 "virtual pipeline split among them")
             for i in sorted(wanted) if self.pre_process else ():
                 here[i].register_forward_hook(functools.partial(self._add_deepstack, i))
 
