@@ -6,9 +6,11 @@ its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
 
 - **Logits**: fp32 against HF's own model on two samples with images of two sizes (one spanning 2 x 2 windows of the
   ViT's windowed attention, a row of three windows the last partial, and a small one), expanded as the processor
-  expands them: ``hf_to_megatron --verify`` at TP1 (in this process), and TP2 and PP2 from that torch_dist
-  checkpoint in one 2-process world (1e-4; measured ~6e-6); the same config with Qwen2.5-VL-3B's tied embeddings at
-  TP1 and PP2.
+  expands them: ``hf_to_megatron --verify`` at TP1 (in this process), and TP2, PP2 and TP2 x PP2 from that
+  torch_dist checkpoint in a 2-process world (TP2 x PP2 in the training world; 1e-4; measured ~7e-6); the same
+  config with Qwen2.5-VL-3B's tied embeddings at TP1 and PP2; Qwen3-VL-8B's config shrunk, the same layouts.
+- **Training**: the trainer against HF's own model, same batches (loss, grad norms, every tensor's gradient), at the
+  layouts of :data:`TRAIN_JOBS` and :data:`QWEN3_TRAIN_JOBS` (TP, PP, VPP, DP, CP, packed), in the same world.
 - **The real processor** (3.12 lane, which has torchvision): ``AutoProcessor``'s inputs for two images of different
   sizes follow the reference batch's token rule, and Megatron's logits on them equal HF's (measured 6.6e-6).
 - **M-RoPE**: megatron-core's ``MultimodalRotaryEmbedding`` equals HF's rotary at the batch's 3-D positions.
@@ -19,9 +21,9 @@ its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
   through the two commands at TP2.
 - **Memory**: the estimate ``--verify`` checks counts the real 7B's 8.29e9 parameters as HF builds them.
 - **Names**: transformers 4.5x's layout (``model.language_model.*``, ``model.visual.*``) is read as the hub's.
-- **Refusals**: Qwen3-VL / Qwen3-VL-MoE / Qwen2-VL configs, config settings it cannot reproduce, training a
-  Qwen2.5-VL checkpoint (``train/run.py``) and its data pipeline (the task encoder), and videos given to the model, in
-  one line naming them, before anything is written.
+- **Refusals**: Qwen3-VL-MoE / Qwen2-VL configs, config settings it cannot reproduce, training options it does not
+  do yet (``train/run.py``), the LLaVA task encoder on its directory, and videos given to the model, in one line
+  naming them, before anything is written.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ from tests.support.round_trip import assert_same_bytes
 from .conftest import not_here, script
 
 TOL = 1e-4  # fp32 logits, as --verify's default
-#: (model, tp, pp, control) of the 2-process world ("tied": the 7B config with Qwen2.5-VL-3B's tied embeddings;
-#: "qwen3": Qwen3-VL-8B's config)
+#: (model, tp, pp, control) of the 2-process logits world ("tied": the 7B config with Qwen2.5-VL-3B's tied
+#: embeddings; "qwen3": Qwen3-VL-8B's config)
 JOBS = [("7B", 2, 1, None), ("7B", 1, 2, None), ("7B", 1, 1, "flat"), ("7B", 1, 1, "no_windows"),
         ("tied", 1, 1, None), ("tied", 1, 2, None),
         ("qwen3", 2, 1, None), ("qwen3", 1, 2, None), ("qwen3", 1, 1, "no_deepstack"),
         ("qwen3", 1, 1, "sectioned"), ("qwen3", 1, 1, "flat")]
+#: the logit jobs that need 4 ranks: the first part of the 4-process training world
+JOBS4 = [("7B", 2, 2, None), ("qwen3", 2, 2, None)]
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +103,10 @@ def qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world(model, converted, tied, qwen3, tmp_path_factory):
-    """{(model, tp, pp, control): max |logit diff| vs HF} from one 2-process world."""
+def logit_jobs(model, converted, tied, qwen3, tmp_path_factory):
+    """{key: job} of :data:`JOBS` and :data:`JOBS4` for :func:`tests.support.qwen_vl_models.logit_diffs`, with HF's
+    logits of each model's reference batch."""
     from megatron_vlm.convert.verify import hf_logits, reference_batch
-    from megatron_vlm.runtime.spawn import run_world
-    from tests.support import qwen_vl_models
 
     root = tmp_path_factory.mktemp("qwen_vl_ref")
     sources = {"7B": (model, converted[0]), "tied": tied, "qwen3": qwen3[:2]}
@@ -113,9 +116,20 @@ def world(model, converted, tied, qwen3, tmp_path_factory):
         batch = reference_batch(spec)
         torch.save(hf_logits(src, batch), root / f"{name}.pt")
         refs[name] = (batch, root / f"{name}.pt", spec.vocab_size)
-    jobs = [dict(megatron_dir=str(sources[name][1]), tp=tp, pp=pp, batch=refs[name][0], ref_file=str(refs[name][1]),
-                 vocab=refs[name][2], control=control) for name, tp, pp, control in JOBS]
-    return dict(zip(JOBS, run_world(qwen_vl_models.logit_diffs, 2, jobs)[0]))
+    return {(name, tp, pp, control): dict(megatron_dir=str(sources[name][1]), tp=tp, pp=pp, batch=refs[name][0],
+                                          ref_file=str(refs[name][1]), vocab=refs[name][2], control=control)
+            for name, tp, pp, control in JOBS + JOBS4}
+
+
+@pytest.fixture(scope="module")
+def world(logit_jobs, one_world):
+    """{(model, tp, pp, control): max |logit diff| vs HF}: :data:`JOBS` from one 2-process world, :data:`JOBS4` from
+    the training world."""
+    from megatron_vlm.runtime.spawn import run_world
+    from tests.support import qwen_vl_models
+
+    diffs = run_world(qwen_vl_models.logit_diffs, 2, [logit_jobs[k] for k in JOBS])[0]
+    return {**dict(zip(JOBS, diffs)), **dict(zip(JOBS4, one_world[0]))}
 
 
 def test_spec_of_the_published_config(model):
@@ -144,12 +158,12 @@ def test_verify_at_tp1(converted):
 
 @pytest.mark.slow
 def test_logits_match_hf_at_tp2_and_pp2(world):
-    """TP2 and PP2 of the 7B layout, and TP1 and PP2 with tied embeddings (the last stage's copy of the embedding as
-    its output layer), within 1e-4 of HF."""
+    """TP2, PP2 and TP2 x PP2 of the 7B layout, and TP1 and PP2 with tied embeddings (the last stage's copy of the
+    embedding as its output layer), within 1e-4 of HF."""
     diffs = {k[:3]: v for k, v in world.items() if k[3] is None and k[0] != "qwen3"}
     print("\nQwen2.5-VL: max |logit diff| vs HF per (model, TP, PP): " +
           ", ".join(f"{k}: {v:.2g}" for k, v in diffs.items()))
-    assert set(diffs) == {("7B", 2, 1), ("7B", 1, 2), ("tied", 1, 1), ("tied", 1, 2)}, diffs
+    assert set(diffs) == {("7B", 2, 1), ("7B", 1, 2), ("7B", 2, 2), ("tied", 1, 1), ("tied", 1, 2)}, diffs
     assert max(diffs.values()) < TOL, diffs
 
 
@@ -170,14 +184,14 @@ def test_qwen3_vl_spec_of_the_published_config(qwen3):
 
 @pytest.mark.slow
 def test_qwen3_vl_logits_match_hf_at_every_layout(qwen3, world):
-    """Qwen3-VL: ``hf_to_megatron --verify`` at TP1, and TP2 and PP2 from that checkpoint, within 1e-4 of
+    """Qwen3-VL: ``hf_to_megatron --verify`` at TP1, and TP2, PP2 and TP2 x PP2 from that checkpoint, within 1e-4 of
     HF's own ``Qwen3VLForConditionalGeneration``; the controls (no DeepStack features, megatron-core's block layout of
     M-RoPE instead of the interleaved one, 1-D positions) differ far beyond it, so the comparison sees each."""
     diffs = {k[1:]: v for k, v in world.items() if k[0] == "qwen3"}
     print(f"\nQwen3-VL: max |logit diff| vs HF: TP1 (--verify) {qwen3[2]:.2g}; " +
           ", ".join(f"{k}: {v:.2g}" for k, v in diffs.items()))
     assert qwen3[2] < TOL
-    assert max(diffs[(tp, pp, None)] for tp, pp in ((2, 1), (1, 2))) < TOL, diffs
+    assert max(diffs[(tp, pp, None)] for tp, pp in ((2, 1), (1, 2), (2, 2))) < TOL, diffs
     assert min(diffs[(1, 1, c)] for c in ("no_deepstack", "sectioned", "flat")) > 100 * TOL, diffs
 
 
@@ -266,17 +280,17 @@ def test_other_qwen_vl_families_are_refused_in_one_line(model_type, name, tmp_pa
 
 @pytest.mark.slow
 def test_what_its_training_does_not_do_yet_is_refused_in_one_line(model, converted, tmp_path, capsys):
-    """``train/run.py`` with a Qwen2.5-VL checkpoint and an option its training does not do yet (context parallelism,
-    recomputation, Transformer Engine layers: CUDA's default) stops before anything is written, with one line naming
-    the option and the fix; the LLaVA task encoder refuses the model's directory (its own encoder is the Qwen one)."""
+    """``train/run.py`` with a Qwen2.5-VL checkpoint and an option its training does not do yet (sequence parallelism,
+    recomputation, Transformer Engine layers: CUDA's default) stops before anything is written, with one line naming the
+    option and the fix; the LLaVA task encoder refuses the model's directory (its own encoder is the Qwen one)."""
     from megatron_vlm.data.task_encoder import VLMTaskEncoder
     from megatron_vlm.launch import cli
     from megatron_vlm.model.spec import UnsupportedArchitectureError
 
     from .launch_helpers import REPO, base_args
 
-    for extra, want in ((["-g", "2", "--cp", "2"], "--cp 2 (context parallelism) with Qwen2.5-VL is not supported "
-                                                   "yet (" + str(converted[0])),
+    for extra, want in ((["-g", "2", "--tp", "2", "--sequence-parallel"], "--sequence-parallel with Qwen2.5-VL is "
+                                                                          "not supported yet (" + str(converted[0])),
                         (["--recompute-granularity", "full"], "--recompute-granularity full with Qwen2.5-VL is not "
                                                               "supported yet"),
                         (["--device", "cuda"], "Transformer Engine layers with Qwen2.5-VL")):
@@ -492,17 +506,22 @@ TRAIN_JOBS = {
     "pp2vpp2": dict(pp=2, num_layers_per_virtual_pipeline_stage=1, micro_batch_size=2),  # two chunks per stage
     # packed: each micro batch one pack of two samples, each with its own M-RoPE positions ('thd', per-sample attention)
     "packed-tp2dp2": dict(tp=2, micro_batch_size=1, pack=2, packing_buffer_size=8, packed_seq_length=128),
+    # context parallelism: each row cut into 2 x 2 load-balanced chunks, its positions with it; packed, each sample
+    # cut so (every sample padded to a multiple of 4) and the rotary taking the whole row's table (QwenMRoPE)
+    "cp2dp2": dict(cp=2, micro_batch_size=2),
+    "packed-tp2cp2": dict(tp=2, cp=2, micro_batch_size=1, pack=2, packing_buffer_size=8, packed_seq_length=128),
 }
 #: Qwen3-VL's jobs in the same world (its own model: DeepStack on the first three LM layers, the first stage of PP2)
 QWEN3_TRAIN_JOBS = {
     "qwen3-tp2dp2": dict(tp=2, micro_batch_size=2),
     "qwen3-pp2dp2": dict(pp=2, micro_batch_size=2),
     "qwen3-tp2pp2-bf16": dict(tp=2, pp=2, micro_batch_size=2, precision="bf16", freeze_vit=None),  # stage 2's own
-    # packed: two samples a pack, the DeepStack features added at each one's image tokens of the pack
-    "qwen3-packed-tp2dp2": dict(tp=2, micro_batch_size=1, pack=2, packing_buffer_size=8, packed_seq_length=192),
+    # packed at TP2 x CP2: two samples a pack, each cut over the CP ranks, the DeepStack features added at the image
+    # tokens of this rank's chunks
+    "qwen3-packed-tp2cp2": dict(tp=2, cp=2, micro_batch_size=1, pack=2, packing_buffer_size=8, packed_seq_length=192),
 }
 #: jobs that run two steps (the second after an AdamW update; TP2 x DP2 saves after its first); the others run one
-STEPS = {"tp2dp2": 2, "packed-tp2dp2": 2, "qwen3-tp2dp2": 2}
+STEPS = {"tp2dp2": 2, "qwen3-tp2dp2": 2, "packed-tp2cp2": 2, "qwen3-packed-tp2cp2": 2}
 
 
 @pytest.fixture(scope="module")
@@ -528,13 +547,13 @@ def train_model3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(train_model, train_model3):
-    """Every :data:`TRAIN_JOBS` job, stage 1's freezing, and a save at TP2 x DP2 with its resume, and Qwen3-VL's
-    :data:`QWEN3_TRAIN_JOBS`, in one 4-process world; and HF's own numbers on the same batches (``"hf"``, Qwen3-VL's
-    ``"hf3"``)."""
+def one_world(logit_jobs, train_model, train_model3):
+    """The module's 4-process world: the logit jobs of :data:`JOBS4`, then every :data:`TRAIN_JOBS` job, stage 1's
+    freezing, a save at TP2 x DP2 with its resume, and Qwen3-VL's :data:`QWEN3_TRAIN_JOBS`; (logit diffs, the
+    training runs, the global batches of each model)."""
     from megatron_vlm.runtime.spawn import run_world
-    from tests.support import hf_reference
-    from tests.support.train_jobs import job_config, train_jobs, variable_length_batches
+    from tests.support import qwen_vl_models, worlds
+    from tests.support.train_jobs import train_jobs, variable_length_batches
 
     src, meg = train_model
     src3, meg3 = train_model3
@@ -548,7 +567,21 @@ def trained(train_model, train_model3):
                   micro_batch_size=2, **TRAIN)]
     jobs += [dict(name=job, steps=STEPS.get(job, 1), grads=True, megatron_dir=str(meg3), hf_dir=str(src3),
                   batches=(str(src3), 2, False, 1), **{**TRAIN, **layout}) for job, layout in QWEN3_TRAIN_JOBS.items()]
-    out = {r["name"]: r for r in run_world(train_jobs, 4, jobs, str(meg), str(src), batches)[0]}
+    logits, runs = run_world(worlds.in_turn, 4, [(qwen_vl_models.logit_diffs, ([logit_jobs[k] for k in JOBS4],)),
+                                                 (train_jobs, (jobs, str(meg), str(src), batches))])[0]
+    return logits, runs, batches, batches3
+
+
+@pytest.fixture(scope="module")
+def trained(one_world, train_model, train_model3):
+    """The training runs of :func:`one_world` by name, and HF's own numbers on the same batches (``"hf"``, Qwen3-VL's
+    ``"hf3"``; ``"hf-1d"``: the 1-D positions control)."""
+    from tests.support import hf_reference
+    from tests.support.train_jobs import job_config
+
+    (src, _), (src3, _) = train_model, train_model3
+    _, runs, batches, batches3 = one_world
+    out = {r["name"]: r for r in runs}
     cfg = job_config(TRAIN, 2, len(batches[0]))
     out["hf"] = hf_reference.train(src, batches, cfg, grads=True)
     out["hf3"] = hf_reference.train(src3, batches3, job_config(TRAIN, 2, len(batches3[0])), grads=True)
@@ -711,15 +744,19 @@ E2E = {
                   "model.language_model.layers.0.mlp.up_proj.weight"), "model.visual.blocks.0.attn.qkv.weight"),
 }
 
+#: the end-to-end training: TP2 x CP2 on 4 ranks, bf16, packs of up to 192 positions (each sample padded to 2 x CP)
+E2E_TRAIN = ("-g", "4", "--tp", "2", "--cp", "2", "--precision", "bf16", "--seq-length", "96", "--micro-batch-size",
+             "1", "--global-batch-size", "2", "--packing-buffer-size", "8", "--packed-seq-length", "192")
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(E2E))
 def test_convert_train_export_generate(family, request, tmp_path):
-    """The user's commands on the shrunk 7B / 8B config: ``hf_to_megatron --tp 2``, ``make_wds`` and ``stats.py``
-    (whose image tokens are the image processor's merged patches of each image's size), ``train/run.py`` at TP2 in
-    bf16 (the loss logged every step falls below its start), ``megatron_to_hf`` (every tensor of the source, in bf16;
-    the trained ones changed, the frozen ViT not), HF's ``AutoModelForImageTextToText`` generates from the export, and
-    ``eval/evaluate.py`` scores it on the dataset's first samples."""
+    """The user's commands on the shrunk 7B / 8B config: ``hf_to_megatron --tp 2``, ``make_wds`` and ``stats.py`` (whose
+    image tokens are the image processor's merged patches of each image's size), ``train/run.py`` at TP2 x CP2, packed,
+    in bf16 (:data:`E2E_TRAIN`; the loss logged every step falls below its start), ``megatron_to_hf`` (every tensor of
+    the source, in bf16; the trained ones changed, the frozen ViT not), HF's ``AutoModelForImageTextToText`` generates
+    from the export, and ``eval/evaluate.py`` scores it on the dataset's first samples."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
 
@@ -736,9 +773,8 @@ def test_convert_train_export_generate(family, request, tmp_path):
     grids = [processor(images=[Image.open(tmp_path / "img" / f"{i}.png")], return_tensors="pt")["image_grid_thw"]
              for i in range(4)]
     assert stats["images"] == 16 and stats["image_tokens"] == 4 * sum(int(g.prod()) // 4 for g in grids), stats
-    losses = user_commands.train_losses(meg, hf, data, runs, "qwen", "--tp", "2", "--precision", "bf16",
-                                        "--seq-length", "96", "--micro-batch-size", "2", "--global-batch-size", "4")
-    print(f"\n{family} TP2 bf16: losses {losses}")
+    losses = user_commands.train_losses(meg, hf, data, runs, "qwen", *E2E_TRAIN)
+    print(f"\n{family} TP2 x CP2 bf16, packed: losses {losses}")
     assert len(losses) == 4 and min(losses[1:]) < losses[0], losses
     export = tmp_path / "export"
     assert run_cli(script("convert/megatron_to_hf.py").main, ["--megatron-dir", str(runs / "qwen"), "--hf-dir",

@@ -347,11 +347,10 @@ def check_supported(spec: VLMSpec, source: str) -> list[str]:
 
 def qwen_vl_problems(cfg: TrainConfig, spec: VLMSpec, source: str) -> list[str]:
     """What a Qwen2.5-VL or Qwen3-VL run asks for that its training does not do yet (issue 64: megatron-core's local
-    layers, without context parallelism), one line each naming the flag and the fix; none for another model."""
+    layers), one line each naming the flag and the fix; none for another model."""
     if not spec.is_qwen_vl:
         return []
-    asked = [(f"--cp {cfg.cp} (context parallelism)", cfg.cp > 1, "use --cp 1"),
-             ("--fp8", cfg.fp8, "drop it"),
+    asked = [("--fp8", cfg.fp8, "drop it"),
              ("--sequence-parallel", cfg.sequence_parallel, "drop it"),
              (f"--recompute-granularity {cfg.recompute_granularity}", cfg.recompute_granularity, "drop it"),
              ("Transformer Engine layers", cfg.transformer_impl == "transformer_engine" or (

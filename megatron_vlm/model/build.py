@@ -639,11 +639,10 @@ def _build_qwen_vl(spec: VLMSpec, opts: ModelOptions, pre_process: bool, post_pr
         if getattr(opts, flag):
             raise ValueError(f"{family} with {what} is not supported yet (issue 64 converts and verifies it with "
                              "megatron-core's local layers); drop that option")
-    if opts.cp > 1:
-        raise ValueError(f"{family} with context parallelism (--cp) is not supported yet; use --cp 1")
     if spec.is_moe:
         raise ValueError(f"a mixture-of-experts {family} LM is not supported; use a dense one")
-    lang_spec, vit_spec, _ = layer_specs(False, spec.qk_layernorm, 1, "local")
+    # under CP the language attention is cp_attention's; the ViT runs whole on every CP rank (no vision_share yet)
+    lang_spec, vit_spec, _ = layer_specs(False, spec.qk_layernorm, opts.cp, "local")
     lang_cfg = language_config(spec, opts)
     lang_cfg.mrope_section = list(spec.mrope_section)
     lang_spec = _language_block(spec, lang_cfg, lang_spec, False, vp_stage)

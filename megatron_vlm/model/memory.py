@@ -333,7 +333,7 @@ def _activation_bytes(spec, layout: Layout, stage: int) -> tuple[int, str]:
     # the projector runs on every image before the CP split; the vision encoder on this rank's share of the tiles
     # (--vision-cp-split: ~1/CP of them), or on all of them
     first = s * b * (spec.vision_hidden_size + 2 * spec.hidden_size) * e  # projector input, FC1, GELU
-    vision_positions = tiles_per_rank(s * b, layout.cp, layout.vision_cp_split)
+    vision_positions = tiles_per_rank(s * b, layout.cp, layout.vision_cp_split and not spec.is_qwen_vl)  # Qwen: whole
     if vision_trains:
         vlayer = vision_positions * (4 * spec.vision_hidden_size + 3 * spec.vision_hidden_size
                                      + 2 * spec.vision_ffn_hidden_size // t) * e

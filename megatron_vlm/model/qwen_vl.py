@@ -16,13 +16,22 @@ mask), the image grids by keyword, returning ``(output, loss_mask)``. With pipel
 (its embeddings, positions, labels and loss mask) is padded to the model's sequence length, as megatron-core's LLaVA
 pads for its fixed point-to-point shapes.
 
+Under context parallelism (``--cp N``) every CP rank runs the ViT on all of the micro batch's images and scatters
+them into the whole sequence; then it keeps its part of every per-position input (the embeddings, labels, loss mask,
+the DeepStack features and, for a padded batch, the positions): chunks ``r`` and ``2N - 1 - r`` of ``2N`` of the row,
+or of each packed sample (:func:`megatron_vlm.model.cp_attention.partition_index`, megatron-core's load-balanced
+order), and the language attention is :class:`~megatron_vlm.model.cp_attention.ContextParallelAttention`. A packed
+row's rotary table stays whole (:class:`QwenMRoPE`): megatron-core's rotary for 'thd' picks each sample's chunks of
+it, where megatron-core's own M-RoPE would first cut the row as a padded batch and give every packed sample the wrong
+angles (loss 12.44 against HF's 12.08 in tests/test_qwen_vl's packed TP2 x CP2 job).
+
 Qwen3-VL (arch 'qwen3_vl') adds two things to the language model:
 
 - DeepStack: the features of the ViT's DeepStack mergers are added, at the image tokens, to the outputs of language
   layers 0, 1, ... (HF's ``Qwen3VLTextModel._deepstack_process``), through a forward hook on each of those layers of
   megatron-core's ``TransformerBlock``; they must sit on the first pipeline stage (the one that runs the ViT).
-- Interleaved M-RoPE (:class:`InterleavedMRoPE`): the rotary frequencies take the temporal, height and width
-  positions in turn (t, h, w, t, h, w, ...; the sections say how many of each), where megatron-core's
+- Interleaved M-RoPE (:class:`QwenMRoPE` with ``interleaved``): the rotary frequencies take the temporal, height
+  and width positions in turn (t, h, w, t, h, w, ...; the sections say how many of each), where megatron-core's
   ``MultimodalRotaryEmbedding`` gives them in three blocks (Qwen2.5-VL's layout).
 
 :func:`mrope_position_ids` gives the positions of a token sequence: transformers' own ``get_rope_index`` of the
@@ -63,31 +72,39 @@ def mrope_position_ids(hf_config, input_ids: torch.Tensor, image_grid_thw: torch
     return positions
 
 
-def interleaved_mrope_class():
-    """:class:`InterleavedMRoPE` (made once, after megatron-core is importable)."""
+def mrope_class():
+    """:class:`QwenMRoPE` (made once, after megatron-core is importable)."""
     if "mrope" not in _CLASSES:
-        from megatron.core.models.common.embeddings.rotary_pos_embedding import (
-            MultimodalRotaryEmbedding, get_pos_emb_on_this_cp_rank)
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
-        class InterleavedMRoPE(MultimodalRotaryEmbedding):
-            """megatron-core's ``MultimodalRotaryEmbedding`` with Qwen3-VL's layout: frequency ``i`` rotates by the
-            height position where ``i % 3 == 1`` and ``i < 3 * sections[1]``, by the width position where
-            ``i % 3 == 2`` and ``i < 3 * sections[2]``, by the temporal one elsewhere (transformers'
-            ``Qwen3VLTextRotaryEmbedding``); halves rotated as megatron-core's attention applies them."""
+        class QwenMRoPE(MultimodalRotaryEmbedding):
+            """megatron-core's ``MultimodalRotaryEmbedding`` as the Qwen-VL model calls it: the angles of the positions
+            it is given, never cut for context parallelism here (the model hands it this CP rank's positions of a
+            padded batch, and the whole row of a packed one, whose rotary megatron-core applies per sample:
+            ``_apply_rotary_pos_emb_thd`` picks each sample's CP chunks of a row-long table; megatron-core's own
+            cut of a row into 2 x CP chunks is right for the first layout only).
+
+            ``interleaved`` (Qwen3-VL): frequency ``i`` rotates by the height position where ``i % 3 == 1`` and
+            ``i < 3 * sections[1]``, by the width position where ``i % 3 == 2`` and ``i < 3 * sections[2]``, by the
+            temporal one elsewhere (transformers' ``Qwen3VLTextRotaryEmbedding``), halves rotated as megatron-core's
+            attention applies them; otherwise megatron-core's three blocks (Qwen2.5-VL)."""
+
+            def __init__(self, *args, interleaved: bool = False, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.interleaved = interleaved
+                self.cp_group = None  # see the class docstring: no cut here
 
             def forward(self, position_ids, mrope_section, cp_group=None):
+                if not self.interleaved:
+                    return super().forward(position_ids, mrope_section)
                 freqs = position_ids.to(self.inv_freq.device)[..., None].float() * self.inv_freq.float()
                 angles = freqs[0].clone()  # [b, s, dim / 2]
                 for axis in (1, 2):
                     pick = slice(axis, 3 * mrope_section[axis], 3)
                     angles[..., pick] = freqs[axis][..., pick]
-                emb = torch.cat((angles, angles), dim=-1)[..., None, :].transpose(0, 1).contiguous()  # [s, b, 1, d]
-                group = cp_group if cp_group is not None else self.cp_group
-                if group is not None and group.size() > 1:
-                    emb = get_pos_emb_on_this_cp_rank(emb, 0, group)
-                return emb
+                return torch.cat((angles, angles), dim=-1)[..., None, :].transpose(0, 1).contiguous()  # [s, b, 1, d]
 
-        _CLASSES["mrope"] = InterleavedMRoPE
+        _CLASSES["mrope"] = QwenMRoPE
     return _CLASSES["mrope"]
 
 
@@ -127,9 +144,9 @@ def _model_class():
                 parallel_output=True, share_embeddings_and_output_weights=tie_word_embeddings,
                 position_embedding_type="mrope", rotary_base=rotary_base, **extra)
             self.share_embeddings_and_output_weights = tie_word_embeddings
-            if mrope_interleaved:
-                self.language_model.rotary_pos_emb = interleaved_mrope_class()(
-                    kv_channels=language_config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base)
+            self.language_model.rotary_pos_emb = mrope_class()(
+                kv_channels=language_config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base,
+                interleaved=mrope_interleaved)
             self._deepstack = None  # (image-token mask [b, s], features per layer) during a forward
             self._deepstack_hooks(deepstack_layers)
 
@@ -151,11 +168,13 @@ def _model_class():
         def _add_deepstack(self, index: int, module, args, output):
             if self._deepstack is None:
                 return output
-            where, features = self._deepstack
+            where, features, mine = self._deepstack
             hidden, context = output
-            add = hidden.new_zeros(hidden.shape[1], hidden.shape[0], hidden.shape[2])  # [b, s, h], HF's order
-            add = add.masked_scatter(where[..., None], features[index].to(hidden.dtype)).transpose(0, 1)
-            return hidden + add, context
+            add = hidden.new_zeros(where.shape[0], where.shape[1], hidden.shape[2])  # [b, s, h], HF's order
+            add = add.masked_scatter(where[..., None], features[index].to(hidden.dtype))
+            if mine is not None:  # context parallelism: this rank's positions of the sequence
+                add = add[:, mine]
+            return hidden + add.transpose(0, 1), context
 
         def shared_embedding_or_output_weight(self):
             return self.language_model.shared_embedding_or_output_weight()
@@ -187,6 +206,23 @@ def _model_class():
                 if frozen and module is not None:
                     for p in module.parameters():
                         p.requires_grad = False
+
+        def _context_parallel_positions(self, length: int, packed_seq_params) -> torch.Tensor | None:
+            """The positions of a ``length``-long sequence this context-parallel rank holds, in megatron-core's
+            load-balanced order (:func:`megatron_vlm.model.cp_attention.partition_index`: chunks ``r`` and
+            ``2 x CP - 1 - r`` of each packed sample, or of the row); None without CP."""
+            from megatron.core import parallel_state as ps
+
+            cp = ps.get_context_parallel_world_size()
+            if cp == 1:
+                return None
+            from megatron_vlm.model.cp_attention import partition_index
+
+            cu = [0, length]
+            if packed_seq_params is not None:
+                cu = packed_seq_params.cu_seqlens_q_padded
+                cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            return partition_index(cu, cp, ps.get_context_parallel_rank())
 
         def _pad(self, t: torch.Tensor, dim: int) -> torch.Tensor:
             n = self.max_sequence_length - t.shape[dim]
@@ -235,7 +271,7 @@ def _model_class():
                     emb = emb.transpose(0, 1).masked_scatter(where[..., None], vision.to(emb.dtype))
                     emb = emb.transpose(0, 1).contiguous()
                     if deep:
-                        self._deepstack = (self._pad(where, 1), deep)
+                        self._deepstack = [self._pad(where, 1), deep, None]
                 elif bool(where.any()):
                     raise ValueError("the tokens hold image tokens but no images were given")
                 decoder_input = self._pad(emb, 0)
@@ -244,6 +280,16 @@ def _model_class():
                 labels = self._pad(labels, 1)
             if loss_mask is not None:
                 loss_mask = self._pad(loss_mask, 1)
+            mine = self._context_parallel_positions(position_ids.shape[2], packed_seq_params)
+            if mine is not None:  # this CP rank's part of every per-position input
+                mine = mine.to(position_ids.device)
+                decoder_input = decoder_input[mine] if decoder_input is not None else None
+                labels = labels[:, mine] if labels is not None else None
+                loss_mask = loss_mask[:, mine] if loss_mask is not None else None
+                if packed_seq_params is None:  # a packed row's rotary takes the whole row (QwenMRoPE)
+                    position_ids = position_ids[:, :, mine]
+                if self._deepstack is not None:
+                    self._deepstack[2] = mine
             try:
                 out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
                                           decoder_input=decoder_input, labels=labels,

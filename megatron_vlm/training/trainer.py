@@ -27,7 +27,7 @@ from megatron_vlm.checkpoint import layout as ckpt
 from megatron_vlm.files import storage
 from megatron_vlm.model import fp8
 from megatron_vlm.model.context_parallel import length_multiple
-from megatron_vlm.model.spec import VLMSpec
+from megatron_vlm.model.spec import VLMSpec, family_name
 from megatron_vlm.training import batch_feed, checkpointing, step
 from megatron_vlm.training.flops import StepFlops, peak_flops
 from megatron_vlm.training.metrics import MetricsLogger
@@ -186,6 +186,9 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
             log.info("context parallelism: each sequence split over %d ranks (2 x %d load-balanced chunks, lengths "
                      "padded to a multiple of %d); attention: %s", cfg.cp, cfg.cp, pad_multiple(cfg),
                      describe(training.impl == "transformer_engine", cfg.cp_comm_type))
+            if spec.is_qwen_vl and cfg.vision_cp_split:
+                log.info("context parallelism: %s's vision encoder runs whole on every CP rank (--vision-cp-split "
+                         "shares the tiles of the other families only)", family_name(spec.arch))
         if cfg.pp > 1:
             from megatron_vlm.model.pipeline_layout import describe
 

@@ -57,18 +57,21 @@ _BATCHING: dict = {}
 
 
 def batching_encoder(hf_dir, spec: VLMSpec, pad_to_multiple_of: int | None = None,
-                     seq_length: int = BASE["seq_length"], packed_seq_length: int | None = None):
+                     seq_length: int = BASE["seq_length"], packed_seq_length: int | None = None,
+                     sample_multiple: int | None = None):
     """:func:`encoder_for`, made once per process for each model, spec and padding: for ``batch()`` only, which
     keeps no state between calls (its skip counters are the encoding's, which these jobs never do); with
-    ``packed_seq_length`` the trainer's packing encoder (``pack_selected_samples`` and ``batch()``)."""
-    key = (str(hf_dir), spec.to_json(), pad_to_multiple_of, seq_length, packed_seq_length)
+    ``packed_seq_length`` the trainer's packing encoder (``pack_selected_samples`` and ``batch()``; each sample of a
+    pack padded to ``sample_multiple``, as the trainer pads them under context parallelism)."""
+    key = (str(hf_dir), spec.to_json(), pad_to_multiple_of, seq_length, packed_seq_length, sample_multiple)
     if key not in _BATCHING:
         if packed_seq_length:
             from megatron_vlm.data.packing import packing_task_encoder_for
 
             _BATCHING[key] = packing_task_encoder_for(spec, hf_dir, seq_length, packed_seq_length,
                                                       image_token_id=spec.image_token_id,
-                                                      pad_to_multiple_of=pad_to_multiple_of)
+                                                      pad_to_multiple_of=pad_to_multiple_of,
+                                                      sample_multiple=sample_multiple)
         else:
             _BATCHING[key] = encoder_for(hf_dir, seq_length, spec=spec, pad_to_multiple_of=pad_to_multiple_of)
     return _BATCHING[key]
@@ -364,6 +367,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     :func:`variable_length_batches` (``repeat`` times over), so that no tensor crosses to the ranks. ``batches``
     may also be such a recipe itself, or the job's own list of global batches.
     """
+    from megatron_vlm.model.context_parallel import length_multiple
     from megatron_vlm.model.host_layout import HostLayoutLLaVAModel
     from megatron_vlm.training import batch_feed
     from megatron_vlm.training.build import release
@@ -388,8 +392,9 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         cfg = job_config(job, steps, len(global_batches[0]))
         settle_with_spec(cfg, spec)  # as the trainer: e.g. sequence parallelism for an MoE LM at TP > 1
         # for batch() only; sequence and context parallelism split the image-expanded length, as the trainer pads it
-        encoder = batching_encoder(hf_dir, spec, pad_multiple(cfg), packed_seq_length=cfg.packed_seq_length
-                                   if job.get("pack") else None)
+        packed = dict(packed_seq_length=cfg.packed_seq_length, sample_multiple=length_multiple(cfg.cp)) \
+            if job.get("pack") else {}
+        encoder = batching_encoder(hf_dir, spec, pad_multiple(cfg), **packed)
         collate, group = encoder.batch, cfg.micro_batch_size
         if job.get("pack"):  # each micro batch one pack of that many consecutive samples, as the loader packs them
             collate = _packing(encoder)
