@@ -147,7 +147,7 @@ def _model_class():
             self.language_model.rotary_pos_emb = mrope_class()(
                 kv_channels=language_config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base,
                 interleaved=mrope_interleaved)
-            self._deepstack = None  # (image-token mask [b, s], features per layer) during a forward
+            self._deepstack = None  # (image-token mask [b, s], features per layer, CP positions) during a forward
             self._deepstack_hooks(deepstack_layers)
 
         def _deepstack_hooks(self, layers: int) -> None:
@@ -258,7 +258,7 @@ def _model_class():
             if input_ids is not None and input_ids.shape[1] > self.max_sequence_length:
                 raise ValueError(f"a micro batch of {input_ids.shape[1]} tokens exceeds the model's sequence length "
                                  f"{self.max_sequence_length}; raise --seq-length")
-            decoder_input, self._deepstack = None, None
+            decoder_input, deepstack, self._deepstack = None, None, None
             if self.pre_process:
                 emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
                 where = input_ids == self.image_token_id
@@ -271,7 +271,7 @@ def _model_class():
                     emb = emb.transpose(0, 1).masked_scatter(where[..., None], vision.to(emb.dtype))
                     emb = emb.transpose(0, 1).contiguous()
                     if deep:
-                        self._deepstack = [self._pad(where, 1), deep, None]
+                        deepstack = (self._pad(where, 1), deep)
                 elif bool(where.any()):
                     raise ValueError("the tokens hold image tokens but no images were given")
                 decoder_input = self._pad(emb, 0)
@@ -288,8 +288,8 @@ def _model_class():
                 loss_mask = loss_mask[:, mine] if loss_mask is not None else None
                 if packed_seq_params is None:  # a packed row's rotary takes the whole row (QwenMRoPE)
                     position_ids = position_ids[:, :, mine]
-                if self._deepstack is not None:
-                    self._deepstack[2] = mine
+            if deepstack is not None:  # the features, and (CP) this rank's positions for the layers' hooks
+                self._deepstack = (*deepstack, mine)
             try:
                 out = self.language_model(input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
                                           decoder_input=decoder_input, labels=labels,
