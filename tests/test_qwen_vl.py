@@ -10,7 +10,8 @@ its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
   torch_dist checkpoint in a 2-process world (TP2 x PP2 in the training world; 1e-4; measured ~7e-6); the same
   config with Qwen2.5-VL-3B's tied embeddings at TP1 and PP2; Qwen3-VL-8B's config shrunk, the same layouts.
 - **Training**: the trainer against HF's own model, same batches (loss, grad norms, every tensor's gradient), at the
-  layouts of :data:`TRAIN_JOBS` and :data:`QWEN3_TRAIN_JOBS` (TP, PP, VPP, DP, CP, packed), in the same world.
+  layouts of :data:`TRAIN_JOBS` and :data:`QWEN3_TRAIN_JOBS` (TP, PP, VPP, DP, CP, packed), in the same world;
+  Qwen2.5-VL's batches each hold a video (HF's ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``).
 - **The real processor** (3.12 lane, which has torchvision): ``AutoProcessor``'s inputs for two images of different
   sizes follow the reference batch's token rule, and Megatron's logits on them equal HF's (measured 6.6e-6).
 - **M-RoPE**: megatron-core's ``MultimodalRotaryEmbedding`` equals HF's rotary at the batch's 3-D positions.
@@ -22,8 +23,8 @@ its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
 - **Memory**: the estimate ``--verify`` checks counts the real 7B's 8.29e9 parameters as HF builds them.
 - **Names**: transformers 4.5x's layout (``model.language_model.*``, ``model.visual.*``) is read as the hub's.
 - **Refusals**: Qwen3-VL-MoE / Qwen2-VL configs, config settings it cannot reproduce, training options it does not
-  do yet (``train/run.py``), the LLaVA task encoder on its directory, and videos given to the model, in one line
-  naming them, before anything is written.
+  do yet (``train/run.py``), the LLaVA task encoder on its directory, and image or video tokens without their pixels
+  given to the model, in one line naming them, before anything is written.
 """
 
 from __future__ import annotations
@@ -306,22 +307,22 @@ def test_what_its_training_does_not_do_yet_is_refused_in_one_line(model, convert
 
 
 @pytest.mark.slow
-def test_videos_are_refused_by_the_model(converted):
-    """The model takes images only: video inputs, or the video token in the tokens, are refused in one line."""
+def test_media_tokens_without_their_pixels_are_refused_by_the_model(converted):
+    """Image or video tokens in the tokens but no pixels, or a stray input: refused in one line."""
     from megatron_vlm.checkpoint import layout as ckpt
     from megatron_vlm.runtime.session import single_process_world
     from tests.support.worlds import _model_for
 
     with single_process_world():
         model = _model_for(ckpt.resolve_iteration_dir(converted[0]), 1, 1, 64)
-        ids = torch.tensor([[1, 2, 151656, 3]])
+        ids = torch.tensor([[1, 2, 151656, 3]])  # <|video_pad|>
         positions = torch.arange(4)[None, None].expand(3, 1, 4)
-        for kwargs in (dict(input_ids=ids), dict(input_ids=ids[:, [0, 1, 3]], pixel_values_videos=torch.zeros(4, 8),
-                                                 position_ids=positions[..., :3])):
-            with pytest.raises(ValueError) as e:
-                model(**{"position_ids": positions, **kwargs})
-            assert "\n" not in str(e.value) and "videos of Qwen-VL" in str(e.value) and \
-                "are not supported yet" in str(e.value), str(e.value)
+        with pytest.raises(ValueError) as e:
+            model(input_ids=ids, position_ids=positions)
+        assert "\n" not in str(e.value) and "image/video tokens but no images or videos" in str(e.value), str(e.value)
+        with pytest.raises(TypeError) as e:
+            model(input_ids=ids, position_ids=positions, pixel_values_videos=torch.zeros(4, 8))
+        assert "unexpected inputs ['pixel_values_videos']" in str(e.value), str(e.value)
 
 
 def test_megatron_mrope_equals_hf_rotary(model):
@@ -557,7 +558,11 @@ def one_world(logit_jobs, train_model, train_model3):
 
     src, meg = train_model
     src3, meg3 = train_model3
-    batches, batches3 = variable_length_batches(src, 2), variable_length_batches(src3, 2)
+    # Qwen2.5-VL's global batches hold a video each (4 frames of a 7 fps and of a 10 fps clip: two temporal patches,
+    # their M-RoPE time steps from each one's seconds per grid step): every job below trains on the first, whose
+    # 0.36 s a step puts its second step at the first's time (HF's default of 1 s a step would put it 2 later)
+    batches = variable_length_batches(src, 2, videos=1, first_clip=1)
+    batches3 = variable_length_batches(src3, 2)
     saved = meg.parent / "saved"
     # TP2 x DP2 also saves after its first step, and the last job resumes from there
     jobs = [dict(name=job, steps=STEPS.get(job, 1), grads=True, **{**TRAIN, **layout}, **(
@@ -753,7 +758,8 @@ E2E_TRAIN = ("-g", "4", "--tp", "2", "--cp", "2", "--precision", "bf16", "--seq-
 @pytest.mark.parametrize("family", list(E2E))
 def test_convert_train_export_generate(family, request, tmp_path):
     """The user's commands on the shrunk 7B / 8B config: ``hf_to_megatron --tp 2``, ``make_wds`` and ``stats.py`` (whose
-    image tokens are the image processor's merged patches of each image's size), ``train/run.py`` at TP2 x CP2, packed,
+    image tokens are the image processor's merged patches of each image's size; Qwen2.5-VL's dataset holds two videos,
+    their tokens those of the frames its video processor takes), ``train/run.py`` at TP2 x CP2, packed,
     in bf16 (:data:`E2E_TRAIN`; the loss logged every step falls below its start), ``megatron_to_hf`` (every tensor of
     the source, in bf16; the trained ones changed, the frozen ViT not), HF's ``AutoModelForImageTextToText`` generates
     from the export, and ``eval/evaluate.py`` scores it on the dataset's first samples."""
@@ -768,11 +774,16 @@ def test_convert_train_export_generate(family, request, tmp_path):
     hf, meg, runs = request.getfixturevalue(fixture)[0], tmp_path / "meg", tmp_path / "runs"
     assert run_cli(script("convert/hf_to_megatron.py").main, ["--hf-dir", str(hf), "--megatron-dir", str(meg),
                                                               "--tp", "2"]) == 0
-    data, stats = user_commands.colour_dataset(tmp_path, IMAGE_SIZES, hf)
+    videos = 2 if family == "Qwen2.5-VL" else 0  # samples 7 and 15 (Qwen3-VL's videos are refused)
+    data, stats = user_commands.colour_dataset(tmp_path, IMAGE_SIZES, hf, videos=videos)
     processor = Qwen2VLImageProcessorPil.from_pretrained(str(hf))
     grids = [processor(images=[Image.open(tmp_path / "img" / f"{i}.png")], return_tensors="pt")["image_grid_thw"]
              for i in range(4)]
-    assert stats["images"] == 16 and stats["image_tokens"] == 4 * sum(int(g.prod()) // 4 for g in grids), stats
+    # a clip's 8 frames over 2 s at --video-fps 1: 4 frames (the least), 2 temporal patches of 4 x 6 patches merged
+    # 2 x 2: 12 tokens, counted from the stored video's size and frame rate
+    assert stats["images"] == 16 - videos and stats["videos"] == videos and stats["video_tokens"] == 12 * videos
+    assert stats["image_tokens"] == sum(int(grids[i % 4].prod()) // 4 for i in range(16) if i % 8 != 7 or
+                                        not videos), stats
     losses = user_commands.train_losses(meg, hf, data, runs, "qwen", *E2E_TRAIN)
     print(f"\n{family} TP2 x CP2 bf16, packed: losses {losses}")
     assert len(losses) == 4 and min(losses[1:]) < losses[0], losses

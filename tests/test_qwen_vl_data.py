@@ -16,7 +16,11 @@ config, chat template; no weights), as ``task_encoder_for`` picks it for the spe
 - **truncation and skips**: a cut that would fall inside an image drops that image, its pixels and its
   ``<|vision_start|>`` (the kept sample is the untruncated one's prefix, positions included); images that alone
   exceed ``seq_length`` are skipped with the reason;
-- **refusals** in one line: videos (a video, a video part, the video token);
+- **videos** (3.12 lane): a video beside an image against the processor (tokens, grids, ``second_per_grid_ts``,
+  the video's pixels within 2 levels, PIL's resize against torchvision's), HF's ``get_rope_index`` with its time
+  steps, and the frame choice against the video processor's ``sample_frames``;
+- **refusals** in one line: Qwen3-VL's videos (a video, a video part, the video token); a video token without its
+  video is a counted skip;
 - **Qwen3-VL-8B's hub files** (3.12 lane): the encoder's tokens, pixels, grids and labels against its own processor;
 - **the model** (slow): the batch through the training step's ``forward_step`` into ``QwenVLModel`` (the shrunk
   config converted at TP1) gives HF's own model's logits and per-token cross entropy on each sample (1e-4; measured
@@ -311,13 +315,80 @@ def test_truncation_never_cuts_an_image_and_too_long_is_skipped(enc, spec, hub_d
     assert short.skipped[reason] == 1, dict(short.skipped)
 
 
+def test_a_video_equals_the_processors(enc, processor, rope_host):
+    """A message with a video and an image (a 20-frame 4 fps clip, 48 x 32: 4 frames at --video-fps 0.5, two
+    temporal patches 2.5 s apart): the encoder's tokens + last label are the processor's ``input_ids`` (its video
+    processor given the same frames and their metadata), the image's pixels byte for byte, the video's within 2 of 255 levels (PIL's
+    resize against torchvision's), the grids and ``second_per_grid_ts``; the sample holds both in token order, and
+    its positions are HF's ``get_rope_index`` with the video's time steps (not those of HF's default 1 s a step).
+    The frame choice is the video
+    processor's ``sample_frames`` at that fps."""
+    from transformers.video_utils import VideoMetadata
+
+    from megatron_vlm.data import videos as vid
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+    from megatron_vlm.data.qwen_vl_encoder import qwen_frame_indices
+    from tests.support.videos import make_video
+
+    enc2 = task_encoder_for(enc.spec, enc.hf_dir, SEQ, video_fps=0.5)
+    clip = make_video(20, 48, 32, fps=4)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what happens ? and here"},
+                                             {"type": "image"}]}, asst("it rains")]
+    out = enc2.encode_conversation(messages, [image(1)], key="v", videos=[clip])
+    indices, info = enc2.frame_plan(clip)
+    assert indices == [0, 5, 10, 15]
+    meta = VideoMetadata(total_num_frames=info.frames, fps=info.fps, frames_indices=indices)
+    hf = processor(text=[processor.apply_chat_template(messages)], images=[image(1)],
+                   videos=[vid.decode_frames(clip, indices)], return_tensors="pt",
+                   videos_kwargs=dict(video_metadata=[meta], do_sample_frames=False, cap_pixels_per_frame=False))
+    assert full_ids(out) == hf["input_ids"][0].tolist()
+    assert out["image_grid_thw"].tolist() == hf["video_grid_thw"].tolist() + hf["image_grid_thw"].tolist()
+    assert out["second_per_grid_ts"].tolist() == [hf["second_per_grid_ts"][0].item(), 0.0]
+    n = int(hf["video_grid_thw"].prod())
+    levels = 2 / 255 / min(processor.video_processor.image_std)
+    assert (out["images"][:n] - hf["pixel_values_videos"]).abs().max().item() < levels
+    assert out["images"][n:].numpy().tobytes() == hf["pixel_values"].numpy().tobytes()
+    tokens = out["tokens"][None]
+    want, _ = rope_host.get_rope_index(tokens, mm_token_type_ids=hf["mm_token_type_ids"][:, :tokens.shape[1]],
+                                       image_grid_thw=hf["image_grid_thw"], video_grid_thw=hf["video_grid_thw"],
+                                       second_per_grid_ts=hf["second_per_grid_ts"])
+    assert torch.equal(out["position_ids"], want[:, 0]) and hf["second_per_grid_ts"].tolist() == [2.5]
+    one_second, _ = rope_host.get_rope_index(tokens, mm_token_type_ids=hf["mm_token_type_ids"][:, :tokens.shape[1]],
+                                             image_grid_thw=hf["image_grid_thw"], video_grid_thw=hf["video_grid_thw"])
+    assert not torch.equal(out["position_ids"], one_second[:, 0])  # the video's time steps count
+    for frames, fps, want_fps, most in ((9, 4, 2.0, 32), (100, 30, 1.0, 32), (3, 10, 2.0, 32), (1000, 25, 2.0, 16),
+                                        (57, 7.5, 1.3, 768)):
+        theirs = processor.video_processor.sample_frames(VideoMetadata(total_num_frames=frames, fps=fps),
+                                                         fps=want_fps, max_frames=most)
+        assert qwen_frame_indices(frames, fps, want_fps, most, 2) == theirs.tolist(), (frames, fps)
+
+
+def test_a_video_token_without_its_video_is_skipped_and_bad_frame_settings_refused(enc):
+    """The ``<|video_pad|>`` token in the text with no video: a counted skip with the reason; --video-frames below
+    the temporal patch: one line naming it."""
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+
+    messages = [user(None, "what is <|vision_start|><|video_pad|><|vision_end|> ?"), asst("rain")]
+    with pytest.raises(SkipSample):
+        enc.encode_conversation(messages, [image(0)], key="stray")
+    assert enc.skipped["1 video tokens but 0 videos"] >= 1, dict(enc.skipped)
+    with pytest.raises(ValueError) as e:
+        task_encoder_for(enc.spec, enc.hf_dir, SEQ, video_frames=1)
+    assert "\n" not in str(e.value) and "--video-frames 1" in str(e.value) and "at least 2" in str(e.value)
+
+
 @pytest.mark.parametrize("case", ["video", "video_part", "video_token"])
-def test_videos_are_refused_in_one_line(enc, case):
-    """A video, a video part of a message, or the ``<|video_pad|>`` token in the text: one line naming the sample,
-    that videos of Qwen2.5-VL are not supported yet; it stops the run (not a skip)."""
+def test_qwen3_vl_videos_are_refused_in_one_line(case):
+    """Qwen3-VL (its hub files): a video, a video part of a message, or the ``<|video_pad|>`` token in the text:
+    one line naming the sample, that its videos are not supported yet; it stops the run (not a skip)."""
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
     from megatron_vlm.data.skips import skip_error_line
     from megatron_vlm.data.task_encoder import VideoNotSupportedError
+    from tests.support import hub
+    from tests.support.qwen_vl_models import QWEN3_VL_8B
 
+    where = hub.hub_model_dir(QWEN3_VL_8B)
+    enc3 = task_encoder_for(VLMSpec.from_hf_dir(where), where, SEQ)
     messages, videos = [user(None, "what happens ?"), asst("it rains")], ()
     if case == "video":
         videos = [b"\x00" * 16]
@@ -327,11 +398,23 @@ def test_videos_are_refused_in_one_line(enc, case):
     else:
         messages = [user(None, "what is <|vision_start|><|video_pad|><|vision_end|> ?"), asst("rain")]
     with pytest.raises(VideoNotSupportedError) as e:
-        enc.encode_conversation(messages, [image(0)], key=f"s-{case}", videos=videos)
+        enc3.encode_conversation(messages, [image(0)], key=f"s-{case}", videos=videos)
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"sample s-{case} has ") and \
-        "videos of Qwen2.5-VL are not supported yet" in line, line
+        "training Qwen3-VL videos is not supported yet" in line, line
     assert skip_error_line(e.value) == line
+
+
+def test_a_prompt_with_a_video_is_refused_in_one_line(spec, hub_dir):
+    """eval/generate.py's prompts (:class:`~megatron_vlm.eval.prompts.PromptEncoder`) take images only: a Qwen2.5-VL
+    prompt with a video stops in one line naming it."""
+    from megatron_vlm.data.task_encoder import VideoNotSupportedError
+    from megatron_vlm.eval.prompts import PromptEncoder, user_message
+
+    with pytest.raises(VideoNotSupportedError) as e:
+        PromptEncoder(hub_dir, spec).encode([user_message("what happens ?", videos=1)], videos=[b"\x00" * 16])
+    assert "\n" not in str(e.value) and str(e.value).startswith("the prompt has 1 video(s): generation from "
+                                                                 "Qwen2.5-VL videos is not supported yet"), str(e.value)
 
 
 @pytest.fixture(scope="module")

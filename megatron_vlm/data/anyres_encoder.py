@@ -233,5 +233,6 @@ def task_encoder_for(spec, hf_dir, seq_length: int, video_fps: float = vid.DEFAU
     if spec.is_qwen_vl:
         from megatron_vlm.data.qwen_vl_encoder import QwenVLTaskEncoder
 
-        return QwenVLTaskEncoder(hf_dir, seq_length, spec=spec, **kwargs)
+        return QwenVLTaskEncoder(hf_dir, seq_length, spec=spec, video_fps=video_fps, video_frames=video_frames,
+                                 **kwargs)
     return VLMTaskEncoder(hf_dir, seq_length, spec=spec, **kwargs)

@@ -289,7 +289,7 @@ class QwenVLPackingTaskEncoder(_PackingHooks, QwenVLTaskEncoder):
     ``[3, 1, packed_seq_length]`` and applies each segment's own rows (its 'thd' RoPE maps a rotary table as long as
     the pack by offset)."""
 
-    item_fields = ("images", "image_grid_thw")
+    item_fields = ("images", "image_grid_thw", "second_per_grid_ts")
 
     @staticmethod
     def _counted_on(positions: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The energon TaskEncoder for Qwen2.5-VL and Qwen3-VL: the samples HF's ``Qwen2_5_VLProcessor`` /
-``Qwen3VLProcessor`` make, images only (the two share the image processor and the image tokens; Qwen3-VL's patches
-are 16 px, its chat template its own).
+``Qwen3VLProcessor`` make, images and (Qwen2.5-VL) videos (the two share the image processor and the image tokens;
+Qwen3-VL's patches are 16 px, its chat template its own).
 
 As :class:`~megatron_vlm.data.task_encoder.VLMTaskEncoder` (the processor's chat template, labels and loss mask by
 the assistant-mask rules of :mod:`megatron_vlm.data.chat_tokens`, truncation that never splits an image, skips
@@ -27,8 +27,19 @@ positions counting on after its last position (what ``get_rope_index`` gives on 
 (:func:`megatron_vlm.training.step.forward_step`) passes the positions in the position argument and
 :meth:`QwenVLBatch.model_kwargs` (the grids) by keyword.
 
-Refused in one line: videos (a video, a video part of a message, or the ``<|video_pad|>`` token: not supported yet,
-:class:`~megatron_vlm.data.task_encoder.VideoNotSupportedError`, which stops the run), a spec that is not
+Qwen2.5-VL's **videos** (the template's ``<|vision_start|><|video_pad|><|vision_end|>``), as its
+``Qwen2VLVideoProcessor`` and processor make them: the frames :func:`qwen_frame_indices` takes at ``video_fps``
+(HF's ``sample_frames``; at most ``video_frames``), decoded through energon (:mod:`megatron_vlm.data.videos`), each
+resized, rescaled and normalised as an image by the PIL image processor (HF's torchvision resize differs by at most
+2 of 255 levels), the last repeated to whole temporal patches, cut into ``pixel_values_videos`` rows in the video
+processor's order; ``<|video_pad|>`` repeated once per merged patch; ``second_per_grid_ts`` (the temporal patch over
+the sampled fps) whose time steps ``get_rope_index`` puts in the positions. A sample keeps its images' and videos'
+patches and grids in one list in token order (``images``, ``image_grid_thw``, and ``second_per_grid_ts`` 0 for an
+image): the model scatters the ViT's outputs at the image and video tokens in that order. A video token without its
+video, or a video that does not decode, is a counted skip; truncation never cuts inside a video.
+
+Refused in one line: Qwen3-VL's videos (a video, a video part of a message, or the ``<|video_pad|>`` token: not
+supported yet, :class:`~megatron_vlm.data.task_encoder.VideoNotSupportedError`, which stops the run), a spec that is not
 a Qwen-VL one; Qwen2-VL / Qwen3-VL-MoE directories are refused by the spec itself
 (:data:`megatron_vlm.model.spec.NOT_YET`).
 """
@@ -36,6 +47,7 @@ a Qwen-VL one; Qwen2-VL / Qwen3-VL-MoE directories are refused by the spec itsel
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,6 +55,7 @@ import torch
 from megatron.energon.edataclass import edataclass
 from megatron.energon.task_encoder.base import stateless
 
+from megatron_vlm.data import videos as vid
 from megatron_vlm.data.task_encoder import (VideoNotSupportedError, VLMBatch, VLMSample, VLMTaskEncoder, _as_pil,
                                             framed, kept_tokens)
 from megatron_vlm.model.spec import family_name
@@ -52,11 +65,16 @@ VISION_START, VIDEO_PAD = "<|vision_start|>", "<|video_pad|>"
 
 @edataclass
 class QwenVLSample(VLMSample):
-    """``images`` is the processor's ``pixel_values`` of the kept images ``[patches, C x T x P x P]``; ``tokens``
-    hold every image's ``<|image_pad|>`` tokens (``num_tokens == len(tokens)``)."""
+    """``images`` is the processor's ``pixel_values`` of the kept images and videos (``pixel_values_videos``) in
+    token order ``[patches, C x T x P x P]``, ``image_grid_thw`` their grids (a video's ``video_grid_thw``);
+    ``tokens`` hold every image's ``<|image_pad|>`` and every video's ``<|video_pad|>`` tokens
+    (``num_tokens == len(tokens)``)."""
 
-    image_grid_thw: torch.Tensor  # int64 [n_images, 3]
+    image_grid_thw: torch.Tensor  # int64 [n_items, 3]
     position_ids: torch.Tensor  # int64 [3, s] M-RoPE positions of tokens
+    #: float32 [n_items]: a video's seconds per temporal grid step (the processor's ``second_per_grid_ts``), 0 for
+    #: an image (HF's reference model computes its positions from them; the trainer takes ``position_ids``)
+    second_per_grid_ts: torch.Tensor
 
 
 @edataclass
@@ -83,17 +101,31 @@ def processor_chat_template(hf_dir, tokenizer) -> str | None:
     return tokenizer.chat_template
 
 
-def expand_images(x: list[int], assistant: list, image_id: int, counts: list[int]) -> tuple[list[int], list]:
-    """``x`` with its ``i``-th ``image_id`` repeated ``counts[i]`` times (as the processor writes them), and the
-    per-token ``assistant`` flags with them."""
-    ids, mask, k = [], [], 0
+def expand_media(x: list[int], assistant: list, counts: dict[int, list[int]]) -> tuple[list[int], list]:
+    """``x`` with the ``i``-th occurrence of each media token ``t`` repeated ``counts[t][i]`` times (as the processor
+    writes them), and the per-token ``assistant`` flags with them."""
+    ids, mask, seen = [], [], {t: 0 for t in counts}
     for t, a in zip(x, assistant):
         n = 1
-        if t == image_id and k < len(counts):
-            n, k = counts[k], k + 1
+        if t in counts and seen[t] < len(counts[t]):
+            n, seen[t] = counts[t][seen[t]], seen[t] + 1
         ids += [t] * n
         mask += [a] * n
     return ids, mask
+
+
+def qwen_frame_indices(num_frames: int, fps: float, video_fps: float, max_frames: int, temporal: int,
+                       min_frames: int = 4) -> list[int]:
+    """The frames HF's ``Qwen2VLVideoProcessor.sample_frames`` takes from a video of ``num_frames`` at ``fps`` when
+    asked for ``video_fps`` frames a second (qwen-vl-utils' rule): ``num_frames / fps x video_fps`` frames, at least
+    ``min_frames`` and at most ``max_frames`` and the video's, rounded down to whole temporal patches, evenly spaced
+    from frame 0. A video shorter than one temporal patch takes every frame (the last is repeated to fill it)."""
+    cap = math.floor(min(max_frames, num_frames) / temporal) * temporal
+    n = min(max(num_frames / fps * video_fps, min_frames), cap, num_frames)
+    n = math.floor(n / temporal) * temporal
+    if n <= 0:
+        return list(range(int(num_frames)))
+    return torch.arange(0, num_frames, num_frames / n).int().tolist()
 
 
 class QwenVLTaskEncoder(VLMTaskEncoder):
@@ -101,17 +133,30 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
 
     sample_type = QwenVLSample
 
-    def __init__(self, *args, **kwargs):
-        for unused in ("video_fps", "video_frames"):  # task_encoder_for's frame choice: no videos here
-            kwargs.pop(unused, None)
+    def __init__(self, *args, video_fps: float = vid.DEFAULT_VIDEO_FPS, video_frames: int = vid.DEFAULT_VIDEO_FRAMES,
+                 **kwargs):
+        if not video_fps > 0 or int(video_frames) < 1:
+            raise ValueError(f"--video-fps {video_fps} must be positive and --video-frames {video_frames} at "
+                             "least 1")
         super().__init__(*args, **kwargs)
+        if int(video_frames) < self.spec.temporal_patch_size:
+            raise ValueError(f"--video-frames {video_frames}: {family_name(self.spec.arch)} takes a video's frames "
+                             f"{self.spec.temporal_patch_size} at a time (its temporal patch); give at least "
+                             f"{self.spec.temporal_patch_size}")
+        self.video_fps, self.video_frames = float(video_fps), int(video_frames)
         self.hf_config = self.spec.to_hf_config()
         self.merge = int(self.spec.spatial_merge_size)
         self.vision_start_id = self.tokenizer.convert_tokens_to_ids(VISION_START)
         self.video_pad_id = self.tokenizer.convert_tokens_to_ids(VIDEO_PAD)
         self.skips.hints["too_long"] = (f"raise --seq-length (now {self.seq_length}) or lower max_pixels in "
                                         f"{self.hf_dir}/preprocessor_config.json (an image takes one token per "
-                                        f"{self.merge}x{self.merge} patches of {self.spec.patch_size} px)")
+                                        f"{self.merge}x{self.merge} patches of {self.spec.patch_size} px; a video "
+                                        "as many per temporal patch of its frames: lower --video-fps or "
+                                        "--video-frames)")
+        self.skips.hints["video_tokens"] = (f"check the chat template in {self.hf_dir}: it must render every video "
+                                            f"part of a message as '{VIDEO_PAD}', once per video")
+        self.skips.hints["video"] = ("the video does not decode; rebuild the dataset with data_prep/make_wds.py (it "
+                                     "checks videos)")
 
     def _check_spec(self, spec) -> None:
         if not spec.is_qwen_vl:
@@ -157,54 +202,126 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
     def pixel_values(self, images: list) -> torch.Tensor:
         return self.image_inputs(images)["images"]
 
-    def positions(self, tokens: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        """``[3, s]`` M-RoPE positions of a sample's ``tokens`` (images expanded), from ``get_rope_index``."""
+    def frame_plan(self, video) -> tuple[list[int], vid.VideoInfo]:
+        """The frames :func:`qwen_frame_indices` takes from ``video`` (an energon ``AVDecoder`` or bytes) at
+        ``--video-fps`` / ``--video-frames``, and its probe."""
+        info = vid.probe(vid.av_decoder(video).stream)
+        return qwen_frame_indices(info.frames, info.fps, self.video_fps, self.video_frames,
+                                  self.spec.temporal_patch_size), info
+
+    def video_tokens(self, frames: int, height: int, width: int) -> int:
+        """``<|video_pad|>`` tokens of ``frames`` frames of this size: its merged patches per temporal patch."""
+        return -(-frames // self.spec.temporal_patch_size) * self.tokens_of_size(height, width)
+
+    def video_inputs(self, video, indices: list[int], info: vid.VideoInfo) -> dict:
+        """One video as the processor makes it (``pixel_values_videos`` ``[patches, C x T x P x P]``,
+        ``video_grid_thw`` ``[1, 3]``, ``second_per_grid_ts``): the chosen frames, each resized, rescaled and
+        normalised as an image by the model's (PIL) image processor, the last repeated to whole temporal patches,
+        cut into patches in the video processor's order (a temporal patch's frames side by side in each row)."""
+        import numpy as np
+        from transformers.image_utils import SizeDict
+
+        ip, s = self.image_processor, self.spec
+        t, p, m = s.temporal_patch_size, s.patch_size, self.merge
+        size = ip.size if isinstance(ip.size, SizeDict) else SizeDict(**ip.size)
+        frames = []
+        for f in vid.decode_frames(video, indices).numpy():
+            x = ip.resize(f, size, resample=ip.resample, factor=p * m)
+            x = ip.normalize(ip.rescale(x, ip.rescale_factor), ip.image_mean, ip.image_std)
+            frames.append(torch.from_numpy(np.asarray(x, dtype=np.float32)))
+        v = torch.stack(frames)
+        if pad := -v.shape[0] % t:
+            v = torch.cat([v, v[-1:].expand(pad, *v.shape[1:])])
+        c, gt, gh, gw = v.shape[1], v.shape[0] // t, v.shape[2] // p, v.shape[3] // p
+        patches = v.reshape(gt, t, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        sampled_fps = len(indices) / info.frames * info.fps  # HF's VideoMetadata.sampled_fps
+        return dict(images=patches.reshape(gt * gh * gw, c * t * p * p),
+                    image_grid_thw=torch.tensor([[gt, gh, gw]], dtype=torch.int64),
+                    second_per_grid_ts=torch.tensor([t / sampled_fps], dtype=torch.float32))
+
+    def positions(self, tokens: torch.Tensor, grid: torch.Tensor, seconds: torch.Tensor) -> torch.Tensor:
+        """``[3, s]`` M-RoPE positions of a sample's ``tokens`` (images and videos expanded; ``grid`` and
+        ``seconds`` theirs in token order), from ``get_rope_index``."""
         from megatron_vlm.model.qwen_vl import mrope_position_ids
 
-        return mrope_position_ids(self.hf_config, tokens[None], grid if len(grid) else None, self.image_token_id)[:, 0]
+        video = seconds > 0
+        return mrope_position_ids(self.hf_config, tokens[None], grid[~video], self.image_token_id, grid[video],
+                                  self.video_pad_id, seconds[video].tolist())[:, 0]
 
     # -- per sample ---------------------------------------------------------------------------------
-    def check_no_videos(self, messages: list[dict], ids: list[int], key: str, videos) -> None:
-        """Stop the run for a sample with a video (one line, naming the sample and what holds the video)."""
+    def check_videos(self, messages: list[dict], ids: list[int], key: str, videos, generation: bool = False) -> None:
+        """Stop the run for a sample with a video where videos are not supported yet: Qwen3-VL's, and in
+        ``generation`` (eval/generate.py's prompts) any (one line, naming the sample and what holds the video)."""
+        if self.spec.arch != "qwen3_vl" and not generation:
+            return
         parts = sum(1 for m in messages for p in (m.get("content") or []) if isinstance(p, dict)
                     and p.get("type") == "video")
         what = (f"{len(list(videos))} video(s)" if videos else f"{parts} video part(s)" if parts else
                 f"the video token {VIDEO_PAD!r}" if self.video_pad_id in ids else None)
         if what:
-            raise VideoNotSupportedError(f"sample {key} has {what}: videos of {family_name(self.spec.arch)} are not "
-                                         "supported yet; leave the video samples out of --data-path")
+            where = "generation from" if generation else "training"
+            raise VideoNotSupportedError(f"{key} has {what}: {where} {family_name(self.spec.arch)} videos is not "
+                                         "supported yet; leave the video samples out")
 
-    def kept(self, x: list[int], costs: list[int]) -> int:
-        """Input tokens of ``x`` (one ``<|image_pad|>`` per image) kept within ``seq_length``: cut from the end,
-        never inside an image; an image past the cut takes its ``<|vision_start|>`` with it."""
-        m = kept_tokens(x, {self.image_token_id: costs}, self.seq_length, self.whole)
-        if 0 < m < len(x) and x[m] == self.image_token_id and x[m - 1] == self.vision_start_id:
+    def kept(self, x: list[int], costs: dict[int, list[int]]) -> int:
+        """Input tokens of ``x`` (one ``<|image_pad|>`` per image, one ``<|video_pad|>`` per video) kept within
+        ``seq_length``: cut from the end, never inside an image or a video; one past the cut takes its
+        ``<|vision_start|>`` with it."""
+        m = kept_tokens(x, costs, self.seq_length, self.whole)
+        if 0 < m < len(x) and x[m] in costs and x[m - 1] == self.vision_start_id:
             m -= 1
         return m
 
     def encode_conversation(self, messages: list[dict], images: list, key: str = "?", videos=()) -> dict:
         conv = self.chat(messages)
         x, assistant = conv.ids, conv.assistant
+        videos = list(videos)
         if self.image_token_id != self.tokenizer_image_token_id:
             x = [self.image_token_id if t == self.tokenizer_image_token_id else t for t in x]
-        self.check_no_videos(messages, x, key, videos)
-        if x.count(self.image_token_id) != len(images):
-            self.skips.skip(key, "image_tokens", f"{x.count(self.image_token_id)} image tokens but {len(images)} "
-                                                 "images")
-        costs = self.image_tokens(images)
-        if sum(costs) > self.seq_length:
-            self.skips.skip(key, "too_long", f"{len(images)} images need {sum(costs)} > seq_length "
-                                             f"{self.seq_length} tokens")
+        self.check_videos(messages, x, f"sample {key}", videos)
+        image_id, video_id = self.image_token_id, self.video_pad_id
+        if x.count(image_id) != len(images):
+            self.skips.skip(key, "image_tokens", f"{x.count(image_id)} image tokens but {len(images)} images")
+        if x.count(video_id) != len(videos):
+            self.skips.skip(key, "video_tokens", f"{x.count(video_id)} video tokens but {len(videos)} videos")
+        plans = []
+        for v in videos:
+            try:
+                plans.append(self.frame_plan(v))
+            except Exception as e:  # noqa: BLE001 - any PyAV failure on a stored video: the sample is skipped
+                self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
+        costs = {image_id: self.image_tokens(images),
+                 video_id: [self.video_tokens(len(idx), info.height, info.width) for idx, info in plans]}
+        total = sum(costs[image_id]) + sum(costs[video_id])
+        if total > self.seq_length:
+            media = f"{len(images)} images" + (f" and {len(videos)} videos" if videos else "")
+            self.skips.skip(key, "too_long", f"{media} need {total} > seq_length {self.seq_length} tokens")
         m = self.kept(x, costs)
-        n_img = x[:m].count(self.image_token_id)
-        ids, mask = expand_images(x[:m + 1], assistant[:m + 1], self.image_token_id, costs)
-        out = framed(ids, mask, m + sum(costs[:n_img]) - n_img, self.whole, self.pad_token_id)
+        ids, mask = expand_media(x[:m + 1], assistant[:m + 1], costs)
+        media = [t for t in x[:m] if t in costs]
+        out = framed(ids, mask, m - len(media) + sum(costs[image_id][:media.count(image_id)]) +
+                     sum(costs[video_id][:media.count(video_id)]), self.whole, self.pad_token_id)
         if out["loss_mask"].sum() == 0:
             self.skips.skip(key, "no_answer", "no answer token left within seq_length")
+        pictures, items, k = self.image_inputs(images[:media.count(image_id)]), [], [0, 0]
+        starts = (pictures["image_grid_thw"].prod(-1).cumsum(0) - pictures["image_grid_thw"].prod(-1)).tolist()
+        for t in media:  # each image's and video's inputs, in token order
+            if t == image_id:
+                i, k[0] = k[0], k[0] + 1
+                grid = pictures["image_grid_thw"][i:i + 1]
+                items.append(dict(images=pictures["images"][starts[i]:starts[i] + int(grid.prod())],
+                                  image_grid_thw=grid, second_per_grid_ts=torch.zeros(1)))
+            else:
+                i, k[1] = k[1], k[1] + 1
+                try:
+                    items.append(self.video_inputs(videos[i], *plans[i]))
+                except Exception as e:  # noqa: BLE001 - as above
+                    self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
         self.skips.kept()
-        media = self.image_inputs(images[:n_img])
-        return dict(**out, **media, num_tokens=len(out["tokens"]),
-                    position_ids=self.positions(out["tokens"], media["image_grid_thw"]))
+        inputs = {k: torch.cat([it[k] for it in items]) for k in ("images", "image_grid_thw", "second_per_grid_ts")} \
+            if items else dict(**self.image_inputs([]), second_per_grid_ts=torch.zeros(0))
+        return dict(**out, **inputs, num_tokens=len(out["tokens"]), position_ids=self.positions(
+            out["tokens"], inputs["image_grid_thw"], inputs["second_per_grid_ts"]))
 
     # -- per batch ----------------------------------------------------------------------------------
     @staticmethod

@@ -6,7 +6,8 @@ own count from its size, read from its header; InternVL: its tiles from its size
 videos, their chosen frames and video tokens (OneVision: the
 frame count and rate read from each video's container, the frames chosen by the task encoder's
 ``video_fps``/``video_frames`` rule, ``frames * ceil(side/2)**2 + 1`` tokens; InternVL: a tile's tokens per frame,
-the ``FrameN:`` lines counted as text), and how many samples
+the ``FrameN:`` lines counted as text; Qwen2.5-VL: the frames its video processor takes at ``video_fps``, their
+merged patches per pair of frames), and how many samples
 exceed ``seq_length`` once images and videos are expanded (the task encoder truncates those). The tars are read
 directly (images and videos are not decoded), with the same conversation rules the task encoder uses.
 
@@ -136,6 +137,13 @@ def _video_tokens(task_encoder, info, key: str) -> tuple[int, int]:
     from megatron_vlm.data.task_encoder import refuse_videos
     from megatron_vlm.data.videos import frame_indices
 
+    if task_encoder.spec.is_qwen_vl:  # the frames Qwen's video processor takes, its merged patches per two frames
+        from megatron_vlm.data.qwen_vl_encoder import qwen_frame_indices
+
+        task_encoder.check_videos([], [], f"sample {key}", ["video"])
+        frames = len(qwen_frame_indices(info.frames, info.fps, task_encoder.video_fps, task_encoder.video_frames,
+                                        task_encoder.spec.temporal_patch_size))
+        return frames, task_encoder.video_tokens(frames, info.height, info.width)
     refuse_videos(task_encoder.spec, key, getattr(task_encoder, "video_token_id", None) is not None)
     frames = len(frame_indices(info.frames, info.fps, task_encoder.video_fps, task_encoder.video_frames))
     return frames, task_encoder.spec.anyres.video_tokens(frames)
@@ -173,7 +181,7 @@ def dataset_stats(path: str | Path, task_encoder, seq_length: int | None = None,
                     continue
                 messages, n_img = conversation_of_raw(raw)
                 names = raw_videos(raw)
-                if names and geo is None and not (ivl and task_encoder.chat.video):  # no video token, nothing probed
+                if names and geo is None and not qvl and not (ivl and task_encoder.chat.video):  # nothing probed
                     _video_tokens(task_encoder, None, f"{shard.name}/{key}")
                 videos = [raw[VIDEOS][n] for n in names]
                 if ivl:  # each video's frames are lines of the text, each frame an image of one tile

@@ -145,7 +145,7 @@ class PromptEncoder:
         ids = self.prompt_ids(messages)
         if enc.image_token_id != enc.tokenizer_image_token_id:
             ids = [enc.image_token_id if t == enc.tokenizer_image_token_id else t for t in ids]
-        enc.check_no_videos(messages, ids, "the prompt", videos)
+        enc.check_videos(messages, ids, "the prompt", videos, generation=True)
         image_id = self.spec.image_token_id
         if ids.count(image_id) != len(images):
             raise ValueError(f"the chat template rendered {ids.count(image_id)} image token(s) for {len(images)} "

@@ -58,17 +58,24 @@ def _hf_model_class(hf_config):
 
 
 def mrope_position_ids(hf_config, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,
-                       image_token_id: int) -> torch.Tensor:
-    """``[3, b, s]`` M-RoPE positions of ``input_ids`` (``[b, s]``, images already expanded to their tokens), from
-    transformers' ``Qwen2_5_VLModel.get_rope_index`` / ``Qwen3VLModel.get_rope_index`` with ``hf_config`` (an HF
-    ``Qwen2_5_VLConfig`` / ``Qwen3VLConfig``)."""
+                       image_token_id: int, video_grid_thw: torch.Tensor | None = None,
+                       video_token_id: int | None = None, second_per_grid_ts=None) -> torch.Tensor:
+    """``[3, b, s]`` M-RoPE positions of ``input_ids`` (``[b, s]``, images and videos already expanded to their
+    tokens), from transformers' ``Qwen2_5_VLModel.get_rope_index`` / ``Qwen3VLModel.get_rope_index`` with
+    ``hf_config`` (an HF ``Qwen2_5_VLConfig`` / ``Qwen3VLConfig``): the grids of the images and of the videos in
+    token order, and (Qwen2.5-VL) each video's seconds per temporal grid step."""
     model = _hf_model_class(hf_config)
     host = types.SimpleNamespace(config=hf_config, get_vision_position_ids=functools.partial(
         model.get_vision_position_ids, None))
-    token_types = (input_ids == image_token_id).to(torch.int32)  # mm_token_type_ids: 1 for image tokens
-    if image_grid_thw is None or not bool(token_types.any()):
+    token_types = (input_ids == image_token_id).to(torch.int32)  # mm_token_type_ids: 1 image, 2 video, 0 text
+    if video_token_id is not None:
+        token_types[input_ids == video_token_id] = 2
+    grids = [g if g is not None and len(g) else None for g in (image_grid_thw, video_grid_thw)]
+    if grids == [None, None] or not bool(token_types.any()):
         return torch.arange(input_ids.shape[1])[None, None].expand(3, input_ids.shape[0], -1).clone()
-    positions, _ = model.get_rope_index(host, input_ids, mm_token_type_ids=token_types, image_grid_thw=image_grid_thw)
+    extra = {} if second_per_grid_ts is None or grids[1] is None else dict(second_per_grid_ts=second_per_grid_ts)
+    positions, _ = model.get_rope_index(host, input_ids, mm_token_type_ids=token_types, image_grid_thw=grids[0],
+                                        video_grid_thw=grids[1], **extra)
     return positions
 
 
@@ -187,6 +194,11 @@ def _model_class():
                 input_tensor = input_tensor[0]
             self.language_model.set_input_tensor(input_tensor)
 
+        def media_positions(self, input_ids: torch.Tensor) -> torch.Tensor:
+            """``[b, s]``: True at the image and video tokens (where the vision embeddings go, in token order)."""
+            where = input_ids == self.image_token_id
+            return where if self.video_token_id is None else where | (input_ids == self.video_token_id)
+
         def image_embeddings(self, images: torch.Tensor, image_grid_thw: torch.Tensor):
             """The merged vision embeddings ``[tokens, hidden]`` of every image, in image order, and the DeepStack
             features (one such tensor per DeepStack layer; none for Qwen2.5-VL)."""
@@ -235,8 +247,11 @@ def _model_class():
         def forward(self, images=None, input_ids=None, position_ids=None, attention_mask=None, labels=None,
                     loss_mask=None, inference_context=None, num_image_tiles=None, image_grid_thw=None,
                     packed_seq_params=None, **kwargs):
-            """``images``: the processor's ``pixel_values`` ``[patches, C x T x P x P]`` of every image in the micro
-            batch, ``image_grid_thw`` ``[images, 3]``; ``input_ids`` ``[b, s]`` with each image's tokens expanded;
+            """``images``: the processor's ``pixel_values`` ``[patches, C x T x P x P]`` of every image and video
+            (``pixel_values_videos``) of the micro batch in token order, ``image_grid_thw`` ``[items, 3]`` their grids
+            (a video's ``video_grid_thw``); ``input_ids`` ``[b, s]`` with each one's tokens expanded (the ViT attends
+            within each frame, so one call on them all equals HF's two; the embeddings go to the image and video
+            tokens in order, as HF's two ``masked_scatter`` calls put them);
             ``position_ids`` ``[3, b, s]`` (:func:`mrope_position_ids`; every pipeline stage needs them: each layer's
             rotary reads them; packed: each sample's own, ``[3, 1, S]``, with ``packed_seq_params``' boundaries).
             ``num_image_tiles`` (one per image) is the trainer's count and not needed here.
@@ -244,14 +259,9 @@ def _model_class():
             if inference_context is not None:
                 raise ValueError("generation of Qwen-VL with an inference context is not supported yet; generate "
                                  "with HF's model from an export (convert/megatron_to_hf.py)")
-            videos = sorted(k for k in kwargs if "video" in k)
-            if set(kwargs) - set(videos):
-                raise TypeError(f"QwenVLModel.forward got unexpected inputs {sorted(set(kwargs) - set(videos))}")
-            if not videos and input_ids is not None and self.video_token_id is not None and \
-                    bool((input_ids == self.video_token_id).any()):
-                videos = [f"video token {self.video_token_id} in input_ids"]
-            if videos:
-                raise ValueError(f"videos of Qwen-VL ({', '.join(videos)}) are not supported yet; give images only")
+            if kwargs:
+                raise TypeError(f"QwenVLModel.forward got unexpected inputs {sorted(kwargs)}; a video's patches and "
+                                "grid come with the images' (images / image_grid_thw, in token order)")
             if position_ids is None or position_ids.dim() != 3 or position_ids.shape[0] != 3:
                 raise ValueError("QwenVLModel needs position_ids [3, batch, seq] (M-RoPE): compute them with "
                                  "megatron_vlm.model.qwen_vl.mrope_position_ids")
@@ -261,19 +271,19 @@ def _model_class():
             decoder_input, deepstack, self._deepstack = None, None, None
             if self.pre_process:
                 emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
-                where = input_ids == self.image_token_id
+                where = self.media_positions(input_ids)
                 if images is not None and image_grid_thw is not None and len(image_grid_thw):
                     vision, deep = self.image_embeddings(images, image_grid_thw)
                     if int(where.sum()) != vision.shape[0]:
-                        raise ValueError(f"the tokens hold {int(where.sum())} image tokens but the images make "
-                                         f"{vision.shape[0]} embeddings; expand each image to its tokens as the "
-                                         "processor does")
+                        raise ValueError(f"the tokens hold {int(where.sum())} image/video tokens but the images and "
+                                         f"videos make {vision.shape[0]} embeddings; expand each to its tokens as "
+                                         "the processor does")
                     emb = emb.transpose(0, 1).masked_scatter(where[..., None], vision.to(emb.dtype))
                     emb = emb.transpose(0, 1).contiguous()
                     if deep:
                         deepstack = (self._pad(where, 1), deep)
                 elif bool(where.any()):
-                    raise ValueError("the tokens hold image tokens but no images were given")
+                    raise ValueError("the tokens hold image/video tokens but no images or videos were given")
                 decoder_input = self._pad(emb, 0)
             position_ids = self._pad(position_ids, 2)
             if labels is not None:

@@ -61,17 +61,28 @@ def spec_of(hf_dir) -> VLMSpec:
 
 def qwen_vl_inputs(sample, spec: VLMSpec) -> dict:
     """HF ``Qwen2_5_VLForConditionalGeneration``'s inputs (with ``labels``) of one encoded Qwen2.5-VL sample: its
-    tokens (images already expanded, as the processor expands them) and the last label after them, the processor's
-    ``pixel_values`` and ``image_grid_thw``, and ``mm_token_type_ids`` over the whole sequence (1 at image tokens),
-    from which HF's forward computes its own M-RoPE positions (``get_rope_index``): the trainer's positions are not
-    given to it."""
+    tokens (images and videos already expanded, as the processor expands them) and the last label after them, the
+    processor's ``pixel_values`` / ``image_grid_thw`` of its images and ``pixel_values_videos`` / ``video_grid_thw`` /
+    ``second_per_grid_ts`` of its videos (the sample holds them all in token order), and ``mm_token_type_ids`` over
+    the whole sequence (1 at image tokens, 2 at video tokens), from which HF's forward computes its own M-RoPE
+    positions (``get_rope_index``): the trainer's positions are not given to it."""
     ids = torch.cat([sample.tokens, sample.labels[-1:]])
     labels = torch.full_like(ids, IGNORE)
     at = sample.loss_mask.nonzero()[:, 0] + 1  # position i predicts ids[i + 1]: HF reads it at i + 1
     labels[at] = ids[at]
-    out = dict(input_ids=ids[None], labels=labels[None], mm_token_type_ids=(ids == spec.image_token_id)[None].int())
-    if len(sample.image_grid_thw):
-        out.update(pixel_values=sample.images, image_grid_thw=sample.image_grid_thw)
+    video_id = spec.hf_config["video_token_id"]
+    types = (ids == spec.image_token_id).int() + 2 * (ids == video_id).int()
+    out = dict(input_ids=ids[None], labels=labels[None], mm_token_type_ids=types[None])
+    grid = sample.image_grid_thw
+    if not len(grid):
+        return out
+    video = sample.second_per_grid_ts > 0  # the items that are videos
+    rows = torch.repeat_interleave(video, grid.prod(-1))  # each patch's item
+    if bool((~video).any()):
+        out.update(pixel_values=sample.images[~rows], image_grid_thw=grid[~video])
+    if bool(video.any()):
+        out.update(pixel_values_videos=sample.images[rows], video_grid_thw=grid[video],
+                   second_per_grid_ts=sample.second_per_grid_ts[video])
     return out
 
 

@@ -78,11 +78,12 @@ def batching_encoder(hf_dir, spec: VLMSpec, pad_to_multiple_of: int | None = Non
 
 
 def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BASE["seq_length"],
-                            uniform: bool = False, videos: int = 0) -> list[list]:
+                            uniform: bool = False, videos: int = 0, first_clip: int = 0) -> list[list]:
     """``n`` global batches of ``size`` encoded samples of different lengths (and, for anyres models, image
     sizes), the same on every call; ``uniform``: every sample has the first question and answer (one length, the
-    images differ); ``videos`` (OneVision): that many samples of each global batch are a video (of 3 frames and of 1
-    frame in turn, made with PyAV) instead of an image."""
+    images differ); ``videos`` (OneVision, Qwen2.5-VL): that many samples of each global batch are a video (two
+    clips in turn from ``first_clip``, made with PyAV: OneVision's rule takes 3 frames and 1, Qwen2.5-VL's 4 of
+    each) instead of an image."""
     from megatron.energon import VQASample
     from PIL import Image
 
@@ -97,13 +98,12 @@ def variable_length_batches(hf_dir, n: int, size: int = 8, seq_length: int = BAS
         samples = []
         for i in range(size):
             if i < videos:
-                from megatron_vlm.data.anyres_encoder import AnyresSample
                 from megatron_vlm.data.conversation import vqa_messages
 
                 j = (b + i) % len(QUESTIONS)
                 messages = vqa_messages(QUESTIONS[j], ANSWERS[(j + b) % len(ANSWERS)], "video")
-                samples.append(AnyresSample(__key__=f"{b}-{i}", **meta, **enc.encode_conversation(
-                    messages, [], f"{b}-{i}", [clips[(b + i) % len(clips)]])))
+                samples.append(enc.sample_type(__key__=f"{b}-{i}", **meta, **enc.encode_conversation(
+                    messages, [], f"{b}-{i}", [clips[(b + i + first_clip) % len(clips)]])))
                 continue
             j = 0 if uniform else (b + i) % len(QUESTIONS)
             image = Image.fromarray(image_array(sizes[0 if uniform else (b + i) % len(sizes)], 8 * b + i))

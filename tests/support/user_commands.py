@@ -1,6 +1,7 @@
 """The user's commands on a small colour-question dataset, as the end-to-end tests of a model family run them.
 
-- :func:`colour_dataset`: 16 images of four sizes in turn, each asked "what colour is it ?", written as LLaVA json and
+- :func:`colour_dataset`: 16 images of four sizes in turn (or some videos among them), each asked "what colour is
+  it ?", written as LLaVA json and
   made into an energon dataset by ``data_prep/make_wds.py`` (two shards, all in the train split) and counted by
   ``data_prep/stats.py`` with the model's tokenizer; returns the dataset directory and its train split's counts;
 - :func:`train_losses`: ``train/run.py`` in a fresh process (the CPU trainer, ``-g 2``, four iterations logged each
@@ -15,22 +16,32 @@ from pathlib import Path
 
 COLOURS = ("red", "green", "blue", "yellow")
 QUESTION = "what colour is it ?"
+#: :func:`colour_dataset`'s clip (frames, width, height, fps)
+VIDEO = (8, 48, 32, 4)
 
 
-def colour_dataset(root: Path, sizes: list[tuple[int, int]], tokenizer_dir, seq_length: int = 96) -> tuple[Path, dict]:
+def colour_dataset(root: Path, sizes: list[tuple[int, int]], tokenizer_dir, seq_length: int = 96,
+                   videos: int = 0) -> tuple[Path, dict]:
     """(dataset dir, its train split's ``stats.json`` counts) of 16 samples, image ``i`` of size ``sizes[i % 4]``
-    under ``root/img``."""
+    under ``root/img``; with ``videos``, every ``16 // videos``-th sample is instead a LLaVA-NeXT video record of
+    ``root/img/i.mp4`` (:data:`VIDEO`: 8 frames of 48 x 32 at 4 fps)."""
     from PIL import Image
 
     from megatron_vlm.cli import run_cli
     from megatron_vlm.data.synthetic import image_array
     from tests.conftest import script
+    from tests.support.videos import make_video
 
     (root / "img").mkdir()
     rows = []
     for i in range(16):
-        Image.fromarray(image_array(sizes[i % 4], i)).save(root / "img" / f"{i}.png")
-        rows.append({"id": str(i), "image": f"{i}.png", "conversations": [
+        if videos and i % (16 // videos) == 16 // videos - 1:
+            (root / "img" / f"{i}.mp4").write_bytes(make_video(*VIDEO))
+            media = {"video": f"{i}.mp4"}
+        else:
+            Image.fromarray(image_array(sizes[i % 4], i)).save(root / "img" / f"{i}.png")
+            media = {"image": f"{i}.png"}
+        rows.append({"id": str(i), **media, "conversations": [
             {"from": "human", "value": f"<image>\n{QUESTION}"}, {"from": "gpt", "value": COLOURS[i % 4]}]})
     (root / "data.json").write_text(json.dumps(rows))
     data = root / "wds"

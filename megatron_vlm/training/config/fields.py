@@ -366,12 +366,15 @@ class ConfigFields:
         "on, e.g. 1000-1010 2000-2005 (to step over a loss spike).", "ranges", None, "model",
         factory=list, metavar="A-B")
     video_fps: float = _f(
-        ("--video-fps",), "LLaVA-OneVision videos: one frame every round(fps / N) frames of a video (LLaVA-NeXT's "
-        "video_fps; 1: one frame per second); see --video-frames.", "float", 1.0, "model", metavar="N")
+        ("--video-fps",), "Frames taken per second of video. LLaVA-OneVision/InternVL: one frame every "
+        "round(fps / N) frames (LLaVA-NeXT's video_fps; 1: one per second). Qwen2.5-VL: duration x N frames, at "
+        "least 4, in pairs, evenly spaced (its video processor's fps sampling; qwen-vl-utils uses 2). See "
+        "--video-frames.", "float", 1.0, "model", metavar="N")
     video_frames: int = _f(
         ("--video-frames",), "At most N frames per video: when --video-fps gives more, N frames evenly spaced from "
-        "the first to the last (LLaVA-NeXT's frames_upbound). A frame costs ceil(side/2)^2 tokens "
-        "(196 at 384 px, patch 14), plus one per video.", "int", 32, "model", metavar="N")
+        "the first to the last (LLaVA-NeXT's frames_upbound; Qwen2.5-VL's max_frames). A OneVision frame costs "
+        "ceil(side/2)^2 tokens (196 at 384 px, patch 14), plus one per video; a Qwen2.5-VL pair of frames its "
+        "merged patches.", "int", 32, "model", metavar="N")
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     save_dir: str = _f(("--save-dir",), "Parent directory of runs; checkpoints, config.yaml and "
