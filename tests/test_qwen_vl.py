@@ -11,7 +11,8 @@ its 152,064-row embedding exceeds the tokenizer's 151,665 tokens.
   config with Qwen2.5-VL-3B's tied embeddings at TP1 and PP2; Qwen3-VL-8B's config shrunk, the same layouts.
 - **Training**: the trainer against HF's own model, same batches (loss, grad norms, every tensor's gradient), at the
   layouts of :data:`TRAIN_JOBS` and :data:`QWEN3_TRAIN_JOBS` (TP, PP, VPP, DP, CP, packed), in the same world;
-  Qwen2.5-VL's batches each hold a video (HF's ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``).
+  every global batch holds a video (HF's ``pixel_values_videos``, ``video_grid_thw``; Qwen2.5-VL's
+  ``second_per_grid_ts``, Qwen3-VL's timestamps in the text).
 - **The real processor** (3.12 lane, which has torchvision): ``AutoProcessor``'s inputs for two images of different
   sizes follow the reference batch's token rule, and Megatron's logits on them equal HF's (measured 6.6e-6).
 - **M-RoPE**: megatron-core's ``MultimodalRotaryEmbedding`` equals HF's rotary at the batch's 3-D positions.
@@ -562,7 +563,7 @@ def one_world(logit_jobs, train_model, train_model3):
     # their M-RoPE time steps from each one's seconds per grid step): every job below trains on the first, whose
     # 0.36 s a step puts its second step at the first's time (HF's default of 1 s a step would put it 2 later)
     batches = variable_length_batches(src, 2, videos=1, first_clip=1)
-    batches3 = variable_length_batches(src3, 2)
+    batches3 = variable_length_batches(src3, 2, videos=1)  # a video each too, its timestamps in the text
     saved = meg.parent / "saved"
     # TP2 x DP2 also saves after its first step, and the last job resumes from there
     jobs = [dict(name=job, steps=STEPS.get(job, 1), grads=True, **{**TRAIN, **layout}, **(
@@ -571,7 +572,8 @@ def one_world(logit_jobs, train_model, train_model3):
     jobs += [dict(name="resume", start=1, steps=1, tp=2, resume=str(saved / "iter_0000001"), reset_data_position=True,
                   micro_batch_size=2, **TRAIN)]
     jobs += [dict(name=job, steps=STEPS.get(job, 1), grads=True, megatron_dir=str(meg3), hf_dir=str(src3),
-                  batches=(str(src3), 2, False, 1), **{**TRAIN, **layout}) for job, layout in QWEN3_TRAIN_JOBS.items()]
+                  batches=(str(src3), 2, False, 1, 1), **{**TRAIN, **layout})  # the ranks make batches3
+             for job, layout in QWEN3_TRAIN_JOBS.items()]
     logits, runs = run_world(worlds.in_turn, 4, [(qwen_vl_models.logit_diffs, ([logit_jobs[k] for k in JOBS4],)),
                                                  (train_jobs, (jobs, str(meg), str(src), batches))])[0]
     return logits, runs, batches, batches3
@@ -758,8 +760,8 @@ E2E_TRAIN = ("-g", "4", "--tp", "2", "--cp", "2", "--precision", "bf16", "--seq-
 @pytest.mark.parametrize("family", list(E2E))
 def test_convert_train_export_generate(family, request, tmp_path):
     """The user's commands on the shrunk 7B / 8B config: ``hf_to_megatron --tp 2``, ``make_wds`` and ``stats.py`` (whose
-    image tokens are the image processor's merged patches of each image's size; Qwen2.5-VL's dataset holds two videos,
-    their tokens those of the frames its video processor takes), ``train/run.py`` at TP2 x CP2, packed,
+    image tokens are the image processor's merged patches of each image's size; the dataset holds two videos, their
+    tokens those of the frames its video processor takes), ``train/run.py`` at TP2 x CP2, packed,
     in bf16 (:data:`E2E_TRAIN`; the loss logged every step falls below its start), ``megatron_to_hf`` (every tensor of
     the source, in bf16; the trained ones changed, the frozen ViT not), HF's ``AutoModelForImageTextToText`` generates
     from the export, and ``eval/evaluate.py`` scores it on the dataset's first samples."""
@@ -774,16 +776,20 @@ def test_convert_train_export_generate(family, request, tmp_path):
     hf, meg, runs = request.getfixturevalue(fixture)[0], tmp_path / "meg", tmp_path / "runs"
     assert run_cli(script("convert/hf_to_megatron.py").main, ["--hf-dir", str(hf), "--megatron-dir", str(meg),
                                                               "--tp", "2"]) == 0
-    videos = 2 if family == "Qwen2.5-VL" else 0  # samples 7 and 15 (Qwen3-VL's videos are refused)
-    data, stats = user_commands.colour_dataset(tmp_path, IMAGE_SIZES, hf, videos=videos)
+    data, stats = user_commands.colour_dataset(tmp_path, IMAGE_SIZES, hf, videos=2)  # samples 7 and 15
     processor = Qwen2VLImageProcessorPil.from_pretrained(str(hf))
     grids = [processor(images=[Image.open(tmp_path / "img" / f"{i}.png")], return_tensors="pt")["image_grid_thw"]
              for i in range(4)]
-    # a clip's 8 frames over 2 s at --video-fps 1: 4 frames (the least), 2 temporal patches of 4 x 6 patches merged
-    # 2 x 2: 12 tokens, counted from the stored video's size and frame rate
-    assert stats["images"] == 16 - videos and stats["videos"] == videos and stats["video_tokens"] == 12 * videos
-    assert stats["image_tokens"] == sum(int(grids[i % 4].prod()) // 4 for i in range(16) if i % 8 != 7 or
-                                        not videos), stats
+    # a clip's 8 frames over 2 s at --video-fps 1: 4 frames (the least), 2 temporal patches; its tokens (Qwen2.5-VL:
+    # 2 x 4 x 6 patches merged 2 x 2, 12; Qwen3-VL: theirs and the timestamps' text), counted from the stored video's
+    # size and frame rate, are those the trainer's encoder gives the video
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+
+    spec = VLMSpec.from_hf_dir(hf)
+    plan = task_encoder_for(spec, hf, 96).video_plan((tmp_path / "img" / "7.mp4").read_bytes())
+    assert len(plan["indices"]) == 4 and (family != "Qwen2.5-VL" or len(plan["ids"]) == 12), plan
+    assert stats["images"] == 14 and stats["videos"] == 2 and stats["video_tokens"] == 2 * len(plan["ids"]), stats
+    assert stats["image_tokens"] == sum(int(grids[i % 4].prod()) // 4 for i in range(16) if i % 8 != 7), stats
     losses = user_commands.train_losses(meg, hf, data, runs, "qwen", *E2E_TRAIN)
     print(f"\n{family} TP2 x CP2 bf16, packed: losses {losses}")
     assert len(losses) == 4 and min(losses[1:]) < losses[0], losses

@@ -19,8 +19,8 @@ config, chat template; no weights), as ``task_encoder_for`` picks it for the spe
 - **videos** (3.12 lane): a video beside an image against the processor (tokens, grids, ``second_per_grid_ts``,
   the video's pixels within 2 levels, PIL's resize against torchvision's), HF's ``get_rope_index`` with its time
   steps, and the frame choice against the video processor's ``sample_frames``;
-- **refusals** in one line: Qwen3-VL's videos (a video, a video part, the video token); a video token without its
-  video is a counted skip;
+- **Qwen3-VL's videos** (3.12 lane): its processor's own frame sampling, timestamps and nested vision tokens;
+- **refusals**: a video token without its video is a counted skip; a prompt with a video (generation) one line;
 - **Qwen3-VL-8B's hub files** (3.12 lane): the encoder's tokens, pixels, grids and labels against its own processor;
 - **the model** (slow): the batch through the training step's ``forward_step`` into ``QwenVLModel`` (the shrunk
   config converted at TP1) gives HF's own model's logits and per-token cross entropy on each sample (1e-4; measured
@@ -335,7 +335,8 @@ def test_a_video_equals_the_processors(enc, processor, rope_host):
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what happens ? and here"},
                                              {"type": "image"}]}, asst("it rains")]
     out = enc2.encode_conversation(messages, [image(1)], key="v", videos=[clip])
-    indices, info = enc2.frame_plan(clip)
+    plan = enc2.video_plan(clip)
+    indices, info = plan["indices"], plan["info"]
     assert indices == [0, 5, 10, 15]
     meta = VideoMetadata(total_num_frames=info.frames, fps=info.fps, frames_indices=indices)
     hf = processor(text=[processor.apply_chat_template(messages)], images=[image(1)],
@@ -377,34 +378,6 @@ def test_a_video_token_without_its_video_is_skipped_and_bad_frame_settings_refus
     assert "\n" not in str(e.value) and "--video-frames 1" in str(e.value) and "at least 2" in str(e.value)
 
 
-@pytest.mark.parametrize("case", ["video", "video_part", "video_token"])
-def test_qwen3_vl_videos_are_refused_in_one_line(case):
-    """Qwen3-VL (its hub files): a video, a video part of a message, or the ``<|video_pad|>`` token in the text:
-    one line naming the sample, that its videos are not supported yet; it stops the run (not a skip)."""
-    from megatron_vlm.data.anyres_encoder import task_encoder_for
-    from megatron_vlm.data.skips import skip_error_line
-    from megatron_vlm.data.task_encoder import VideoNotSupportedError
-    from tests.support import hub
-    from tests.support.qwen_vl_models import QWEN3_VL_8B
-
-    where = hub.hub_model_dir(QWEN3_VL_8B)
-    enc3 = task_encoder_for(VLMSpec.from_hf_dir(where), where, SEQ)
-    messages, videos = [user(None, "what happens ?"), asst("it rains")], ()
-    if case == "video":
-        videos = [b"\x00" * 16]
-    elif case == "video_part":
-        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what happens ?"}]},
-                    asst("it rains")]
-    else:
-        messages = [user(None, "what is <|vision_start|><|video_pad|><|vision_end|> ?"), asst("rain")]
-    with pytest.raises(VideoNotSupportedError) as e:
-        enc3.encode_conversation(messages, [image(0)], key=f"s-{case}", videos=videos)
-    line = str(e.value)
-    assert "\n" not in line and line.startswith(f"sample s-{case} has ") and \
-        "training Qwen3-VL videos is not supported yet" in line, line
-    assert skip_error_line(e.value) == line
-
-
 def test_a_prompt_with_a_video_is_refused_in_one_line(spec, hub_dir):
     """eval/generate.py's prompts (:class:`~megatron_vlm.eval.prompts.PromptEncoder`) take images only: a Qwen2.5-VL
     prompt with a video stops in one line naming it."""
@@ -415,6 +388,39 @@ def test_a_prompt_with_a_video_is_refused_in_one_line(spec, hub_dir):
         PromptEncoder(hub_dir, spec).encode([user_message("what happens ?", videos=1)], videos=[b"\x00" * 16])
     assert "\n" not in str(e.value) and str(e.value).startswith("the prompt has 1 video(s): generation from "
                                                                  "Qwen2.5-VL videos is not supported yet"), str(e.value)
+
+
+def test_a_qwen3_vl_video_equals_its_processors(qwen3_hub):
+    """Qwen3-VL-8B's hub files: a video (25 frames at 10 fps, 33 x 21) beside an image. The encoder takes the frames
+    its video processor's own sampling takes at --video-fps 1 (HF given the whole clip and its metadata), and its
+    tokens + last label are the processor's ``input_ids``: each temporal patch as ``<t seconds>`` and its own
+    ``<|vision_start|>`` ... ``<|vision_end|>`` inside the template's; the image's pixels byte for byte, the video's
+    within 2 levels, the grids in token order."""
+    from transformers.video_utils import VideoMetadata
+
+    from megatron_vlm.data import videos as vid
+    from megatron_vlm.data.anyres_encoder import task_encoder_for
+    from tests.support.videos import make_video
+
+    enc3, processor = qwen3_hub
+    enc = task_encoder_for(enc3.spec, enc3.hf_dir, SEQ, video_fps=1.0)
+    clip = make_video(25, 33, 21, fps=10)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what happens ? and here"},
+                                             {"type": "image"}]}, asst("it rains")]
+    out = enc.encode_conversation(messages, [image(1)], key="v", videos=[clip])
+    hf = processor(text=[processor.apply_chat_template(messages)], images=[image(1)],
+                   videos=[vid.decode_frames(clip, list(range(25)))], return_tensors="pt",
+                   videos_kwargs=dict(video_metadata=[VideoMetadata(total_num_frames=25, fps=10.0)], fps=1.0,
+                                      cap_pixels_per_frame=False))
+    ids = hf["input_ids"][0].tolist()
+    assert full_ids(out) == ids
+    text = processor.tokenizer.decode(ids)
+    assert "<|vision_start|><0.4 seconds><|vision_start|><|video_pad|><|video_pad|><|vision_end|><2.0 seconds>" in text
+    assert out["image_grid_thw"].tolist() == hf["video_grid_thw"].tolist() + hf["image_grid_thw"].tolist()
+    n = int(hf["video_grid_thw"].prod())
+    levels = 2 / 255 / min(processor.video_processor.image_std)
+    assert (out["images"][:n] - hf["pixel_values_videos"]).abs().max().item() < levels
+    assert out["images"][n:].numpy().tobytes() == hf["pixel_values"].numpy().tobytes()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The energon TaskEncoder for Qwen2.5-VL and Qwen3-VL: the samples HF's ``Qwen2_5_VLProcessor`` /
-``Qwen3VLProcessor`` make, images and (Qwen2.5-VL) videos (the two share the image processor and the image tokens;
+``Qwen3VLProcessor`` make, images and videos (the two share the image processor and the image tokens;
 Qwen3-VL's patches are 16 px, its chat template its own).
 
 As :class:`~megatron_vlm.data.task_encoder.VLMTaskEncoder` (the processor's chat template, labels and loss mask by
@@ -27,25 +27,29 @@ positions counting on after its last position (what ``get_rope_index`` gives on 
 (:func:`megatron_vlm.training.step.forward_step`) passes the positions in the position argument and
 :meth:`QwenVLBatch.model_kwargs` (the grids) by keyword.
 
-Qwen2.5-VL's **videos** (the template's ``<|vision_start|><|video_pad|><|vision_end|>``), as its
-``Qwen2VLVideoProcessor`` and processor make them: the frames :func:`qwen_frame_indices` takes at ``video_fps``
-(HF's ``sample_frames``; at most ``video_frames``), decoded through energon (:mod:`megatron_vlm.data.videos`), each
-resized, rescaled and normalised as an image by the PIL image processor (HF's torchvision resize differs by at most
-2 of 255 levels), the last repeated to whole temporal patches, cut into ``pixel_values_videos`` rows in the video
-processor's order; ``<|video_pad|>`` repeated once per merged patch; ``second_per_grid_ts`` (the temporal patch over
-the sampled fps) whose time steps ``get_rope_index`` puts in the positions. A sample keeps its images' and videos'
-patches and grids in one list in token order (``images``, ``image_grid_thw``, and ``second_per_grid_ts`` 0 for an
-image): the model scatters the ViT's outputs at the image and video tokens in that order. A video token without its
-video, or a video that does not decode, is a counted skip; truncation never cuts inside a video.
+**Videos** (the template's ``<|vision_start|><|video_pad|><|vision_end|>``), as each family's video processor and
+processor make them (:meth:`QwenVLTaskEncoder.plan_of`, :meth:`QwenVLTaskEncoder.video_inputs`): the frames taken at
+``video_fps`` (at most ``video_frames``; Qwen2.5-VL: :func:`qwen_frame_indices`, HF's ``Qwen2VLVideoProcessor``
+rule; Qwen3-VL: its ``Qwen3VLVideoProcessor.sample_frames`` and ``smart_resize``), decoded through energon
+(:mod:`megatron_vlm.data.videos`), each resized, rescaled and normalised by the PIL image processor (HF's torchvision
+resize differs by at most 2 of 255 levels), the last repeated to whole temporal patches, cut into
+``pixel_values_videos`` rows in the video processor's order. Qwen2.5-VL: ``<|video_pad|>`` repeated once per merged
+patch, and ``second_per_grid_ts`` (the temporal patch over the sampled fps), whose time steps ``get_rope_index`` puts
+in the positions. Qwen3-VL: the processor's own text for the video (``Qwen3VLProcessor.replace_video_token``: each
+temporal patch as ``<t seconds><|vision_start|>``, its ``<|video_pad|>`` tokens, ``<|vision_end|>``, inside the
+template's own vision tokens). A sample keeps its images' and videos' patches and grids in one list in token order
+(``images``, ``image_grid_thw``, and ``second_per_grid_ts`` 0 for an image): the model scatters the ViT's outputs at
+the image and video tokens in that order. A video token without its video, or a video that does not decode, is a
+counted skip; truncation never cuts inside a video.
 
-Refused in one line: Qwen3-VL's videos (a video, a video part of a message, or the ``<|video_pad|>`` token: not
-supported yet, :class:`~megatron_vlm.data.task_encoder.VideoNotSupportedError`, which stops the run), a spec that is not
-a Qwen-VL one; Qwen2-VL / Qwen3-VL-MoE directories are refused by the spec itself
-(:data:`megatron_vlm.model.spec.NOT_YET`).
+Refused in one line: a spec that is not a Qwen-VL one; Qwen2-VL / Qwen3-VL-MoE directories are refused by the spec
+itself (:data:`megatron_vlm.model.spec.NOT_YET`); eval/generate.py's prompts with a video
+(:meth:`QwenVLTaskEncoder.check_no_videos`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -60,7 +64,7 @@ from megatron_vlm.data.task_encoder import (VideoNotSupportedError, VLMBatch, VL
                                             framed, kept_tokens)
 from megatron_vlm.model.spec import family_name
 
-VISION_START, VIDEO_PAD = "<|vision_start|>", "<|video_pad|>"
+VISION_START, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"
 
 
 @edataclass
@@ -101,16 +105,17 @@ def processor_chat_template(hf_dir, tokenizer) -> str | None:
     return tokenizer.chat_template
 
 
-def expand_media(x: list[int], assistant: list, counts: dict[int, list[int]]) -> tuple[list[int], list]:
-    """``x`` with the ``i``-th occurrence of each media token ``t`` repeated ``counts[t][i]`` times (as the processor
-    writes them), and the per-token ``assistant`` flags with them."""
-    ids, mask, seen = [], [], {t: 0 for t in counts}
+def expand_media(x: list[int], assistant: list, replacements: dict[int, list[list[int]]]) -> tuple[list[int], list]:
+    """``x`` with the ``i``-th occurrence of each media token ``t`` replaced by ``replacements[t][i]`` (the ids the
+    processor writes for it: an image's ``<|image_pad|>`` tokens, a video's), and the per-token ``assistant`` flags
+    with them."""
+    ids, mask, seen = [], [], {t: 0 for t in replacements}
     for t, a in zip(x, assistant):
-        n = 1
-        if t in counts and seen[t] < len(counts[t]):
-            n, seen[t] = counts[t][seen[t]], seen[t] + 1
-        ids += [t] * n
-        mask += [a] * n
+        new = [t]
+        if t in replacements and seen[t] < len(replacements[t]):
+            new, seen[t] = replacements[t][seen[t]], seen[t] + 1
+        ids += new
+        mask += [a] * len(new)
     return ids, mask
 
 
@@ -202,42 +207,89 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
     def pixel_values(self, images: list) -> torch.Tensor:
         return self.image_inputs(images)["images"]
 
-    def frame_plan(self, video) -> tuple[list[int], vid.VideoInfo]:
-        """The frames :func:`qwen_frame_indices` takes from ``video`` (an energon ``AVDecoder`` or bytes) at
-        ``--video-fps`` / ``--video-frames``, and its probe."""
-        info = vid.probe(vid.av_decoder(video).stream)
-        return qwen_frame_indices(info.frames, info.fps, self.video_fps, self.video_frames,
-                                  self.spec.temporal_patch_size), info
+    @functools.cached_property
+    def video_processor(self):
+        """Qwen3-VL's own ``Qwen3VLVideoProcessor`` (its ``video_preprocessor_config.json``; its frame choice, size
+        rule and normalisation are used, not its torchvision resize), its ``max_frames`` set to ``--video-frames``."""
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        vp = Qwen3VLVideoProcessor.from_pretrained(self.hf_dir)
+        vp.max_frames = self.video_frames
+        return vp
+
+    def video_plan(self, video) -> dict:
+        """:meth:`plan_of` one video (an energon ``AVDecoder`` or bytes), from its container's probe."""
+        return self.plan_of(vid.probe(vid.av_decoder(video).stream))
+
+    def plan_of(self, info: vid.VideoInfo) -> dict:
+        """What a video of ``info`` (frames, fps, size) becomes, before a frame is decoded: the probe, the
+        frames taken, the frame size (Qwen3-VL; Qwen2.5-VL resizes each frame as an image), its grid, the token ids
+        that stand for it and its seconds per temporal patch. Qwen2.5-VL: :func:`qwen_frame_indices`, one
+        ``<|video_pad|>`` per merged patch. Qwen3-VL: its video processor's ``sample_frames`` and ``smart_resize``
+        (over the frames), and the processor's own text for it (``Qwen3VLProcessor.replace_video_token``: each
+        temporal patch as ``<t seconds><|vision_start|>`` + its ``<|video_pad|>`` tokens + ``<|vision_end|>``)."""
+        t, p = self.spec.temporal_patch_size, self.spec.patch_size
+        if self.spec.arch != "qwen3_vl":
+            indices = qwen_frame_indices(info.frames, info.fps, self.video_fps, self.video_frames, t)
+            n = self.video_tokens(len(indices), info.height, info.width)
+            return dict(info=info, indices=indices, size=None, ids=[self.video_pad_id] * n,
+                        seconds=t / (len(indices) / info.frames * info.fps))  # HF's VideoMetadata.sampled_fps
+        from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+        from transformers.video_utils import VideoMetadata
+
+        vp = self.video_processor
+        indices = vp.sample_frames(VideoMetadata(total_num_frames=info.frames, fps=info.fps),
+                                   fps=self.video_fps).tolist()
+        if len(indices) < t:
+            raise ValueError(f"{len(indices)} frame(s): {family_name(self.spec.arch)} takes at least {t}")
+        h, w = smart_resize(len(indices), info.height, info.width, temporal_factor=t, factor=p * self.merge,
+                            min_pixels=vp.size.shortest_edge, max_pixels=vp.size.longest_edge)
+        grid = torch.tensor([[-(-len(indices) // t), h // p, w // p]])
+        host = SimpleNamespace(video_processor=vp, vision_start_token=VISION_START, vision_end_token=VISION_END,
+                               video_token=VIDEO_PAD)
+        host._calculate_timestamps = functools.partial(Qwen3VLProcessor._calculate_timestamps, host)
+        meta = VideoMetadata(total_num_frames=info.frames, fps=info.fps, frames_indices=list(indices))
+        text = Qwen3VLProcessor.replace_video_token(host, dict(video_grid_thw=grid, video_metadata=[meta]), 0)
+        return dict(info=info, indices=indices, size=(h, w), ids=self.tokenizer(text, add_special_tokens=False)[
+            "input_ids"], seconds=t / (len(indices) / info.frames * info.fps))
 
     def video_tokens(self, frames: int, height: int, width: int) -> int:
-        """``<|video_pad|>`` tokens of ``frames`` frames of this size: its merged patches per temporal patch."""
+        """Qwen2.5-VL: ``<|video_pad|>`` tokens of ``frames`` frames of this size: its merged patches per temporal
+        patch."""
         return -(-frames // self.spec.temporal_patch_size) * self.tokens_of_size(height, width)
 
-    def video_inputs(self, video, indices: list[int], info: vid.VideoInfo) -> dict:
+    def video_inputs(self, video, plan: dict) -> dict:
         """One video as the processor makes it (``pixel_values_videos`` ``[patches, C x T x P x P]``,
-        ``video_grid_thw`` ``[1, 3]``, ``second_per_grid_ts``): the chosen frames, each resized, rescaled and
-        normalised as an image by the model's (PIL) image processor, the last repeated to whole temporal patches,
-        cut into patches in the video processor's order (a temporal patch's frames side by side in each row)."""
+        ``video_grid_thw`` ``[1, 3]``, ``second_per_grid_ts``) after :meth:`video_plan`: the chosen frames, each
+        resized (Qwen2.5-VL: as an image; Qwen3-VL: to the plan's size), rescaled and normalised by the model's
+        (PIL) image processor (with Qwen3-VL's video processor's mean and std), the last repeated to whole temporal
+        patches, cut into patches in the video processor's order (a temporal patch's frames side by side)."""
         import numpy as np
+        from transformers import Qwen2VLImageProcessorPil
         from transformers.image_utils import SizeDict
 
         ip, s = self.image_processor, self.spec
         t, p, m = s.temporal_patch_size, s.patch_size, self.merge
+        norm = self.video_processor if plan["size"] else ip
         size = ip.size if isinstance(ip.size, SizeDict) else SizeDict(**ip.size)
         frames = []
-        for f in vid.decode_frames(video, indices).numpy():
-            x = ip.resize(f, size, resample=ip.resample, factor=p * m)
-            x = ip.normalize(ip.rescale(x, ip.rescale_factor), ip.image_mean, ip.image_std)
+        for f in vid.decode_frames(video, plan["indices"]).numpy():
+            if plan["size"]:  # the frames' own size, as the video processor chose it
+                h, w = plan["size"]
+                x = super(Qwen2VLImageProcessorPil, ip).resize(f, SizeDict(height=h, width=w), resample=ip.resample)
+            else:
+                x = ip.resize(f, size, resample=ip.resample, factor=p * m)
+            x = ip.normalize(ip.rescale(x, norm.rescale_factor), norm.image_mean, norm.image_std)
             frames.append(torch.from_numpy(np.asarray(x, dtype=np.float32)))
         v = torch.stack(frames)
         if pad := -v.shape[0] % t:
             v = torch.cat([v, v[-1:].expand(pad, *v.shape[1:])])
         c, gt, gh, gw = v.shape[1], v.shape[0] // t, v.shape[2] // p, v.shape[3] // p
         patches = v.reshape(gt, t, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        sampled_fps = len(indices) / info.frames * info.fps  # HF's VideoMetadata.sampled_fps
         return dict(images=patches.reshape(gt * gh * gw, c * t * p * p),
                     image_grid_thw=torch.tensor([[gt, gh, gw]], dtype=torch.int64),
-                    second_per_grid_ts=torch.tensor([t / sampled_fps], dtype=torch.float32))
+                    second_per_grid_ts=torch.tensor([plan["seconds"]], dtype=torch.float32))
 
     def positions(self, tokens: torch.Tensor, grid: torch.Tensor, seconds: torch.Tensor) -> torch.Tensor:
         """``[3, s]`` M-RoPE positions of a sample's ``tokens`` (images and videos expanded; ``grid`` and
@@ -245,23 +297,21 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
         from megatron_vlm.model.qwen_vl import mrope_position_ids
 
         video = seconds > 0
+        steps = seconds[video].tolist() if self.spec.arch != "qwen3_vl" else None  # Qwen3-VL: timestamps in text
         return mrope_position_ids(self.hf_config, tokens[None], grid[~video], self.image_token_id, grid[video],
-                                  self.video_pad_id, seconds[video].tolist())[:, 0]
+                                  self.video_pad_id, steps)[:, 0]
 
     # -- per sample ---------------------------------------------------------------------------------
-    def check_videos(self, messages: list[dict], ids: list[int], key: str, videos, generation: bool = False) -> None:
-        """Stop the run for a sample with a video where videos are not supported yet: Qwen3-VL's, and in
-        ``generation`` (eval/generate.py's prompts) any (one line, naming the sample and what holds the video)."""
-        if self.spec.arch != "qwen3_vl" and not generation:
-            return
+    def check_no_videos(self, messages: list[dict], ids: list[int], key: str, videos) -> None:
+        """Stop eval/generate.py's prompt ``key`` if it holds a video (one line, naming what holds it): generation
+        takes images only for now."""
         parts = sum(1 for m in messages for p in (m.get("content") or []) if isinstance(p, dict)
                     and p.get("type") == "video")
         what = (f"{len(list(videos))} video(s)" if videos else f"{parts} video part(s)" if parts else
                 f"the video token {VIDEO_PAD!r}" if self.video_pad_id in ids else None)
         if what:
-            where = "generation from" if generation else "training"
-            raise VideoNotSupportedError(f"{key} has {what}: {where} {family_name(self.spec.arch)} videos is not "
-                                         "supported yet; leave the video samples out")
+            raise VideoNotSupportedError(f"{key} has {what}: generation from {family_name(self.spec.arch)} videos "
+                                         "is not supported yet; give images only")
 
     def kept(self, x: list[int], costs: dict[int, list[int]]) -> int:
         """Input tokens of ``x`` (one ``<|image_pad|>`` per image, one ``<|video_pad|>`` per video) kept within
@@ -278,7 +328,6 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
         videos = list(videos)
         if self.image_token_id != self.tokenizer_image_token_id:
             x = [self.image_token_id if t == self.tokenizer_image_token_id else t for t in x]
-        self.check_videos(messages, x, f"sample {key}", videos)
         image_id, video_id = self.image_token_id, self.video_pad_id
         if x.count(image_id) != len(images):
             self.skips.skip(key, "image_tokens", f"{x.count(image_id)} image tokens but {len(images)} images")
@@ -287,17 +336,18 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
         plans = []
         for v in videos:
             try:
-                plans.append(self.frame_plan(v))
+                plans.append(self.video_plan(v))
             except Exception as e:  # noqa: BLE001 - any PyAV failure on a stored video: the sample is skipped
                 self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
-        costs = {image_id: self.image_tokens(images),
-                 video_id: [self.video_tokens(len(idx), info.height, info.width) for idx, info in plans]}
+        image_ids = [[image_id] * n for n in self.image_tokens(images)]
+        replacements = {image_id: image_ids, video_id: [plan["ids"] for plan in plans]}
+        costs = {t: [len(r) for r in rs] for t, rs in replacements.items()}
         total = sum(costs[image_id]) + sum(costs[video_id])
         if total > self.seq_length:
             media = f"{len(images)} images" + (f" and {len(videos)} videos" if videos else "")
             self.skips.skip(key, "too_long", f"{media} need {total} > seq_length {self.seq_length} tokens")
         m = self.kept(x, costs)
-        ids, mask = expand_media(x[:m + 1], assistant[:m + 1], costs)
+        ids, mask = expand_media(x[:m + 1], assistant[:m + 1], replacements)
         media = [t for t in x[:m] if t in costs]
         out = framed(ids, mask, m - len(media) + sum(costs[image_id][:media.count(image_id)]) +
                      sum(costs[video_id][:media.count(video_id)]), self.whole, self.pad_token_id)
@@ -314,7 +364,7 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
             else:
                 i, k[1] = k[1], k[1] + 1
                 try:
-                    items.append(self.video_inputs(videos[i], *plans[i]))
+                    items.append(self.video_inputs(videos[i], plans[i]))
                 except Exception as e:  # noqa: BLE001 - as above
                     self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
         self.skips.kept()

@@ -6,8 +6,8 @@ own count from its size, read from its header; InternVL: its tiles from its size
 videos, their chosen frames and video tokens (OneVision: the
 frame count and rate read from each video's container, the frames chosen by the task encoder's
 ``video_fps``/``video_frames`` rule, ``frames * ceil(side/2)**2 + 1`` tokens; InternVL: a tile's tokens per frame,
-the ``FrameN:`` lines counted as text; Qwen2.5-VL: the frames its video processor takes at ``video_fps``, their
-merged patches per pair of frames), and how many samples
+the ``FrameN:`` lines counted as text; Qwen-VL: the frames its video processor takes at ``video_fps``, their
+merged patches per pair of frames, and Qwen3-VL's timestamps), and how many samples
 exceed ``seq_length`` once images and videos are expanded (the task encoder truncates those). The tars are read
 directly (images and videos are not decoded), with the same conversation rules the task encoder uses.
 
@@ -137,13 +137,9 @@ def _video_tokens(task_encoder, info, key: str) -> tuple[int, int]:
     from megatron_vlm.data.task_encoder import refuse_videos
     from megatron_vlm.data.videos import frame_indices
 
-    if task_encoder.spec.is_qwen_vl:  # the frames Qwen's video processor takes, its merged patches per two frames
-        from megatron_vlm.data.qwen_vl_encoder import qwen_frame_indices
-
-        task_encoder.check_videos([], [], f"sample {key}", ["video"])
-        frames = len(qwen_frame_indices(info.frames, info.fps, task_encoder.video_fps, task_encoder.video_frames,
-                                        task_encoder.spec.temporal_patch_size))
-        return frames, task_encoder.video_tokens(frames, info.height, info.width)
+    if task_encoder.spec.is_qwen_vl:  # the frames its video processor takes, the ids that stand for them
+        plan = task_encoder.plan_of(info)
+        return len(plan["indices"]), len(plan["ids"])
     refuse_videos(task_encoder.spec, key, getattr(task_encoder, "video_token_id", None) is not None)
     frames = len(frame_indices(info.frames, info.fps, task_encoder.video_fps, task_encoder.video_frames))
     return frames, task_encoder.spec.anyres.video_tokens(frames)

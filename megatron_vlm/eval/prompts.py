@@ -140,12 +140,12 @@ class PromptEncoder:
     def _encode_qwen_vl(self, messages: list[dict], images: list, videos: list) -> Prompt:
         """Qwen2.5-VL / Qwen3-VL: each ``<|image_pad|>`` the template writes repeated by the image's merged patches;
         ``pixel_values`` ``[patches, C x T x P x P]`` and ``image_grid_thw`` from the training encoder's image
-        processor, as HF's processor gives them (videos refused, as in training)."""
+        processor, as HF's processor gives them (videos refused: images only for now)."""
         enc = self.enc
         ids = self.prompt_ids(messages)
         if enc.image_token_id != enc.tokenizer_image_token_id:
             ids = [enc.image_token_id if t == enc.tokenizer_image_token_id else t for t in ids]
-        enc.check_videos(messages, ids, "the prompt", videos, generation=True)
+        enc.check_no_videos(messages, ids, "the prompt", videos)
         image_id = self.spec.image_token_id
         if ids.count(image_id) != len(images):
             raise ValueError(f"the chat template rendered {ids.count(image_id)} image token(s) for {len(images)} "

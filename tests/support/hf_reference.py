@@ -63,7 +63,7 @@ def qwen_vl_inputs(sample, spec: VLMSpec) -> dict:
     """HF ``Qwen2_5_VLForConditionalGeneration``'s inputs (with ``labels``) of one encoded Qwen2.5-VL sample: its
     tokens (images and videos already expanded, as the processor expands them) and the last label after them, the
     processor's ``pixel_values`` / ``image_grid_thw`` of its images and ``pixel_values_videos`` / ``video_grid_thw`` /
-    ``second_per_grid_ts`` of its videos (the sample holds them all in token order), and ``mm_token_type_ids`` over
+    (Qwen2.5-VL) ``second_per_grid_ts`` of its videos (the sample holds them all in token order), and ``mm_token_type_ids`` over
     the whole sequence (1 at image tokens, 2 at video tokens), from which HF's forward computes its own M-RoPE
     positions (``get_rope_index``): the trainer's positions are not given to it."""
     ids = torch.cat([sample.tokens, sample.labels[-1:]])
@@ -81,8 +81,9 @@ def qwen_vl_inputs(sample, spec: VLMSpec) -> dict:
     if bool((~video).any()):
         out.update(pixel_values=sample.images[~rows], image_grid_thw=grid[~video])
     if bool(video.any()):
-        out.update(pixel_values_videos=sample.images[rows], video_grid_thw=grid[video],
-                   second_per_grid_ts=sample.second_per_grid_ts[video])
+        out.update(pixel_values_videos=sample.images[rows], video_grid_thw=grid[video])
+        if spec.arch != "qwen3_vl":  # Qwen3-VL's time is in the text (timestamps)
+            out["second_per_grid_ts"] = sample.second_per_grid_ts[video]
     return out
 
 
