@@ -172,12 +172,7 @@ class AnyresTaskEncoder(VLMTaskEncoder):
             self.skips.skip(key, "video_tokens", f"{n_video_tokens} video tokens but {len(videos)} videos")
         tiled = self.tiled(len(images))
         image_costs = self.image_costs(images, tiled)
-        plans = []
-        for v in videos:
-            try:
-                plans.append(self.frame_indices(v))
-            except Exception as e:  # noqa: BLE001 - any PyAV failure on a stored video: the sample is skipped
-                self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
+        plans = self.video_plans(key, videos, self.frame_indices)
         video_costs = [self.spec.anyres.video_tokens(len(idx)) for idx, _ in plans]
         total = sum(image_costs) + sum(video_costs)
         if total > self.seq_length:

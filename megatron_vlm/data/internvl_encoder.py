@@ -193,12 +193,7 @@ class InternVLTaskEncoder(VLMTaskEncoder):
         videos = list(videos)
         if videos and self.chat.video is None:
             refuse_videos(self.spec, key, has_video_token=False)
-        plans = []
-        for v in videos:
-            try:
-                plans.append(self.frame_indices(v))
-            except Exception as e:  # noqa: BLE001 - any PyAV failure on a stored video: the sample is skipped
-                self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
+        plans = self.video_plans(key, videos, self.frame_indices)
         kinds = self.chat.kinds(ChatTokenizer.render(self.chat, messages))
         if kinds.count("image") != len(images) or kinds.count("video") != len(videos):
             self.skips.skip(key, "image_tokens", f"{kinds.count('image')} image and {kinds.count('video')} video "

@@ -333,12 +333,7 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
             self.skips.skip(key, "image_tokens", f"{x.count(image_id)} image tokens but {len(images)} images")
         if x.count(video_id) != len(videos):
             self.skips.skip(key, "video_tokens", f"{x.count(video_id)} video tokens but {len(videos)} videos")
-        plans = []
-        for v in videos:
-            try:
-                plans.append(self.video_plan(v))
-            except Exception as e:  # noqa: BLE001 - any PyAV failure on a stored video: the sample is skipped
-                self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
+        plans = self.video_plans(key, videos, self.video_plan)
         image_ids = [[image_id] * n for n in self.image_tokens(images)]
         replacements = {image_id: image_ids, video_id: [plan["ids"] for plan in plans]}
         costs = {t: [len(r) for r in rs] for t, rs in replacements.items()}

@@ -247,6 +247,17 @@ class VLMTaskEncoder(TaskEncoder[Sample, VLMSample, VLMBatch, VLMBatch]):
     def _check_image_processor(self) -> None:
         check_image_processor(self.image_processor, self.geometry, self.hf_dir)
 
+    def video_plans(self, key: str, videos: list, plan) -> list:
+        """``plan(video)`` of each of a sample's videos (its frames, read from the container); a video that fails
+        (any PyAV error on a stored video) skips the sample with the reason."""
+        plans = []
+        for v in videos:
+            try:
+                plans.append(plan(v))
+            except Exception as e:  # noqa: BLE001 - any PyAV failure on a stored video: the sample is skipped
+                self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
+        return plans
+
     @property
     def skipped(self):
         """reason -> samples skipped for it (in this process or data worker)."""
