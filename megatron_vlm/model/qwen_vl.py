@@ -5,8 +5,10 @@ the vision encoder and patch merger of :mod:`megatron_vlm.model.qwen_vit` (first
 megatron-core's ``GPTModel`` with ``position_embedding_type='mrope'`` (its ``MultimodalRotaryEmbedding`` over the
 spec's ``mrope_section``) as the language model. Qwen2.5-VL's processor already writes one ``<|image_pad|>`` token per
 merged patch (a count that varies with each image's size), so megatron-core's ``LLaVAModel`` and its one-token-per-
-image expansion do not fit: the merged vision embeddings are scattered at the image-pad positions, in order, as HF's
-``masked_scatter`` does, and the LM runs on that sequence with the given ``position_ids`` ``[3, b, s]``.
+image expansion do not fit: the merged vision embeddings are scattered at the image-pad (and video-pad) positions, in
+order, as HF's ``masked_scatter`` does, and the LM runs on that sequence with the given ``position_ids`` ``[3, b, s]``.
+A video comes as one more item of ``images`` / ``image_grid_thw`` (its frames' patches and its ``[t, h, w]`` grid),
+in token order with the images: the ViT attends within each frame, so one call on all of them equals HF's two.
 
 It keeps the interface the trainer and the converters expect of a built model: ``pre_process`` / ``post_process`` /
 ``add_encoder``, ``set_input_tensor``, ``freeze``, ``vision_model`` / ``vision_projection`` / ``language_model``,
