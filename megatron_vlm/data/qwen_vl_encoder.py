@@ -348,20 +348,20 @@ class QwenVLTaskEncoder(VLMTaskEncoder):
                      sum(costs[video_id][:media.count(video_id)]), self.whole, self.pad_token_id)
         if out["loss_mask"].sum() == 0:
             self.skips.skip(key, "no_answer", "no answer token left within seq_length")
-        pictures, items, k = self.image_inputs(images[:media.count(image_id)]), [], [0, 0]
-        starts = (pictures["image_grid_thw"].prod(-1).cumsum(0) - pictures["image_grid_thw"].prod(-1)).tolist()
+        pictures, items = self.image_inputs(images[:media.count(image_id)]), []
+        grids = pictures["image_grid_thw"]
+        kept_images = iter(zip(pictures["images"].split(grids.prod(-1).tolist()), grids.split(1)))
+        kept_videos = iter(zip(videos, plans))
         for t in media:  # each image's and video's inputs, in token order
             if t == image_id:
-                i, k[0] = k[0], k[0] + 1
-                grid = pictures["image_grid_thw"][i:i + 1]
-                items.append(dict(images=pictures["images"][starts[i]:starts[i] + int(grid.prod())],
-                                  image_grid_thw=grid, second_per_grid_ts=torch.zeros(1)))
-            else:
-                i, k[1] = k[1], k[1] + 1
-                try:
-                    items.append(self.video_inputs(videos[i], plans[i]))
-                except Exception as e:  # noqa: BLE001 - as above
-                    self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
+                rows, grid = next(kept_images)
+                items.append(dict(images=rows, image_grid_thw=grid, second_per_grid_ts=torch.zeros(1)))
+                continue
+            video, plan = next(kept_videos)
+            try:
+                items.append(self.video_inputs(video, plan))
+            except Exception as e:  # noqa: BLE001 - any PyAV failure on a stored video: the sample is skipped
+                self.skips.skip(key, "video", f"video does not decode: {getattr(e, 'strerror', None) or e}")
         self.skips.kept()
         inputs = {k: torch.cat([it[k] for it in items]) for k in ("images", "image_grid_thw", "second_per_grid_ts")} \
             if items else dict(**self.image_inputs([]), second_per_grid_ts=torch.zeros(0))
