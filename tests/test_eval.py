@@ -59,6 +59,20 @@ def _prompts(gen, kind):
     return [gen.encode([user_message(q, len(ims))], [_image(c, s) for c, s in ims]) for ims, q in cases]
 
 
+def _printed_answers(sources: list[list[str]], image) -> list[str]:
+    """What eval/generate.py prints about ``image`` for each model source's flags."""
+    from megatron_vlm.eval import generate as generate_mod
+
+    outs = []
+    for src in sources:
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            assert generate_mod.main([*src, "--image", str(image), "--prompt", "what colour?", "--max-new-tokens",
+                                      "6", "--device", "cpu"]) == 0
+        outs.append(buf.getvalue())
+    return outs
+
+
 @pytest.mark.slow  # in one process, but ~10-30 s each (models converted and exported)
 @pytest.mark.parametrize("kind", ["llava", "ov"])
 def test_generate_from_checkpoint_equals_export(models, kind, caplog):
@@ -70,7 +84,6 @@ def test_generate_from_checkpoint_equals_export(models, kind, caplog):
 
     import transformers
 
-    from megatron_vlm.eval import generate as generate_mod
     from megatron_vlm.eval import model as model_mod
     from megatron_vlm.eval.model import load
 
@@ -109,16 +122,50 @@ def test_generate_from_checkpoint_equals_export(models, kind, caplog):
     # the command: the same printed answer from the checkpoint and from the export
     img = m["meg"].parent / f"{kind}_q.png"
     _image("red", (45, 30)).save(img)
-    outs = []
-    for src in (["--megatron-dir", str(m["meg"]), "--tp", "2"], ["--model", str(m["export"])]):
-        buf = io.StringIO()
-        with redirect_stdout(buf):
-            assert generate_mod.main([*src, "--image", str(img), "--prompt", "what colour?", "--max-new-tokens",
-                                      "6", "--device", "cpu"]) == 0
-        outs.append(buf.getvalue())
+    outs = _printed_answers([["--megatron-dir", str(m["meg"]), "--tp", "2"], ["--model", str(m["export"])]], img)
     assert outs[0] == outs[1] and outs[0].strip()
     with pytest.raises(Exception, match="--tp 4 does not match"):
         load(megatron_dir=m["meg"], tp=4)
+
+
+@pytest.mark.slow  # one 4-rank world and the command's
+def test_sharded_generation_equals_the_export(models, tmp_path, capsys):
+    """--engine megatron: megatron-core's inference engine (its VLM controller and wrapper, the KV cache) on the
+    sharded checkpoint itself gives the HF export's greedy tokens for each prompt (an image, text only, two images),
+    at TP1, TP2, PP2 and TP2 x PP2 in one 4-rank world (in bf16 at TP2 x PP2: the same first tokens), and the command prints the export's answer at TP2 x PP2 from
+    a checkpoint written at TP2. An anyres model is refused in one line that names --engine hf."""
+    from megatron_vlm.cli import run_cli
+    from megatron_vlm.eval import generate as generate_mod
+    from megatron_vlm.eval.model import load
+    from megatron_vlm.eval.prompts import user_message
+    from megatron_vlm.runtime.spawn import run_world
+    from tests.support.worlds import sharded_generation
+
+    m = models["llava"]
+    cases = [(["red"], "what colour is it?"), ([], "say something"), (["blue", "green"], "compare them")]
+    prompts = [([user_message(q, len(ims))], [_image(c) for c in ims]) for ims, q in cases]
+    gen_e = _generator(load(model_dir=m["export"]))
+    want = [gen_e.generate_ids([gen_e.encode(msgs, ims)])[0] for msgs, ims in prompts]
+    assert all(len(t) == 12 for t in want)  # no early end: every step of the KV cache is compared
+    layouts = [(1, 1), (2, 1), (1, 2), (2, 2)]
+    got = run_world(sharded_generation, 4, [dict(megatron_dir=str(m["meg"]), tp=tp, pp=pp, prompts=prompts,
+                                                 max_new_tokens=12) for tp, pp in layouts]
+                    + [dict(megatron_dir=str(m["meg"]), tp=2, pp=2, prompts=prompts, max_new_tokens=12,
+                            dtype="bf16")])[0]
+    for (tp, pp), ids in zip(layouts, got):
+        assert ids == want, (tp, pp)
+    # bf16 (megatron-core's Float16Module): the same start, rounding may turn a later token
+    assert [len(t) for t in got[-1]] == [12] * len(want) and [t[:4] for t in got[-1]] == [t[:4] for t in want], got
+    img = tmp_path / "q.png"
+    _image("red", (45, 30)).save(img)
+    outs = _printed_answers([["--megatron-dir", str(m["meg"]), "--engine", "megatron", "--tp", "2", "--pp", "2"],
+                             ["--model", str(m["export"])]], img)
+    assert outs[0] == outs[1] and outs[0].strip()
+    capsys.readouterr()
+    assert run_cli(generate_mod.main, ["--megatron-dir", str(models["ov"]["meg"]), "--engine", "megatron",
+                                       "--prompt", "hi", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--engine hf" in err[0] and "anyres" in err[0], err
 
 
 @pytest.mark.slow  # the models fixture
@@ -308,6 +355,17 @@ def test_evaluate_memorised_and_untrained(models, colour_data, tmp_path, capsys)
         scores[name] = sum(r["correct"] for r in rows) / len(rows)
         assert f"accuracy {100 * scores[name]:.1f}% (exact match)" in printed
     assert scores["memorised"] == 1.0 and scores["untrained"] == 0.0, scores
+    # --engine megatron: the memorised model's Megatron checkpoint (TP1) scored by megatron-core's inference engine
+    # on its sharded model at TP2 x PP2 gives the HF model's predictions, line for line
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+
+    meg = convert_hf_to_megatron(trained, tmp_path / "memorised_meg", tp=1, dtype="fp32")
+    out = tmp_path / "sharded.jsonl"
+    assert evaluate_mod.main(["--megatron-dir", str(meg), "--engine", "megatron", "--tp", "2", "--pp", "2",
+                              "--data-path", str(colour_data), "--split", "val", "--output", str(out), "--batch-size",
+                              "3", "--device", "cpu", "--no-progress"]) == 0
+    assert "accuracy 100.0% (exact match)" in capsys.readouterr().out
+    assert out.read_text() == (tmp_path / "memorised.jsonl").read_text()
     # an empty split is one line naming it
     with pytest.raises(ValueError, match="no samples in its 'train' split"):
         evaluate_mod.main(["--model", str(hf), "--data-path", str(colour_data), "--split", "train", "--output",

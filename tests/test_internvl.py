@@ -271,7 +271,7 @@ def world(models, converted, tmp_path_factory):
     """One 4-process world: every model at its :data:`LAYOUTS`; {(name, tp, pp, ep): max |logit diff| vs HF}."""
     from megatron_vlm.convert.verify import hf_logits, reference_batch
     from megatron_vlm.runtime.spawn import run_world
-    from tests.support import family_jobs
+    from tests.support import family_jobs, worlds
 
     root = tmp_path_factory.mktemp("internvl_refs")
     jobs, keys = [], []
@@ -284,15 +284,49 @@ def world(models, converted, tmp_path_factory):
             jobs.append({"megatron_dir": str(converted[name][0]), "tp": tp, "pp": pp, "ep": ep, "batch": batch,
                          "ref_file": str(ref), "vocab": spec.vocab_size})
             keys.append((name, tp, pp, ep))
-    return dict(zip(keys, run_world(family_jobs.logit_diffs, 4, jobs)[0]))
+    gen_jobs, want = _sharded_generation_jobs(models, converted)
+    diffs, generated = run_world(worlds.in_turn, 4, [(family_jobs.logit_diffs, (jobs,)),
+                                                     (worlds.sharded_generation, (gen_jobs,))])[0]
+    return {"logits": dict(zip(keys, diffs)), "generated": (gen_jobs, generated, want)}
+
+
+GENERATE = "InternVL3_5-8B-HF"  # the tiny random InternVL whose greedy tokens vary (others repeat one token)
+
+
+def _sharded_generation_jobs(models, converted):
+    """eval/generate.py --engine megatron's jobs for :data:`GENERATE` at TP2, PP2 and TP2 x PP2 (a wide image in
+    several tiles + its thumbnail, and text only), and HF's greedy tokens of the same prompts."""
+    from PIL import Image
+
+    from megatron_vlm.eval.generate import Generator, Sampling
+    from megatron_vlm.eval.model import load
+    from megatron_vlm.eval.prompts import user_message
+
+    prompts = [([user_message("what colour is it?", 1)], [Image.new("RGB", (120, 40), (220, 30, 30))]),
+               ([user_message("hi", 0)], [])]
+    gen = Generator(load(model_dir=models[GENERATE]), Sampling(max_new_tokens=8))
+    want = [gen.generate_ids([gen.encode(m, ims)])[0] for m, ims in prompts]
+    jobs = [dict(megatron_dir=str(converted[GENERATE][0]), tp=tp, pp=pp, prompts=prompts, max_new_tokens=8)
+            for tp, pp in ((2, 1), (1, 2), (2, 2))]
+    return jobs, want
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_logits_match_hf_at_every_layout(name, world):
-    diffs = {k[1:]: v for k, v in world.items() if k[0] == name}
+    diffs = {k[1:]: v for k, v in world["logits"].items() if k[0] == name}
     print(f"\n{name}: max |logit diff| vs HF per (TP, PP, EP): " + ", ".join(f"{k}: {v:.2g}" for k, v in diffs.items()))
     assert len(diffs) == len(LAYOUTS[name]) and max(diffs.values()) < TOL, diffs
+
+
+@pytest.mark.slow
+def test_sharded_generation_equals_hf(world):
+    """megatron-core's inference engine on the sharded InternVL (eval/sharded.py, in the logits' world) gives HF's
+    greedy tokens at TP2, PP2 and TP2 x PP2, for a prompt whose image is several tiles and a text-only one."""
+    jobs, generated, want = world["generated"]
+    assert all(len(set(ids)) > 1 for ids in want) and want[0] != want[1], want  # varied tokens: every step counts
+    for job, ids in zip(jobs, generated):
+        assert ids == want, (job["tp"], job["pp"])
 
 
 @pytest.mark.slow

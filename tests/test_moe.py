@@ -178,9 +178,12 @@ def world(tiny, tmp_path_factory):
     logit_jobs, keys = _logit_jobs(tiny, root)
     sets = {"llava": (str(tiny["llava"][0]), 3, False, 1), "onevision": (str(tiny["onevision"][0]), 3, False, 1),
             "llava-long": (str(tiny["llava"][0]), 3, False, 2)}
-    logits, runs = run_world(worlds.in_turn, 4, [(family_jobs.logit_diffs, (logit_jobs,)),
-                                                 (train_jobs, (_train_jobs(tiny, root), None, None, sets))])[0]
-    out = {"logits": dict(zip(keys, logits)), "runs": {r["name"]: r for r in runs}, "hf": {}}
+    gen_jobs, want = _sharded_generation_jobs(tiny)
+    logits, runs, generated = run_world(worlds.in_turn, 4, [
+        (family_jobs.logit_diffs, (logit_jobs,)), (train_jobs, (_train_jobs(tiny, root), None, None, sets)),
+        (worlds.sharded_generation, (gen_jobs,))])[0]
+    out = {"logits": dict(zip(keys, logits)), "runs": {r["name"]: r for r in runs}, "hf": {},
+           "generated": (gen_jobs, generated, want)}
     cfg = job_config(dict(S2, micro_batch_size=2), 3, 8)
     for m in ("llava", "onevision"):
         batches = variable_length_batches(tiny[m][0], 3)
@@ -199,6 +202,38 @@ def world(tiny, tmp_path_factory):
     for name, r in out["hf"].items():
         print(f"HF {name}: loss {r['loss']} grad norm {r['grad_norm']} lb {r['lb']}")
     return out
+
+
+def _sharded_generation_jobs(tiny):
+    """eval/generate.py --engine megatron's jobs for the Qwen3-MoE LLaVA at EP2 and PP2 x EP2 (an image, text only),
+    and HF's greedy tokens of the same prompts."""
+    from PIL import Image
+
+    from megatron_vlm.eval.generate import Generator, Sampling
+    from megatron_vlm.eval.model import load
+    from megatron_vlm.eval.prompts import user_message
+
+    prompts = [([user_message("what colour is it?", 1)], [Image.new("RGB", (32, 32), (220, 30, 30))]),
+               ([user_message("hi", 0)], [])]
+    gen = Generator(load(model_dir=tiny["llava"][0]), Sampling(max_new_tokens=8))
+    want = [gen.generate_ids([gen.encode(m, ims)])[0] for m, ims in prompts]
+    jobs = [dict(megatron_dir=str(tiny["llava"][1]), tp=1, pp=pp, ep=2, prompts=prompts, max_new_tokens=8)
+            for pp in (1, 2)]
+    return jobs, want
+
+
+@pytest.mark.slow
+def test_sharded_generation_at_ep2_equals_hf(world):
+    """megatron-core's inference engine on the sharded Qwen3-MoE LLaVA (eval/sharded.py; dense and MoE layers, in this
+    module's world) gives HF's greedy tokens at EP2 and PP2 x EP2; TP x EP is refused in one line."""
+    from megatron_vlm.eval.sharded import ShardedUnsupported, check_layout
+
+    jobs, generated, want = world["generated"]
+    assert len(set(want[0])) > 1 and want[0] != want[1], want  # the image prompt's tokens vary: every step counts
+    for job, ids in zip(jobs, generated):
+        assert ids == want, (job["pp"], job["ep"], ids, want)
+    with pytest.raises(ShardedUnsupported, match="--tp 2 with --ep 2: .* generate at --tp 1 --ep 2"):
+        check_layout(world["specs"]["llava"], 2, 1, 2)
 
 
 def _gradients(world, name: str, model: str = "llava") -> dict[str, float]:

@@ -8,6 +8,8 @@ One concept per module:
                 the way training encodes them (the model's chat template, its image processor, anyres tiles,
                 video frames), then expanded into HF ``generate``'s inputs; batches left-padded;
 - ``generate``  HF ``generate`` (greedy or sampling) and the ``eval/generate.py`` command;
+- ``sharded``   answers from the sharded Megatron model itself at any TP/PP (``--engine megatron``), with
+                megatron-core's inference controller and KV cache over local ranks;
 - ``score``     exact and VQA-normalised (VQAv2's rules) answer matching, and accuracy;
 - ``evaluate``  batched generation over a split of an energon dataset and the ``eval/evaluate.py`` command;
 - ``plot``      loss, validation loss, learning rate, grad norm and tokens/s from ``metrics.jsonl`` and the

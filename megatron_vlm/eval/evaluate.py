@@ -116,8 +116,10 @@ def _sub_batches(items: list[Item]):
 
 def evaluate(generator, data_path, split: str, output, batch_size: int = 8, limit: int | None = None,
              num_workers: int = 0, progress: bool | None = None) -> dict:
-    """Generate for every sample of ``split`` (or the first ``limit``), write ``output`` (jsonl) and return
-    ``{"samples", "exact", "vqa"}`` (accuracies in [0, 1])."""
+    """Generate for every sample of ``split`` (or the first ``limit``), write ``output`` (jsonl; ``None``: nothing, a
+    sharded world's other ranks) and return ``{"samples", "exact", "vqa"}`` (accuracies in [0, 1]).
+    ``generator``: :class:`~megatron_vlm.eval.generate.Generator` or :class:`~megatron_vlm.eval.sharded.ShardedGenerator`
+    (``encode`` and ``answer``)."""
     from tqdm import tqdm
 
     from megatron_vlm.files.atomic import atomic_write_text
@@ -146,9 +148,25 @@ def evaluate(generator, data_path, split: str, output, batch_size: int = 8, limi
     bar.close()
     if not rows:
         raise ValueError(_empty(data_path, split))
-    atomic_write_text(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    if output is not None:
+        atomic_write_text(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return {"samples": len(rows), "exact": accuracy([r["correct"] for r in rows]),
             "vqa": accuracy([r["vqa_correct"] for r in rows])}
+
+
+def evaluate_on_rank(setup, data_path, split: str, output, batch_size: int, limit: int | None,
+                     num_workers: int) -> dict | None:
+    """One rank of ``eval/evaluate.py --engine megatron``: every rank reads the split and generates (the collectives
+    need them all), rank 0 writes ``output`` and returns the scores."""
+    import torch
+
+    from megatron_vlm.eval.sharded import generator_on_rank
+
+    gen = generator_on_rank(setup)
+    first = torch.distributed.get_rank() == 0
+    res = evaluate(gen, data_path, split, output if first else None, batch_size, limit, num_workers,
+                   progress=False if not first else None)
+    return res if first else None
 
 
 def main(argv=None) -> int:
@@ -190,10 +208,16 @@ def main(argv=None) -> int:
     _check_path(a.data_path)
     check_output_apart("--output", a.output, [("--data-path", a.data_path), ("--model", a.model),
                                               ("--megatron-dir", a.megatron_dir)])
-    loaded = model_mod.load_from_args(a)
-    gen = Generator(loaded, sampling_of(a), a.video_fps, a.video_frames)
-    res = evaluate(gen, a.data_path, a.split, a.output, a.batch_size, a.limit, a.num_workers,
-                   progress=False if a.no_progress else None)
+    if a.engine == "megatron":
+        from megatron_vlm.eval import sharded
+
+        res = sharded.run_on_ranks(a, sampling_of(a), evaluate_on_rank, a.data_path, a.split, a.output, a.batch_size,
+                                   a.limit, a.num_workers)
+    else:
+        loaded = model_mod.load_from_args(a)
+        gen = Generator(loaded, sampling_of(a), a.video_fps, a.video_frames)
+        res = evaluate(gen, a.data_path, a.split, a.output, a.batch_size, a.limit, a.num_workers,
+                       progress=False if a.no_progress else None)
     print(f"{res['samples']} samples of '{a.split}' in {a.data_path}: accuracy {100 * res['exact']:.1f}% (exact "
           f"match), accuracy {100 * res['vqa']:.1f}% (VQA-normalised); predictions in {a.output}")
     return 0

@@ -184,10 +184,15 @@ def main(argv=None) -> int:
 
     images = read_images(a.image)
     videos = read_video(a.video)
-    loaded = model_mod.load_from_args(a)
-    gen = Generator(loaded, sampling_of(a), a.video_fps, a.video_frames)
     messages = ([{"role": "system", "content": [{"type": "text", "text": a.system}]}] if a.system else []) + \
         [user_message(a.prompt, len(images), len(videos))]
+    if a.engine == "megatron":
+        from megatron_vlm.eval import sharded
+
+        print(sharded.run_on_ranks(a, sampling_of(a), sharded.answer_on_rank, messages, images, videos), flush=True)
+        return 0
+    loaded = model_mod.load_from_args(a)
+    gen = Generator(loaded, sampling_of(a), a.video_fps, a.video_frames)
     prompt = gen.encode(messages, images, videos)
     print(gen.answer([prompt])[0], flush=True)
     return 0

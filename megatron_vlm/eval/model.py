@@ -263,15 +263,28 @@ def add_model_flags(p) -> None:
                         "tracker's latest). --ckpt-step is Megatron-LM's name")
     g.add_argument("--tp", type=positive_int, default=None,
                    help="with --megatron-dir: the TP the checkpoint was written at (checked if given; the "
-                        "checkpoint is read resharded into one process)")
+                        "checkpoint is read resharded into one process); eval/generate.py --engine megatron: the TP "
+                        "to generate at")
     g.add_argument("--pp", type=positive_int, default=None,
-                   help="with --megatron-dir: the PP the checkpoint was written at (checked if given)")
+                   help="with --megatron-dir: the PP the checkpoint was written at (checked if given); "
+                        "eval/generate.py --engine megatron: the PP to generate at")
     g.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="compute dtype: the model is built and runs in it (auto: fp32 on CPU, the weights' dtype on "
                         "CUDA); the start-up line gives it and the memory it needs, and a model that does not fit "
                         "is refused before anything is read")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="where the model runs (default: cuda when a GPU is visible, else cpu)")
+    g.add_argument("--engine", choices=["hf", "megatron"], default="hf",
+                   help="hf (default): HF generate on the model in one process (--model, or --megatron-dir read into "
+                        "it); megatron: megatron-core's inference engine on the sharded model itself, on --tp x --pp "
+                        "local ranks (any layout for a torch_dist checkpoint; default: the checkpoint's), nothing "
+                        "gathered into one process (LLaVA and InternVL models)")
+    g.add_argument("--ep", type=positive_int, default=1,
+                   help="--engine megatron: the expert-parallel size of a mixture-of-experts model (ranks: tp x pp x "
+                        "ep; default 1)")
+    g.add_argument("--max-length", type=positive_int, default=4096, metavar="N",
+                   help="--engine megatron: the longest prompt (images expanded) plus new tokens, the KV cache's "
+                        "length (default 4096)")
 
 
 def check_model_flags(p, a) -> None:
@@ -282,6 +295,10 @@ def check_model_flags(p, a) -> None:
         for flag, v in (("--iteration", a.iteration), ("--tp", a.tp), ("--pp", a.pp)):
             if v is not None:
                 p.error(f"{flag} applies to --megatron-dir; an HF --model has one set of weights")
+    if a.engine == "megatron" and a.megatron_dir is None:
+        p.error("--engine megatron generates on the sharded checkpoint: give --megatron-dir DIR")
+    if a.engine != "megatron" and a.ep != 1:
+        p.error("--ep applies to --engine megatron")
 
 
 def device_of(a) -> str:

@@ -39,6 +39,10 @@ class Prompt:
     num_images: int = 0
     num_videos: int = 0
     extra: dict = field(default_factory=dict)
+    # each image / video item in token order: the tokens it is expanded to, and its tiles (frames) in pixel_values
+    # (what megatron-core's LLaVAModel takes as one media token and num_image_tiles: eval/sharded.py)
+    items: list[int] = field(default_factory=list)
+    tiles: list[int] = field(default_factory=list)
 
 
 def user_message(text: str, images: int = 0, videos: int = 0) -> dict:
@@ -123,13 +127,18 @@ class PromptEncoder:
                     raise ValueError("videos of one prompt must give the same number of frames; lower "
                                      "--video-frames to the shortest one's")
                 out.pixel_values_videos = torch.stack(frames)
+        image_tiles = part["num_image_tiles"].tolist() if self.spec.is_anyres and images else [1] * len(images)
         expanded, i_img, i_vid = [], 0, 0
         for t in ids:
             if t == image_id:
                 expanded += [t] * counts[i_img]
+                out.items.append(counts[i_img])
+                out.tiles.append(image_tiles[i_img])
                 i_img += 1
             elif video_id is not None and t == video_id:
                 expanded += [t] * video_counts[i_vid]
+                out.items.append(video_counts[i_vid])
+                out.tiles.append(out.pixel_values_videos.shape[1])
                 i_vid += 1
             else:
                 expanded.append(t)
@@ -178,13 +187,13 @@ class PromptEncoder:
                              f"template of {enc.hf_dir}")
         pixels, tiles = enc.tile_pixels(images)
         parts, counts = enc.item_pixels(enc.media_items(kinds), pixels, tiles, videos, plans)
-        image_id, counts = enc.tokenizer_image_token_id, iter(counts)
-        expanded = []
+        image_id, tiles = enc.tokenizer_image_token_id, list(counts)
+        counts, expanded = iter(tiles), []
         for t in ids:
             expanded += [self.spec.image_token_id] * (next(counts) * self.spec.num_image_tokens) if t == image_id \
                 else [t]
         return Prompt(expanded, pixel_values=torch.cat(parts) if parts else None, num_images=len(images),
-                      num_videos=len(videos))
+                      num_videos=len(videos), items=[n * self.spec.num_image_tokens for n in tiles], tiles=tiles)
 
 
 def collate(prompts: list[Prompt], pad_token_id: int, arch: str = "llava", image_token_id: int | None = None) -> dict:

@@ -63,6 +63,11 @@ every other caller still gets the real answer (False). Its limits: TE's kernels 
 linears, norms and attention, FP8 casts) still need a GPU and fail on CPU; nothing else in TE, megatron-core or torch is
 changed for it; it refuses to run on a machine with CUDA, where TE needs no help.
 
+``inference_scope()`` (a context manager, around generation on the sharded model, ``eval/sharded.py``) lets
+megatron-core's text-generation controller run on CPU: its sampling generator, made on the CUDA device, is a CPU one;
+the ``torch.cuda.Event`` it times each step with is a CPU timing event; and its pipeline broadcasts' check that a
+tensor is a CUDA one checks only that it is there.
+
 Separately, three fixes are needed whenever Transformer Engine (and Apex) are missing, on CPU or GPU, and
 ``fix_without_te()`` applies them (for the process), with megatron-core's local grad norm, clip and copy fallbacks
 on torch's foreach kernels (:mod:`.optimizer_kernels`: no host sync per parameter tensor):
@@ -85,6 +90,7 @@ import contextlib
 import functools
 import sys
 import threading
+import time
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -349,6 +355,40 @@ def _compiled_eagerly(originals: dict) -> dict:
 
 
 @contextlib.contextmanager
+def inference_scope():
+    """megatron-core's text-generation controller and its pipeline broadcasts on CPU for the time of the block (entry
+    ``cpu-inference``); a no-op where the layer is off (a GPU process)."""
+    if not is_enabled():
+        yield
+        return
+    with mcore_patches.applied("cpu-inference"):
+        yield
+
+
+@mcore_patches.implements("cpu-inference")
+def _inference(originals: dict) -> dict:
+    """The controller's ``torch``: torch, with ``Generator(device=...)`` a CPU generator and ``cuda.Event`` a CPU
+    timing event; the broadcasts' ``_is_cuda`` checks only that a tensor is there."""
+    import types
+
+    cuda = types.ModuleType("torch.cuda", torch.cuda.__doc__)
+    cuda.__getattr__ = lambda name: getattr(torch.cuda, name)  # the stand-ins of cpu-cuda-stand-ins included
+    cuda.Event = _CpuEvent
+    ns = types.ModuleType("torch", torch.__doc__)
+    ns.__dict__.update(vars(torch))
+    ns.__dict__.pop("__getattr__", None)
+    ns.__getattr__ = lambda name: getattr(torch, name)
+    ns.Generator = lambda device=None: torch.Generator()
+    ns.cuda = cuda
+
+    def is_there(tensor) -> None:
+        assert tensor is not None
+
+    return {"megatron.core.inference.communication_utils:_is_cuda": is_there,
+            "megatron.core.inference.text_generation_controllers.text_generation_controller:torch": ns}
+
+
+@contextlib.contextmanager
 def te_construction():
     """Let Transformer Engine modules be constructed on this CUDA-less machine for the time of the block (see the
     module docstring for what it does and its limits; registry entry ``cpu-te-construction``)."""
@@ -394,7 +434,16 @@ def _optimizer_kernels(originals: dict) -> dict:
 
 class _CpuEvent:
     """An event recorded on the CPU "stream": CPU work is complete when it is issued, so there is nothing to wait
-    for."""
+    for; :meth:`record` notes the host clock, which :meth:`elapsed_time` reads (milliseconds, as torch.cuda.Event's)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self._at = None
+
+    def record(self, stream=None) -> None:
+        self._at = time.perf_counter()
+
+    def elapsed_time(self, end: "_CpuEvent") -> float:
+        return (end._at - self._at) * 1e3
 
     def synchronize(self) -> None:
         pass

@@ -230,6 +230,15 @@ PATCHES: tuple[Patch, ...] = (
           "around the build of a model with Transformer Engine layers (cpu_compat.te_construction)",
           "the scope's end restores torch.cuda.is_available",
           "tests/test_te.py::test_cpu_shim_answers_only_te_construction", _CPU),
+    Patch("cpu-inference", ("megatron.core.inference.communication_utils:_is_cuda",
+                            "megatron.core.inference.text_generation_controllers.text_generation_controller:torch"),
+          "megatron-core's text-generation controller makes its sampling generator on the CUDA device and times each "
+          "step with torch.cuda.Event, and its pipeline broadcasts assert CUDA tensors: a CPU generator and a CPU "
+          "timing event in the controller's torch, and the broadcasts' check keeps only 'not None'", _BOTH,
+          "generation on the sharded model in a CPU process (eval/sharded.py)",
+          "around the construction and every generation call of a sharded generator (cpu_compat.inference_scope)",
+          "the scope's end restores both names",
+          "tests/test_eval.py::test_sharded_generation_equals_the_export", _CPU),
     # ---- without Transformer Engine and Apex (runtime/cpu_compat.fix_without_te) ----------------------------------
     Patch("clip-norm-without-te", ("megatron.core.models.vision.clip_vit_model:CLIPViTModel.__init__.__defaults__",),
           "without TE CLIPViTModel's ln_pre/ln_post default to torch.nn.LayerNorm, which build_module cannot "

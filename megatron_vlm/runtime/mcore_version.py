@@ -33,6 +33,11 @@ DIST_METADATA = "metadata.json"
 EXPERTS_APART_AT_ETP_SINCE = (0, 19)
 
 
+#: the lane's megatron-core whose inference wrappers take an inference context (0.16's take an
+#: InferenceWrapperConfig, and the context as a keyword): see :func:`inference_wrapper_takes_context`
+INFERENCE_CONTEXT_WRAPPERS_SINCE = (0, 19)
+
+
 class CheckpointVersionError(RuntimeError):
     """A checkpoint written by a megatron-core this one cannot read; the message says what to install."""
 
@@ -53,6 +58,12 @@ def installed() -> str:
 def writes_common_file(version: str | None = None) -> bool:
     """Whether megatron-core ``version`` (default: this one) writes ``common.pt`` in torch_dist checkpoints."""
     return _parse(version or installed()) < NO_COMMON_PT_SINCE
+
+
+def inference_wrapper_takes_context(version: str | None = None) -> bool:
+    """Whether megatron-core ``version``'s model inference wrappers are built as ``(model, inference_context)``
+    (0.19) rather than ``(model, InferenceWrapperConfig, inference_context=...)`` (0.16)."""
+    return _parse(version or installed()) >= INFERENCE_CONTEXT_WRAPPERS_SINCE
 
 
 def lane_requirement(python: tuple[int, int] | None = None) -> str:

@@ -1,0 +1,381 @@
+"""Answers from the sharded Megatron model itself, at any TP/PP layout, with megatron-core's inference stack.
+
+``eval/generate.py --megatron-dir DIR --engine megatron --tp N --pp M [--ep E]`` (and ``eval/evaluate.py``'s) starts
+a local world of ``N x M x E`` ranks (:func:`megatron_vlm.runtime.spawn.run_world`: gloo on CPU, NCCL on GPUs), the
+E expert-parallel ranks being data-parallel ranks that answer the same prompts together. Every rank builds its part of the model
+at that layout (:func:`megatron_vlm.model.build.build_model`, the trainer's build) and loads it from the checkpoint
+(torch_dist reshards to any layout; a legacy checkpoint must be read at its own), and
+:class:`ShardedGenerator` answers with megatron-core's ``VLMTextGenerationController`` over its
+``VLMInferenceWrapper`` (the static-batch loop: a prefill, then one token per step with the KV cache, the logits of
+the last pipeline stage broadcast to the others). Nothing is gathered into one process; no HF model is built.
+
+Prompts are encoded by :class:`megatron_vlm.eval.prompts.PromptEncoder`, the HF path's encoder (the chat template,
+the image processor, tiles); :func:`megatron_inputs` turns its HF-expanded tokens back into what megatron-core's
+``LLaVAModel`` takes: one media token per image, the pixels of every tile, and the tiles per image.
+
+What megatron-vlm corrects around megatron-core's classes, and why (:class:`_LLaVAInference` and its use):
+
+- the VLM wrapper's context window holds no ``attention_mask``, which its pipeline-parallel forward reads (a
+  ``KeyError`` at PP > 1): ``None``, as its own non-pipeline path passes;
+- under PP the wrapper advances the KV cache's offset by the image-expanded length of the prefill (the pipeline's
+  receive buffer), and then again by the image embeddings beyond the image tokens, as it does without PP: the
+  second step of every PP generation would then write past the prompt; the first advance is taken back to the
+  prompt's tokens, so the two paths agree;
+- the wrapper reads the model's ``image_token_index`` through ``.module`` (it expects megatron-core's
+  ``Float16Module``, which refuses an fp32 model): an fp32 model is wrapped in :class:`_Fp32Module`, a
+  ``Float16Module`` that casts nothing;
+- the wrapper replaces its context by one the size of the request it prepares, and megatron-core 0.19's controller
+  checks the next request's length against the context it finds: each request starts from a context of
+  ``--max-length``.
+
+On a CPU process megatron-core's controller runs through ``cpu_compat.inference_scope`` (registry entry
+``cpu-inference``). Greedy decoding (the default) is argmax, as HF's ``generate``: the tokens equal the HF export's
+(tests/test_eval.py). Sampling uses megatron-core's sampler (``--temperature``, ``--top-k`` or ``--top-p``, seeded by
+``--seed``), whose draws differ from HF's. The families megatron-core's ``LLaVAModel`` generates for: LLaVA (dense, and
+mixture-of-experts at ``--ep``; TP x EP is refused: megatron-core's generation turns MoE layers to sequence
+parallelism there, for GPT models only) and InternVL (images and video frames as tiles). OneVision / NeXT (anyres) and Qwen-VL are refused in one line
+(``--engine hf`` answers for them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from megatron_vlm.eval.prompts import Prompt
+
+log = logging.getLogger(__name__)
+
+
+class ShardedUnsupported(ValueError):
+    """A model or choice the sharded generator does not answer for; the message names the way that does."""
+
+
+@dataclass
+class MegatronPrompt:
+    """A prompt as megatron-core's ``LLaVAModel`` takes it."""
+
+    tokens: list[int]  # one media token per image or frame item
+    images: torch.Tensor | None  # every tile [sum tiles, 3, H, W] (plain LLaVA: one per image; InternVL: its tiles)
+    num_tiles: torch.Tensor  # tiles per item (int)
+    embeddings_per_tile: int  # image embeddings each tile expands into
+    expanded_length: int  # the prompt's length with every item expanded (HF's input_ids)
+
+
+def check_family(spec) -> None:
+    """Refuse a model whose megatron model has no inference path here, in one line."""
+    if spec.is_qwen_vl:
+        raise ShardedUnsupported(f"{spec.arch}: --engine megatron does not generate for Qwen-VL models yet; use "
+                                 "--engine hf (the checkpoint read into one process)")
+    if spec.is_anyres:
+        raise ShardedUnsupported(f"{spec.arch} (anyres tiles): --engine megatron does not generate for LLaVA-NeXT / "
+                                 "OneVision models yet; use --engine hf (the checkpoint read into one process)")
+
+
+def check_layout(spec, tp: int, pp: int, ep: int) -> None:
+    """Refuse a layout megatron-core's static generation does not run for a LLaVA model, in one line."""
+    spec.check_parallelism(tp, pp, ep=ep)
+    if ep > 1 and tp > 1:
+        raise ShardedUnsupported(f"--tp {tp} with --ep {ep}: megatron-core's generation switches its MoE layers to "
+                                 "sequence parallelism at TP x EP, which it does for GPT models only; generate at "
+                                 f"--tp 1 --ep {ep} (or --ep 1)")
+
+
+def megatron_inputs(prompt: Prompt, image_token_id: int) -> MegatronPrompt:
+    """``prompt``'s tokens with each item's run of expanded media tokens back to one token, its pixels as tiles."""
+    tokens, items, i = [], iter(prompt.items), 0
+    ids = prompt.input_ids
+    while i < len(ids):
+        tokens.append(ids[i])
+        if ids[i] == image_token_id:
+            n = next(items, 0)
+            if not n or ids[i:i + n] != [image_token_id] * n:
+                raise ValueError(f"the prompt's media tokens do not match its {len(prompt.items)} items")
+            i += n
+        else:
+            i += 1
+    tiles = sum(prompt.tiles)
+    per_tile = {n // t for n, t in zip(prompt.items, prompt.tiles)} or {0}
+    if len(per_tile) > 1 or any(n % t for n, t in zip(prompt.items, prompt.tiles)):
+        raise ShardedUnsupported("the prompt's images expand into different numbers of embeddings per tile; use "
+                                 "--engine hf")
+    return MegatronPrompt(tokens, prompt.pixel_values if tiles else None, torch.tensor(prompt.tiles, dtype=torch.int),
+                          per_tile.pop(), len(ids))
+
+
+def _fp32_module_class():
+    from megatron.core.transformer.module import Float16Module, MegatronModule
+
+    class _Fp32Module(Float16Module):
+        """megatron-core's ``Float16Module`` around an fp32 model, casting nothing: the wrapper megatron-core's
+        inference wrappers and controllers unwrap (``.module``, ``unwrap_model``)."""
+
+        def __init__(self, config, module):
+            MegatronModule.__init__(self, config)  # Float16Module.__init__ refuses a config without fp16/bf16
+            self.fp16 = self.bf16 = False
+            self.vp_stage = getattr(module, "vp_stage", None)
+            self.add_module("module", module)
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    return _Fp32Module
+
+
+def _wrapper_class():
+    from megatron.core.inference.model_inference_wrappers.multimodal.vlm_inference_wrapper import (
+        VLMInferenceWrapper,
+    )
+
+    class _LLaVAInference(VLMInferenceWrapper):
+        """megatron-core's VLM inference wrapper, with the two pipeline-parallel fixes of the module docstring."""
+
+        def get_batch_for_context_window(self, *args, **kwargs):
+            window = super().get_batch_for_context_window(*args, **kwargs)
+            window.setdefault("attention_mask", None)
+            return window
+
+        def forward_pass_with_pipeline_parallel_small_input_batch(self, inputs, recv_buffer_seq_len=None):  # 0.16
+            return self._prompt_offset(super().forward_pass_with_pipeline_parallel_small_input_batch(
+                inputs, recv_buffer_seq_len), inputs, recv_buffer_seq_len)
+
+        def forward_pass_with_pipeline_parallel(self, inputs, recv_buffer_seq_len=None):  # 0.19
+            return self._prompt_offset(super().forward_pass_with_pipeline_parallel(inputs, recv_buffer_seq_len),
+                                       inputs, recv_buffer_seq_len)
+
+        def _prompt_offset(self, logits, inputs, recv_buffer_seq_len):
+            if recv_buffer_seq_len is not None:  # advanced by the expanded length: back to the prompt's tokens
+                self.inference_context.sequence_len_offset -= recv_buffer_seq_len - inputs["tokens"].size(1)
+            return logits
+
+    return _LLaVAInference
+
+
+class _ControllerTokenizer:
+    """What megatron-core's controller reads of a tokenizer: ``eod`` (the first end token: it stops there),
+    ``vocab_size``, ``detokenize``, ``tokenize``."""
+
+    def __init__(self, tokenizer, eod: int):
+        self.tokenizer = tokenizer
+        self.eod = eod
+        self.vocab_size = len(tokenizer)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def detokenize(self, ids, **kwargs) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+def _generation_mode():
+    """megatron-core 0.19's process-wide inference flag (its engines set it; the model then keeps only the last
+    token's logits), or nothing (0.16 has none)."""
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:
+        return contextlib.nullcontext()
+    return InferenceMode.active()
+
+
+class ShardedGenerator:
+    """This rank's part of the model of ``iter_dir`` at the world's layout, answering through megatron-core's
+    text-generation controller. Collective: every rank of the world makes the same calls."""
+
+    def __init__(self, iter_dir, sampling, max_length: int = 4096, dtype: str = "fp32",
+                 video_fps: float = 1.0, video_frames: int = 32):
+        from megatron.core import parallel_state as ps
+
+        from megatron_vlm.checkpoint import layout as ckpt
+        from megatron_vlm.eval.prompts import PromptEncoder
+        from megatron_vlm.model.build import ModelOptions, build_model
+        from megatron_vlm.model.spec import VLMSpec
+        from megatron_vlm.runtime import cpu_compat, mcore_version
+
+        self.spec = VLMSpec.load(iter_dir)
+        check_family(self.spec)
+        check_layout(self.spec, ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                     ps.get_expert_model_parallel_world_size())
+        self.sampling = sampling
+        self.max_length = max_length
+        self.files_dir = ckpt.run_dir(iter_dir) / ckpt.TOKENIZER_DIR
+        self.prompts = PromptEncoder(self.files_dir, self.spec, video_fps, video_frames)
+        self.tokenizer = self.prompts.tokenizer
+        self.stops = _end_tokens(self.files_dir, self.tokenizer)
+        bf16 = dtype == "bf16"
+        params_dtype = torch.bfloat16 if bf16 else torch.float32
+        model = build_model(self.spec, ModelOptions(
+            tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_world_size(), seq_length=max_length, params_dtype=params_dtype,
+            bf16=bf16, perform_initialization=False))
+        ckpt.load_model_weights(model, iter_dir)
+        if bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            wrapped = Float16Module(model.config, model)
+        else:
+            wrapped = _fp32_module_class()(model.config, model)
+        wrapped.eval()
+        self.model = model
+        with cpu_compat.inference_scope():
+            from megatron.core.inference.contexts import StaticInferenceContext
+            from megatron.core.inference.text_generation_controllers.vlm_text_generation_controller import (
+                VLMTextGenerationController,
+            )
+
+            context = StaticInferenceContext(1, max_length)
+            if mcore_version.inference_wrapper_takes_context():
+                inference = _wrapper_class()(wrapped, context)
+            else:
+                from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+                    InferenceWrapperConfig,
+                )
+
+                config = InferenceWrapperConfig(
+                    hidden_size=model.language_model.config.hidden_size, params_dtype=params_dtype,
+                    inference_batch_times_seqlen_threshold=-1, fp32_residual_connection=False,
+                    padded_vocab_size=model.language_model.vocab_size, inference_max_requests=1,
+                    inference_max_seq_length=max_length)
+                inference = _wrapper_class()(wrapped, config, inference_context=context)
+            eod = self.stops[0] if self.stops else -1  # -1: no token ends generation early
+            self.controller = VLMTextGenerationController(inference, _ControllerTokenizer(self.tokenizer, eod))
+
+    def encode(self, messages: list[dict], images=(), videos=()) -> Prompt:
+        return self.prompts.encode(messages, images, videos)
+
+    def _request(self, prompt: Prompt, request_id: int):
+        from megatron.core.inference.inference_request import VLMInferenceRequest
+        from megatron.core.inference.sampling_params import SamplingParams
+
+        m = megatron_inputs(prompt, self.spec.image_token_id)
+        need = m.expanded_length + self.sampling.max_new_tokens
+        if need > self.max_length:
+            raise ShardedUnsupported(f"a prompt of {m.expanded_length} tokens (images expanded) + --max-new-tokens "
+                                     f"{self.sampling.max_new_tokens} exceeds --max-length {self.max_length}; raise "
+                                     "--max-length")
+        s = self.sampling
+        if s.greedy:
+            params = SamplingParams(temperature=1.0, top_k=1, top_p=0.0)
+        else:
+            if s.top_k is not None and s.top_p is not None:
+                raise ShardedUnsupported("--engine megatron samples with --top-k or --top-p, not both")
+            params = SamplingParams(temperature=s.temperature or 1.0, top_k=s.top_k or 0, top_p=s.top_p or 0.0)
+        params.num_tokens_to_generate = s.max_new_tokens
+        params.return_log_probs = False
+        dtype = next(self.model.parameters()).dtype
+        images = m.images.to(dtype) if m.images is not None else torch.zeros(0, 3, 1, 1, dtype=dtype)
+        device = next(self.model.parameters()).device
+        return VLMInferenceRequest(
+            request_id=str(request_id), prompt="", prompt_tokens=m.tokens, sampling_params=params,
+            num_img_embeddings_per_tile=m.embeddings_per_tile, imgs=images.to(device),
+            num_tiles=m.num_tiles.to(device), decoder_seq_length=self.max_length)
+
+    def generate_ids(self, prompts: list[Prompt]) -> list[list[int]]:
+        """The new token ids of each prompt (end tokens and what follows them removed), one prompt at a time
+        (megatron-core's VLM controller takes batches of one)."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        from megatron_vlm.runtime import cpu_compat
+
+        out = []
+        for i, prompt in enumerate(prompts):
+            request = self._request(prompt, i)
+            # the VLM wrapper replaces its context by one of the last request's size; 0.19's controller checks the
+            # next request against the context it finds
+            self.controller.inference_wrapped_model.inference_context = StaticInferenceContext(1, self.max_length)
+            if not self.sampling.greedy:
+                self.controller.sampling_rng.manual_seed(self.sampling.seed + i)
+            with cpu_compat.inference_scope(), _generation_mode():
+                done = self.controller.generate_all_output_tokens_static_batch(OrderedDict([(request.request_id,
+                                                                                             request)]))
+            tokens = next(iter(done.values())).generated_tokens
+            row = tokens.tolist() if torch.is_tensor(tokens) else list(tokens)
+            cut = next((k for k, t in enumerate(row) if t in self.stops), len(row))
+            out.append(row[:cut])
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    def answer(self, prompts: list[Prompt]) -> list[str]:
+        return [self.decode(ids) for ids in self.generate_ids(prompts)]
+
+
+def _end_tokens(files_dir, tokenizer) -> list[int]:
+    """The end tokens of the run's generation config (as the HF path's ``generate`` stops), else the tokenizer's."""
+    from transformers import GenerationConfig
+
+    eos = None
+    if (files_dir / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(str(files_dir)).eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]) if t is not None]
+
+
+@dataclass
+class RankSetup:
+    """What every rank of a sharded world needs to build its generator (:func:`generator_on_rank`)."""
+
+    iter_dir: str
+    tp: int
+    pp: int
+    ep: int
+    device: str
+    dtype: str  # fp32 | bf16
+    max_length: int
+    sampling: object  # eval.generate.Sampling
+    video_fps: float
+    video_frames: int
+
+
+def generator_on_rank(setup: RankSetup) -> ShardedGenerator:
+    """This rank's world at the setup's layout, and its generator."""
+    from megatron_vlm.runtime import distributed
+
+    distributed.setup(setup.tp, setup.pp, device=setup.device, ep=setup.ep)
+    return ShardedGenerator(setup.iter_dir, setup.sampling, setup.max_length, setup.dtype, setup.video_fps,
+                            setup.video_frames)
+
+
+def answer_on_rank(setup: RankSetup, messages: list[dict], images: list, videos: list) -> str | None:
+    """One rank of ``eval/generate.py --engine megatron``: the answer, on rank 0."""
+    gen = generator_on_rank(setup)
+    ids = gen.generate_ids([gen.encode(messages, images, videos)])[0]
+    return gen.decode(ids) if torch.distributed.get_rank() == 0 else None
+
+
+def run_on_ranks(a, sampling, fn, *args):
+    """``--engine megatron`` of eval/generate.py and eval/evaluate.py: the checks, then ``fn(RankSetup, *args)`` on
+    a local world of ``--tp x --pp`` ranks; rank 0's result."""
+    from megatron_vlm.checkpoint import layout as ckpt
+    from megatron_vlm.checkpoint.checks import check_checkpoint
+    from megatron_vlm.cli import InputError
+    from megatron_vlm.eval.model import device_of
+    from megatron_vlm.model.spec import VLMSpec
+    from megatron_vlm.runtime.spawn import run_world
+
+    iter_dir = check_checkpoint(a.megatron_dir, a.iteration)
+    meta = ckpt.CheckpointMeta.load(iter_dir)
+    spec = VLMSpec.load(iter_dir)
+    tp, pp, ep = a.tp or meta.tp, a.pp or meta.pp, a.ep
+    try:
+        check_family(spec)
+        check_layout(spec, tp, pp, ep)
+    except ShardedUnsupported as e:
+        raise InputError(str(e)) from None
+    if meta.format != "torch_dist" and (tp, pp) != (meta.tp, meta.pp):
+        raise InputError(f"--tp {tp} --pp {pp}: {iter_dir} is a legacy ({meta.format}) checkpoint written at "
+                         f"tp={meta.tp} pp={meta.pp}, which loads only at its own layout; pass --tp {meta.tp} --pp "
+                         f"{meta.pp}, or convert it to torch_dist")
+    device = device_of(a)
+    if a.dtype == "fp16":
+        raise InputError("--engine megatron runs in fp32 or bf16; pass --dtype fp32 or --dtype bf16")
+    dtype = a.dtype if a.dtype != "auto" else ("bf16" if device == "cuda" and "bf" in str(meta.dtype) else "fp32")
+    log.info("generating from %s with megatron-core's inference engine on %d rank(s) (tp=%d pp=%d ep=%d) in %s on "
+             "%s", iter_dir, tp * pp * ep, tp, pp, ep, dtype, device)
+    setup = RankSetup(str(iter_dir), tp, pp, ep, device, dtype, a.max_length, sampling, a.video_fps, a.video_frames)
+    return run_world(fn, tp * pp * ep, setup, *args)[0]
