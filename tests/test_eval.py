@@ -132,8 +132,9 @@ def test_generate_from_checkpoint_equals_export(models, kind, caplog):
 def test_sharded_generation_equals_the_export(models, tmp_path, capsys):
     """--engine megatron: megatron-core's inference engine (its VLM controller and wrapper, the KV cache) on the
     sharded checkpoint itself gives the HF export's greedy tokens for each prompt (an image, text only, two images),
-    at TP1, TP2, PP2 and TP2 x PP2 in one 4-rank world (in bf16 at TP2 x PP2: the same first tokens), and the command prints the export's answer at TP2 x PP2 from
-    a checkpoint written at TP2. An anyres model is refused in one line that names --engine hf."""
+    at TP1, TP2, PP2 and TP2 x PP2 in one 4-rank world (in bf16 at TP2 x PP2: the same first tokens); a OneVision
+    (anyres tiles, two images, a video, text only) gives its HF model's at TP2, PP2 and TP2 x PP2; the command
+    prints the export's answer at TP2 x PP2 from a checkpoint written at TP2; --dtype fp16 is refused in one line."""
     from megatron_vlm.cli import run_cli
     from megatron_vlm.eval import generate as generate_mod
     from megatron_vlm.eval.model import load
@@ -141,31 +142,49 @@ def test_sharded_generation_equals_the_export(models, tmp_path, capsys):
     from megatron_vlm.runtime.spawn import run_world
     from tests.support.worlds import sharded_generation
 
+    from megatron_vlm.convert.to_megatron import convert_hf_to_megatron
+    from tests.support.tiny import make_tiny_onevision
+    from tests.support.videos import make_video
+
     m = models["llava"]
+    # a OneVision on a Llama LM, whose random greedy tokens vary (the Qwen2 one of the fixture repeats one token)
+    ov_hf = make_tiny_onevision(tmp_path / "ov", text_family="llama")
+    ov = {"export": ov_hf, "meg": convert_hf_to_megatron(ov_hf, tmp_path / "ov_meg", tp=1, dtype="fp32")}
     cases = [(["red"], "what colour is it?"), ([], "say something"), (["blue", "green"], "compare them")]
     prompts = [([user_message(q, len(ims))], [_image(c) for c in ims]) for ims, q in cases]
-    gen_e = _generator(load(model_dir=m["export"]))
-    want = [gen_e.generate_ids([gen_e.encode(msgs, ims)])[0] for msgs, ims in prompts]
-    assert all(len(t) == 12 for t in want)  # no early end: every step of the KV cache is compared
+    # OneVision: a wide image (tiles), a tall one, two images (base tiles only), a video, text only
+    ov_cases = [([("red", (70, 30))], "what colour?"), ([("blue", (20, 55))], "and this?"),
+                ([("green", (30, 30)), ("red", (41, 23))], "two images"), ([], "hello")]
+    ov_prompts = [([user_message(q, len(ims))], [_image(c, size) for c, size in ims], []) for ims, q in ov_cases]
+    ov_prompts.append(([user_message("what happens?", 0, 1)], [], [make_video(6)]))
+    want = {}
+    for name, cases_of in (("llava", [(msgs, ims, []) for msgs, ims in prompts]), ("ov", ov_prompts)):
+        gen_e = _generator(load(model_dir=(ov if name == "ov" else m)["export"]))
+        want[name] = [gen_e.generate_ids([gen_e.encode(*case)])[0] for case in cases_of]
+        assert all(len(t) == 12 for t in want[name]), want  # no early end: every step of the KV cache is compared
+        assert len({tuple(t) for t in want[name]}) == len(want[name]) and len(set(want[name][0])) > 1, want
     layouts = [(1, 1), (2, 1), (1, 2), (2, 2)]
-    got = run_world(sharded_generation, 4, [dict(megatron_dir=str(m["meg"]), tp=tp, pp=pp, prompts=prompts,
-                                                 max_new_tokens=12) for tp, pp in layouts]
-                    + [dict(megatron_dir=str(m["meg"]), tp=2, pp=2, prompts=prompts, max_new_tokens=12,
-                            dtype="bf16")])[0]
-    for (tp, pp), ids in zip(layouts, got):
-        assert ids == want, (tp, pp)
-    # bf16 (megatron-core's Float16Module): the same start, rounding may turn a later token
-    assert [len(t) for t in got[-1]] == [12] * len(want) and [t[:4] for t in got[-1]] == [t[:4] for t in want], got
+    jobs = [dict(megatron_dir=str(m["meg"]), tp=tp, pp=pp, prompts=prompts, max_new_tokens=12) for tp, pp in layouts]
+    jobs.append(dict(megatron_dir=str(m["meg"]), tp=2, pp=2, prompts=prompts, max_new_tokens=12, dtype="bf16"))
+    jobs += [dict(megatron_dir=str(ov["meg"]), tp=tp, pp=pp, prompts=ov_prompts, max_new_tokens=12)
+             for tp, pp in layouts[1:]]
+    got = run_world(sharded_generation, 4, jobs)[0]
+    for job, ids in zip(jobs, got):
+        if job.get("dtype") == "bf16":  # megatron-core's Float16Module: the same start, rounding may turn a token
+            assert [len(t) for t in ids] == [12] * len(want["llava"]), ids
+            assert [t[:4] for t in ids] == [t[:4] for t in want["llava"]], ids
+        else:
+            assert ids == want["ov" if job["prompts"] is ov_prompts else "llava"], (job["tp"], job["pp"])
     img = tmp_path / "q.png"
     _image("red", (45, 30)).save(img)
     outs = _printed_answers([["--megatron-dir", str(m["meg"]), "--engine", "megatron", "--tp", "2", "--pp", "2"],
                              ["--model", str(m["export"])]], img)
     assert outs[0] == outs[1] and outs[0].strip()
     capsys.readouterr()
-    assert run_cli(generate_mod.main, ["--megatron-dir", str(models["ov"]["meg"]), "--engine", "megatron",
+    assert run_cli(generate_mod.main, ["--megatron-dir", str(m["meg"]), "--engine", "megatron", "--dtype", "fp16",
                                        "--prompt", "hi", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--engine hf" in err[0] and "anyres" in err[0], err
+    assert len(err) == 1 and "--dtype bf16" in err[0], err
 
 
 @pytest.mark.slow  # the models fixture

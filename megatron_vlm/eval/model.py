@@ -278,7 +278,7 @@ def add_model_flags(p) -> None:
                    help="hf (default): HF generate on the model in one process (--model, or --megatron-dir read into "
                         "it); megatron: megatron-core's inference engine on the sharded model itself, on --tp x --pp "
                         "local ranks (any layout for a torch_dist checkpoint; default: the checkpoint's), nothing "
-                        "gathered into one process (LLaVA and InternVL models)")
+                        "gathered into one process (LLaVA, NeXT, OneVision and InternVL models)")
     g.add_argument("--ep", type=positive_int, default=1,
                    help="--engine megatron: the expert-parallel size of a mixture-of-experts model (ranks: tp x pp x "
                         "ep; default 1)")

@@ -10,8 +10,11 @@ at that layout (:func:`megatron_vlm.model.build.build_model`, the trainer's buil
 the last pipeline stage broadcast to the others). Nothing is gathered into one process; no HF model is built.
 
 Prompts are encoded by :class:`megatron_vlm.eval.prompts.PromptEncoder`, the HF path's encoder (the chat template,
-the image processor, tiles); :func:`megatron_inputs` turns its HF-expanded tokens back into what megatron-core's
-``LLaVAModel`` takes: one media token per image, the pixels of every tile, and the tiles per image.
+the image processor, anyres tiles, video frames); :func:`megatron_inputs` turns its HF-expanded tokens back into what
+megatron-core's ``LLaVAModel`` takes: one image token per image or video item, the pixels of every tile (frame) in
+token order, and the tiles per item (an anyres model also takes each item's image size, tokens and whether it is a
+video: :class:`~megatron_vlm.model.anyres_model.AnyresLLaVAModel` runs with megatron-core's KV cache as
+``LLaVAModel`` does, encoding the images at the prompt's pass only).
 
 What megatron-vlm corrects around megatron-core's classes, and why (:class:`_LLaVAInference` and its use):
 
@@ -26,15 +29,17 @@ What megatron-vlm corrects around megatron-core's classes, and why (:class:`_LLa
   ``Float16Module`` that casts nothing;
 - the wrapper replaces its context by one the size of the request it prepares, and megatron-core 0.19's controller
   checks the next request's length against the context it finds: each request starts from a context of
-  ``--max-length``.
+  ``--max-length``;
+- the wrapper counts a prompt's image embeddings as tiles x one number per tile: the request's own total is given
+  instead (an anyres image's tokens depend on its size), and an anyres model's own inputs reach its forward.
 
 On a CPU process megatron-core's controller runs through ``cpu_compat.inference_scope`` (registry entry
-``cpu-inference``). Greedy decoding (the default) is argmax, as HF's ``generate``: the tokens equal the HF export's
-(tests/test_eval.py). Sampling uses megatron-core's sampler (``--temperature``, ``--top-k`` or ``--top-p``, seeded by
-``--seed``), whose draws differ from HF's. The families megatron-core's ``LLaVAModel`` generates for: LLaVA (dense, and
+``cpu-inference``). Greedy decoding (the default) is argmax, as HF's ``generate``: the tokens equal HF's
+(tests/test_eval.py, test_internvl.py, test_moe.py). Sampling uses megatron-core's sampler (``--temperature``,
+``--top-k`` or ``--top-p``, seeded by ``--seed``), whose draws differ from HF's. The families: LLaVA (dense, and
 mixture-of-experts at ``--ep``; TP x EP is refused: megatron-core's generation turns MoE layers to sequence
-parallelism there, for GPT models only) and InternVL (images and video frames as tiles). OneVision / NeXT (anyres) and Qwen-VL are refused in one line
-(``--engine hf`` answers for them).
+parallelism there, for GPT models only), LLaVA-NeXT / OneVision (anyres tiles, several images, videos) and InternVL
+(images and video frames as tiles). Qwen-VL is refused in one line (``--engine hf`` answers for it).
 """
 
 from __future__ import annotations
@@ -57,13 +62,15 @@ class ShardedUnsupported(ValueError):
 
 @dataclass
 class MegatronPrompt:
-    """A prompt as megatron-core's ``LLaVAModel`` takes it."""
+    """A prompt as megatron-core's ``LLaVAModel`` (or :class:`~megatron_vlm.model.anyres_model.AnyresLLaVAModel`)
+    takes it."""
 
-    tokens: list[int]  # one media token per image or frame item
-    images: torch.Tensor | None  # every tile [sum tiles, 3, H, W] (plain LLaVA: one per image; InternVL: its tiles)
-    num_tiles: torch.Tensor  # tiles per item (int)
-    embeddings_per_tile: int  # image embeddings each tile expands into
+    tokens: list[int]  # one image token per image or video item (anyres: which items are videos is in model_kwargs)
+    images: torch.Tensor | None  # every tile / frame in token order [sum tiles, 3, H, W]
+    num_tiles: torch.Tensor  # tiles (frames) per item (int)
+    embeddings: int  # the image embeddings of all items (the tokens they expand into)
     expanded_length: int  # the prompt's length with every item expanded (HF's input_ids)
+    model_kwargs: dict  # anyres: image_sizes, num_image_tokens and videos per item
 
 
 def check_family(spec) -> None:
@@ -71,9 +78,6 @@ def check_family(spec) -> None:
     if spec.is_qwen_vl:
         raise ShardedUnsupported(f"{spec.arch}: --engine megatron does not generate for Qwen-VL models yet; use "
                                  "--engine hf (the checkpoint read into one process)")
-    if spec.is_anyres:
-        raise ShardedUnsupported(f"{spec.arch} (anyres tiles): --engine megatron does not generate for LLaVA-NeXT / "
-                                 "OneVision models yet; use --engine hf (the checkpoint read into one process)")
 
 
 def check_layout(spec, tp: int, pp: int, ep: int) -> None:
@@ -85,26 +89,42 @@ def check_layout(spec, tp: int, pp: int, ep: int) -> None:
                                  f"--tp 1 --ep {ep} (or --ep 1)")
 
 
-def megatron_inputs(prompt: Prompt, image_token_id: int) -> MegatronPrompt:
-    """``prompt``'s tokens with each item's run of expanded media tokens back to one token, its pixels as tiles."""
-    tokens, items, i = [], iter(prompt.items), 0
-    ids = prompt.input_ids
+def megatron_inputs(prompt: Prompt, spec, video_token_id: int | None = None) -> MegatronPrompt:
+    """``prompt``'s tokens with each item's run of expanded media tokens back to one image token, and its pixels as
+    the tiles (frames) of its items in token order."""
+    image_id = spec.image_token_id
+    media = {image_id} | ({video_token_id} if video_token_id is not None else set())
+    tokens, videos, i = [], [], 0
+    items, ids = iter(prompt.items), prompt.input_ids
     while i < len(ids):
-        tokens.append(ids[i])
-        if ids[i] == image_token_id:
-            n = next(items, 0)
-            if not n or ids[i:i + n] != [image_token_id] * n:
-                raise ValueError(f"the prompt's media tokens do not match its {len(prompt.items)} items")
-            i += n
-        else:
+        t = ids[i]
+        if t not in media:
+            tokens.append(t)
             i += 1
-    tiles = sum(prompt.tiles)
-    per_tile = {n // t for n, t in zip(prompt.items, prompt.tiles)} or {0}
-    if len(per_tile) > 1 or any(n % t for n, t in zip(prompt.items, prompt.tiles)):
-        raise ShardedUnsupported("the prompt's images expand into different numbers of embeddings per tile; use "
-                                 "--engine hf")
-    return MegatronPrompt(tokens, prompt.pixel_values if tiles else None, torch.tensor(prompt.tiles, dtype=torch.int),
-                          per_tile.pop(), len(ids))
+            continue
+        n = next(items, 0)
+        if not n or ids[i:i + n] != [t] * n:
+            raise ValueError(f"the prompt's media tokens do not match its {len(prompt.items)} items")
+        tokens.append(image_id)
+        videos.append(t != image_id)
+        i += n
+    tiles = torch.tensor(prompt.tiles, dtype=torch.int)
+    if not spec.is_anyres:  # pixel_values holds every tile in token order already
+        return MegatronPrompt(tokens, prompt.pixel_values if prompt.tiles else None, tiles, sum(prompt.items),
+                              len(ids), {})
+    frames, sizes, i_img, i_vid = [], [], 0, 0
+    for video, n in zip(videos, prompt.tiles):
+        if video:
+            frames.append(prompt.pixel_values_videos[i_vid])
+            sizes.append([0, 0])  # a video packs by its frames alone
+            i_vid += 1
+        else:
+            frames.append(prompt.pixel_values[i_img, :n])  # the image's own tiles of its padded row
+            sizes.append(prompt.image_sizes[i_img].tolist())
+            i_img += 1
+    kwargs = dict(image_sizes=torch.tensor(sizes, dtype=torch.int64).reshape(-1, 2),
+                  num_image_tokens=torch.tensor(prompt.items, dtype=torch.int), videos=videos)
+    return MegatronPrompt(tokens, torch.cat(frames) if frames else None, tiles, sum(prompt.items), len(ids), kwargs)
 
 
 def _fp32_module_class():
@@ -132,7 +152,29 @@ def _wrapper_class():
     )
 
     class _LLaVAInference(VLMInferenceWrapper):
-        """megatron-core's VLM inference wrapper, with the two pipeline-parallel fixes of the module docstring."""
+        """megatron-core's VLM inference wrapper, with the corrections of the module docstring; ``media`` is the
+        :class:`MegatronPrompt` of the request being answered."""
+
+        media: MegatronPrompt | None = None
+
+        def prep_inference_input(self, prompts_tokens, num_img_embeddings_per_tile, images, num_tiles,
+                                 decoder_seq_length):
+            # megatron-core counts tiles x embeddings per tile, one number for all tiles; an anyres image's tokens
+            # differ per image: the request's own total, and its tiles per item for the model
+            inputs = super().prep_inference_input(prompts_tokens, self.media.embeddings, images,
+                                                  torch.ones(1, dtype=torch.int), decoder_seq_length)
+            inputs["num_tiles"] = num_tiles
+            return inputs
+
+        def _forward(self, inputs):
+            if not self.media.model_kwargs:
+                return super()._forward(inputs)
+            # megatron-core's VLM forward, with an anyres model's own inputs (image sizes, tokens per item, videos)
+            output = self.model(inputs["images"], inputs["tokens"], position_ids=inputs["position_ids"],
+                                attention_mask=None, inference_context=self.inference_context,
+                                num_image_tiles=inputs["num_tiles"], runtime_gather_output=True,
+                                **self.media.model_kwargs)
+            return output[0] if isinstance(output, tuple) else output
 
         def get_batch_for_context_window(self, *args, **kwargs):
             window = super().get_batch_for_context_window(*args, **kwargs)
@@ -250,7 +292,7 @@ class ShardedGenerator:
         from megatron.core.inference.inference_request import VLMInferenceRequest
         from megatron.core.inference.sampling_params import SamplingParams
 
-        m = megatron_inputs(prompt, self.spec.image_token_id)
+        m = megatron_inputs(prompt, self.spec, getattr(self.prompts.enc, "video_token_id", None))
         need = m.expanded_length + self.sampling.max_new_tokens
         if need > self.max_length:
             raise ShardedUnsupported(f"a prompt of {m.expanded_length} tokens (images expanded) + --max-new-tokens "
@@ -268,10 +310,13 @@ class ShardedGenerator:
         dtype = next(self.model.parameters()).dtype
         images = m.images.to(dtype) if m.images is not None else torch.zeros(0, 3, 1, 1, dtype=dtype)
         device = next(self.model.parameters()).device
+        self.controller.inference_wrapped_model.media = m
+        if m.model_kwargs:
+            m.model_kwargs["num_image_tokens"] = m.model_kwargs["num_image_tokens"].to(device)
         return VLMInferenceRequest(
             request_id=str(request_id), prompt="", prompt_tokens=m.tokens, sampling_params=params,
-            num_img_embeddings_per_tile=m.embeddings_per_tile, imgs=images.to(device),
-            num_tiles=m.num_tiles.to(device), decoder_seq_length=self.max_length)
+            num_img_embeddings_per_tile=m.embeddings, imgs=images.to(device), num_tiles=m.num_tiles.to(device),
+            decoder_seq_length=self.max_length)
 
     def generate_ids(self, prompts: list[Prompt]) -> list[list[int]]:
         """The new token ids of each prompt (end tokens and what follows them removed), one prompt at a time

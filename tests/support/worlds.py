@@ -331,7 +331,7 @@ def in_turn(calls: list[tuple]) -> list | None:
 
 def sharded_generation(jobs: list[dict]) -> list | None:
     """``eval/generate.py --engine megatron``'s generator in turn at each job's layout: ``{megatron_dir, tp, pp, ep?,
-    dtype? (fp32 | bf16), prompts: [(messages, images)], max_new_tokens}``. Returns each job's new token ids per prompt (on rank 0)."""
+    dtype? (fp32 | bf16), prompts: [(messages, images[, videos])], max_new_tokens}``. Returns each job's new token ids per prompt (on rank 0)."""
     from megatron_vlm.eval.generate import Sampling
     from megatron_vlm.eval.sharded import ShardedGenerator
     from megatron_vlm.runtime import distributed
@@ -342,6 +342,6 @@ def sharded_generation(jobs: list[dict]) -> list | None:
         gen = ShardedGenerator(ckpt.resolve_iteration_dir(job["megatron_dir"]),
                                Sampling(max_new_tokens=job["max_new_tokens"]), max_length=256,
                                dtype=job.get("dtype", "fp32"))
-        out.append(gen.generate_ids([gen.encode(messages, images) for messages, images in job["prompts"]]))
+        out.append(gen.generate_ids([gen.encode(*prompt) for prompt in job["prompts"]]))
         del gen
     return out if torch.distributed.get_rank() == 0 else None
