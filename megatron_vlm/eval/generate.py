@@ -165,9 +165,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, 
         prog="eval/generate.py",
         description="Answer a prompt about images or a video with a trained model (an HF export, or a Megatron "
-                    "checkpoint read in memory). The prompt is rendered with the model's chat template and "
+                    "checkpoint read in memory, or the sharded Megatron model itself with --engine megatron). The "
+                    "prompt is rendered with the model's chat template and "
                     "encoded as training encodes samples; the answer is printed.",
-        epilog="example: python eval/generate.py --model /ckpt/llava-out --image cat.jpg --prompt 'What is this?'")
+        epilog="example: python eval/generate.py --model /ckpt/llava-out --image cat.jpg --prompt 'What is this?'; "
+               "python eval/generate.py --megatron-dir /ckpt/run --engine megatron --tp 2 --pp 2 --image cat.jpg "
+               "--prompt 'What is this?'")
     model_mod.add_model_flags(p)
     g = p.add_argument_group("prompt")
     g.add_argument("--prompt", required=True, help="the question or instruction (the user's turn)")
