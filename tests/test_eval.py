@@ -185,6 +185,10 @@ def test_sharded_generation_equals_the_export(models, tmp_path, capsys):
                                        "--prompt", "hi", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--dtype bf16" in err[0], err
+    assert run_cli(generate_mod.main, ["--megatron-dir", str(m["meg"]), "--engine", "megatron", "--image", str(img),
+                                       "--prompt", "hi", "--device", "cpu", "--max-length", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # refused on the ranks, reported as one line
+    assert len(err) == 1 and "exceeds --max-length 8; raise --max-length" in err[0], err
 
 
 @pytest.mark.slow  # the models fixture

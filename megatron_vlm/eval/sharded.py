@@ -89,6 +89,12 @@ def check_layout(spec, tp: int, pp: int, ep: int) -> None:
                                  f"--tp 1 --ep {ep} (or --ep 1)")
 
 
+def check_sampling(sampling) -> None:
+    """megatron-core's sampler takes a top-k or a top-p cut, not both."""
+    if sampling.top_k is not None and sampling.top_p is not None:
+        raise ShardedUnsupported("--engine megatron samples with --top-k or --top-p, not both")
+
+
 def megatron_inputs(prompt: Prompt, spec, video_token_id: int | None = None) -> MegatronPrompt:
     """``prompt``'s tokens with each item's run of expanded media tokens back to one image token, and its pixels as
     the tiles (frames) of its items in token order."""
@@ -160,8 +166,8 @@ def _wrapper_class():
         def prep_inference_input(self, prompts_tokens, num_img_embeddings_per_tile, images, num_tiles,
                                  decoder_seq_length):
             # megatron-core counts tiles x embeddings per tile, one number for all tiles; an anyres image's tokens
-            # differ per image: the request's own total, and its tiles per item for the model
-            inputs = super().prep_inference_input(prompts_tokens, self.media.embeddings, images,
+            # differ per image: the request carries its total (counted as one tile), the model its tiles per item
+            inputs = super().prep_inference_input(prompts_tokens, num_img_embeddings_per_tile, images,
                                                   torch.ones(1, dtype=torch.int), decoder_seq_length)
             inputs["num_tiles"] = num_tiles
             return inputs
@@ -299,11 +305,10 @@ class ShardedGenerator:
                                      f"{self.sampling.max_new_tokens} exceeds --max-length {self.max_length}; raise "
                                      "--max-length")
         s = self.sampling
+        check_sampling(s)
         if s.greedy:
             params = SamplingParams(temperature=1.0, top_k=1, top_p=0.0)
         else:
-            if s.top_k is not None and s.top_p is not None:
-                raise ShardedUnsupported("--engine megatron samples with --top-k or --top-p, not both")
             params = SamplingParams(temperature=s.temperature or 1.0, top_k=s.top_k or 0, top_p=s.top_p or 0.0)
         params.num_tokens_to_generate = s.max_new_tokens
         params.return_log_probs = False
@@ -410,6 +415,7 @@ def run_on_ranks(a, sampling, fn, *args):
     try:
         check_family(spec)
         check_layout(spec, tp, pp, ep)
+        check_sampling(sampling)
     except ShardedUnsupported as e:
         raise InputError(str(e)) from None
     if meta.format != "torch_dist" and (tp, pp) != (meta.tp, meta.pp):
@@ -423,4 +429,17 @@ def run_on_ranks(a, sampling, fn, *args):
     log.info("generating from %s with megatron-core's inference engine on %d rank(s) (tp=%d pp=%d ep=%d) in %s on "
              "%s", iter_dir, tp * pp * ep, tp, pp, ep, dtype, device)
     setup = RankSetup(str(iter_dir), tp, pp, ep, device, dtype, a.max_length, sampling, a.video_fps, a.video_frames)
-    return run_world(fn, tp * pp * ep, setup, *args)[0]
+    result = run_world(_refusing_in_one_line, tp * pp * ep, fn, setup, *args)[0]
+    if isinstance(result, ShardedUnsupported):
+        raise InputError(str(result))
+    return result
+
+
+def _refusing_in_one_line(fn, setup: RankSetup, *args):
+    """``fn(setup, *args)`` on a rank; a request the generator refuses (a prompt longer than --max-length) is returned,
+    for the command's one line, not raised as a rank's traceback. Every rank refuses the same request before any
+    collective of its generation, so none waits on another."""
+    try:
+        return fn(setup, *args)
+    except ShardedUnsupported as e:
+        return e
