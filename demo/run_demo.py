@@ -6,9 +6,12 @@
 2. generates a coloured-shapes VQA dataset (colour, shape, position, count questions) and runs
    data_prep/make_wds.py on the training part (the held-out part is never trained on);
 3. convert/hf_to_megatron.py --tp 2, then train/run.py --device cpu -g 2 --tp 2: stage 1 (projector), then
-   stage 2 from stage 1's checkpoint (vision encoder unfrozen, since it starts random);
-4. convert/megatron_to_hf.py on the last checkpoint, then HF ``generate`` on the held-out images: exact-match
-   accuracy per question type next to the majority-answer baseline, a loss curve PNG and example images.
+   stage 2 from stage 1's checkpoint (vision encoder unfrozen, since it starts random), which answers held-out
+   images every ``--eval-generate-interval`` iterations with the model being trained (the accuracy in its log);
+4. convert/megatron_to_hf.py on the last checkpoint, then eval/evaluate.py (HF ``generate``) on the held-out images:
+   exact-match accuracy per question type next to the majority-answer baseline, the in-loop accuracy of the last
+   iteration beside the export's on the same samples (they are equal), a loss and accuracy curve PNG and example
+   images.
 Every step is the user-facing command, printed before it runs.
 """
 
@@ -28,6 +31,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "demo"))
 
 import shapes  # noqa: E402
+
+#: tokens generated per held-out answer (every demo answer is one word)
+MAX_NEW_TOKENS = 10
 
 
 #: How each command runs: ``subprocess.run``; the test passes tests.support.forked_cli.run (main's
@@ -58,6 +64,9 @@ def parse(argv=None):
     p.add_argument("--hidden", type=int, default=128, help="LM hidden size")
     p.add_argument("--layers", type=int, default=2, help="LM layers")
     p.add_argument("--tp", type=int, default=2, help="tensor parallel size (2 processes)")
+    p.add_argument("--eval-generate-interval", type=int, default=100,
+                   help="stage 2 answers held-out images every N iterations (and at its last)")
+    p.add_argument("--eval-generate-samples", type=int, default=100, help="held-out images answered each time")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -84,28 +93,31 @@ def train_args(a, out: Path, name: str, load: Path, stage: int, iters: int, lr: 
             "--log-interval", "10", "--save-interval", str(iters), "--num-workers", "1", "--seed", str(a.seed)]
 
 
-def evaluate(hf_dir: Path, manifest: Path, image_dir: Path, out: Path) -> tuple[dict, list[dict]]:
-    import torch
-    from PIL import Image
-    from tqdm import tqdm
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    proc = AutoProcessor.from_pretrained(str(hf_dir), backend="pil")  # the image pipeline training used
-    model = LlavaForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    rows = [json.loads(x) for x in manifest.read_text().splitlines()]
-    for r in tqdm(rows, desc="generate on held-out images", unit="image"):
-        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r["question"]}]}]
-        prompt = proc.apply_chat_template(msgs, add_generation_prompt=True)
-        inputs = proc(images=Image.open(image_dir / r["image"]).convert("RGB"), text=prompt, return_tensors="pt")
-        with torch.no_grad():
-            gen = model.generate(**inputs, max_new_tokens=10, do_sample=False)
-        r["prediction"] = proc.decode(gen[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+def evaluate(out: Path, manifest: Path) -> tuple[dict, list[dict]]:
+    """eval/evaluate.py on the export; its rows joined to the manifest (make_wds keys a record by its input index)."""
+    preds = out / "eval" / "predictions.jsonl"
+    run([sys.executable, "eval/evaluate.py", "--model", str(out / "hf_final"), "--data-path", str(out / "heldout"),
+         "--split", "val", "--output", str(preds), "--max-new-tokens", str(MAX_NEW_TOKENS), "--device", "cpu",
+         "--no-progress"])
+    source = [json.loads(x) for x in manifest.read_text().splitlines()]
+    rows = []
+    for p in (json.loads(x) for x in preds.read_text().splitlines()):
+        r = dict(source[int(p["id"])])
+        r.update(prediction=p["prediction"], correct=p["correct"])
+        rows.append(r)
     acc = {}
     for t in shapes.QUESTIONS:
         sel = [r for r in rows if r["type"] == t]
-        acc[t] = sum(r["prediction"] == r["answer"] for r in sel) / max(len(sel), 1)
-    acc["overall"] = sum(r["prediction"] == r["answer"] for r in rows) / max(len(rows), 1)
+        acc[t] = sum(r["correct"] for r in sel) / max(len(sel), 1)
+    acc["overall"] = sum(r["correct"] for r in rows) / max(len(rows), 1)
     return acc, rows
+
+
+def in_loop(out: Path) -> dict:
+    """Stage 2's held-out accuracy at its last answering (metrics.jsonl)."""
+    records = [json.loads(x) for x in (out / "runs" / "stage2" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "eval_exact" in r][-1]
+    return {"iteration": last["iteration"], "exact": last["eval_exact"], "samples": last["eval_samples"]}
 
 
 def plot(out: Path, rows: list[dict], image_dir: Path) -> None:
@@ -115,25 +127,33 @@ def plot(out: Path, rows: list[dict], image_dir: Path) -> None:
     import matplotlib.pyplot as plt
     from PIL import Image
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, acc) = plt.subplots(1, 2, figsize=(11, 4))
     offset = 0
     for stage in ("stage1", "stage2"):
-        pts = [json.loads(x) for x in (out / "runs" / stage / "metrics.jsonl").read_text().splitlines()]
-        pts = {p["iteration"]: p["loss"] for p in pts if "loss" in p and not p["skipped"]}
+        records = [json.loads(x) for x in (out / "runs" / stage / "metrics.jsonl").read_text().splitlines()]
+        pts = {p["iteration"]: p["loss"] for p in records if "loss" in p and not p["skipped"]}
         its = sorted(pts)
         ax.plot([offset + i for i in its], [pts[i] for i in its], label=stage)
+        scored = {p["iteration"]: p["eval_exact"] for p in records if "eval_exact" in p}
+        if scored:
+            acc.plot([offset + i for i in sorted(scored)], [100 * scored[i] for i in sorted(scored)], "o-",
+                     label=f"{stage}, answered during training")
         offset += its[-1] if its else 0
     ax.set_xlabel("iteration (stage 2 continues after stage 1)")
     ax.set_ylabel("training loss (assistant tokens)")
     ax.set_yscale("log")
     ax.legend()
+    acc.set_xlabel("iteration")
+    acc.set_ylabel("held-out accuracy, exact match (%)")
+    acc.set_ylim(0, 100)
+    acc.legend()
     fig.tight_layout()
     fig.savefig(out / "eval" / "loss_curve.png", dpi=100)
     plt.close(fig)
     fig, axes = plt.subplots(2, 4, figsize=(10, 5.5))
     for ax, r in zip(axes.flat, rows[:8]):
         ax.imshow(Image.open(image_dir / r["image"]))
-        ok = "ok" if r["prediction"] == r["answer"] else "WRONG"
+        ok = "ok" if r["correct"] else "WRONG"
         ax.set_title(f"{r['question']}\nanswer: {r['answer']} | pred: {r['prediction']} ({ok})", fontsize=7)
         ax.axis("off")
     fig.tight_layout()
@@ -155,24 +175,35 @@ def main(argv=None, run_command=subprocess.run) -> dict:
     eval_manifest = shapes.write_split(out / "src" / "heldout", a.eval_samples, a.seed + 10_000, a.image_size)
     run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input", str(train_manifest),
          "--output", str(out / "data"), "--split", "1,0,0", "--shard-size", "500"])
+    run([sys.executable, "data_prep/make_wds.py", "--format", "vqa", "--input", str(eval_manifest),
+         "--output", str(out / "heldout"), "--split", "0,1,0", "--shard-size", "500"])
     print("\n== 3. convert to Megatron and train (stage 1, then stage 2)")
     run([sys.executable, "convert/hf_to_megatron.py", "--hf-dir", str(out / "hf"), "--megatron-dir",
          str(out / "megatron"), "--tp", str(a.tp)])
     run(train_args(a, out, "stage1", out / "megatron", 1, a.stage1_iters, a.stage1_lr))
-    run(train_args(a, out, "stage2", out / "runs" / "stage1", 2, a.stage2_iters, a.stage2_lr) + ["--unfreeze-vit"])
+    run(train_args(a, out, "stage2", out / "runs" / "stage1", 2, a.stage2_iters, a.stage2_lr) + [
+        "--unfreeze-vit", "--eval-generate-data", str(out / "heldout"), "--eval-generate-interval",
+        str(a.eval_generate_interval), "--eval-generate-samples", str(a.eval_generate_samples),
+        "--eval-generate-max-new-tokens", str(MAX_NEW_TOKENS)])
     print("\n== 4. back to HF and evaluate on held-out images")
     run([sys.executable, "convert/megatron_to_hf.py", "--megatron-dir", str(out / "runs" / "stage2"), "--hf-dir",
          str(out / "hf_final")])
     (out / "eval").mkdir()
-    acc, rows = evaluate(out / "hf_final", eval_manifest, eval_manifest.parent, out)
+    acc, rows = evaluate(out, eval_manifest)
     base = shapes.majority_baseline(train_manifest, rows)
     plot(out, rows, eval_manifest.parent)
-    (out / "eval" / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = {"accuracy": acc, "majority_baseline": base, "seconds": time.time() - t0, "eval_samples": len(rows)}
+    live = in_loop(out)
+    # the in-loop answers are the first K samples of the split, which eval/evaluate.py lists first
+    live["export_exact"] = sum(r["correct"] for r in rows[:live["samples"]]) / live["samples"]
+    result = {"accuracy": acc, "majority_baseline": base, "seconds": time.time() - t0, "eval_samples": len(rows),
+              "in_loop": live}
     (out / "eval" / "results.json").write_text(json.dumps(result, indent=2))
     print(f"\n{'question type':15s} {'accuracy':>9s} {'majority baseline':>18s}")
     for t in list(shapes.QUESTIONS) + ["overall"]:
         print(f"{t:15s} {acc[t]:9.1%} {base[t]:18.1%}")
+    print(f"\nanswered during training at iteration {live['iteration']}: accuracy {live['exact']:.1%} on the first "
+          f"{live['samples']} held-out images; eval/evaluate.py on the export of that iteration: "
+          f"{live['export_exact']:.1%} on the same images")
     print(f"\ndemo finished in {result['seconds'] / 60:.1f} min; loss curve, examples and predictions in {out / 'eval'}")
     return result
 

@@ -282,3 +282,27 @@ def test_profile_ranges_and_timing_flags():
     for bad in (("--timing-log-level", "3"), ("--timing-log-option", "mean")):
         with pytest.raises(SystemExit):
             cfg_of(*bad)
+
+
+def test_eval_generate_flags_and_the_layouts_they_refuse():
+    """--eval-generate-*: Megatron-LM-style names, off by default; data without an interval, and the layouts
+    megatron-core's static generation does not run, refused in one line each before launch."""
+    c = cfg_of()
+    assert (c.eval_generate_interval, c.eval_generate_samples, c.eval_generate_max_new_tokens,
+            c.eval_generate_split, c.eval_generate_data) == (0, 64, 32, "val", None)
+    c = cfg_of("--eval-generate-interval", "50", "--eval-generate-samples", "8", "--eval-generate-split", "test")
+    assert (c.eval_generate_interval, c.eval_generate_samples, c.eval_generate_split) == (50, 8, "test")
+    assert "pass --eval-generate-interval" in error_of("--eval-generate-data", "x")
+    assert "--eval-generate-samples 0: must be at least 1" in error_of("--eval-generate-interval", "5",
+                                                                       "--eval-generate-samples", "0")
+    on = ("--eval-generate-interval", "5")
+    assert "splits no sequence over context-parallel ranks" in error_of(*on, "-g", "2", "--cp", "2", "--gbs", "4",
+                                                                         "--mbs", "4", "--seq-length", "128")
+    assert "runs one model chunk per pipeline rank" in error_of(*on, "-g", "2", "--pp", "2",
+                                                                "--num-virtual-stages-per-pipeline-rank", "2",
+                                                                "--gbs", "4", "--mbs", "1")
+    assert "drop --sequence-parallel or --eval-generate-interval" in error_of(*on, "-g", "2", "--tp", "2",
+                                                                              "--sequence-parallel", "--gbs", "4")
+    assert "at --tp > 1 with --ep > 1" in error_of(*on, "-g", "4", "--tp", "2", "--ep", "2", "--gbs", "4",
+                                                   "--mbs", "2")
+    assert "use --precision bf16" in error_of(*on, "--precision", "fp16")

@@ -258,3 +258,61 @@ def test_sbatch_job_on_a_real_slurm_cluster(setup, dp2_reference, tmp_path):
         m = re.search(r"SLURM job \d+: node_rank=1, master_addr=([^,\s]+)", log)
         assert m and m.group(1) in cluster.nodes, log[-4000:]
         assert (run_dir / "config.node1.yaml").is_file()
+
+
+ANSWERING = ("--tp", "2", "--pp", "2", "-g", "4", "--stage", "2", "--unfreeze-vit", "--global-batch-size", "8",
+             "--dist-optim", "--save-interval", "3", "--deterministic")
+
+
+def test_tp2_pp2_answers_during_training_equal_the_exports_and_leave_training_unchanged(setup, tmp_path):
+    """A TP2 x PP2 run saved at 3 and 6 without held-out answers, then resumed from 3 with them every 2 iterations
+    (at 4 and 6): the losses after each answering equal the run's without it, bit for bit; the rows and accuracy at
+    each equal eval/evaluate.py's on that iteration's checkpoint, read as an HF model (HF's own generate)."""
+    import json
+    import sys
+
+    from tests.support import forked_cli
+
+    from .conftest import ROOT
+
+    name = "answering"
+    run(args(setup, name, *ANSWERING, iters=6))
+    without = losses(setup["root"] / "ckpt" / name)
+    k = ("--eval-generate-interval", "2", "--eval-generate-samples", "5", "--eval-generate-max-new-tokens", "4")
+    out = run(args(setup, name, *ANSWERING, *k, "--ckpt-step", "3", iters=6))
+    run_dir = setup["root"] / "ckpt" / name
+    assert "at iteration 3" in out and "held-out answers: 5 samples of" in out, out[-3000:]
+    with_answers = losses(run_dir)
+    assert [with_answers[i]["loss"] for i in (4, 5, 6)] == [without[i]["loss"] for i in (4, 5, 6)]
+    assert [with_answers[i]["grad_norm"] for i in (4, 5, 6)] == [without[i]["grad_norm"] for i in (4, 5, 6)]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    answered = {r["iteration"]: r for r in records if "eval_exact" in r}
+    assert sorted(answered) == [4, 6] and all(r["eval_samples"] == 5 for r in answered.values()), answered
+    for it in (4, 6):
+        mine = run_dir / "eval_generate" / f"iter_{it:07d}.jsonl"
+        assert re.search(rf"iter {it} \| held-out answers: accuracy [\d.]+% \(exact match\)", out), out[-3000:]
+        if it == 6:  # iteration 4 has no checkpoint
+            theirs = tmp_path / "export.jsonl"
+            forked_cli.run([sys.executable, "eval/evaluate.py", "--megatron-dir", str(run_dir), "--iteration",
+                            str(it), "--data-path", str(setup["data"]), "--split", "val", "--limit", "5", "--output",
+                            str(theirs), "--max-new-tokens", "4", "--device", "cpu", "--dtype", "fp32",
+                            "--no-progress"], check=True, cwd=ROOT, capture_output=True)
+            assert mine.read_text() == theirs.read_text()
+        rows = [json.loads(x) for x in mine.read_text().splitlines()]
+        assert len(rows) == 5 and answered[it]["eval_exact"] == sum(r["correct"] for r in rows) / 5
+    assert any(r["prediction"] for r in rows), rows  # the model answers something
+    # a held-out prompt that cannot fit --seq-length with its new tokens: one line naming the sample, before a step
+    p = launch(args(setup, "answering-long", *ANSWERING, "--eval-generate-interval", "2",
+                    "--eval-generate-max-new-tokens", "60", iters=2))
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert re.search(r"--data-path \S+ 'val' split: sample \d+'s prompt is \d+ tokens \(images expanded\), which with "
+                     r"--eval-generate-max-new-tokens 60 exceeds --seq-length 64", out), out[-3000:]
+    assert "iter 1/2" not in out
+    # an empty split: refused by the launcher, before any rank starts
+    p = launch(args(setup, "answering-empty", *ANSWERING, "--eval-generate-interval", "2", "--eval-generate-split",
+                    "test", iters=2))
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode != 0 and "Traceback" not in out and "torchrun" not in out, out[-3000:]
+    assert re.search(r"--data-path \S+ has (no|an empty) 'test' split, which --eval-generate-interval answers; pass "
+                     r"--eval-generate-split train", out), out[-3000:]

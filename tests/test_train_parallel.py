@@ -6,7 +6,8 @@ grad reduce / param gather), and with full or selective activation recomputation
 norm must equal the reference's (fp32: 1e-5 relative). bf16 (megatron's Float16Module + mixed-precision /
 distributed optimizer with fp32 main params) trains at TP=2, PP=2 and DP=2, its loss falls and its first loss is
 within 1% of fp32's. A bf16 checkpoint resumed without optimizer state continues exactly as a fresh start from
-its weights (the fp32 main params are refreshed); leaving them stale (the old defect) is shown to diverge.
+its weights (the fp32 main params are refreshed); leaving them stale (the old defect) is shown to diverge. The
+trainer's held-out answers between two steps (bf16 at PP2, and at DP2 with overlapped gathers) change no later step.
 
 Each world runs every job of its size in one process group (one start-up per world).
 """
@@ -33,6 +34,9 @@ def worlds(hf_models, tmp_path_factory):
     meg = convert_hf_to_megatron(hf, root / "meg", tp=1)
     gbs = global_batches(hf, 3)
     bf16_ckpt = root / "bf16run"
+    answering = dict(answer_after=3, eval_generate_interval=1, eval_generate_samples=4,
+                     eval_generate_max_new_tokens=3, eval_generate_data=str(_held_out(root)),
+                     tokenizer_load_dir=str(hf))
     one = [
         dict(name="ref", micro_batch_size=8),
         dict(name="accum", micro_batch_size=2, count_step_syncs=True),
@@ -60,6 +64,11 @@ def worlds(hf_models, tmp_path_factory):
              overlap_param_gather=True, ddp_bucket_size=4000),
         dict(name="bf16-tp2", tp=2, micro_batch_size=8, precision="bf16", steps=9),
         dict(name="bf16-pp2", pp=2, micro_batch_size=4, precision="bf16", steps=9),
+        # the trainer's held-out answers after step 3 (bf16 at PP2; DP2 replicas sharing them, the distributed
+        # optimizer's overlapped parameter gathers paused), then the rest of the job
+        dict(name="bf16-pp2-answering", pp=2, micro_batch_size=4, precision="bf16", steps=9, **answering),
+        dict(name="dp2-overlap-answering", micro_batch_size=2, dist_optim=True, overlap_grad_reduce=True,
+             overlap_param_gather=True, ddp_bucket_size=4000, **answering),
         dict(name="bf16-dp2-dist", micro_batch_size=4, precision="bf16", dist_optim=True, steps=9),
         # exact resume of the distributed optimizer in bf16: save after step 1, resume and run steps 2-3
         dict(name="dist-save", micro_batch_size=4, precision="bf16", dist_optim=True, steps=1,
@@ -70,6 +79,26 @@ def worlds(hf_models, tmp_path_factory):
     r2 = {r["name"]: r for r in run_world(train_jobs, 2, two, meg, hf, long)[0]}
     r3 = {r["name"]: r for r in run_world(train_jobs, 1, fresh, bf16_ckpt, hf, gbs)[0]}
     return {**r1, **r2, **r3}
+
+
+def _held_out(root):
+    """A make_wds VQA dataset of four coloured squares, all in its 'val' split."""
+    import json
+
+    from PIL import Image
+
+    from megatron_vlm.data.make_wds import make_wds
+
+    (root / "img").mkdir()
+    rows = []
+    for i, (c, rgb) in enumerate({"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220),
+                                  "yellow": (230, 210, 40)}.items()):
+        Image.new("RGB", (32, 32), rgb).save(root / "img" / f"{i}.png")
+        rows.append({"image": f"{i}.png", "question": "what colour is the square?", "answer": c, "id": str(i)})
+    (root / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    make_wds("vqa", root / "qa.jsonl", root / "held_out", image_root=root / "img", shard_size=4, split="0,1,0",
+             progress=False)
+    return root / "held_out"
 
 
 def close(a: list, b: list, rtol=RTOL) -> bool:
@@ -83,6 +112,19 @@ def test_same_global_batch_same_loss_and_grad_norm(worlds, name):
     n = len(ref["loss"])
     assert close(r["loss"][:n], ref["loss"]), (name, r["loss"][:n], ref["loss"])
     assert close(r["grad_norm"][:n], ref["grad_norm"]), (name, r["grad_norm"][:n], ref["grad_norm"])
+
+
+@pytest.mark.parametrize("name,reference", [("bf16-pp2-answering", "bf16-pp2"),
+                                            ("dp2-overlap-answering", "dp2-overlap")])
+def test_held_out_answers_between_steps_leave_training_unchanged(worlds, name, reference):
+    """The trainer's held-out answers (megatron-core's generation on the trained model) after step 3: every later
+    step's loss and grad norm, and the final weights, equal the job's without them, bit for bit; the four samples are
+    answered in order (at DP2 each replica answered two)."""
+    r, ref = worlds[name], worlds[reference]
+    assert r["loss"] == ref["loss"] and r["grad_norm"] == ref["grad_norm"], (name, r["loss"], ref["loss"])
+    assert r["weights"] == ref["weights"]
+    assert [a["id"] for a in r["answers"]] == [f"{i:09d}" for i in range(4)], r["answers"]
+    assert {a["reference"] for a in r["answers"]} == {"red", "green", "blue", "yellow"}
 
 
 @pytest.mark.parametrize("name", ["bf16-tp2", "bf16-pp2", "bf16-dp2-dist"])

@@ -19,7 +19,6 @@ import json
 import logging
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +113,36 @@ def _sub_batches(items: list[Item]):
             yield [it]
 
 
+def answer_items(generator, items: list[Item]) -> list[dict]:
+    """``items`` answered by ``generator`` (``encode`` and ``answer``) and scored: one row per item, in order, as
+    ``--output`` holds them."""
+    from megatron_vlm.eval.score import exact_match, vqa_match
+
+    answers = {}
+    for group in _sub_batches(items):
+        prompts = [generator.encode(it.messages, it.images, it.videos) for it in group]
+        for it, pred in zip(group, generator.answer(prompts)):
+            answers[id(it)] = pred
+    return [{"id": it.id, "question": it.question, "reference": it.reference, "prediction": answers[id(it)],
+             "correct": exact_match(answers[id(it)], it.reference),
+             "vqa_correct": vqa_match(answers[id(it)], it.reference)} for it in items]
+
+
+def scores(rows: list[dict]) -> dict:
+    """``{"samples", "exact", "vqa"}`` of scored rows (accuracies in [0, 1])."""
+    from megatron_vlm.eval.score import accuracy
+
+    return {"samples": len(rows), "exact": accuracy([r["correct"] for r in rows]),
+            "vqa": accuracy([r["vqa_correct"] for r in rows])}
+
+
+def write_rows(output, rows: list[dict]) -> None:
+    """``rows`` as JSON lines at ``output``, written to a temporary path and renamed."""
+    from megatron_vlm.files.atomic import atomic_write_text
+
+    atomic_write_text(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
 def evaluate(generator, data_path, split: str, output, batch_size: int = 8, limit: int | None = None,
              num_workers: int = 0, progress: bool | None = None) -> dict:
     """Generate for every sample of ``split`` (or the first ``limit``), write ``output`` (jsonl; ``None``: nothing, a
@@ -121,9 +150,6 @@ def evaluate(generator, data_path, split: str, output, batch_size: int = 8, limi
     ``generator``: :class:`~megatron_vlm.eval.generate.Generator` or :class:`~megatron_vlm.eval.sharded.ShardedGenerator`
     (``encode`` and ``answer``)."""
     from tqdm import tqdm
-
-    from megatron_vlm.files.atomic import atomic_write_text
-    from megatron_vlm.eval.score import accuracy, exact_match, vqa_match
 
     loader, total = iterate_split(data_path, split, batch_size, num_workers)
     if limit is not None:
@@ -134,12 +160,7 @@ def evaluate(generator, data_path, split: str, output, batch_size: int = 8, limi
     for n_batches, batch in enumerate(loader, 1):
         if limit is not None:
             batch = batch[:max(limit - len(rows), 0)]
-        for group in _sub_batches(batch):
-            prompts = [generator.encode(it.messages, it.images, it.videos) for it in group]
-            answers = generator.answer(prompts)
-            for it, pred in zip(group, answers):
-                rows.append({"id": it.id, "question": it.question, "reference": it.reference, "prediction": pred,
-                             "correct": exact_match(pred, it.reference), "vqa_correct": vqa_match(pred, it.reference)})
+        rows += answer_items(generator, batch)
         bar.update(len(batch))
         if not sys.stderr.isatty() and n_batches % 50 == 0:  # no bar in a log file: a line now and then
             log.info("evaluated %d samples", len(rows))
@@ -149,9 +170,8 @@ def evaluate(generator, data_path, split: str, output, batch_size: int = 8, limi
     if not rows:
         raise ValueError(_empty(data_path, split))
     if output is not None:
-        atomic_write_text(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    return {"samples": len(rows), "exact": accuracy([r["correct"] for r in rows]),
-            "vqa": accuracy([r["vqa_correct"] for r in rows])}
+        write_rows(output, rows)
+    return scores(rows)
 
 
 def evaluate_on_rank(setup, data_path, split: str, output, batch_size: int, limit: int | None,

@@ -9,6 +9,10 @@ at that layout (:func:`megatron_vlm.model.build.build_model`, the trainer's buil
 ``VLMInferenceWrapper`` (the static-batch loop: a prefill, then one token per step with the KV cache, the logits of
 the last pipeline stage broadcast to the others). Nothing is gathered into one process; no HF model is built.
 
+The trainer's ``--eval-generate-interval`` runs the same generator over its own model chunk
+(:mod:`megatron_vlm.training.answers`: :class:`ShardedGenerator` takes a built model; :meth:`~ShardedGenerator.
+from_checkpoint` builds and loads one).
+
 Prompts are encoded by :class:`megatron_vlm.eval.prompts.PromptEncoder`, the HF path's encoder (the chat template,
 the image processor, anyres tiles, video frames); :func:`megatron_inputs` turns its HF-expanded tokens back into what
 megatron-core's ``LLaVAModel`` takes: one image token per image or video item, the pixels of every tile (frame) in
@@ -48,6 +52,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -229,43 +234,44 @@ def _generation_mode():
     return InferenceMode.active()
 
 
-class ShardedGenerator:
-    """This rank's part of the model of ``iter_dir`` at the world's layout, answering through megatron-core's
-    text-generation controller. Collective: every rank of the world makes the same calls."""
+def check_model_config(config) -> None:
+    """Refuse a built model whose layers megatron-core's static generation does not run, in one line."""
+    if getattr(config, "sequence_parallel", False):
+        raise ShardedUnsupported("the model runs sequence-parallel layers, which megatron-core's static generation "
+                                 "does not; generate without sequence parallelism")
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise ShardedUnsupported(f"the model splits sequences over {config.context_parallel_size} context-parallel "
+                                 "ranks, which megatron-core's static generation does not")
 
-    def __init__(self, iter_dir, sampling, max_length: int = 4096, dtype: str = "fp32",
-                 video_fps: float = 1.0, video_frames: int = 32):
+
+class ShardedGenerator:
+    """``model`` (this rank's megatron-core ``LLaVAModel`` at the world's layout; ``wrapped``: its ``Float16Module``,
+    or None for an fp32 model) answering through megatron-core's text-generation controller. ``files_dir``: the
+    tokenizer, chat template and processor files. Collective: every rank of the model's groups makes the same calls.
+    :meth:`from_checkpoint` builds and loads the model of an iteration directory; the trainer passes its own."""
+
+    def __init__(self, model, wrapped, spec, files_dir, sampling, max_length: int = 4096, video_fps: float = 1.0,
+                 video_frames: int = 32):
         from megatron.core import parallel_state as ps
 
-        from megatron_vlm.checkpoint import layout as ckpt
         from megatron_vlm.eval.prompts import PromptEncoder
-        from megatron_vlm.model.build import ModelOptions, build_model
-        from megatron_vlm.model.spec import VLMSpec
         from megatron_vlm.runtime import cpu_compat, mcore_version
 
-        self.spec = VLMSpec.load(iter_dir)
-        check_family(self.spec)
-        check_layout(self.spec, ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+        self.spec = spec
+        check_family(spec)
+        check_layout(spec, ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                      ps.get_expert_model_parallel_world_size())
+        check_model_config(model.config)
         self.sampling = sampling
         self.max_length = max_length
-        self.files_dir = ckpt.run_dir(iter_dir) / ckpt.TOKENIZER_DIR
-        self.prompts = PromptEncoder(self.files_dir, self.spec, video_fps, video_frames)
+        self.files_dir = files_dir = Path(files_dir)
+        self.prompts = PromptEncoder(files_dir, spec, video_fps, video_frames)
         self.tokenizer = self.prompts.tokenizer
-        self.stops = _end_tokens(self.files_dir, self.tokenizer)
-        bf16 = dtype == "bf16"
-        params_dtype = torch.bfloat16 if bf16 else torch.float32
-        model = build_model(self.spec, ModelOptions(
-            tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
-            ep=ps.get_expert_model_parallel_world_size(), seq_length=max_length, params_dtype=params_dtype,
-            bf16=bf16, perform_initialization=False))
-        ckpt.load_model_weights(model, iter_dir)
-        if bf16:
-            from megatron.core.transformer.module import Float16Module
-
-            wrapped = Float16Module(model.config, model)
-        else:
+        self.stops = _end_tokens(files_dir, self.tokenizer)
+        if wrapped is None:
             wrapped = _fp32_module_class()(model.config, model)
+        params_dtype = torch.bfloat16 if getattr(wrapped, "bf16", False) else \
+            torch.float16 if getattr(wrapped, "fp16", False) else torch.float32
         wrapped.eval()
         self.model = model
         with cpu_compat.inference_scope():
@@ -290,6 +296,34 @@ class ShardedGenerator:
                 inference = _wrapper_class()(wrapped, config, inference_context=context)
             eod = self.stops[0] if self.stops else -1  # -1: no token ends generation early
             self.controller = VLMTextGenerationController(inference, _ControllerTokenizer(self.tokenizer, eod))
+
+    @classmethod
+    def from_checkpoint(cls, iter_dir, sampling, max_length: int = 4096, dtype: str = "fp32",
+                        video_fps: float = 1.0, video_frames: int = 32) -> "ShardedGenerator":
+        """This rank's part of the model of ``iter_dir`` at the world's layout, built and loaded here."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_vlm.checkpoint import layout as ckpt
+        from megatron_vlm.model.build import ModelOptions, build_model
+        from megatron_vlm.model.spec import VLMSpec
+
+        spec = VLMSpec.load(iter_dir)
+        check_family(spec)
+        check_layout(spec, ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                     ps.get_expert_model_parallel_world_size())
+        bf16 = dtype == "bf16"
+        model = build_model(spec, ModelOptions(
+            tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_world_size(), seq_length=max_length,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16, perform_initialization=False))
+        ckpt.load_model_weights(model, iter_dir)
+        wrapped = None
+        if bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            wrapped = Float16Module(model.config, model)
+        return cls(model, wrapped, spec, ckpt.run_dir(iter_dir) / ckpt.TOKENIZER_DIR, sampling, max_length,
+                   video_fps, video_frames)
 
     def encode(self, messages: list[dict], images=(), videos=()) -> Prompt:
         return self.prompts.encode(messages, images, videos)
@@ -347,6 +381,12 @@ class ShardedGenerator:
             out.append(row[:cut])
         return out
 
+    def release(self) -> None:
+        """Drop the KV cache of the last request (a new, empty context takes its place)."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.controller.inference_wrapped_model.inference_context = StaticInferenceContext(1, self.max_length)
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
@@ -387,8 +427,8 @@ def generator_on_rank(setup: RankSetup) -> ShardedGenerator:
     from megatron_vlm.runtime import distributed
 
     distributed.setup(setup.tp, setup.pp, device=setup.device, ep=setup.ep)
-    return ShardedGenerator(setup.iter_dir, setup.sampling, setup.max_length, setup.dtype, setup.video_fps,
-                            setup.video_frames)
+    return ShardedGenerator.from_checkpoint(setup.iter_dir, setup.sampling, setup.max_length, setup.dtype,
+                                            setup.video_fps, setup.video_frames)
 
 
 def answer_on_rank(setup: RankSetup, messages: list[dict], images: list, videos: list) -> str | None:

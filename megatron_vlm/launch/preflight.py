@@ -424,6 +424,7 @@ def check_request(cfg: TrainConfig) -> list[str]:
         problems += check_data(cfg.data_path)
         if not problems:
             problems += check_splits(cfg)
+    problems += check_eval_generate_data(cfg)
     if cfg.tokenizer_load_dir:
         from megatron_vlm.cli import InputError
         from megatron_vlm.cli.inputs import check_tokenizer_dir
@@ -495,6 +496,29 @@ def check_splits(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+def check_eval_generate_data(cfg: TrainConfig) -> list[str]:
+    """The dataset and split ``--eval-generate-interval`` answers (``--eval-generate-data``, else ``--data-path``)."""
+    if not cfg.eval_generate_interval:
+        return []
+    path, flag = cfg.eval_generate_data or cfg.data_path, "--eval-generate-data" if cfg.eval_generate_data else \
+        "--data-path"
+    if not path:
+        return []
+    if cfg.eval_generate_data:
+        problems = [m.replace("--data-path", flag, 1) for m in check_data(path)]
+        if problems:
+            return problems
+    names = _split_names(path)
+    split = cfg.eval_generate_split
+    if names is None or names.get(split):
+        return []
+    what = "has no" if split not in names else "has an empty"
+    others = [k for k, v in names.items() if v and k != split]
+    return [f"{flag} {path} {what} '{split}' split, which --eval-generate-interval answers; "
+            + (f"pass --eval-generate-split {others[0]}, or " if others else "")
+            + "rebuild it with data_prep/make_wds.py --split (e.g. 9,1,0)"]
+
+
 # ---- what the run writes ------------------------------------------------------------------------------------
 def _nearest_existing(p: Path) -> Path:
     while not p.exists() and p.parent != p:
@@ -547,7 +571,8 @@ def check_output_not_in_inputs(cfg: TrainConfig) -> list[str]:
     out = cfg.checkpoint_dir
     problems = []
     for flag, inp in (("--megatron-load-dir", cfg.megatron_load_dir), ("--data-path", cfg.data_path),
-                      ("--tokenizer-load-dir", cfg.tokenizer_load_dir)):
+                      ("--tokenizer-load-dir", cfg.tokenizer_load_dir),
+                      ("--eval-generate-data", cfg.eval_generate_data)):
         rel = relation(out, inp) if inp else None
         if rel is not None:
             where = {SAME: "is", CONTAINS: "contains"}.get(rel, rel)

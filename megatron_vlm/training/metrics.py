@@ -2,10 +2,12 @@
 
 ``<run_dir>/metrics.jsonl`` gets one record per iteration (loss, lr, grad norm, samples, tokens, images and model
 FLOPs of the global batch, wall-clock ``time`` when the iteration ended, the step's ``timers`` in seconds,
-:mod:`.timers`) and one per evaluation (``val_loss``); benchmarks and the demo read their curves and throughput from
-it. The records are written at each log interval and before each evaluation and checkpoint: a step leaves its
-numbers on the device (:class:`~megatron_vlm.training.step.StepResult`) and one host read takes those of all the
-iterations since the last write, so the loop syncs once per log interval, not per step.
+:mod:`.timers`), one per evaluation (``val_loss``) and one per answering of held-out samples
+(``--eval-generate-interval``, :mod:`.answers`: ``eval_exact`` and ``eval_vqa`` accuracies in [0, 1],
+``eval_samples``, ``eval_seconds``); benchmarks and the demo read their curves and throughput from it. The records
+are written at each log interval and before each evaluation and checkpoint: a step leaves its numbers on the device
+(:class:`~megatron_vlm.training.step.StepResult`) and one host read takes those of all the iterations since the
+last write, so the loop syncs once per log interval, not per step.
 
 Throughput counts real work: ``tokens`` are the image-expanded positions of the samples themselves (never the
 padding of a row or of a pack), samples are samples (a pack counts the samples in it), and the model FLOPs behind
@@ -230,6 +232,42 @@ class MetricsLogger:
         self.tb.flush()
         if self.wandb is not None:
             self.wandb.log({"val/loss": loss}, step=iteration)
+
+    def answers(self, iteration: int, rows: list[dict], seconds: float) -> None:
+        """The held-out answers of ``--eval-generate-interval`` (:mod:`.answers`): their file, record, console
+        lines, TensorBoard and W&B. Their time is left out of the throughput window it falls in."""
+        from megatron_vlm.eval.evaluate import scores, write_rows
+        from megatron_vlm.training.answers import SHOWN
+
+        self.t_last += seconds
+        if not self.enabled:
+            return
+        s = scores(rows)
+        out = Path(self.cfg.run_dir) / "eval_generate" / f"iter_{iteration:07d}.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_rows(out, rows)
+        log.info("iter %d | held-out answers: accuracy %.1f%% (exact match), %.1f%% (VQA-normalised) over %d samples "
+                 "in %.1f s; all in %s", iteration, 100 * s["exact"], 100 * s["vqa"], s["samples"], seconds, out)
+        for r in rows[:SHOWN]:
+            log.info("  %s %r -> %r (reference %r)", "ok   " if r["vqa_correct"] else "wrong", r["question"][:80],
+                     r["prediction"][:80], r["reference"][:80])
+        with open(self.history_path, "a") as f:
+            f.write(json.dumps({"iteration": iteration, "eval_exact": s["exact"], "eval_vqa": s["vqa"],
+                                "eval_samples": s["samples"], "eval_seconds": seconds}) + "\n")
+        scalars = {"eval/accuracy_exact": s["exact"], "eval/accuracy_vqa": s["vqa"], "eval/answer_seconds": seconds}
+        for k, v in scalars.items():
+            self.tb.add_scalar(k, v, iteration)
+        table = "| question | reference | answer |\n|---|---|---|\n" + "".join(
+            f"| {r['question']} | {r['reference']} | {r['prediction']} |\n" for r in rows[:SHOWN])
+        self.tb.add_text("eval/answers", table, iteration)
+        self.tb.flush()
+        if self.wandb is not None:
+            import wandb
+
+            scalars["eval/answers"] = wandb.Table(columns=["question", "reference", "answer"],
+                                                  data=[[r["question"], r["reference"], r["prediction"]]
+                                                        for r in rows[:SHOWN]])
+            self.wandb.log(scalars, step=iteration)
 
     def close(self) -> None:
         self.flush()

@@ -1,5 +1,6 @@
 """The training run on every rank: start-up (model, optimizer and data, fresh or resumed), the loop
-(steps, logging, evaluation, checkpoints every ``--save-interval``; the training curves drawn into
+(steps, logging, evaluation, held-out answers every ``--eval-generate-interval`` (:mod:`.answers`), checkpoints
+every ``--save-interval``; the training curves drawn into
 ``<run dir>/loss.png`` at the end) and signals (SIGTERM/SIGINT save, then stop).
 
 The parts live beside it: :mod:`.build` (model, mixed precision, DDP, optimizer, schedule), :mod:`.step`
@@ -123,6 +124,7 @@ class Run:
     iteration: int
     resumed: bool
     side_src: object
+    answers: object = None  # .answers.InLoopAnswers with --eval-generate-interval
 
 
 def _progress(rt, t_launch: float | None, what: str) -> None:
@@ -202,6 +204,14 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
             log.info("loaded model weights from %s", load_dir)
         elif not resuming:
             log.info("random initialisation (--init)")
+    answers = None
+    if cfg.eval_generate_interval:
+        from megatron_vlm.training.answers import InLoopAnswers
+
+        _progress(rt, t_launch, "reading the held-out samples of --eval-generate-interval")
+        answers = InLoopAnswers(cfg, spec, training)
+        if rt.rank == 0:
+            log.info("held-out answers: %s", answers.describe())
     if resuming:
         _progress(rt, t_launch, f"loading the checkpoint {load_dir} (model" + (", optimizer" if plan.load_optim else "")
                   + (", RNG" if plan.load_rng else "") + (", data position" if plan.load_data else "") + ")")
@@ -219,7 +229,7 @@ def start(cfg, rt, t_launch: float | None = None) -> Run:
                  "data position reset")
         for note in plan.notes:
             log.warning("resume: %s", note)
-    return Run(rt, spec, training, encoder, loader, plan.iteration if plan else 0, resuming, side_src)
+    return Run(rt, spec, training, encoder, loader, plan.iteration if plan else 0, resuming, side_src, answers)
 
 
 def evaluate(cfg, run: Run) -> float | None:
@@ -316,18 +326,22 @@ def loop(cfg, run: Run, stop: _StopFlag, t_launch: float) -> dict:
         last = iteration == cfg.train_iters
         log_point = iteration % cfg.log_interval == 0 or last
         eval_point = cfg.eval_iters > 0 and (iteration % cfg.eval_interval == 0 or last)
+        answer_point = run.answers is not None and (iteration % cfg.eval_generate_interval == 0 or last)
         save_point = cfg.save and (iteration % cfg.save_interval == 0 or last)
         if log_point:
             metrics.log(iteration)
         if eval_point:
             metrics.validation(iteration, evaluate(cfg, run))
+        if answer_point:
+            metrics.flush()  # the iterations before it first, in order
+            metrics.answers(iteration, *run.answers(iteration, progress=is_logger))
         if first_iter_time is None:
             first_iter_time = time.time() - t_launch
             if rt.rank == 0:
                 log.info("time to first iteration: %.1f s", first_iter_time)
         # the signal check is a collective with a host sync: every STOP_CHECK_INTERVAL iterations and wherever the
         # loop stops to log, evaluate or save anyway
-        stopping = (log_point or eval_point or save_point or iteration % STOP_CHECK_INTERVAL == 0) and \
+        stopping = (log_point or eval_point or answer_point or save_point or iteration % STOP_CHECK_INTERVAL == 0) and \
             stop.agreed(rt.device)
         if save_point or (cfg.save and stopping):
             metrics.flush()  # the records of every iteration the checkpoint holds

@@ -164,7 +164,7 @@ def job_config(job: dict, n_steps: int, global_batch_size: int):
               if k not in ("name", "steps", "start", "save", "save_after", "resume", "reload_weights",
                            "grads", "megatron_dir", "hf_dir", "batches", "refused", "count_syncs", "count_step_syncs",
                            "unchecked_expert_layout", "evaluate", "count_vision_tiles",
-                           "wrong_vision_gather", "pack")}
+                           "wrong_vision_gather", "pack", "answer_after")}
     cfg = TrainConfig(**{**BASE, "train_iters": max(n_steps, 1), "global_batch_size": global_batch_size, **fields})
     cfg.precision = cfg.precision or "fp32"
     # a resume job trains fewer steps than the job that saved (another --train-iters): keep the checkpoint's
@@ -348,6 +348,8 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
     ``evaluate`` (a number of micro batches): the trainer's evaluation (:func:`megatron_vlm.training.step.evaluate`)
     of that many micro batches of the first global batch after the last step, as 'val_loss' (every one of them, with
     virtual pipeline stages too).
+    ``answer_after`` (a step; with the job's ``eval_generate_*`` fields and ``tokenizer_load_dir``): the trainer's
+    held-out answers (:class:`megatron_vlm.training.answers.InLoopAnswers`) after that step, their rows as 'answers'.
     ``count_step_syncs``: count the host syncs of the second step (:mod:`tests.support.sync_count`, the batches
     the ranks read on the host), every rank's counts by site as 'step_syncs'.
     ``count_syncs``: count a mixture-of-experts model's per-router path in the first step (:func:`moe_host_syncs`),
@@ -435,6 +437,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
         step_syncs = None
         tiles_seen: list[int] = []
         vision = _vision_probes(training, tiles_seen, job)
+        answers = None
         for k, gb in enumerate(global_batches[first:first + steps], 1):
             mine = micro_batches(collate, gb, rt.dp, rt.dp_rank, group) if reads else \
                 [None] * (len(gb) // rt.dp // group)
@@ -456,6 +459,10 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             moe.append(r.moe)
             if k == save_after:
                 _save(job, first + k, cfg, rt, spec, training, iter_dir, len(gb))
+            if k == job.get("answer_after"):  # the trainer's held-out answers between two steps
+                from megatron_vlm.training.answers import InLoopAnswers
+
+                answers = InLoopAnswers(cfg, spec, training)(first + k, progress=False)[0]
         vision.close()
         val = None
         if job.get("evaluate"):  # the trainer's evaluation (forward only) of the first global batch, weights as now
@@ -479,7 +486,7 @@ def train_jobs(jobs: list[dict], megatron_dir, hf_dir, global_batches: list[list
             torch.distributed.all_gather_object(every, syncs)
         result = {"name": job.get("name"), "loss": losses, "grad_norm": norms, "loss_scale": scales,
                   "readers": [r for r, x in enumerate(readers) if x], "weights": digests, "moe": moe,
-                  "val_loss": next((v for v in vals if v is not None), None)}
+                  "val_loss": next((v for v in vals if v is not None), None), "answers": answers}
         if job.get("count_syncs"):  # every rank's counts of its per-router path in the first step
             result["host_syncs"] = every
         if job.get("count_vision_tiles"):  # every rank's tiles per vision-encoder forward

@@ -339,9 +339,9 @@ def sharded_generation(jobs: list[dict]) -> list | None:
     out = []
     for job in jobs:
         distributed.setup(job["tp"], job["pp"], device="cpu", ep=job.get("ep", 1))
-        gen = ShardedGenerator(ckpt.resolve_iteration_dir(job["megatron_dir"]),
-                               Sampling(max_new_tokens=job["max_new_tokens"]), max_length=256,
-                               dtype=job.get("dtype", "fp32"))
+        gen = ShardedGenerator.from_checkpoint(ckpt.resolve_iteration_dir(job["megatron_dir"]),
+                                               Sampling(max_new_tokens=job["max_new_tokens"]), max_length=256,
+                                               dtype=job.get("dtype", "fp32"))
         out.append(gen.generate_ids([gen.encode(*prompt) for prompt in job["prompts"]]))
         del gen
     return out if torch.distributed.get_rank() == 0 else None

@@ -28,6 +28,7 @@ def check_types_and_ranges(cfg: ConfigFields) -> list[str]:
             p.append(f"{f.metadata['flags'][0]} {v}: must be a finite number")
     positive = ["gpus", "nodes", "tp", "pp", "cp", "ep", "etp", "micro_batch_size", "global_batch_size", "train_iters",
                 "seq_length", "save_interval", "save_total_limit", "log_interval", "eval_interval",
+                "eval_generate_samples", "eval_generate_max_new_tokens",
                 "gpus_per_node", "cpus_per_task", "ddp_bucket_size", "recompute_num_layers",
                 "max_consecutive_skipped_samples", "packing_buffer_size", "packed_seq_length", "video_frames",
                 "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"]
@@ -35,7 +36,7 @@ def check_types_and_ranges(cfg: ConfigFields) -> list[str]:
         v = getattr(cfg, name)
         if v is not None and v < 1:
             p.append(f"{_flag(name)} {v}: must be at least 1")
-    for name in ("eval_iters", "num_workers", "min_lr", "weight_decay", "clip_grad", "seed", "image_token_id",
+    for name in ("eval_iters", "eval_generate_interval", "num_workers", "min_lr", "weight_decay", "clip_grad", "seed", "image_token_id",
                  "pad_token_id", "ckpt_step"):
         v = getattr(cfg, name)
         if v is not None and v < 0:
@@ -113,6 +114,7 @@ def check_consistency(cfg: ConfigFields) -> list[str]:
         p.append(f"--pp-layers {','.join(map(str, cfg.pp_layers))}: give {cfg.pp} positive layer counts, "
                  f"one per pipeline stage of --pp {cfg.pp}")
     p += _check_virtual_pipeline(cfg)
+    p += _check_eval_generate(cfg)
     if cfg.lr is not None and cfg.min_lr > cfg.lr:
         p.append(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}")
     if cfg.fp8:
@@ -286,6 +288,36 @@ def _check_virtual_pipeline(cfg: ConfigFields) -> list[str]:
         up = -(-cfg.eval_iters // cfg.pp) * cfg.pp
         p.append(f"--eval-iters {cfg.eval_iters} with {given[0]}: the interleaved schedule evaluates micro batches in "
                  f"groups of --pp {cfg.pp}; use --eval-iters {up}")
+    return p
+
+
+def _check_eval_generate(cfg: ConfigFields) -> list[str]:
+    """``--eval-generate-*``: the layouts and precisions the in-loop answers run at (megatron-core's static
+    generation over the trained model, :mod:`megatron_vlm.training.answers`); the model's family and the
+    sequence parallelism a spec turns on are checked at start-up."""
+    if not cfg.eval_generate_interval:
+        if cfg.eval_generate_data is not None:
+            return [f"--eval-generate-data {cfg.eval_generate_data} is answered only every --eval-generate-interval "
+                    "N iterations; pass --eval-generate-interval (e.g. 500)"]
+        return []
+    why = "--eval-generate-interval answers with megatron-core's static generation, which "
+    p: list[str] = []
+    if cfg.cp > 1:
+        p.append(f"{why}splits no sequence over context-parallel ranks; drop --eval-generate-interval at --cp "
+                 f"{cfg.cp} (score an export with eval/evaluate.py)")
+    if cfg.virtual_pipeline:
+        p.append(f"{why}runs one model chunk per pipeline rank; drop --eval-generate-interval with virtual pipeline "
+                 "stages (score an export with eval/evaluate.py)")
+    if cfg.sequence_parallel:
+        p.append(f"{why}does not run sequence-parallel layers; drop --sequence-parallel or --eval-generate-interval")
+    if cfg.ep > 1 and cfg.tp > 1:
+        p.append(f"{why}turns MoE layers to sequence parallelism at TP x EP (GPT models only); drop "
+                 "--eval-generate-interval at --tp > 1 with --ep > 1")
+    if cfg.precision == "fp16":
+        p.append(f"{why}runs here in bf16 or fp32; use --precision bf16 (or drop --eval-generate-interval)")
+    if cfg.fp8:
+        p.append(f"{why}has not run on FP8 layers here; drop --fp8 or --eval-generate-interval (score an export "
+                 "with eval/evaluate.py)")
     return p
 
 

@@ -422,6 +422,22 @@ class ConfigFields:
                             "iterations (when --eval-iters > 0).", "int", 1000, "log")
     eval_iters: int = _f(("--eval-iters",), "Validation batches per evaluation (0 disables "
                          "evaluation).", "int", 0, "log")
+    eval_generate_interval: int = _f(
+        ("--eval-generate-interval",), "Every N iterations (and at the last), answer held-out samples with the "
+        "model being trained, at its own layout (megatron-core's inference engine, greedy), and score them as "
+        "eval/evaluate.py does: exact and VQA-normalised accuracy in the console, metrics.jsonl, TensorBoard and "
+        "W&B, every answer in <run dir>/eval_generate/iter_N.jsonl. 0 (the default) disables it.", "int", 0,
+        "log")
+    eval_generate_data: str | None = _f(
+        ("--eval-generate-data",), "Energon dataset whose --eval-generate-split is answered (a directory made by "
+        "data_prep/, or a metadataset .yaml). Default: --data-path.", "path", None, "log", metavar="PATH")
+    eval_generate_split: str = _f(("--eval-generate-split",), "The split of --eval-generate-data that is "
+                                  "answered.", "choice", "val", "log", choices=("val", "test", "train"))
+    eval_generate_samples: int = _f(("--eval-generate-samples",), "Samples answered per evaluation: the first K "
+                                    "of the split, the same ones every time.", "int", 64, "log")
+    eval_generate_max_new_tokens: int = _f(("--eval-generate-max-new-tokens",), "Tokens generated at most per "
+                                           "answer (an answer also ends at the model's end token).", "int", 32,
+                                           "log")
     wandb: bool = _f(("--wandb",), "Log to Weights & Biases.", "bool", False, "log")
     wandb_project: str = _f(("--wandb-project",), "Weights & Biases project.", "str", "megatron-vlm",
                             "log")
