@@ -398,7 +398,8 @@ def test_evaluate_memorised_and_untrained(models, colour_data, tmp_path, capsys)
 
 @pytest.mark.slow  # matplotlib runs fc-list to build its font cache on a fresh machine
 def test_plot_runs(tmp_path):
-    """Curves of two runs on one figure; a resumed run's repeated iterations are read last-wins."""
+    """Curves of two runs on one figure; a resumed run's repeated iterations are read last-wins; a run's held-out
+    accuracy gets its own panel."""
     from PIL import Image
 
     from megatron_vlm.eval import plot
@@ -415,12 +416,20 @@ def test_plot_runs(tmp_path):
                           "samples": 8, "tokens": 800, "images": 8, "flops": 1.0, "time": t})
             if it == 4:
                 lines.append({"iteration": it, "val_loss": 2.0})
+            if r == 0 and it in (4, 8):  # run 0 answered held-out samples (--eval-generate-interval 4)
+                lines.append({"iteration": it, "eval_exact": it / 16 + n / 100, "eval_vqa": it / 10, "eval_samples": 8,
+                              "eval_seconds": 1.0})
         (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"iteration": 9, "lo')
         runs.append(d)
     s = plot.read_metrics(runs[0])
     assert sorted(s["loss"]) == list(range(1, 9))
     assert s["loss"][4] == 5.0 / 4 and s["val_loss"] == {4: 2.0}
     assert s["tokens_per_s"][2] == 400.0 and 4 not in s["tokens_per_s"] and s["tokens_per_s"][5] == 400.0
+    # the accuracy records (percent; the resumed run's answering at 4 wins) sit beside the iterations, not over them
+    assert s["eval_exact"] == {4: 100 * (4 / 16 + 5 / 100), 8: 100 * (8 / 16 + 9 / 100)}
+    assert s["eval_vqa"] == {4: 40.0, 8: 80.0}
+    assert [p[0] for p in plot.panels([s])][-1] == "eval_exact"
+    assert plot.panels([plot.read_metrics(runs[1])]) == plot.PANELS  # no answers: the four panels as before
     out = tmp_path / "curves.png"
     assert plot.main([str(runs[0]), str(runs[1] / "metrics.jsonl"), "--output", str(out)]) == 0
     with Image.open(out) as im:

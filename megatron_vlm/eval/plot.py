@@ -5,7 +5,9 @@ grad norm and real tokens/s (the ``tokens`` of an iteration, its image-expanded 
 over the wall-clock time since the previous iteration's record). Several runs share the figure, one colour
 each, named by their directory. A resumed run's records of iterations it trained again (after a crash between
 two checkpoints) are read last-wins, so each iteration appears once; the first iteration after a (re)start has
-no tokens/s (its time includes the start-up). Skipped iterations (``--skip-train-iteration-range``, fp16
+no tokens/s (its time includes the start-up). When a run answered held-out samples during training
+(``--eval-generate-interval``: ``eval_exact`` / ``eval_vqa`` records), a fifth panel shows that accuracy in percent,
+exact match solid and VQA-normalised dashed. Skipped iterations (``--skip-train-iteration-range``, fp16
 overflows) are left out of loss and grad norm.
 
 The trainer calls :func:`write_run_figure` at the end of a run (the rank that writes ``metrics.jsonl``), which
@@ -26,12 +28,14 @@ RUN_FIGURE = "loss.png"
 
 
 def read_metrics(path) -> dict[str, dict[int, float]]:
-    """``{"loss", "val_loss", "lr", "grad_norm", "tokens_per_s"}`` -> {iteration: value} of a metrics.jsonl
-    (or of the run directory holding one). Unparsable lines (a record cut by a crash) are skipped."""
+    """``{"loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "eval_exact", "eval_vqa"}`` -> {iteration: value}
+    of a metrics.jsonl (or of the run directory holding one). Unparsable lines (a record cut by a crash) are
+    skipped."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS
-    series: dict[str, dict[int, float]] = {k: {} for k in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s")}
+    series: dict[str, dict[int, float]] = {k: {} for k in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s",
+                                                           "eval_exact", "eval_vqa")}
     prev_time, prev_iter = None, None
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
@@ -42,6 +46,11 @@ def read_metrics(path) -> dict[str, dict[int, float]]:
         if "val_loss" in r:
             if r["val_loss"] is not None:
                 series["val_loss"][it] = float(r["val_loss"])
+            continue
+        if "eval_exact" in r:  # held-out answers (in percent); not an iteration's record
+            for k in ("eval_exact", "eval_vqa"):
+                if r.get(k) is not None:
+                    series[k][it] = 100.0 * float(r[k])
             continue
         restarted = prev_iter is not None and it <= prev_iter  # a resume trains these iterations again
         if restarted:
@@ -65,6 +74,13 @@ def read_metrics(path) -> dict[str, dict[int, float]]:
 
 PANELS = (("loss", "loss (per assistant token)", True), ("lr", "learning rate", False),
           ("grad_norm", "grad norm", True), ("tokens_per_s", "real tokens/s", False))
+ACCURACY = ("eval_exact", "held-out accuracy % (exact; VQA-normalised dashed)", False)
+
+
+def panels(data: list[dict]) -> tuple:
+    """The panels of a figure of runs ``data`` (:func:`read_metrics`): the four, and the accuracy when any run
+    answered held-out samples."""
+    return PANELS + ((ACCURACY,) if any(d["eval_exact"] for d in data) else ())
 
 
 def plot_runs(runs: list, output, labels: list[str] | None = None) -> Path:
@@ -78,9 +94,12 @@ def plot_runs(runs: list, output, labels: list[str] | None = None) -> Path:
 
     data = [read_metrics(r) for r in runs]
     labels = labels or [_label(r) for r in runs]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    shown = panels(data)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7)) if len(shown) == 4 else plt.subplots(2, 3, figsize=(16, 7))
+    for ax in axes.flat[len(shown):]:
+        ax.axis("off")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for (key, title, log_y), ax in zip(PANELS, axes.flat):
+    for (key, title, log_y), ax in zip(shown, axes.flat):
         drawn = False
         for i, (series, label) in enumerate(zip(data, labels)):
             c = colours[i % len(colours)]
@@ -88,6 +107,9 @@ def plot_runs(runs: list, output, labels: list[str] | None = None) -> Path:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], color=c, lw=1.2, label=label)
                 drawn = True
+            if key == "eval_exact" and series["eval_vqa"]:
+                v = sorted(series["eval_vqa"].items())
+                ax.plot([p[0] for p in v], [p[1] for p in v], color=c, ls="--", marker="o", ms=3)
             if key == "loss" and series["val_loss"]:
                 v = sorted(series["val_loss"].items())
                 ax.plot([p[0] for p in v], [p[1] for p in v], color=c, ls="--", marker="o", ms=3,
@@ -138,8 +160,9 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(allow_abbrev=False, 
         prog="eval/plot.py",
-        description="Draw loss (and validation loss), learning rate, grad norm and real tokens/s against iteration "
-                    "from the metrics.jsonl of one or more training runs, on one figure (one colour per run).",
+        description="Draw loss (and validation loss), learning rate, grad norm and real tokens/s (and the held-out "
+                    "accuracy of --eval-generate-interval, when a run has it) against iteration from the "
+                    "metrics.jsonl of one or more training runs, on one figure (one colour per run).",
         epilog="example: python eval/plot.py /ckpt/runs/stage1 /ckpt/runs/stage2 --output curves.png")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
                    help="a training run directory (<save-dir>/<name>, or its --log-dir) or a metrics.jsonl")
